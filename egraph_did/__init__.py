@@ -1,0 +1,28 @@
+"""egraph-did: shard tensor programs across GPUs by equality saturation over DID splits of the loop domain.
+
+>>> import torch, egraph_did as ed
+>>> mesh = ed.DeviceMesh.arange(4)
+>>> with ed.FusionDefinition() as fd:
+...     x = fd.define_tensor((8, 16), name="x", axis_names=("s", "h"))
+...     fd.add_output(fd.ops.relu(x), name="y")
+>>> _ = x.set_device_mesh(mesh).outer_split(0, mesh.size).axis(0).parallelize(ed.ParallelType.DIDx)
+>>> x.loop_str(), x.local_shape(3)
+('[DIDx{4}, s/4, h]', (2, 16))
+"""
+from .errors import DtypeError, EgraphDidError, MeshError, PlanError, ShapeError, ShardingError
+from .evaluate import decompose, evaluate
+from .fusion import Expr, Fusion, FusionDefinition
+from .ir import IterDomain, IterType, ParallelType, TensorView
+from .mesh import DeviceMesh
+from .ops import OPS, op_names
+from .sharding import local_indices, local_shape, placements, shard_tensor, unshard_tensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DeviceMesh", "ParallelType", "IterType", "IterDomain", "TensorView",
+    "FusionDefinition", "Fusion", "Expr", "OPS", "op_names",
+    "evaluate", "decompose",
+    "shard_tensor", "unshard_tensor", "local_shape", "local_indices", "placements",
+    "EgraphDidError", "ShapeError", "DtypeError", "ShardingError", "MeshError", "PlanError",
+]

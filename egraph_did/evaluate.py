@@ -1,0 +1,106 @@
+"""The reference evaluator: run a fusion on one device with torch eager. Ground truth for every numeric
+test; and `decompose`, which rewrites composites (layer_norm, softmax, gelu, sdpa, ...) into primitives.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from .errors import ShapeError
+from .fusion import Fusion, FusionDefinition, Ops, as_fusion
+from .ir import TensorView
+
+
+def check_inputs(fusion: Fusion, inputs: Mapping[str, torch.Tensor]) -> None:
+    """Every input present, of the declared shape and dtype; nothing unknown."""
+    names = [t.name for t in fusion.inputs]
+    unknown = sorted(set(inputs) - set(names))
+    if unknown:
+        raise ShapeError(f"unknown input(s) {unknown}; the fusion's inputs are {names}")
+    for tv in fusion.inputs:
+        if tv.name not in inputs:
+            raise ShapeError(f"missing input {tv.name!r} of shape {tv.shape}")
+        val = inputs[tv.name]
+        if not isinstance(val, torch.Tensor):
+            raise ShapeError(f"input {tv.name!r}: expected a torch.Tensor, got {type(val).__name__}")
+        if tuple(val.shape) != tv.shape:
+            raise ShapeError(f"input {tv.name!r}: declared shape {tv.shape}, got {tuple(val.shape)}")
+        if val.dtype != tv.dtype:
+            raise ShapeError(f"input {tv.name!r}: declared dtype {tv.dtype}, got {val.dtype}; "
+                             f"cast it or declare define_tensor(..., dtype={val.dtype})")
+
+
+def run_expr(expr, env: dict[int, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Evaluate one expr's reference on tensors looked up in env (by TensorView id)."""
+    kwargs = {k: env[id(v)] if isinstance(v, TensorView) else v for k, v in expr.args}
+    out = expr.op.reference(**kwargs)
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def evaluate(fd: FusionDefinition | Fusion, inputs: Mapping[str, torch.Tensor],
+             decompose_composites: bool = False) -> dict[str, torch.Tensor]:
+    """Run the fusion on one device with torch eager; returns {output name: tensor}.
+
+    >>> import torch, egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     x = fd.define_tensor((2,), name="x")
+    ...     fd.add_output(fd.ops.mul(x, 3.0), name="y")
+    >>> ed.evaluate(fd, {"x": torch.tensor([1., 2.])})["y"]
+    tensor([3., 6.])
+    """
+    fusion = as_fusion(fd)
+    if not fusion.outputs:
+        raise ShapeError("the fusion has no outputs; call fd.add_output(tensor, name=...)")
+    check_inputs(fusion, inputs)
+    if decompose_composites:
+        fusion, rename = decompose(fusion)
+        inputs = {rename.get(k, k): v for k, v in inputs.items()}
+    env: dict[int, torch.Tensor] = {id(tv): inputs[tv.name] for tv in fusion.inputs}
+    for expr in fusion.exprs:
+        outs = run_expr(expr, env)
+        for tv, val in zip(expr.outputs, outs):
+            if tuple(val.shape) != tv.shape or val.dtype != tv.dtype:
+                raise AssertionError(f"{expr}: the shape rule says {tv.shape} {tv.dtype}, the reference gave "
+                                     f"{tuple(val.shape)} {val.dtype}")
+            env[id(tv)] = val
+    return {name: env[id(tv)] for name, tv in fusion.outputs.items()}
+
+
+def decompose(fd: FusionDefinition | Fusion) -> tuple[Fusion, dict[str, str]]:
+    """A new fusion in which every composite op is replaced by its primitives; input and output names are
+    kept. Returns (fusion, {old input name: new input name}) — identical names today.
+
+    >>> import egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     x = fd.define_tensor((2, 3), name="x")
+    ...     fd.add_output(fd.ops.softmax(x), name="y")
+    >>> prim, _ = ed.decompose(fd)
+    >>> [e.op.name for e in prim.exprs]
+    ['amax', 'sub', 'exp', 'sum', 'div']
+    """
+    src = as_fusion(fd)
+    dst = Fusion()
+    ops = Ops(dst)
+    new: dict[int, TensorView] = {}
+    for tv in src.inputs:
+        new[id(tv)] = dst.define_tensor(tv.shape, tv.dtype, tv.name, [d.name for d in tv.logical_domain])
+    for expr in src.exprs:
+        args = {k: new[id(v)] if isinstance(v, TensorView) else v for k, v in expr.args}
+        if expr.op.is_composite:
+            outs = expr.op.decompose(ops, **args)
+        else:
+            outs = dst.emit(expr.op.name, **args)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        assert len(outs) == len(expr.outputs), expr
+        for old, tv in zip(expr.outputs, outs):
+            assert tv.shape == old.shape, f"decomposition of {expr} changed {old.name}'s shape"
+            if tv.dtype != old.dtype:
+                tv = ops.cast(tv, old.dtype)
+            new[id(old)] = tv
+    for name, tv in src.outputs.items():
+        out = new[id(tv)]
+        if out in dst.inputs or any(o is out for o in dst.outputs.values()):
+            out = ops.cast(out, out.dtype)  # an input passed through, or one tensor under two names
+        dst.add_output(out, name)
+    return dst, {tv.name: tv.name for tv in src.inputs}

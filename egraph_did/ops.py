@@ -1,0 +1,688 @@
+"""The op table: for every op, its shape and dtype rule, its reference evaluation and, for composites,
+its decomposition into primitives.
+
+Adding an op means one `@op(...)` entry here (the shape rule is the decorated function; its signature
+is the op's signature in `fd.ops`), its sharding rules in one `rewrites/` module and its scheduler kind
+in `lowering/`. Shape rules raise ShapeError at the op that is wrong, naming the tensor and the axis.
+
+Shape rules see TensorSpec values (name, shape, dtype, axis names); references see torch tensors bound
+to the same parameter names; decompositions see the TensorViews of a fusion being built and an `ops`
+namespace to emit primitives with.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .errors import DtypeError, ShapeError
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+INT_DTYPES = (torch.int64, torch.int32)
+SUPPORTED_DTYPES = FLOAT_DTYPES + INT_DTYPES + (torch.bool,)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a shape rule knows of a tensor operand."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    axes: tuple[str, ...]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True)
+class OutSpec:
+    """What a shape rule returns for each output."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    axes: tuple[str, ...]
+
+    def __post_init__(self):
+        assert len(self.shape) == len(self.axes), (self.shape, self.axes)
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    kind: str  # pointwise | reduction | normalization | aten | view | gather | composite
+    infer: Callable[..., list[OutSpec]]
+    reference: Callable[..., Any]
+    decompose: Callable[..., Any] | None
+    signature: inspect.Signature
+
+    @property
+    def is_composite(self) -> bool:
+        return self.decompose is not None
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def op(name: str, kind: str, reference: Callable, decompose: Callable | None = None):
+    """Register an op whose shape rule is the decorated function."""
+    def register(infer):
+        assert name not in OPS, f"op {name} registered twice"
+        OPS[name] = OpDef(name, kind, infer, reference, decompose, inspect.signature(infer))
+        return infer
+    return register
+
+
+# ------------------------------------------------------------------ helpers for shape rules
+
+def canonical_dtype(dtype) -> torch.dtype:
+    """A torch dtype from a torch dtype or its name ('bf16', 'bfloat16', 'float32', ...)."""
+    aliases = {"fp32": torch.float32, "float": torch.float32, "fp16": torch.float16, "half": torch.float16,
+               "bf16": torch.bfloat16, "fp64": torch.float64, "double": torch.float64, "long": torch.int64,
+               "int": torch.int32}
+    if isinstance(dtype, str):
+        dtype = aliases.get(dtype, getattr(torch, dtype, None))
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+        raise DtypeError(f"unknown or unsupported dtype {dtype!r}; use one of {names}")
+    return dtype
+
+
+def _is_tensor(v) -> bool:
+    return isinstance(v, TensorSpec)
+
+
+def _desc(v) -> str:
+    return v.name if _is_tensor(v) else repr(v)
+
+
+def _need_tensor(op_name: str, arg: str, v) -> TensorSpec:
+    if not _is_tensor(v):
+        raise ShapeError(f"{op_name}: argument {arg} must be a tensor of the fusion, got {v!r}")
+    return v
+
+
+def _need_float(op_name: str, v: TensorSpec) -> None:
+    if v.dtype not in FLOAT_DTYPES:
+        raise DtypeError(f"{op_name}({v.name}): needs a floating-point tensor, but {v.name} is "
+                         f"{str(v.dtype).replace('torch.', '')}; cast it first (fd.ops.cast)")
+
+
+def norm_axis(op_name: str, v: TensorSpec, axis: int, ndim: int | None = None) -> int:
+    """A non-negative axis of v (ndim overrides v.ndim for ops that add an axis)."""
+    n = v.ndim if ndim is None else ndim
+    if not isinstance(axis, int) or isinstance(axis, bool):
+        raise ShapeError(f"{op_name}({v.name}): axis must be an int, got {axis!r}")
+    if not -n <= axis < n:
+        raise ShapeError(f"{op_name}({v.name}): axis {axis} out of range; {v.name} has {n} axes "
+                         f"(shape {v.shape})")
+    return axis % n
+
+
+def norm_axes(op_name: str, v: TensorSpec, dims) -> tuple[int, ...]:
+    """Sorted distinct non-negative axes; None means every axis."""
+    if dims is None:
+        return tuple(range(v.ndim))
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    out = sorted(norm_axis(op_name, v, d) for d in dims)
+    if len(set(out)) != len(out):
+        raise ShapeError(f"{op_name}({v.name}): axes {dims} repeat an axis")
+    return tuple(out)
+
+
+def _result_dtype(op_name: str, *vals) -> torch.dtype:
+    probes = [torch.empty(0, dtype=v.dtype) if _is_tensor(v) else v for v in vals]
+    try:
+        if len(probes) == 1:
+            return probes[0].dtype
+        dt = torch.result_type(probes[0], probes[1])
+        for p in probes[2:]:
+            dt = torch.result_type(torch.empty(0, dtype=dt), p)
+        return dt
+    except (TypeError, RuntimeError) as e:
+        raise DtypeError(f"{op_name}({', '.join(_desc(v) for v in vals)}): {e}") from None
+
+
+def broadcast_specs(op_name: str, *vals) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Numpy broadcasting of the tensor operands; errors name both tensors and the axis."""
+    tensors = [v for v in vals if _is_tensor(v)]
+    if not tensors:
+        raise ShapeError(f"{op_name}: needs at least one tensor operand, got {vals}")
+    n = max(t.ndim for t in tensors)
+    shape, axes = [1] * n, [""] * n
+    owner: list[TensorSpec | None] = [None] * n
+    for t in tensors:
+        off = n - t.ndim
+        for i, (e, a) in enumerate(zip(t.shape, t.axes)):
+            k = off + i
+            if e == 1 and shape[k] != 1:
+                continue
+            if shape[k] != 1 and e != shape[k]:
+                o = owner[k]
+                raise ShapeError(
+                    f"{op_name}({', '.join(_desc(v) for v in vals)}): axis {i} of {t.name} has extent {e} but "
+                    f"axis {k - (n - o.ndim)} of {o.name} has {shape[k]}; they must be equal or 1 (broadcast)")
+            if e != 1 or owner[k] is None:
+                shape[k], axes[k], owner[k] = e, a, t
+    return tuple(shape), tuple(axes)
+
+
+def _scalar_check(op_name: str, vals) -> None:
+    for v in vals:
+        if not _is_tensor(v) and not isinstance(v, (int, float, bool)):
+            raise ShapeError(f"{op_name}: operand {v!r} is neither a tensor of the fusion nor a Python number")
+
+
+# ------------------------------------------------------------------ pointwise
+
+def _binary(name: str, fn: Callable):
+    def infer(a, b):
+        _scalar_check(name, (a, b))
+        shape, axes = broadcast_specs(name, a, b)
+        dt = _result_dtype(name, a, b)
+        if name == "div" and dt not in FLOAT_DTYPES:
+            dt = torch.float32
+        return [OutSpec(shape, dt, axes)]
+    infer.__name__ = name
+    infer.__doc__ = f"Elementwise {name}(a, b) with numpy broadcasting; either side may be a Python number."
+    op(name, "pointwise", fn)(infer)
+
+
+_binary("add", lambda a, b: a + b)
+_binary("sub", lambda a, b: a - b)
+_binary("mul", lambda a, b: a * b)
+_binary("div", lambda a, b: a / b)
+_binary("maximum", lambda a, b: torch.maximum(*_as_tensors(a, b)))
+_binary("pow", lambda a, b: a ** b)
+
+
+def _as_tensors(a, b):
+    like = a if isinstance(a, torch.Tensor) else b
+    return tuple(v if isinstance(v, torch.Tensor) else torch.as_tensor(v, dtype=like.dtype) for v in (a, b))
+
+
+def _unary(name: str, fn: Callable, float_only: bool = True, doc: str = ""):
+    def infer(x):
+        x = _need_tensor(name, "x", x)
+        if float_only:
+            _need_float(name, x)
+        return [OutSpec(x.shape, x.dtype, x.axes)]
+    infer.__name__ = name
+    infer.__doc__ = doc or f"Elementwise {name}(x)."
+    op(name, "pointwise", fn)(infer)
+
+
+_unary("neg", torch.neg, float_only=False)
+_unary("exp", torch.exp)
+_unary("log", torch.log)
+_unary("tanh", torch.tanh)
+_unary("sigmoid", torch.sigmoid)
+_unary("relu", torch.relu, float_only=False)
+_unary("rsqrt", torch.rsqrt)
+_unary("sqrt", torch.sqrt)
+_unary("erf", torch.erf)
+_unary("abs", torch.abs, float_only=False)
+
+
+def _decompose_gelu(ops, x, approximate="none"):
+    if approximate == "tanh":
+        inner = ops.mul(ops.add(x, ops.mul(ops.mul(ops.mul(x, x), x), 0.044715)), math.sqrt(2.0 / math.pi))
+        return ops.mul(ops.mul(x, 0.5), ops.add(ops.tanh(inner), 1.0))
+    return ops.mul(ops.mul(x, 0.5), ops.add(ops.erf(ops.mul(x, 1.0 / math.sqrt(2.0))), 1.0))
+
+
+@op("gelu", "composite", lambda x, approximate="none": F.gelu(x, approximate=approximate), _decompose_gelu)
+def gelu(x, approximate: str = "none"):
+    """GELU, exact (erf) or approximate='tanh', as torch.nn.functional.gelu."""
+    x = _need_tensor("gelu", "x", x)
+    _need_float("gelu", x)
+    if approximate not in ("none", "tanh"):
+        raise ShapeError(f"gelu({x.name}): approximate must be 'none' or 'tanh', got {approximate!r}")
+    return [OutSpec(x.shape, x.dtype, x.axes)]
+
+
+@op("silu", "composite", lambda x: F.silu(x), lambda ops, x: ops.mul(x, ops.sigmoid(x)))
+def silu(x):
+    """SiLU: x * sigmoid(x)."""
+    x = _need_tensor("silu", "x", x)
+    _need_float("silu", x)
+    return [OutSpec(x.shape, x.dtype, x.axes)]
+
+
+@op("cast", "pointwise", lambda x, dtype: x.to(dtype))
+def cast(x, dtype):
+    """Convert x to dtype."""
+    x = _need_tensor("cast", "x", x)
+    return [OutSpec(x.shape, canonical_dtype(dtype), x.axes)]
+
+
+def _causal_mask_ref(x, offset=0):
+    s_q, s_k = x.shape[-2], x.shape[-1]
+    keep = torch.ones(s_q, s_k, dtype=torch.bool, device=x.device).tril(offset)
+    return x.masked_fill(~keep, float("-inf"))
+
+
+@op("causal_mask", "pointwise", _causal_mask_ref)
+def causal_mask(x, offset: int = 0):
+    """Fill x[..., i, j] with -inf where j > i + offset (the causal attention mask)."""
+    x = _need_tensor("causal_mask", "x", x)
+    _need_float("causal_mask", x)
+    if x.ndim < 2:
+        raise ShapeError(f"causal_mask({x.name}): needs at least 2 axes, got shape {x.shape}")
+    return [OutSpec(x.shape, x.dtype, x.axes)]
+
+
+# ------------------------------------------------------------------ reductions
+
+def _reduced(x: TensorSpec, axes: tuple[int, ...], keepdim: bool, dtype=None) -> OutSpec:
+    if keepdim:
+        shape = tuple(1 if i in axes else e for i, e in enumerate(x.shape))
+        names = tuple("1" if i in axes else a for i, a in enumerate(x.axes))
+    else:
+        shape = tuple(e for i, e in enumerate(x.shape) if i not in axes)
+        names = tuple(a for i, a in enumerate(x.axes) if i not in axes)
+    return OutSpec(shape, dtype or x.dtype, names)
+
+
+@op("sum", "reduction", lambda x, dims=None, keepdim=False:
+    torch.sum(x, dim=tuple(range(x.ndim)) if dims is None else dims, keepdim=keepdim))
+def sum_(x, dims=None, keepdim: bool = False):
+    """Sum over `dims` (an int, a tuple, or None for all axes)."""
+    x = _need_tensor("sum", "x", x)
+    return [_reduced(x, norm_axes("sum", x, dims), keepdim)]
+
+
+@op("amax", "reduction", lambda x, dims=None, keepdim=False:
+    torch.amax(x, dim=tuple(range(x.ndim)) if dims is None else dims, keepdim=keepdim))
+def amax(x, dims=None, keepdim: bool = False):
+    """Maximum over `dims`."""
+    x = _need_tensor("amax", "x", x)
+    return [_reduced(x, norm_axes("amax", x, dims), keepdim)]
+
+
+def _count(x, dims) -> int:
+    axes = range(len(x.shape)) if dims is None else ((dims,) if isinstance(dims, int) else dims)
+    return math.prod(x.shape[d] for d in axes)
+
+
+def _decompose_mean(ops, x, dims=None, keepdim=False):
+    return ops.div(ops.sum(x, dims, keepdim), float(_count(x, dims)))
+
+
+@op("mean", "composite", lambda x, dims=None, keepdim=False:
+    torch.mean(x, dim=tuple(range(x.ndim)) if dims is None else dims, keepdim=keepdim), _decompose_mean)
+def mean(x, dims=None, keepdim: bool = False):
+    """Mean over `dims`."""
+    x = _need_tensor("mean", "x", x)
+    _need_float("mean", x)
+    return [_reduced(x, norm_axes("mean", x, dims), keepdim)]
+
+
+def _var_mean_ref(x, dims=None, correction=1, keepdim=False):
+    return torch.var_mean(x, dim=tuple(range(x.ndim)) if dims is None else dims, correction=correction,
+                          keepdim=keepdim)
+
+
+def _decompose_var_mean(ops, x, dims=None, correction=1, keepdim=False):
+    n = _count(x, dims)
+    m = ops.mean(x, dims, keepdim=True)
+    centered = ops.sub(x, m)
+    var = ops.div(ops.sum(ops.mul(centered, centered), dims, keepdim), float(max(n - correction, 0)))
+    if keepdim:
+        return var, m
+    return var, ops.reshape(m, var.shape)
+
+
+@op("var_mean", "composite", _var_mean_ref, _decompose_var_mean)
+def var_mean(x, dims=None, correction: int = 1, keepdim: bool = False):
+    """(variance, mean) over `dims`, as torch.var_mean; correction=1 is Bessel's."""
+    x = _need_tensor("var_mean", "x", x)
+    _need_float("var_mean", x)
+    out = _reduced(x, norm_axes("var_mean", x, dims), keepdim)
+    return [out, out]
+
+
+def _decompose_softmax(ops, x, dim=-1):
+    shifted = ops.sub(x, ops.amax(x, dim, keepdim=True))
+    e = ops.exp(shifted)
+    return ops.div(e, ops.sum(e, dim, keepdim=True))
+
+
+@op("softmax", "composite", lambda x, dim=-1: torch.softmax(x, dim), _decompose_softmax)
+def softmax(x, dim: int = -1):
+    """Softmax along `dim`."""
+    x = _need_tensor("softmax", "x", x)
+    _need_float("softmax", x)
+    norm_axis("softmax", x, dim)
+    return [OutSpec(x.shape, x.dtype, x.axes)]
+
+
+def _norm_shape(op_name, x: TensorSpec, normalized_shape, weight, bias) -> tuple[int, ...]:
+    if normalized_shape is None:
+        normalized_shape = weight.shape if _is_tensor(weight) else (x.shape[-1],)
+    normalized_shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    k = len(normalized_shape)
+    if k == 0 or k > x.ndim or tuple(x.shape[x.ndim - k:]) != normalized_shape:
+        raise ShapeError(f"{op_name}({x.name}): normalized_shape {normalized_shape} must match the trailing "
+                         f"axes of {x.name}, whose shape is {x.shape}")
+    for arg, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        p = _need_tensor(op_name, arg, p)
+        if p.shape != normalized_shape:
+            raise ShapeError(f"{op_name}({x.name}): {arg} {p.name} has shape {p.shape} but normalizes "
+                             f"{x.name}'s trailing axes {normalized_shape}")
+    return normalized_shape
+
+
+def _layer_norm_ref(x, normalized_shape=None, weight=None, bias=None, eps=1e-5):
+    shape = normalized_shape or (weight.shape if weight is not None else x.shape[-1:])
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    return F.layer_norm(x, shape, weight, bias, eps)
+
+
+def _decompose_layer_norm(ops, x, normalized_shape=None, weight=None, bias=None, eps=1e-5):
+    k = len(weight.shape) if normalized_shape is None and weight is not None else (
+        1 if normalized_shape is None else (1 if isinstance(normalized_shape, int) else len(normalized_shape)))
+    dims = tuple(range(x.ndim - k, x.ndim))
+    var, m = ops.var_mean(x, dims, correction=0, keepdim=True)
+    y = ops.mul(ops.sub(x, m), ops.rsqrt(ops.add(var, eps)))
+    if weight is not None:
+        y = ops.mul(y, weight)
+    if bias is not None:
+        y = ops.add(y, bias)
+    return y
+
+
+@op("layer_norm", "composite", _layer_norm_ref, _decompose_layer_norm)
+def layer_norm(x, normalized_shape=None, weight=None, bias=None, eps: float = 1e-5):
+    """Layer norm over the trailing axes (normalized_shape, or weight's shape, or the last axis)."""
+    x = _need_tensor("layer_norm", "x", x)
+    _need_float("layer_norm", x)
+    _norm_shape("layer_norm", x, normalized_shape, weight, bias)
+    return [OutSpec(x.shape, x.dtype, x.axes)]
+
+
+def _rms_norm_ref(x, normalized_shape=None, weight=None, eps=1e-6):
+    shape = normalized_shape or (weight.shape if weight is not None else x.shape[-1:])
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    return F.rms_norm(x, shape, weight, eps)
+
+
+def _decompose_rms_norm(ops, x, normalized_shape=None, weight=None, eps=1e-6):
+    k = len(weight.shape) if normalized_shape is None and weight is not None else (
+        1 if normalized_shape is None else (1 if isinstance(normalized_shape, int) else len(normalized_shape)))
+    dims = tuple(range(x.ndim - k, x.ndim))
+    y = ops.mul(x, ops.rsqrt(ops.add(ops.mean(ops.mul(x, x), dims, keepdim=True), eps)))
+    return ops.mul(y, weight) if weight is not None else y
+
+
+@op("rms_norm", "composite", _rms_norm_ref, _decompose_rms_norm)
+def rms_norm(x, normalized_shape=None, weight=None, eps: float = 1e-6):
+    """RMS norm over the trailing axes, as torch.nn.functional.rms_norm (eps given explicitly)."""
+    x = _need_tensor("rms_norm", "x", x)
+    _need_float("rms_norm", x)
+    _norm_shape("rms_norm", x, normalized_shape, weight, None)
+    return [OutSpec(x.shape, x.dtype, x.axes)]
+
+
+# ------------------------------------------------------------------ aten: linear, matmul, sdpa, embedding
+
+def _same_float(op_name, *vals):
+    for v in vals:
+        if v is not None:
+            _need_float(op_name, v)
+    dts = {v.dtype for v in vals if v is not None}
+    if len(dts) > 1:
+        raise DtypeError(f"{op_name}({', '.join(v.name for v in vals if v is not None)}): operands have "
+                         f"dtypes {sorted(str(d).replace('torch.', '') for d in dts)}; cast them to one dtype")
+
+
+@op("linear", "aten", lambda x, weight, bias=None: F.linear(x, weight, bias))
+def linear(x, weight, bias=None):
+    """x @ weight.T + bias; weight is [out, in] as in torch."""
+    x, weight = _need_tensor("linear", "x", x), _need_tensor("linear", "weight", weight)
+    what = f"linear({x.name}, {weight.name})"
+    if x.ndim < 1:
+        raise ShapeError(f"{what}: {x.name} is 0-D; linear needs at least one axis")
+    if weight.ndim != 2:
+        raise ShapeError(f"{what}: {weight.name} must be 2-D [out, in] as in torch, got shape {weight.shape}")
+    if weight.shape[1] != x.shape[-1]:
+        raise ShapeError(f"{what}: {weight.name} has in-features {weight.shape[1]} but {x.name}'s last axis "
+                         f"is {x.shape[-1]} ({weight.name} is [out, in], as in torch)")
+    if bias is not None:
+        bias = _need_tensor("linear", "bias", bias)
+        if bias.shape != (weight.shape[0],):
+            raise ShapeError(f"{what}: bias {bias.name} has shape {bias.shape}, expected ({weight.shape[0]},) "
+                             f"= {weight.name}'s out-features")
+    _same_float("linear", x, weight, bias)
+    return [OutSpec(x.shape[:-1] + (weight.shape[0],), x.dtype, x.axes[:-1] + (weight.axes[0],))]
+
+
+@op("matmul", "aten", lambda a, b: torch.matmul(a, b))
+def matmul(a, b):
+    """torch.matmul: batched, with broadcasting of the batch axes (both operands at least 2-D)."""
+    a, b = _need_tensor("matmul", "a", a), _need_tensor("matmul", "b", b)
+    what = f"matmul({a.name}, {b.name})"
+    if a.ndim < 2 or b.ndim < 2:
+        raise ShapeError(f"{what}: both operands need at least 2 axes, got {a.shape} and {b.shape}")
+    if a.shape[-1] != b.shape[-2]:
+        raise ShapeError(f"{what}: {a.name}'s last axis is {a.shape[-1]} but {b.name}'s axis -2 is "
+                         f"{b.shape[-2]}; they contract and must be equal")
+    _same_float("matmul", a, b)
+    ba = TensorSpec(a.name, a.shape[:-2], a.dtype, a.axes[:-2])
+    bb = TensorSpec(b.name, b.shape[:-2], b.dtype, b.axes[:-2])
+    batch, names = broadcast_specs("matmul", ba, bb) if (ba.ndim or bb.ndim) else ((), ())
+    return [OutSpec(batch + (a.shape[-2], b.shape[-1]), a.dtype, names + (a.axes[-2], b.axes[-1]))]
+
+
+def _sdpa_ref(q, k, v, is_causal=False, scale=None):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+
+
+def _decompose_sdpa(ops, q, k, v, is_causal=False, scale=None):
+    d = q.shape[-1]
+    s = ops.mul(ops.matmul(q, ops.transpose(k, -2, -1)), scale if scale is not None else 1.0 / math.sqrt(d))
+    if is_causal:
+        s = ops.causal_mask(s)
+    return ops.matmul(ops.softmax(s, -1), v)
+
+
+@op("sdpa", "composite", _sdpa_ref, _decompose_sdpa)
+def sdpa(q, k, v, is_causal: bool = False, scale: float | None = None):
+    """Scaled dot-product attention on [batch, heads, seq, head_dim] operands (torch's sdpa)."""
+    q, k, v = (_need_tensor("sdpa", n, t) for n, t in (("q", q), ("k", k), ("v", v)))
+    what = f"sdpa({q.name}, {k.name}, {v.name})"
+    for t in (q, k, v):
+        if t.ndim != 4:
+            raise ShapeError(f"{what}: {t.name} must be 4-D [batch, heads, seq, head_dim], got {t.shape}")
+    for i, axis in ((0, "batch"), (1, "heads")):
+        if not q.shape[i] == k.shape[i] == v.shape[i]:
+            raise ShapeError(f"{what}: axis {i} ({axis}) differs: {q.shape[i]}, {k.shape[i]}, {v.shape[i]}")
+    if q.shape[3] != k.shape[3]:
+        raise ShapeError(f"{what}: head_dim of {q.name} ({q.shape[3]}) and {k.name} ({k.shape[3]}) differ")
+    if k.shape[2] != v.shape[2]:
+        raise ShapeError(f"{what}: seq of {k.name} ({k.shape[2]}) and {v.name} ({v.shape[2]}) differ")
+    if is_causal and q.shape[2] != k.shape[2]:
+        raise ShapeError(f"{what}: is_causal needs equal query and key lengths, got {q.shape[2]} and {k.shape[2]}")
+    _same_float("sdpa", q, k, v)
+    return [OutSpec(q.shape[:3] + (v.shape[3],), q.dtype, q.axes[:3] + (v.axes[3],))]
+
+
+@op("embedding", "gather", lambda indices, weight: weight[indices])
+def embedding(indices, weight):
+    """weight[indices]: rows of an embedding table [vocab, dim] picked by integer indices."""
+    indices, weight = _need_tensor("embedding", "indices", indices), _need_tensor("embedding", "weight", weight)
+    if indices.dtype not in INT_DTYPES:
+        raise DtypeError(f"embedding({indices.name}, {weight.name}): indices must be int32 or int64, got "
+                         f"{str(indices.dtype).replace('torch.', '')}")
+    if weight.ndim != 2:
+        raise ShapeError(f"embedding({indices.name}, {weight.name}): {weight.name} must be 2-D [vocab, dim], "
+                         f"got {weight.shape}")
+    return [OutSpec(indices.shape + (weight.shape[1],), weight.dtype, indices.axes + (weight.axes[1],))]
+
+
+@op("take_along_axis", "gather", lambda x, index, dim: torch.take_along_dim(x, index, dim))
+def take_along_axis(x, index, dim: int):
+    """x gathered along `dim` at `index` (same rank as x, extent along dim free), as torch.take_along_dim."""
+    x, index = _need_tensor("take_along_axis", "x", x), _need_tensor("take_along_axis", "index", index)
+    d = norm_axis("take_along_axis", x, dim)
+    if index.dtype not in INT_DTYPES:
+        raise DtypeError(f"take_along_axis({x.name}, {index.name}): index must be an integer tensor")
+    if index.ndim != x.ndim or any(i != d and a != b for i, (a, b) in enumerate(zip(x.shape, index.shape))):
+        raise ShapeError(f"take_along_axis({x.name}, {index.name}): index shape {index.shape} must match "
+                         f"{x.shape} on every axis but {d}")
+    return [OutSpec(index.shape, x.dtype, x.axes[:d] + (index.axes[d],) + x.axes[d + 1:])]
+
+
+def _decompose_cross_entropy(ops, logits, target, reduction="mean"):
+    shifted = ops.sub(logits, ops.amax(logits, -1, keepdim=True))
+    logz = ops.log(ops.sum(ops.exp(shifted), -1, keepdim=True))
+    picked = ops.take_along_axis(shifted, ops.unsqueeze(target, -1), -1)
+    nll = ops.sum(ops.sub(logz, picked), -1)
+    return {"none": lambda: nll, "sum": lambda: ops.sum(nll), "mean": lambda: ops.mean(nll)}[reduction]()
+
+
+@op("cross_entropy", "composite", lambda logits, target, reduction="mean":
+    F.cross_entropy(logits, target, reduction=reduction), _decompose_cross_entropy)
+def cross_entropy(logits, target, reduction: str = "mean"):
+    """Cross entropy of logits [N, C] against class indices [N] (reduction 'mean', 'sum' or 'none')."""
+    logits = _need_tensor("cross_entropy", "logits", logits)
+    target = _need_tensor("cross_entropy", "target", target)
+    what = f"cross_entropy({logits.name}, {target.name})"
+    _need_float("cross_entropy", logits)
+    if logits.ndim != 2:
+        raise ShapeError(f"{what}: logits must be 2-D [N, C], got {logits.shape}; reshape the batch axes first")
+    if target.dtype not in INT_DTYPES:
+        raise DtypeError(f"{what}: target must hold class indices (int64), got {target.dtype}")
+    if target.shape != logits.shape[:1]:
+        raise ShapeError(f"{what}: target has shape {target.shape}, expected ({logits.shape[0]},)")
+    if reduction not in ("mean", "sum", "none"):
+        raise ShapeError(f"{what}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if reduction == "none":
+        return [OutSpec(target.shape, logits.dtype, target.axes)]
+    return [OutSpec((), logits.dtype, ())]
+
+
+# ------------------------------------------------------------------ views
+
+def _resolve_shape(op_name: str, x: TensorSpec, shape) -> tuple[int, ...]:
+    shape = tuple(shape) if not isinstance(shape, int) else (shape,)
+    if any(not isinstance(e, int) for e in shape):
+        raise ShapeError(f"{op_name}({x.name}): shape {shape} must be ints")
+    total = math.prod(x.shape)
+    if shape.count(-1) > 1:
+        raise ShapeError(f"{op_name}({x.name}): at most one -1 in shape {shape}")
+    if -1 in shape:
+        known = math.prod(e for e in shape if e != -1)
+        if known == 0 or total % known:
+            raise ShapeError(f"{op_name}({x.name}): cannot infer -1 in {shape} for {total} elements")
+        shape = tuple(total // known if e == -1 else e for e in shape)
+    if any(e < 0 for e in shape) or math.prod(shape) != total:
+        raise ShapeError(f"{op_name}({x.name}): cannot view shape {x.shape} ({total} elements) as {shape}")
+    return shape
+
+
+def _reshape_names(x: TensorSpec, shape: tuple[int, ...]) -> tuple[str, ...]:
+    """Keep an axis name where the extent of a leading group of axes is unchanged."""
+    names, i, j = [], 0, 0
+    while j < len(shape):
+        if i < x.ndim and x.shape[i] == shape[j]:
+            names.append(x.axes[i])
+            i, j = i + 1, j + 1
+        else:
+            names.append(str(shape[j]))
+            j += 1
+            i = x.ndim  # past a merge or split, names no longer line up
+    return tuple(names)
+
+
+@op("reshape", "view", lambda x, shape: x.reshape(shape))
+def reshape(x, shape):
+    """View x with a new shape (one -1 allowed), as torch.reshape."""
+    x = _need_tensor("reshape", "x", x)
+    new = _resolve_shape("reshape", x, shape)
+    return [OutSpec(new, x.dtype, _reshape_names(x, new))]
+
+
+@op("permute", "view", lambda x, dims: x.permute(*dims))
+def permute(x, dims):
+    """Reorder axes: output axis i is input axis dims[i]."""
+    x = _need_tensor("permute", "x", x)
+    dims = tuple(norm_axis("permute", x, d) for d in dims)
+    if sorted(dims) != list(range(x.ndim)):
+        raise ShapeError(f"permute({x.name}): {dims} is not a permutation of {x.ndim} axes")
+    return [OutSpec(tuple(x.shape[d] for d in dims), x.dtype, tuple(x.axes[d] for d in dims))]
+
+
+@op("transpose", "view", lambda x, dim0, dim1: x.transpose(dim0, dim1))
+def transpose(x, dim0: int, dim1: int):
+    """Swap two axes."""
+    x = _need_tensor("transpose", "x", x)
+    a, b = norm_axis("transpose", x, dim0), norm_axis("transpose", x, dim1)
+    perm = list(range(x.ndim))
+    perm[a], perm[b] = perm[b], perm[a]
+    return [OutSpec(tuple(x.shape[d] for d in perm), x.dtype, tuple(x.axes[d] for d in perm))]
+
+
+@op("unsqueeze", "view", lambda x, dim: x.unsqueeze(dim))
+def unsqueeze(x, dim: int):
+    """Insert a broadcast axis of extent 1 at `dim`."""
+    x = _need_tensor("unsqueeze", "x", x)
+    d = norm_axis("unsqueeze", x, dim, ndim=x.ndim + 1)
+    return [OutSpec(x.shape[:d] + (1,) + x.shape[d:], x.dtype, x.axes[:d] + ("1",) + x.axes[d:])]
+
+
+@op("expand", "view", lambda x, shape: x.expand(*shape))
+def expand(x, shape):
+    """Broadcast axes of extent 1 to `shape` (-1 keeps an axis; new leading axes allowed), as torch.expand."""
+    x = _need_tensor("expand", "x", x)
+    shape = tuple(shape)
+    if len(shape) < x.ndim:
+        raise ShapeError(f"expand({x.name}): target {shape} has fewer axes than {x.name} {x.shape}")
+    off = len(shape) - x.ndim
+    out, names = list(shape[:off]), [str(e) for e in shape[:off]]
+    if any(e < 0 for e in out):
+        raise ShapeError(f"expand({x.name}): new leading axes need explicit extents, got {shape}")
+    for i, (e, want) in enumerate(zip(x.shape, shape[off:])):
+        if want == -1 or want == e:
+            out.append(e)
+            names.append(x.axes[i])
+        elif e == 1:
+            out.append(want)
+            names.append(str(want))
+        else:
+            raise ShapeError(f"expand({x.name}): axis {i} has extent {e}; only extent-1 axes expand (to {want})")
+    return [OutSpec(tuple(out), x.dtype, tuple(names))]
+
+
+@op("broadcast_in_dim", "view", lambda x, shape, broadcast_dims:
+    x.reshape([x.shape[broadcast_dims.index(i)] if i in broadcast_dims else 1 for i in range(len(shape))]).expand(*shape))
+def broadcast_in_dim(x, shape, broadcast_dims):
+    """Place x's axis i at output axis broadcast_dims[i] and broadcast the rest to `shape` (as JAX/nvFuser)."""
+    x = _need_tensor("broadcast_in_dim", "x", x)
+    shape, bdims = tuple(shape), tuple(broadcast_dims)
+    if len(bdims) != x.ndim or list(bdims) != sorted(set(bdims)) or any(not 0 <= d < len(shape) for d in bdims):
+        raise ShapeError(f"broadcast_in_dim({x.name}): broadcast_dims {bdims} must list, in increasing order, "
+                         f"one output axis of {shape} per axis of {x.name} {x.shape}")
+    names = [str(e) for e in shape]
+    for i, d in enumerate(bdims):
+        if x.shape[i] not in (1, shape[d]):
+            raise ShapeError(f"broadcast_in_dim({x.name}): axis {i} of extent {x.shape[i]} cannot go to output "
+                             f"axis {d} of extent {shape[d]}")
+        if x.shape[i] == shape[d]:
+            names[d] = x.axes[i]
+    return [OutSpec(shape, x.dtype, tuple(names))]
+
+
+def op_names() -> list[str]:
+    """Every registered op."""
+    return sorted(OPS)
+
+
+__all__ = ["OPS", "OpDef", "TensorSpec", "OutSpec", "op", "canonical_dtype", "op_names"]
