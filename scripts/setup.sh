@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create .venv and install egraph-did with its test extras. Idempotent: a second run installs nothing new.
+# torch goes in first, pinned to 2.13.0, whose CPU wheel lies on local disk; pyproject's torch>=2.11 is
+# then satisfied and pip never reaches for a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+    .venv/bin/pip install --quiet "torch==2.13.0"
+fi
+.venv/bin/pip install --quiet -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import torch, egglog, triton, egraph_did; print('egraph-did env: torch', torch.__version__, '| triton', triton.__version__, '| egglog ok')"

@@ -1,0 +1,23 @@
+"""Suite-wide checks.
+
+No logical device axes: sharding lives in the loop domain only (DESIGN.md, seed issue). Every
+TensorView any test builds is registered in egraph_did.fusion.ALL_TENSORS; after each test, every one
+still alive must have a logical domain free of DID-parallel and partial axes, and its logical domain
+must be what its shape says.
+"""
+import pytest
+
+from egraph_did.fusion import ALL_TENSORS
+
+
+def logical_device_axes(tv):
+    """The logical iter domains of tv that are bound to a mesh axis (must be none)."""
+    return [d for d in tv.logical_domain if d.is_device or d.is_reduction]
+
+
+@pytest.fixture(autouse=True)
+def no_logical_device_axes():
+    yield
+    bad = {tv.name: [str(d) for d in logical_device_axes(tv)] for tv in list(ALL_TENSORS)
+           if logical_device_axes(tv)}
+    assert not bad, f"tensors with a device or partial axis in their logical domain: {bad}"
