@@ -26,3 +26,13 @@ __all__ = [
     "shard_tensor", "unshard_tensor", "local_shape", "local_indices", "placements",
     "EgraphDidError", "ShapeError", "DtypeError", "ShardingError", "MeshError", "PlanError",
 ]
+
+from .cost import CostModel, Link  # noqa: E402
+from .layout import Layout, Placement  # noqa: E402
+from .optimize import optimize  # noqa: E402
+from .plan import Collective, ComputeStep, Plan  # noqa: E402
+
+__all__ += ["CostModel", "Link", "Layout", "Placement", "optimize", "Plan", "Collective", "ComputeStep"]
+from .simulate import simulate  # noqa: E402
+
+__all__ += ["simulate"]

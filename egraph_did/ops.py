@@ -60,6 +60,7 @@ class OpDef:
     reference: Callable[..., Any]
     decompose: Callable[..., Any] | None
     signature: inspect.Signature
+    rfactor: Callable[..., Any] | None = None  # decompose(ops, blocks, **args): the reduction split in blocks
 
     @property
     def is_composite(self) -> bool:
@@ -69,11 +70,12 @@ class OpDef:
 OPS: dict[str, OpDef] = {}
 
 
-def op(name: str, kind: str, reference: Callable, decompose: Callable | None = None):
+def op(name: str, kind: str, reference: Callable, decompose: Callable | None = None,
+       rfactor: Callable | None = None):
     """Register an op whose shape rule is the decorated function."""
     def register(infer):
         assert name not in OPS, f"op {name} registered twice"
-        OPS[name] = OpDef(name, kind, infer, reference, decompose, inspect.signature(infer))
+        OPS[name] = OpDef(name, kind, infer, reference, decompose, inspect.signature(infer), rfactor)
         return infer
     return register
 
@@ -338,7 +340,74 @@ def _decompose_var_mean(ops, x, dims=None, correction=1, keepdim=False):
     return var, ops.reshape(m, var.shape)
 
 
-@op("var_mean", "composite", _var_mean_ref, _decompose_var_mean)
+def _block_bounds(n: int, blocks: int) -> list[tuple[int, int]]:
+    """torch.chunk's pieces of n into `blocks`: ceil-sized, the last smaller, trailing ones empty."""
+    c = -(-n // blocks) if blocks else 0
+    return [(min(g * c, n), min((g + 1) * c, n)) for g in range(blocks)]
+
+
+def _welford_blocks_ref(x, dim, blocks):
+    dim = dim % x.ndim
+    stats = []
+    for lo, hi in _block_bounds(x.shape[dim], blocks):
+        piece = x.narrow(dim, lo, hi - lo)
+        n = torch.full_like(x.narrow(dim, 0, 1) if x.shape[dim] else x.sum(dim, keepdim=True), float(hi - lo))
+        if hi > lo:
+            m = piece.mean(dim, keepdim=True)
+            m2 = ((piece - m) ** 2).sum(dim, keepdim=True)
+        else:
+            m, m2 = torch.zeros_like(n), torch.zeros_like(n)
+        stats.append(torch.stack([n, m, m2], dim=-1))
+    return torch.cat(stats, dim=dim)
+
+
+@op("welford_blocks", "reduction", _welford_blocks_ref)
+def welford_blocks(x, dim: int, blocks: int):
+    """Welford statistics (count, mean, M2) of `blocks` torch.chunk pieces of x along dim: x's shape with
+    dim of extent `blocks`, plus a trailing axis of 3. The first half of an rfactor'ed var_mean."""
+    x = _need_tensor("welford_blocks", "x", x)
+    _need_float("welford_blocks", x)
+    d = norm_axis("welford_blocks", x, dim)
+    if not isinstance(blocks, int) or blocks < 1:
+        raise ShapeError(f"welford_blocks({x.name}): blocks must be a positive int, got {blocks!r}")
+    return [OutSpec(x.shape[:d] + (blocks,) + x.shape[d + 1:] + (3,), x.dtype,
+                    x.axes[:d] + (f"{x.axes[d]}/blk",) + x.axes[d + 1:] + ("stat",))]
+
+
+def _welford_merge_ref(stats, dim, correction=1, keepdim=False):
+    dim = dim % (stats.ndim - 1)
+    n, m, m2 = stats[..., 0], stats[..., 1], stats[..., 2]
+    total = n.sum(dim, keepdim=True)
+    mean = (n * m).sum(dim, keepdim=True) / total
+    var = (m2 + n * (m - mean) ** 2).sum(dim, keepdim=True) / (total - correction).clamp_min(0)
+    if not keepdim:
+        mean, var = mean.squeeze(dim), var.squeeze(dim)
+    return var, mean
+
+
+@op("welford_merge", "reduction", _welford_merge_ref)
+def welford_merge(stats, dim: int, correction: int = 1, keepdim: bool = False):
+    """(variance, mean) from Welford blocks along dim (Chan's parallel merge). The second half of an
+    rfactor'ed var_mean."""
+    stats = _need_tensor("welford_merge", "stats", stats)
+    if stats.ndim < 2 or stats.shape[-1] != 3:
+        raise ShapeError(f"welford_merge({stats.name}): expects Welford stats with a trailing axis of 3, got "
+                         f"{stats.shape}")
+    inner = TensorSpec(stats.name, stats.shape[:-1], stats.dtype, stats.axes[:-1])
+    d = norm_axis("welford_merge", inner, dim)
+    out = _reduced(inner, (d,), keepdim)
+    return [out, out]
+
+
+def _rfactor_var_mean(ops, blocks, x, dims=None, correction=1, keepdim=False):
+    dims = tuple(range(x.ndim)) if dims is None else ((dims,) if isinstance(dims, int) else tuple(dims))
+    if len(dims) != 1:
+        return None  # the Welford pair splits one reduced axis
+    stats = ops.welford_blocks(x, dims[0], blocks)
+    return ops.welford_merge(stats, dims[0], correction, keepdim)
+
+
+@op("var_mean", "composite", _var_mean_ref, _decompose_var_mean, rfactor=_rfactor_var_mean)
 def var_mean(x, dims=None, correction: int = 1, keepdim: bool = False):
     """(variance, mean) over `dims`, as torch.var_mean; correction=1 is Bessel's."""
     x = _need_tensor("var_mean", "x", x)

@@ -1,0 +1,243 @@
+"""The e-graph: encode a Problem in egglog, saturate, serialize, read back a plain graph.
+
+Two sorts (DESIGN.md): T, the logical program (a term per tensor; a composite and its decomposition
+are unioned, so they are one class), and D, the physical program, whose classes are named by the
+unextractable Phys(t, layout, level): every way to hold logical tensor t in `layout`. Levels
+stratify the graph so it stays acyclic: compute ops write level 0 and read level m (= mesh ndim);
+collectives and Keep move one level up, one mesh axis at a time.
+
+Rules are few and generic (one per (operand count, output count) for ops, two per level for
+collectives); the per-expr strategies and the reshard table are facts. Rules run forward from the
+classes that exist (the pinned inputs and every layout of free ones), so saturation builds exactly
+the reachable layouts. All version-specific egglog calls live in this module.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from itertools import product
+
+from egglog import EGraph, Expr, String, StringLike, function, i64, i64Like, relation, rule, ruleset, union, var
+
+from egraph_did.rewrites.resharding import reshards
+
+from .layout import Layout
+from .problem import Problem
+
+
+class T(Expr):
+    """A logical tensor."""
+
+
+@function(egg_fn="Tensor")
+def Tensor(name: StringLike) -> T: ...
+
+
+class D(Expr):
+    """A physical value: a logical tensor held in some layout on every rank."""
+
+
+@function(egg_fn="Phys", unextractable=True)
+def Phys(t: T, layout: StringLike, level: i64Like) -> D: ...
+
+
+@function(egg_fn="Load")
+def Load(name: StringLike, layout: StringLike) -> D: ...
+
+
+@function(egg_fn="Keep")
+def Keep(d: D) -> D: ...
+
+
+@function(egg_fn="Coll")
+def Coll(kind: StringLike, axis: i64Like, dst: StringLike, d: D) -> D: ...
+
+
+@function(egg_fn="Proj")
+def Proj(index: i64Like, d: D) -> D: ...
+
+
+@function(egg_fn="Apply1")
+def Apply1(key: StringLike, sid: i64Like, a: D) -> D: ...
+
+
+@function(egg_fn="Apply2")
+def Apply2(key: StringLike, sid: i64Like, a: D, b: D) -> D: ...
+
+
+@function(egg_fn="Apply3")
+def Apply3(key: StringLike, sid: i64Like, a: D, b: D, c: D) -> D: ...
+
+
+@function(egg_fn="Apply4")
+def Apply4(key: StringLike, sid: i64Like, a: D, b: D, c: D, d: D) -> D: ...
+
+
+APPLY = {1: Apply1, 2: Apply2, 3: Apply3, 4: Apply4}
+Valid = relation("Valid", T, String)  # t may be held in layout (any level below the top)
+Allowed = relation("Allowed", T, String)  # consumers may read t in layout (the top level)
+Trans = relation("Trans", String, String, String, i64)  # layout -> layout by a collective on a mesh axis
+STRAT = {(n, o): relation(f"Strat{n}x{o}", String, i64, *([T, String] * (o + n)))
+         for n in APPLY for o in (1, 2)}
+
+
+# ---------------------------------------------------------------------- read-back graph
+
+@dataclass
+class Node:
+    op: str  # Apply | Proj | Load | Keep | Coll | Choose
+    children: tuple[str, ...]  # class ids
+    key: str = ""  # Apply: expr key; Load: input name; Coll: kind
+    sid: int = -1  # Apply: strategy id; Proj: output index; Coll: mesh axis
+    cost: float = 0.0
+    memory: float = 0.0
+
+
+@dataclass
+class PhysGraph:
+    """Classes of the saturated e-graph's physical sort, with what each names and how to make it."""
+
+    classes: dict[str, list[Node]] = field(default_factory=dict)
+    ident: dict[str, tuple[str, str, int]] = field(default_factory=dict)  # class -> (tensor, layout, level)
+    index: dict[tuple[str, str, int], str] = field(default_factory=dict)  # (tensor, layout, level) -> class
+    canonical: dict[str, str] = field(default_factory=dict)  # tensor -> the name its class goes by
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def n_nodes(self) -> int:
+        return sum(len(ns) for ns in self.classes.values())
+
+
+# ---------------------------------------------------------------------- encode + saturate
+
+def _rules(m: int):
+    rs = ruleset(name=f"sharding{m}")
+    t, l, lf, lt, kind = var("t", T), var("l", String), var("lf", String), var("lt", String), var("kind", String)
+    ax = var("ax", i64)
+    for k in range(m):
+        top = k + 1 == m
+        rs.register(rule(Phys(t, l, k), *([Allowed(t, l)] if top else [Valid(t, l)])).then(
+            union(Phys(t, l, k + 1)).with_(Keep(Phys(t, l, k)))))
+        rs.register(rule(Phys(t, lf, k), Trans(lf, lt, kind, ax), (Allowed if top else Valid)(t, lt)).then(
+            union(Phys(t, lt, k + 1)).with_(Coll(kind, ax, lt, Phys(t, lf, k)))))
+    key, sid = var("key", String), var("sid", i64)
+    for (n, o), strat in STRAT.items():
+        outs = [(var(f"o{i}", T), var(f"lo{i}", String)) for i in range(o)]
+        ins = [(var(f"a{i}", T), var(f"la{i}", String)) for i in range(n)]
+        fact = strat(key, sid, *[x for pair in outs + ins for x in pair])
+        node = APPLY[n](key, sid, *[Phys(a, la, m) for a, la in ins])
+        if o == 1:
+            acts = [union(Phys(outs[0][0], outs[0][1], 0)).with_(node)]
+        else:
+            acts = [union(Phys(ot, ol, 0)).with_(Proj(i, node)) for i, (ot, ol) in enumerate(outs)]
+        rs.register(rule(fact, *[Phys(a, la, m) for a, la in ins]).then(*acts))
+    return rs
+
+
+def transitions(problem: Problem) -> list[tuple[str, str, str, int]]:
+    """Every (src layout, dst layout, collective, mesh axis) that changes one mesh axis's placement, where
+    no inner mesh axis splits the same tensor axis (shards nest outer mesh axis first)."""
+    codes: dict[str, Layout] = {}
+    for lays in problem.layouts.values():
+        for lay in lays:
+            codes[lay.code()] = lay
+    out = []
+    for src, dst in product(codes.values(), repeat=2):
+        diff = [m for m in range(len(src)) if src[m] != dst[m]]
+        if len(diff) != 1:
+            continue
+        m = diff[0]
+        inner = src.placements[m + 1:]
+        if any(p.is_shard and p in inner for p in (src[m], dst[m])):
+            continue
+        for r in reshards(src[m], dst[m]):
+            out.append((src.code(), dst.code(), r.kind, m))
+    return out
+
+
+def saturate(problem: Problem) -> PhysGraph:
+    """Encode, saturate and read back the physical graph (costs filled in by the extractor's caller)."""
+    m = problem.mesh.ndim
+    t0 = time.perf_counter()
+    eg = EGraph()
+    acts = []
+    for a, b in problem.equal:
+        acts.append(union(Tensor(a)).with_(Tensor(b)))
+    for name, lays in problem.layouts.items():
+        for lay in lays:
+            acts.append(Valid(Tensor(name), lay.code()))
+        for lay in problem.allowed(name):
+            acts.append(Allowed(Tensor(name), lay.code()))
+    for src, dst, kind, ax in transitions(problem):
+        acts.append(Trans(src, dst, kind, ax))
+    for tv in problem.fusion.inputs:
+        for lay in problem.input_layouts.get(tv.name) or problem.allowed(tv.name):
+            acts.append(union(Phys(Tensor(tv.name), lay.code(), 0)).with_(Load(tv.name, lay.code())))
+    for key, strats in problem.strategies.items():
+        e = problem.exprs[key]
+        operands = [v.name for _, v in e.args if hasattr(v, "logical_domain")]
+        outs = [o.name for o in e.outputs]
+        rel = STRAT[(len(operands), len(outs))]
+        for s in strats:
+            pairs = [x for name, lay in zip(outs + operands, s.outputs + s.inputs)
+                     for x in (Tensor(name), lay.code())]
+            acts.append(rel(key, s.sid, *pairs))
+    eg.register(*acts)
+    t1 = time.perf_counter()
+    eg.run(_rules(m).saturate())
+    t2 = time.perf_counter()
+    graph = _read_back(eg, prefer=lambda name: (name in problem.origin, name))
+    t3 = time.perf_counter()
+    graph.stats.update(encode_s=t1 - t0, saturate_s=t2 - t1, serialize_s=t3 - t2, facts=len(acts))
+    return graph
+
+
+def _literal(op: str):
+    return json.loads(op)
+
+
+def _read_back(eg: EGraph, prefer) -> PhysGraph:
+    data = json.loads(eg._serialize(split_primitive_outputs=False).to_json())
+    nodes, class_data = data["nodes"], data["class_data"]
+
+    def sort_of(node_id):
+        return class_data[nodes[node_id]["eclass"]]["type"].rsplit(".", 1)[-1]
+
+    names_of: dict[str, list[str]] = defaultdict(list)
+    for nd in nodes.values():
+        if nd["op"] == "Tensor":
+            names_of[nd["eclass"]].append(_literal(nodes[nd["children"][0]]["op"]))
+    tensor_names = {cls: min(names, key=prefer) for cls, names in names_of.items()}
+    graph = PhysGraph()
+    graph.canonical = {n: tensor_names[cls] for cls, names in names_of.items() for n in names}
+    for nd in nodes.values():
+        if sort_of_class(class_data, nd["eclass"]) != "D":
+            continue
+        op, ch, cls = nd["op"], nd["children"], nd["eclass"]
+        if op == "Phys":
+            ident = (tensor_names[nodes[ch[0]]["eclass"]], _literal(nodes[ch[1]]["op"]), _literal(nodes[ch[2]]["op"]))
+            assert graph.ident.setdefault(cls, ident) == ident, f"layouts {ident} and {graph.ident[cls]} merged"
+            graph.index[ident] = cls
+            graph.classes.setdefault(cls, [])
+            continue
+        d_children = tuple(nodes[c]["eclass"] for c in ch if sort_of(c) == "D")
+        if op.startswith("Apply"):
+            node = Node("Apply", d_children, _literal(nodes[ch[0]]["op"]), _literal(nodes[ch[1]]["op"]))
+        elif op == "Proj":
+            node = Node("Proj", d_children, sid=_literal(nodes[ch[0]]["op"]))
+        elif op == "Load":
+            node = Node("Load", (), _literal(nodes[ch[0]]["op"]))
+        elif op == "Keep":
+            node = Node("Keep", d_children)
+        elif op == "Coll":
+            node = Node("Coll", d_children, _literal(nodes[ch[0]]["op"]), _literal(nodes[ch[1]]["op"]))
+        else:  # pragma: no cover - every D constructor is handled above
+            raise AssertionError(f"unexpected physical node {op}")
+        graph.classes.setdefault(cls, []).append(node)
+    return graph
+
+
+def sort_of_class(class_data, cls: str) -> str:
+    return class_data[cls]["type"].rsplit(".", 1)[-1]

@@ -1,0 +1,178 @@
+"""DAG-aware extraction from the saturated physical graph: a value used by several consumers is paid
+once. `greedy_dag` is fast (bottom-up, each class keeps the cheapest set of nodes it needs, as a
+bitset); `exact` solves the same problem as an integer program with scipy's HiGHS (small graphs, and
+to measure the greedy gap). A per-device memory bound is a constraint in `exact` and a Lagrangian
+penalty searched by bisection in `greedy_dag`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .egraph import Node, PhysGraph
+from .errors import PlanError
+
+ROOT = "__root__"
+
+
+@dataclass
+class Selection:
+    """The chosen node of every class the plan needs."""
+
+    choice: dict[str, Node]
+    cost: float
+    memory: float
+    method: str
+
+
+def _topo_order(graph: PhysGraph, roots: list[str]) -> list[str]:
+    """Classes reachable from roots, children before parents (iterative DFS; the graph is acyclic)."""
+    order, state = [], {}
+    for r in roots:
+        stack = [(r, False)]
+        while stack:
+            c, done = stack.pop()
+            if done:
+                state[c] = 2
+                order.append(c)
+                continue
+            if state.get(c):
+                continue
+            state[c] = 1
+            stack.append((c, True))
+            for n in graph.classes[c]:
+                for ch in n.children:
+                    if not state.get(ch):
+                        stack.append((ch, False))
+    return order
+
+
+def with_roots(graph: PhysGraph, outputs: dict[str, list[str]]) -> list[str]:
+    """Add one choice class per output (any of its allowed classes) and a root needing all of them."""
+    roots = []
+    for name, classes in outputs.items():
+        cls = f"__out__:{name}"
+        graph.classes[cls] = [Node("Choose", (c,)) for c in classes]
+        roots.append(cls)
+    graph.classes[ROOT] = [Node("Root", tuple(roots))]
+    return [ROOT]
+
+
+def _total(choice: dict[str, Node]) -> tuple[float, float]:
+    return sum(n.cost for n in choice.values()), sum(n.memory for n in choice.values())
+
+
+def _greedy(graph: PhysGraph, order: list[str], penalty: float) -> dict[str, Node] | None:
+    nodes = [n for c in order for n in graph.classes[c]]
+    index = {id(n): i for i, n in enumerate(nodes)}
+    weight = [n.cost + penalty * n.memory for n in nodes]
+    best: dict[str, tuple[float, int, Node]] = {}
+    for c in order:
+        pick = None
+        for n in graph.classes[c]:
+            if any(ch not in best for ch in n.children):
+                continue
+            i = index[id(n)]
+            mask, cost = 1 << i, weight[i]
+            for ch in n.children:
+                new = best[ch][1] & ~mask
+                mask |= new
+                while new:
+                    low = new & -new
+                    cost += weight[low.bit_length() - 1]
+                    new ^= low
+            if pick is None or cost < pick[0] - 1e-15:
+                pick = (cost, mask, n)
+        if pick is not None:
+            best[c] = pick
+    if ROOT not in best:
+        return None
+    mask = best[ROOT][1]
+    chosen = {}
+    # every class's pick in the root's set; a class appears once (the bitset holds one node per class)
+    for c in order:
+        if c in best and mask >> index[id(best[c][2])] & 1:
+            chosen[c] = best[c][2]
+    return chosen
+
+
+def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = None) -> Selection:
+    """Bottom-up greedy: each class keeps the cheapest node counting shared descendants once."""
+    order = _topo_order(graph, roots)
+    chosen = _greedy(graph, order, 0.0)
+    if chosen is None:
+        raise PlanError("no plan computes every output from the pinned inputs: a pin cannot be honoured")
+    cost, mem = _total(chosen)
+    if memory_limit is not None and mem > memory_limit:
+        lo, hi = 0.0, 1e-12
+        best_fit = None
+        for _ in range(60):  # grow the price of a byte until the plan fits, then bisect
+            trial = _greedy(graph, order, hi)
+            if _total(trial)[1] <= memory_limit:
+                best_fit = trial
+                break
+            hi *= 4
+        if best_fit is None:
+            raise PlanError(f"no plan fits the memory bound of {memory_limit / 2**30:.2f} GiB per device "
+                            f"(the smallest found needs {_total(trial)[1] / 2**30:.2f} GiB)")
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            trial = _greedy(graph, order, mid)
+            if _total(trial)[1] <= memory_limit:
+                best_fit, hi = trial, mid
+            else:
+                lo = mid
+        chosen = best_fit
+        cost, mem = _total(chosen)
+    return Selection(chosen, cost, mem, "greedy-dag")
+
+
+def exact(graph: PhysGraph, roots: list[str], memory_limit: float | None = None,
+          time_limit: float = 60.0) -> Selection:
+    """Minimum-cost DAG extraction as a 0/1 program (HiGHS): pick nodes so every picked node's child
+    classes have a picked node and every root does; each picked node is paid once."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import lil_matrix
+
+    order = _topo_order(graph, roots)
+    nodes = [(c, n) for c in order for n in graph.classes[c]]
+    col = {id(n): i for i, (_, n) in enumerate(nodes)}
+    members = {c: [col[id(n)] for n in graph.classes[c]] for c in order}
+    rows = [(i, ch) for i, (_, n) in enumerate(nodes) for ch in n.children]
+    nrow = len(rows) + len(roots) + (memory_limit is not None)
+    a = lil_matrix((nrow, len(nodes)))
+    lb, ub = np.full(nrow, -np.inf), np.zeros(nrow)
+    for r, (i, ch) in enumerate(rows):  # x_n <= sum of the child class's nodes
+        a[r, i] = 1.0
+        for j in members[ch]:
+            a[r, j] -= 1.0
+    for k, root in enumerate(roots):
+        r = len(rows) + k
+        for j in members[root]:
+            a[r, j] = 1.0
+        lb[r], ub[r] = 1.0, np.inf
+    if memory_limit is not None:
+        r = nrow - 1
+        for i, (_, n) in enumerate(nodes):
+            a[r, i] = n.memory
+        ub[r] = memory_limit
+    cost = np.array([n.cost for _, n in nodes])
+    res = milp(cost, constraints=LinearConstraint(a.tocsr(), lb, ub), integrality=np.ones(len(nodes)),
+               bounds=Bounds(0, 1), options={"time_limit": time_limit})
+    if res.x is None:
+        raise PlanError("no plan satisfies the pins" + (" and the memory bound" if memory_limit else "")
+                        + f" (HiGHS: {res.message})")
+    picked = res.x > 0.5
+    chosen: dict[str, Node] = {}
+    stack = list(roots)
+    while stack:  # keep only what the roots need, one node per class (the cheapest picked)
+        c = stack.pop()
+        if c in chosen:
+            continue
+        cands = [n for n in graph.classes[c] if picked[col[id(n)]]]
+        n = min(cands, key=lambda n: n.cost)
+        chosen[c] = n
+        stack.extend(n.children)
+    total, mem = _total(chosen)
+    return Selection(chosen, total, mem, "exact-ilp")

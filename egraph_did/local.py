@@ -1,0 +1,113 @@
+"""Local kernels: run one op on one rank's shards, as a plan's compute step says.
+
+Mostly the op's reference on local tensors. A few strategies need the rank's place (their flags), and
+ops whose attributes are shapes get the local shapes. Shared by simulate() and the runtime.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .layout import Layout
+from .mesh import DeviceMesh
+from .ops import OPS
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A tensor operand or output as one rank sees it."""
+
+    shape: tuple[int, ...]  # global
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class RankContext:
+    mesh: DeviceMesh
+    rank: int
+
+    @property
+    def coords(self) -> tuple[int, ...]:
+        return self.mesh.coords(self.rank)
+
+    def shard_range(self, extent: int, layout: Layout, axis: int) -> tuple[int, int]:
+        """[start, stop) of the global indices along `axis` this rank holds (outer mesh axes split first;
+        torch.chunk sizes at each level)."""
+        start, size = 0, extent
+        for m in layout.sharding_axes(axis):
+            p, c = self.mesh.shape[m], self.coords[m]
+            step = -(-size // p)
+            lo = min(c * step, size)
+            start, size = start + lo, min(step, size - lo)
+        return start, start + size
+
+    def local_shape(self, o: Operand) -> tuple[int, ...]:
+        return tuple(hi - lo for lo, hi in (self.shard_range(e, o.layout, a) for a, e in enumerate(o.shape)))
+
+    def on_first(self, mesh_axes) -> bool:
+        """Whether this rank sits at coordinate 0 of every given mesh axis."""
+        return all(self.coords[m] == 0 for m in mesh_axes)
+
+
+def run_local(op: str, args: dict[str, Any], operands: dict[str, Operand], outputs: list[Operand],
+              flags: dict[str, list[int]], ctx: RankContext) -> tuple[torch.Tensor, ...]:
+    """One rank's part of a compute step. args holds local tensors (by parameter) and literals."""
+    args = dict(args)
+    out_shapes = [ctx.local_shape(o) for o in outputs]
+    if op in ("reshape", "expand", "broadcast_in_dim"):
+        args["shape"] = out_shapes[0]
+    if op == "welford_blocks":
+        args["blocks"] = out_shapes[0][args["dim"] % len(out_shapes[0][:-1])]
+    if "bias_once" in flags and not ctx.on_first(flags["bias_once"]):
+        args["bias"] = None
+    if "global_count" in flags:
+        return (_global_mean(op, args, operands),)
+    if "vocab_parallel" in flags:
+        return (_masked_rows(args["weight"], args["indices"], operands["weight"], 0, ctx),)
+    if "masked_gather" in flags:
+        return (_masked_gather(args, operands["x"], ctx),)
+    if "q_offset" in flags:
+        return (_sdpa_offset(args, operands["q"], ctx),)
+    out = OPS[op].reference(**args)
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _global_mean(op: str, args, operands) -> torch.Tensor:
+    """A mean over a sharded axis as a partial: local sum / global count."""
+    if op == "mean":
+        x, dims = args["x"], args["dims"]
+        shape = operands["x"].shape
+        dims = range(len(shape)) if dims is None else ((dims,) if isinstance(dims, int) else dims)
+        n = math.prod(shape[d] for d in dims)
+        return torch.sum(x, dim=tuple(d % x.ndim for d in dims), keepdim=args["keepdim"]) / n
+    assert op == "cross_entropy", op
+    total = OPS[op].reference(args["logits"], args["target"], reduction="sum")
+    return total / operands["target"].shape[0]
+
+
+def _masked_rows(weight, indices, w: Operand, axis: int, ctx: RankContext) -> torch.Tensor:
+    lo, hi = ctx.shard_range(w.shape[axis], w.layout, axis)
+    inside = (indices >= lo) & (indices < hi)
+    local = (indices - lo).clamp(0, max(hi - lo - 1, 0))
+    return weight[local] * inside.unsqueeze(-1).to(weight.dtype)
+
+
+def _masked_gather(args, x: Operand, ctx: RankContext) -> torch.Tensor:
+    xl, index, dim = args["x"], args["index"], args["dim"] % len(x.shape)
+    lo, hi = ctx.shard_range(x.shape[dim], x.layout, dim)
+    inside = (index >= lo) & (index < hi)
+    picked = torch.take_along_dim(xl, (index - lo).clamp(0, max(hi - lo - 1, 0)), dim)
+    return picked * inside.to(xl.dtype)
+
+
+def _sdpa_offset(args, q: Operand, ctx: RankContext) -> torch.Tensor:
+    """Causal attention for a shard of the queries: query i of the shard is global row start + i."""
+    lo, _ = ctx.shard_range(q.shape[2], q.layout, 2)
+    ql, k = args["q"], args["k"]
+    rows = torch.arange(ql.shape[2], device=ql.device).unsqueeze(1) + lo
+    keep = torch.arange(k.shape[2], device=ql.device).unsqueeze(0) <= rows
+    return torch.nn.functional.scaled_dot_product_attention(ql, k, args["v"], attn_mask=keep,
+                                                            scale=args.get("scale"))

@@ -1,0 +1,264 @@
+"""optimize(): fusion -> problem -> e-graph (saturated) -> priced graph -> DAG extraction -> Plan."""
+from __future__ import annotations
+
+import math
+import time
+
+from .cost import CostModel
+from .egraph import Node, PhysGraph, saturate
+from .errors import PlanError
+from .extract import ROOT, Selection, exact, greedy_dag, with_roots
+from .layout import Layout
+from .mesh import DeviceMesh
+from .plan import Collective, ComputeStep, Plan, Value
+from .problem import Problem, build_problem
+
+
+def price(graph: PhysGraph, problem: Problem) -> None:
+    """Set every node's predicted seconds and the bytes its result occupies on one device."""
+    cm, mesh = problem.cost_model, problem.mesh
+    strategies = {(k, s.sid): s for k, ss in problem.strategies.items() for s in ss}
+    for cls, nodes in graph.classes.items():
+        for n in nodes:
+            if n.op == "Apply":
+                s = strategies[(n.key, n.sid)]
+                n.cost, n.memory = s.time, s.memory
+            elif n.op == "Load":
+                t, lay, _ = graph.ident[cls]
+                n.memory = problem.nbytes(t, Layout.from_code(lay))
+            elif n.op == "Coll":
+                t, dst, _ = graph.ident[cls]
+                src = graph.ident[n.children[0]][1]
+                n.cost, nbytes = collective_cost(problem, n.key, n.sid, t, Layout.from_code(src),
+                                                 Layout.from_code(dst))
+                n.memory = problem.nbytes(t, Layout.from_code(dst))
+
+
+def collective_cost(problem: Problem, kind: str, axis: int, tensor: str, src: Layout, dst: Layout
+                    ) -> tuple[float, float]:
+    """(seconds, bytes moved) for one collective; bytes are the full-on-this-axis tensor per rank."""
+    cm, mesh = problem.cost_model, problem.mesh
+    if kind == "slice":
+        out = problem.nbytes(tensor, dst)
+        return cm.compute_time(0.0, 2 * out, problem.tensor(tensor).dtype), 0.0
+    wide = src if kind in ("reduce_scatter", "allreduce") else dst  # the side not split on this axis
+    if kind == "alltoall":
+        wide = src
+    nbytes = problem.nbytes(tensor, wide)
+    if kind == "alltoall":
+        nbytes = nbytes  # each rank sends (p-1)/p of what it holds
+    return cm.collective_time(kind, nbytes, mesh.shape[axis], axis, mesh.ndim), nbytes
+
+
+def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extractor: str = "greedy",
+             like: Plan | None = None) -> Plan:
+    """Lay out every tensor of `fd` on `mesh` at the least predicted time.
+
+    Tensors given a mesh (set_device_mesh, plus DID splits) are pinned exactly; the rest are free.
+    extractor: "greedy" (greedy-DAG) or "exact" (0/1 program, HiGHS). like: pin every tensor to the
+    layout another plan chose (a plan of the same fusion at other shapes).
+
+    >>> import egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     x = fd.define_tensor((64, 1024), name="x")
+    ...     fd.add_output(fd.ops.sum(x, 1), name="y")
+    >>> mesh = ed.DeviceMesh.arange(4)
+    >>> _ = x.set_device_mesh(mesh).outer_split(1, 4).axis(1).parallelize(ed.ParallelType.DIDx)
+    >>> plan = ed.optimize(fd, mesh)
+    >>> [c.kind for c in plan.collectives]
+    ['allreduce']
+    """
+    t0 = time.perf_counter()
+    cm = cost_model or CostModel.h200()
+    pins = None if like is None else {name: like.values[v].layout_obj for name, v in like.outputs.items()}
+    problem = build_problem(fd, mesh, cm, pins=pins, like=like)
+    t1 = time.perf_counter()
+    graph = saturate(problem)
+    t2 = time.perf_counter()
+    price(graph, problem)
+    m = mesh.ndim
+    outputs = {}
+    for name in problem.fusion.outputs:
+        classes = [graph.index[(canonical(graph, problem, name), lay.code(), m)]
+                   for lay in problem.allowed(name)
+                   if (canonical(graph, problem, name), lay.code(), m) in graph.index]
+        if not classes:
+            raise PlanError(f"output {name}: no layout in {[str(x) for x in problem.allowed(name)]} is reachable "
+                            f"from the pinned inputs")
+        outputs[name] = classes
+    roots = with_roots(graph, outputs)
+    if extractor == "greedy":
+        sel = greedy_dag(graph, roots, cm.memory_limit)
+    elif extractor == "exact":
+        sel = exact(graph, roots, cm.memory_limit)
+    else:
+        raise PlanError(f"unknown extractor {extractor!r}; use 'greedy' or 'exact'")
+    t3 = time.perf_counter()
+    plan = build_plan(problem, graph, sel)
+    plan.stats.update(graph.stats)
+    plan.stats.update(build_s=t1 - t0, egraph_s=t2 - t1, extract_s=t3 - t2, total_s=time.perf_counter() - t0,
+                      classes=len(graph.classes), nodes=graph.n_nodes)
+    return plan
+
+
+def canonical(graph: PhysGraph, problem: Problem, tensor: str) -> str:
+    """The name the e-graph read-back uses for the class of `tensor`."""
+    return graph.canonical.get(tensor, tensor)
+
+
+def build_plan(problem: Problem, graph: PhysGraph, sel: Selection) -> Plan:
+    """Turn the chosen nodes into ordered steps over named values."""
+    mesh = problem.mesh
+    choice = sel.choice
+    order = [c for c in _order(graph, choice) if c in choice]
+    values: dict[str, Value] = {}
+    value_of: dict[str, str] = {}  # class -> value name
+    steps: list = []
+    inputs: dict[str, list[str]] = {}
+    apply_outputs: dict[str, list[str]] = {}
+
+    def value_for(cls: str) -> str:
+        t, lay, _ = graph.ident[cls]
+        name = f"{t}:{lay}"
+        if name not in values:
+            tv = problem.tensor(t)
+            values[name] = Value(name, t, tv.shape, str(tv.dtype).replace("torch.", ""), lay,
+                                 tuple(d.name for d in tv.logical_domain))
+        return name
+
+    produced: set[str] = set()
+    for cls in order:
+        n = choice[cls]
+        if n.op in ("Root", "Choose"):
+            continue
+        if n.op == "Keep":
+            value_of[cls] = value_of[n.children[0]]
+            continue
+        if n.op == "Proj":
+            value_of[cls] = value_for(cls)
+            continue
+        if n.op == "Apply" and cls not in graph.ident:  # a multi-output op's tuple class
+            value_of[cls] = cls
+            continue
+        v = value_for(cls)
+        value_of[cls] = v
+        if v in produced:
+            continue  # the same tensor in the same layout, reached another way: reuse it
+        if n.op == "Load":
+            inputs.setdefault(n.key, []).append(v)
+        elif n.op == "Coll":
+            t = graph.ident[cls][0]
+            src = value_of[n.children[0]]
+            secs, nbytes = collective_cost(problem, n.key, n.sid, t, values[src].layout_obj,
+                                           values[v].layout_obj)
+            reduce = "max" if values[src].layout_obj[n.sid].reduce == "max" and n.key == "allreduce" else "sum"
+            steps.append(Collective(n.key, t, src, v, n.sid, mesh.axis_names[n.sid], nbytes, secs, reduce))
+        elif n.op == "Apply":
+            steps.append(_compute_step(problem, graph, n, [v], value_of))
+        produced.add(v)
+    # multi-output applies: emit the op once, before its first projected output is used
+    steps = _emit_tuples(problem, graph, choice, order, value_of, steps, values, value_for)
+    outputs = {}
+    for name in problem.fusion.outputs:
+        cls = f"__out__:{name}"
+        outputs[name] = value_of[choice[cls].children[0]]
+    plan = Plan(mesh, problem.cost_model, values, _explain_why(steps, values, outputs, problem), inputs, outputs,
+                memory=sel.memory, method=sel.method)
+    plan.validate()
+    return plan
+
+
+def _compute_step(problem: Problem, graph: PhysGraph, n: Node, outs: list[str], value_of) -> ComputeStep:
+    e = problem.exprs[n.key]
+    s = problem.strategies[n.key][n.sid]
+    operand_values = iter(value_of[c] for c in n.children)
+    args, params = [], []
+    for k, v in e.args:
+        if hasattr(v, "logical_domain"):
+            args.append((k, next(operand_values)))
+            params.append(k)
+        else:
+            args.append((k, v))
+    flags: dict[str, list[int]] = {}
+    for m, fs in enumerate(s.flags):
+        for f in fs:
+            flags.setdefault(f, []).append(m)
+    return ComputeStep(e.op.name, tuple(args), tuple(params), tuple(outs),
+                       tuple((f, tuple(ms)) for f, ms in sorted(flags.items())), s.rules, s.time)
+
+
+def _order(graph: PhysGraph, choice) -> list[str]:
+    """Chosen classes, producers first."""
+    out, seen = [], set()
+    stack = [(ROOT, False)]
+    while stack:
+        c, done = stack.pop()
+        if done:
+            out.append(c)
+            continue
+        if c in seen:
+            continue
+        seen.add(c)
+        stack.append((c, True))
+        for ch in reversed(choice[c].children):
+            if ch not in seen:
+                stack.append((ch, False))
+    return out
+
+
+def _emit_tuples(problem, graph, choice, order, value_of, steps, values, value_for):
+    """Insert each multi-output compute step before the first step that reads one of its outputs."""
+    tuples = {}
+    for cls in order:
+        n = choice[cls]
+        if n.op == "Proj":
+            tup = n.children[0]
+            tuples.setdefault(tup, {})[n.sid] = value_of[cls]
+    if not tuples:
+        return steps
+    out = list(steps)
+    for tup, projected in tuples.items():
+        n = choice[tup]
+        e = problem.exprs[n.key]
+        s = problem.strategies[n.key][n.sid]
+        outs = []
+        for i, o in enumerate(e.outputs):
+            if i in projected:
+                outs.append(projected[i])
+            else:  # an output nobody reads still gets a name
+                name = f"{o.name}:{s.outputs[i].code()}"
+                values.setdefault(name, Value(name, o.name, o.shape, str(o.dtype).replace("torch.", ""),
+                                              s.outputs[i].code(), tuple(d.name for d in o.logical_domain)))
+                outs.append(name)
+        step = _compute_step(problem, graph, n, outs, value_of)
+        first = next((i for i, st in enumerate(out) if set(_reads(st)) & set(outs)), len(out))
+        out.insert(first, step)
+    return out
+
+
+def _reads(step) -> list[str]:
+    if isinstance(step, ComputeStep):
+        return [v for k, v in step.args if k in step.tensor_params]
+    return [step.src]
+
+
+def _explain_why(steps, values, outputs, problem: Problem) -> list:
+    """Fill each collective's `why`: the first step (or output) that reads what it produced."""
+    out = []
+    for i, s in enumerate(steps):
+        if isinstance(s, Collective):
+            reader = next((st for st in steps[i + 1:] if s.dst in _reads(st)), None)
+            lay = values[s.dst].layout
+            if isinstance(reader, ComputeStep):
+                ins = ", ".join(values[v].tensor for v in _reads(reader))
+                outs = ", ".join(values[o].tensor for o in reader.outputs)
+                why = f"{outs} = {reader.op}({ins}) [{'/'.join(reader.rules)}] reads {s.tensor} as {lay}"
+            elif isinstance(reader, Collective):
+                why = f"then {reader.kind} on {reader.mesh_axis_name}"
+            else:
+                name = next((k for k, v in outputs.items() if v == s.dst), s.tensor)
+                pinned = " (pinned)" if name in problem.pins else ""
+                why = f"output {name} is delivered as {lay}{pinned}"
+            s = Collective(**{**s.__dict__, "why": why})
+        out.append(s)
+    return out

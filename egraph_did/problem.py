@@ -1,0 +1,236 @@
+"""The sharding problem: a working copy of the fusion (with the decompositions of reducing composites
+added as equal terms), every tensor's candidate layouts and pins, and every op's strategies on the
+whole mesh with their predicted local cost. Plain data; the e-graph encodes it, the extractor prices
+collectives from it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from egraph_did.rewrites import AxisStrategy, Operand, OpView, axis_strategies
+
+from .cost import CostModel
+from .errors import PlanError
+from .fusion import Expr, Fusion, Ops, as_fusion
+from .ir import TensorView
+from .layout import Layout, is_valid, layout_of, local_extents, valid_layouts
+from .mesh import DeviceMesh
+
+# Composites whose reduction may run over a sharded axis: the e-graph also holds their decomposition,
+# where rfactor rules apply to the primitive reductions.
+REDUCING_COMPOSITES = ("softmax", "layer_norm", "rms_norm", "var_mean", "mean", "cross_entropy")
+FREE_VIEWS = ("reshape", "unsqueeze", "expand", "broadcast_in_dim")  # metadata only, no kernel
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run an expr on the whole mesh: a layout per operand and output, flags per mesh axis."""
+
+    key: str  # the expr's first output name
+    sid: int
+    inputs: tuple[Layout, ...]
+    outputs: tuple[Layout, ...]
+    flags: tuple[frozenset[str], ...]  # per mesh axis
+    rules: tuple[str, ...]  # per mesh axis
+    time: float
+    memory: float  # bytes the outputs occupy on one device
+
+
+@dataclass
+class Problem:
+    fusion: Fusion  # working copy: the user's exprs, then decompositions
+    mesh: DeviceMesh
+    cost_model: CostModel
+    exprs: dict[str, Expr] = field(default_factory=dict)  # key -> expr
+    strategies: dict[str, list[Strategy]] = field(default_factory=dict)
+    equal: list[tuple[str, str]] = field(default_factory=list)  # (tensor, tensor computing the same value)
+    pins: dict[str, Layout] = field(default_factory=dict)
+    layouts: dict[str, list[Layout]] = field(default_factory=dict)  # every valid layout, partials included
+    origin: dict[str, str] = field(default_factory=dict)  # decomposition tensor -> the composite it expands
+    input_layouts: dict[str, list[Layout]] = field(default_factory=dict)  # overrides allowed() for loads
+
+    def tensor(self, name: str) -> TensorView:
+        return self.fusion.tensors[name]
+
+    def nbytes(self, name: str, layout: Layout) -> float:
+        tv = self.tensor(name)
+        return math.prod(local_extents(tv.shape, layout, self.mesh)) * tv.dtype.itemsize
+
+    def allowed(self, name: str) -> list[Layout]:
+        """Layouts a consumer may read `name` in: its pin, or any layout without a pending reduction."""
+        if name in self.pins:
+            return [self.pins[name]]
+        return [lay for lay in self.layouts[name] if not lay.has_partial]
+
+
+# ---------------------------------------------------------------------- working copy
+
+def clone_fusion(src: Fusion) -> tuple[Fusion, Ops]:
+    """A structural copy of src with the same tensor names (no pins)."""
+    dst = Fusion()
+    ops = Ops(dst)
+    new: dict[int, TensorView] = {}
+    for tv in src.inputs:
+        new[id(tv)] = dst.define_tensor(tv.shape, tv.dtype, tv.name, [d.name for d in tv.logical_domain])
+    for e in src.exprs:
+        outs = dst.emit(e.op.name, **{k: new[id(v)] if isinstance(v, TensorView) else v for k, v in e.args})
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        for old, tv in zip(e.outputs, outs):
+            dst.tensors.pop(tv.name)
+            tv.name = old.name
+            dst.tensors[tv.name] = tv
+            new[id(old)] = tv
+    for name, tv in src.outputs.items():
+        dst.outputs[name] = new[id(tv)]
+    return dst, ops
+
+
+def _add_decompositions(work: Fusion, ops: Ops, mesh: DeviceMesh, problem: Problem) -> None:
+    """Append, for each reducing composite, its decomposition (and its rfactor by each mesh axis size),
+    recording that the decomposition's outputs equal the composite's."""
+    blocks = sorted({s for s in mesh.shape if s > 1})
+    pending = [e for e in work.exprs if e.op.name in REDUCING_COMPOSITES]
+    for _ in range(4):  # composites inside decompositions (layer_norm -> var_mean) expand in turn
+        start = len(work.exprs)
+        for e in pending:
+            args = dict(e.args)
+            variants = [lambda: e.op.decompose(ops, **args)]
+            if e.op.rfactor is not None:
+                variants += [lambda g=g: e.op.rfactor(ops, g, **args) for g in blocks]
+            for make in variants:
+                first = len(work.exprs)
+                outs = make()
+                if outs is None:
+                    continue
+                for old, new in zip(e.outputs, outs if isinstance(outs, tuple) else (outs,)):
+                    problem.equal.append((old.name, new.name))
+                for d in work.exprs[first:]:
+                    for o in d.outputs:
+                        problem.origin[o.name] = problem.origin.get(e.outputs[0].name, e.outputs[0].name)
+        pending = [e for e in work.exprs[start:] if e.op.name in REDUCING_COMPOSITES]
+        if not pending:
+            break
+
+
+# ---------------------------------------------------------------------- strategies
+
+def op_view(e: Expr, d: int) -> OpView:
+    operands = tuple(Operand(k, v.shape, v.dtype) for k, v in e.args if isinstance(v, TensorView))
+    attrs = tuple((k, v) for k, v in e.args if not isinstance(v, TensorView))
+    return OpView(e.op.name, operands, attrs, tuple(Operand("out", o.shape, o.dtype) for o in e.outputs), d)
+
+
+def local_flops(e: Expr, ins: list[tuple[int, ...]], outs: list[tuple[int, ...]]) -> float:
+    """Floating-point work of one rank's kernel, from the local shapes."""
+    name = e.op.name
+    out_n = math.prod(outs[0])
+    if name == "linear":
+        return 2.0 * out_n * ins[0][-1]
+    if name == "matmul":
+        return 2.0 * out_n * ins[0][-1]
+    if name == "sdpa":
+        b, h, sq, d = ins[0]
+        sk = ins[1][2]
+        causal = dict(e.args).get("is_causal")
+        return (2.0 if causal else 4.0) * b * h * sq * sk * d + 4.0 * b * h * sq * sk
+    return float(sum(math.prod(s) for s in ins) + out_n)
+
+
+def _combination_ok(e: Expr, ins: tuple[Layout, ...], mesh: DeviceMesh) -> bool:
+    """Rules are stated per mesh axis; a few need care when two mesh axes split one tensor axis."""
+    if e.op.name not in ("reshape", "welford_blocks"):
+        return True
+    x = next(v for k, v in e.args if isinstance(v, TensorView))
+    for a in range(x.ndim):
+        axes = ins[0].sharding_axes(a)
+        if len(axes) > 1:
+            return False  # nested splits: each mesh axis's rule saw a different piece
+    return True
+
+
+def expr_strategies(e: Expr, mesh: DeviceMesh, cm: CostModel, problem: Problem) -> list[Strategy]:
+    """Every strategy of e on the mesh: the product of its one-axis rules, valid shapes only, priced."""
+    operands = [v for _, v in e.args if isinstance(v, TensorView)]
+    per_axis: list[list[AxisStrategy]] = [axis_strategies(op_view(e, size)) for size in mesh.shape]
+    key = e.outputs[0].name
+    out: list[Strategy] = []
+    for combo in itertools.product(*per_axis):
+        ins = tuple(Layout(tuple(c.inputs[i] for c in combo)) for i in range(len(operands)))
+        outs = tuple(Layout(tuple(c.outputs[i] for c in combo)) for i in range(len(e.outputs)))
+        if not all(is_valid(lay, t.shape, mesh) for lay, t in zip(ins + outs, operands + list(e.outputs))):
+            continue
+        if not _combination_ok(e, ins, mesh):
+            continue
+        in_shapes = [local_extents(t.shape, lay, mesh) for t, lay in zip(operands, ins)]
+        out_shapes = [local_extents(t.shape, lay, mesh) for t, lay in zip(e.outputs, outs)]
+        in_bytes = sum(math.prod(s) * t.dtype.itemsize for s, t in zip(in_shapes, operands))
+        out_bytes = sum(math.prod(s) * t.dtype.itemsize for s, t in zip(out_shapes, e.outputs))
+        if e.op.name in FREE_VIEWS:
+            time, mem = 0.0, 0.0
+        else:
+            dtype = operands[0].dtype if operands[0].dtype.is_floating_point else e.outputs[0].dtype
+            time = cm.compute_time(local_flops(e, in_shapes, out_shapes), in_bytes + out_bytes, dtype)
+            mem = float(out_bytes)
+        out.append(Strategy(key, len(out), ins, outs, tuple(c.flags for c in combo),
+                            tuple(c.rule for c in combo), time, mem))
+    return out
+
+
+# ---------------------------------------------------------------------- build
+
+def build_problem(fd, mesh: DeviceMesh, cost_model: CostModel | None = None,
+                  pins: dict[str, Layout] | None = None, like=None) -> Problem:
+    """Working fusion, pins read from the user's loop domains (plus `pins`), strategies for every expr.
+    like: a Plan of the same fusion (at any shapes) whose layouts and strategies are the only ones kept."""
+    user = as_fusion(fd)
+    if not user.outputs:
+        raise PlanError("the fusion has no outputs; call fd.add_output(tensor, name=...)")
+    cm = cost_model or CostModel.h200()
+    work, ops = clone_fusion(user)
+    problem = Problem(work, mesh, cm)
+    for tv in user.all_tensors():
+        if tv.mesh is not None:
+            problem.pins[tv.name] = layout_of(tv, mesh)
+    for name, lay in (pins or {}).items():
+        if name not in work.tensors:
+            raise PlanError(f"pin for unknown tensor {name!r}")
+        problem.pins[name] = lay
+    _add_decompositions(work, ops, mesh, problem)
+    for tv in work.all_tensors():
+        problem.layouts[tv.name] = list(valid_layouts(tv.shape, mesh, partial=True))
+    for name, lay in problem.pins.items():
+        if not is_valid(lay, work.tensors[name].shape, mesh):
+            raise PlanError(f"{name}: pinned layout {lay} does not fit its shape {work.tensors[name].shape}")
+    for e in work.exprs:
+        key = e.outputs[0].name
+        problem.exprs[key] = e
+        problem.strategies[key] = expr_strategies(e, mesh, cm, problem)
+    if like is not None:
+        _restrict_to(problem, like)
+    return problem
+
+
+def _restrict_to(problem: Problem, like) -> None:
+    """Keep only the strategies and input layouts another plan of the same fusion used."""
+    used: dict[str, set] = {}
+    for s in like.compute_steps:
+        key = like.values[s.outputs[0]].tensor
+        ins = tuple(like.values[v].layout for k, v in s.args if k in s.tensor_params)
+        used.setdefault(key, set()).add((ins, tuple(like.values[o].layout for o in s.outputs)))
+    for key, strats in problem.strategies.items():
+        keep = used.get(key, set())
+        problem.strategies[key] = [s for s in strats if (tuple(x.code() for x in s.inputs),
+                                                          tuple(x.code() for x in s.outputs)) in keep]
+        for i, s in enumerate(problem.strategies[key]):
+            problem.strategies[key][i] = dataclasses.replace(s, sid=i)
+    for name, vals in like.inputs.items():
+        problem.input_layouts[name] = [like.values[v].layout_obj for v in vals]
+
+
+__all__ = ["Problem", "Strategy", "build_problem", "expr_strategies", "clone_fusion", "REDUCING_COMPOSITES"]
