@@ -64,6 +64,7 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     ...     fd.add_output(fd.ops.sum(x, 1), name="y")
     >>> mesh = ed.DeviceMesh.arange(4)
     >>> _ = x.set_device_mesh(mesh).outer_split(1, 4).axis(1).parallelize(ed.ParallelType.DIDx)
+    >>> _ = fd["y"].set_device_mesh(mesh)  # pinned replicated
     >>> plan = ed.optimize(fd, mesh)
     >>> [c.kind for c in plan.collectives]
     ['allreduce']
