@@ -68,6 +68,16 @@ def evaluate(fd: FusionDefinition | Fusion, inputs: Mapping[str, torch.Tensor],
 
 
 def decompose(fd: FusionDefinition | Fusion) -> tuple[Fusion, dict[str, str]]:
+    """Composites rewritten into primitives until none is left (see _decompose_once)."""
+    fusion, names = _decompose_once(as_fusion(fd))
+    for _ in range(8):
+        if not any(e.op.is_composite for e in fusion.exprs):
+            return fusion, names
+        fusion, _ = _decompose_once(fusion)
+    raise AssertionError("decompositions did not reach primitives in 8 rounds")  # pragma: no cover
+
+
+def _decompose_once(fd: FusionDefinition | Fusion) -> tuple[Fusion, dict[str, str]]:
     """A new fusion in which every composite op is replaced by its primitives; input and output names are
     kept. Returns (fusion, {old input name: new input name}) — identical names today.
 
@@ -100,6 +110,9 @@ def decompose(fd: FusionDefinition | Fusion) -> tuple[Fusion, dict[str, str]]:
             new[id(old)] = tv
     for name, tv in src.outputs.items():
         out = new[id(tv)]
+        if out in dst.inputs and out.name == name:
+            dst.add_output(out, name)  # an input passed through under its own name
+            continue
         if out in dst.inputs or any(o is out for o in dst.outputs.values()):
             out = ops.cast(out, out.dtype)  # an input passed through, or one tensor under two names
         dst.add_output(out, name)

@@ -100,7 +100,11 @@ class Fusion:
             raise ShapeError(f"define_tensor({label}): {len(axis_names)} axis names for {len(shape)} axes")
         if name is not None and (not isinstance(name, str) or not name):
             raise ShapeError(f"define_tensor: name must be a non-empty string, got {name!r}")
-        tv = TensorView(name or self._fresh_name("in"), shape, canonical_dtype(dtype), axis_names, self)
+        try:
+            dt = canonical_dtype(dtype)
+        except ShapeError as e:
+            raise type(e)(f"define_tensor({label}): {e}") from None
+        tv = TensorView(name or self._fresh_name("in"), shape, dt, axis_names, self)
         self.inputs.append(self._add_tensor(tv))
         return tv
 

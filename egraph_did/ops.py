@@ -87,12 +87,11 @@ def canonical_dtype(dtype) -> torch.dtype:
     aliases = {"fp32": torch.float32, "float": torch.float32, "fp16": torch.float16, "half": torch.float16,
                "bf16": torch.bfloat16, "fp64": torch.float64, "double": torch.float64, "long": torch.int64,
                "int": torch.int32}
-    if isinstance(dtype, str):
-        dtype = aliases.get(dtype, getattr(torch, dtype, None))
-    if dtype not in SUPPORTED_DTYPES:
+    found = aliases.get(dtype, getattr(torch, dtype, None)) if isinstance(dtype, str) else dtype
+    if found not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
         raise DtypeError(f"unknown or unsupported dtype {dtype!r}; use one of {names}")
-    return dtype
+    return found
 
 
 def _is_tensor(v) -> bool:
@@ -131,6 +130,9 @@ def norm_axes(op_name: str, v: TensorSpec, dims) -> tuple[int, ...]:
     if dims is None:
         return tuple(range(v.ndim))
     dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    if not dims:
+        raise ShapeError(f"{op_name}({v.name}): dims=() is ambiguous (torch reduces every axis); pass "
+                         f"dims=None to reduce every axis")
     out = sorted(norm_axis(op_name, v, d) for d in dims)
     if len(set(out)) != len(out):
         raise ShapeError(f"{op_name}({v.name}): axes {dims} repeat an axis")
@@ -185,6 +187,10 @@ def _scalar_check(op_name: str, vals) -> None:
 def _binary(name: str, fn: Callable):
     def infer(a, b):
         _scalar_check(name, (a, b))
+        if name in ("sub", "div", "pow") and any((v.dtype if _is_tensor(v) else type(v)) in (torch.bool, bool)
+                                                 for v in (a, b)):
+            raise DtypeError(f"{name}({_desc(a)}, {_desc(b)}): {name} of booleans is not defined; cast to a "
+                             f"number type first")
         shape, axes = broadcast_specs(name, a, b)
         dt = _result_dtype(name, a, b)
         if name == "div" and dt not in FLOAT_DTYPES:
@@ -204,8 +210,11 @@ _binary("pow", lambda a, b: a ** b)
 
 
 def _as_tensors(a, b):
+    """Both operands as tensors of their promoted dtype (torch.maximum takes no Python numbers)."""
+    dt = torch.result_type(a, b)
     like = a if isinstance(a, torch.Tensor) else b
-    return tuple(v if isinstance(v, torch.Tensor) else torch.as_tensor(v, dtype=like.dtype) for v in (a, b))
+    return tuple((v if isinstance(v, torch.Tensor) else torch.as_tensor(v, device=like.device)).to(dt)
+                 for v in (a, b))
 
 
 def _unary(name: str, fn: Callable, float_only: bool = True, doc: str = ""):
@@ -213,6 +222,8 @@ def _unary(name: str, fn: Callable, float_only: bool = True, doc: str = ""):
         x = _need_tensor(name, "x", x)
         if float_only:
             _need_float(name, x)
+        elif x.dtype == torch.bool:
+            raise DtypeError(f"{name}({x.name}): {x.name} is bool; cast it to a number type first")
         return [OutSpec(x.shape, x.dtype, x.axes)]
     infer.__name__ = name
     infer.__doc__ = doc or f"Elementwise {name}(x)."
@@ -256,7 +267,7 @@ def silu(x):
     return [OutSpec(x.shape, x.dtype, x.axes)]
 
 
-@op("cast", "pointwise", lambda x, dtype: x.to(dtype))
+@op("cast", "pointwise", lambda x, dtype: x.to(canonical_dtype(dtype)))
 def cast(x, dtype):
     """Convert x to dtype."""
     x = _need_tensor("cast", "x", x)
@@ -296,7 +307,8 @@ def _reduced(x: TensorSpec, axes: tuple[int, ...], keepdim: bool, dtype=None) ->
 def sum_(x, dims=None, keepdim: bool = False):
     """Sum over `dims` (an int, a tuple, or None for all axes)."""
     x = _need_tensor("sum", "x", x)
-    return [_reduced(x, norm_axes("sum", x, dims), keepdim)]
+    dtype = torch.int64 if x.dtype in INT_DTYPES + (torch.bool,) else x.dtype  # torch.sum widens integers
+    return [_reduced(x, norm_axes("sum", x, dims), keepdim, dtype)]
 
 
 @op("amax", "reduction", lambda x, dims=None, keepdim=False:
@@ -601,8 +613,9 @@ def take_along_axis(x, index, dim: int):
     """x gathered along `dim` at `index` (same rank as x, extent along dim free), as torch.take_along_dim."""
     x, index = _need_tensor("take_along_axis", "x", x), _need_tensor("take_along_axis", "index", index)
     d = norm_axis("take_along_axis", x, dim)
-    if index.dtype not in INT_DTYPES:
-        raise DtypeError(f"take_along_axis({x.name}, {index.name}): index must be an integer tensor")
+    if index.dtype != torch.int64:
+        raise DtypeError(f"take_along_axis({x.name}, {index.name}): index must be int64 (as torch), got "
+                         f"{str(index.dtype).replace('torch.', '')}")
     if index.ndim != x.ndim or any(i != d and a != b for i, (a, b) in enumerate(zip(x.shape, index.shape))):
         raise ShapeError(f"take_along_axis({x.name}, {index.name}): index shape {index.shape} must match "
                          f"{x.shape} on every axis but {d}")
@@ -627,8 +640,9 @@ def cross_entropy(logits, target, reduction: str = "mean"):
     _need_float("cross_entropy", logits)
     if logits.ndim != 2:
         raise ShapeError(f"{what}: logits must be 2-D [N, C], got {logits.shape}; reshape the batch axes first")
-    if target.dtype not in INT_DTYPES:
-        raise DtypeError(f"{what}: target must hold class indices (int64), got {target.dtype}")
+    if target.dtype != torch.int64:
+        raise DtypeError(f"{what}: target must hold class indices as int64 (as torch), got "
+                         f"{str(target.dtype).replace('torch.', '')}; cast it")
     if target.shape != logits.shape[:1]:
         raise ShapeError(f"{what}: target has shape {target.shape}, expected ({logits.shape[0]},)")
     if reduction not in ("mean", "sum", "none"):

@@ -44,8 +44,6 @@ class Case:
     call: Callable[[Any, dict], Any]
     torch_fn: Callable[[dict], Any]
     dtypes: tuple = (F64, F32)
-    bug: str | None = None  # reason for a strict xfail: the case shows a bug in the package
-    bug_in: tuple = ("infer", "evaluate", "decompose")  # the tests the bug makes fail
     marks: list = field(default_factory=list)
 
 
@@ -148,9 +146,7 @@ CASES: list[Case] = [
          lambda v: torch.clamp_min(v["x"], 0.0)),
     Case("maximum", "maximum-int-tensor-float-scalar", lambda dt: {"x": torch.tensor([1, 2, 3])},
          lambda o, t: o.maximum(t["x"], 2.5), lambda v: torch.maximum(v["x"], torch.tensor(2.5)), dtypes=(None,),
-         bug_in=("evaluate",),
-         bug="ops.py maximum: _as_tensors casts the scalar 2.5 to the int64 tensor's dtype (2), so the reference "
-             "gives int64 [2, 2, 3] while the shape rule (and torch) say float32 [2.5, 2.5, 3.0]"),
+         bug_in=("evaluate",)),
     Case("pow", "pow-scalar-exponent", x_(3, 4, positive=True), lambda o, t: o.pow(t["x"], 2.5),
          lambda v: v["x"] ** 2.5),
     Case("pow", "pow-int32", lambda dt: {"x": ints(3, high=5, dtype=torch.int32)}, lambda o, t: o.pow(t["x"], 2),
@@ -177,13 +173,9 @@ CASES: list[Case] = [
     Case("cast", "cast-to-bf16", x_(3, 4), lambda o, t: o.cast(t["x"], torch.bfloat16),
          lambda v: v["x"].to(torch.bfloat16)),
     Case("cast", "cast-int-to-float-by-name", lambda dt: {"x": ints(3, high=9)}, lambda o, t: o.cast(t["x"], "fp32"),
-         lambda v: v["x"].to(torch.float32), dtypes=(None,), bug_in=("evaluate",),
-         bug="ops.py cast: the shape rule canonicalizes a dtype name ('fp32' -> float32) but the reference calls "
-             "x.to('fp32') with the raw string; torch raises 'Invalid device string: fp32' in evaluate"),
+         lambda v: v["x"].to(torch.float32), dtypes=(None,), bug_in=("evaluate",)),
     Case("cast", "cast-by-torch-name", x_(3), lambda o, t: o.cast(t["x"], "float16"),
-         lambda v: v["x"].to(torch.float16), dtypes=(F32,), bug_in=("evaluate",),
-         bug="ops.py cast: the reference calls x.to('float16') with the raw dtype name; torch raises "
-             "'Invalid device string' in evaluate"),
+         lambda v: v["x"].to(torch.float16), dtypes=(F32,), bug_in=("evaluate",)),
     Case("causal_mask", "causal_mask", x_(2, 4, 4), lambda o, t: o.causal_mask(t["x"]),
          lambda v: v["x"].masked_fill(~torch.ones(4, 4, dtype=torch.bool).tril(), float("-inf"))),
     Case("causal_mask", "causal_mask-offset-rectangular", x_(3, 5), lambda o, t: o.causal_mask(t["x"], 1),
@@ -196,12 +188,9 @@ CASES: list[Case] = [
     Case("sum", "sum-int64", lambda dt: {"x": ints(3, 4, high=9)}, lambda o, t: o.sum(t["x"], 0),
          lambda v: v["x"].sum(0), dtypes=(None,)),
     Case("sum", "sum-int32-promotes-to-int64", lambda dt: {"x": ints(3, 4, high=9, dtype=torch.int32)},
-         lambda o, t: o.sum(t["x"], 1), lambda v: v["x"].sum(1), dtypes=(None,),
-         bug="ops.py sum_: the shape rule keeps int32 for sum of an int32 tensor; torch.sum gives int64, so "
-             "evaluate fails its own shape-rule check"),
+         lambda o, t: o.sum(t["x"], 1), lambda v: v["x"].sum(1), dtypes=(None,)),
     Case("sum", "sum-bool-counts-in-int64", lambda dt: {"x": ints(3, 4, high=2, dtype=torch.bool)},
-         lambda o, t: o.sum(t["x"], 1), lambda v: v["x"].sum(1), dtypes=(None,),
-         bug="ops.py sum_: the shape rule keeps bool for sum of a bool tensor; torch.sum gives int64"),
+         lambda o, t: o.sum(t["x"], 1), lambda v: v["x"].sum(1), dtypes=(None,)),
     Case("amax", "amax", x_(3, 4, 5), lambda o, t: o.amax(t["x"], (0, 2)), lambda v: v["x"].amax((0, 2))),
     Case("amax", "amax-all-keepdim", x_(3, 4), lambda o, t: o.amax(t["x"], keepdim=True),
          lambda v: v["x"].amax((0, 1), keepdim=True)),
@@ -313,8 +302,6 @@ def case_params(cases, test, per_dtype=True):
     out = []
     for c in cases:
         marks = list(c.marks)
-        if c.bug and test in c.bug_in:
-            marks.append(pytest.mark.xfail(strict=True, reason=f"BUG: {c.bug}"))
         for dt in (c.dtypes if per_dtype else c.dtypes[:1]):
             suffix = "" if dt is None or not per_dtype else "-" + str(dt).replace("torch.", "")
             out.append(pytest.param(c, dt, id=c.id + suffix, marks=marks))
@@ -399,24 +386,8 @@ def test_primitive_decomposition_matches_torch(case, dtype):
         assert_matches(prim[name], w, dtype)
 
 
-DECOMPOSE_NESTS = {
-    "var_mean": "var_mean's decomposition emits the composite `mean`",
-    "layer_norm": "layer_norm's decomposition emits the composite `var_mean`",
-    "rms_norm": "rms_norm's decomposition emits the composite `mean`",
-    "sdpa": "sdpa's decomposition emits the composite `softmax`",
-    "cross_entropy-mean": "cross_entropy(reduction='mean')'s decomposition emits the composite `mean`",
-}
-
-
 def _decompose_params():
-    out = []
-    for c in COMPOSITE_CASES:
-        key = c.id if c.id in DECOMPOSE_NESTS else c.op
-        reason = DECOMPOSE_NESTS.get(key)
-        marks = [pytest.mark.xfail(strict=True, reason=f"BUG: evaluate.py decompose / ops.py: {reason}; "
-                                                        f"ed.decompose leaves a composite op in the fusion")] if reason else []
-        out.append(pytest.param(c, id=c.id, marks=marks))
-    return out
+    return [pytest.param(c, id=c.id) for c in COMPOSITE_CASES]
 
 
 @pytest.mark.parametrize("case", _decompose_params())
@@ -463,9 +434,6 @@ def test_input_passed_through_as_an_output_evaluates():
     torch.testing.assert_close(got["g"], F.gelu(X))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: evaluate.py decompose: an input that is also an output is copied by "
-                                       "a cast and the copy is renamed to the input's name, which the input "
-                                       "already holds: add_output raises \"the name 'x' is taken\"")
 def test_decompose_keeps_an_input_passed_through_as_an_output():
     fd, X = _pass_through_fusion()
     got = ed.evaluate(fd, {"x": X}, decompose_composites=True)
@@ -550,17 +518,12 @@ def test_unknown_dtype_in_define_tensor_raises_dtype_error(dtype):
     assert not fd.fusion.inputs
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: ops.py canonical_dtype rebinds `dtype` to the lookup result before "
-                                       "formatting, so define_tensor(..., dtype='float8') says 'unknown or "
-                                       "unsupported dtype None' instead of naming 'float8'")
 @pytest.mark.parametrize("name", ["float8", "complex7"])
 def test_unknown_dtype_message_names_the_dtype_asked_for(name):
     with pytest.raises(DtypeError, match=name):
         ed.FusionDefinition().define_tensor((2,), dtype=name, name="x")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: fusion.py define_tensor / ops.py canonical_dtype: the unknown-dtype "
-                                       "error does not name the tensor being defined")
 def test_unknown_dtype_message_names_the_tensor():
     with pytest.raises(DtypeError, match="tokens"):
         ed.FusionDefinition().define_tensor((2,), dtype="float8", name="tokens")
@@ -696,33 +659,24 @@ def _accepted_or_rejected_at_the_op(build_fn, inputs, torch_fn):
     torch.testing.assert_close(got, want.to(got.dtype))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: ops.py cross_entropy accepts an int32 target (INT_DTYPES) but "
-                                       "F.cross_entropy raises 'expected target dtype to be Long' in evaluate")
 def test_cross_entropy_with_int32_targets_is_rejected_at_the_op_or_evaluates():
     inputs = {"logits": rand(6, 5, dtype=F32), "target": ints(6, high=5, dtype=torch.int32)}
     _accepted_or_rejected_at_the_op(lambda o, t: o.cross_entropy(t["logits"], t["target"]), inputs,
                                     lambda v: F.cross_entropy(v["logits"], v["target"].long()))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: ops.py take_along_axis accepts an int32 index (INT_DTYPES) but "
-                                       "torch.take_along_dim raises 'dtype of indices should be Long' in evaluate")
 def test_take_along_axis_with_int32_index_is_rejected_at_the_op_or_evaluates():
     inputs = {"x": rand(3, 5, dtype=F32), "i": ints(3, 2, high=5, dtype=torch.int32)}
     _accepted_or_rejected_at_the_op(lambda o, t: o.take_along_axis(t["x"], t["i"], 1), inputs,
                                     lambda v: torch.take_along_dim(v["x"], v["i"].long(), 1))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: ops.py neg/abs/relu (_unary with float_only=False) accept a bool "
-                                       "tensor, but torch.neg/abs/relu raise on bool in evaluate")
 @pytest.mark.parametrize("op", ["neg", "abs", "relu"])
 def test_unary_op_on_bool_is_rejected_at_the_op_or_evaluates(op):
     inputs = {"x": torch.tensor([True, False, True])}
     _accepted_or_rejected_at_the_op(lambda o, t: getattr(o, op)(t["x"]), inputs, lambda v: getattr(torch, op)(v["x"]))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: ops.py sub (_binary) accepts a bool tensor minus a bool tensor or "
-                                       "a number and infers a dtype, but torch raises 'Subtraction, the `-` "
-                                       "operator, with a bool tensor is not supported' in evaluate")
 @pytest.mark.parametrize("lhs", ["tensor", "int"])
 def test_sub_with_a_bool_tensor_is_rejected_at_the_op_or_evaluates(lhs):
     inputs = {"a": torch.tensor([True, False]), "b": torch.tensor([False, False])}
@@ -733,9 +687,6 @@ def test_sub_with_a_bool_tensor_is_rejected_at_the_op_or_evaluates(lhs):
         _accepted_or_rejected_at_the_op(lambda o, t: o.sub(1, t["b"]), inputs, lambda v: 1 - v["b"].long())
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: ops.py sum_: sum(x, dims=()) infers x's shape (no axis reduced) but "
-                                       "the reference torch.sum(x, dim=()) reduces every axis, so evaluate fails "
-                                       "its shape-rule check")
 def test_sum_over_an_empty_axis_tuple_is_rejected_at_the_op_or_evaluates():
     inputs = {"x": rand(3, 4, dtype=F32)}
     fd = ed.FusionDefinition()
