@@ -5,8 +5,11 @@ Replaceable: `optimize(..., cost_model=MyModel())` takes any object with the met
 Communication on a mesh axis of p ranks moving n bytes (n = the bytes of the full, unsharded-on-that-axis
 tensor one rank ends with, or starts with for reduce_scatter):
   allgather, reduce_scatter, alltoall:  alpha + (p-1)/p * n / bw
-  allreduce:                            alpha + 2(p-1)/p * n / bw
+  allreduce:                            2 alpha + 2(p-1)/p * n / bw
   broadcast, send/recv:                 alpha + n / bw
+An allreduce pays two latencies: NCCL's ring allreduce is a reduce-scatter phase then an allgather
+phase, so it costs exactly what the two cost apart. With one alpha it would look cheaper than the
+reduce-scatter + allgather pair of sequence parallelism for no physical reason.
 Compute: launch + max(flops / peak(dtype), bytes / hbm).
 """
 from __future__ import annotations
@@ -34,7 +37,7 @@ class CostModel:
 
     >>> cm = CostModel.h200()
     >>> round(cm.collective_time("allreduce", 1 << 20, group_size=4, mesh_axis=0, mesh_ndim=1) * 1e6, 1)
-    14.3
+    24.3
     """
 
     name: str
@@ -79,7 +82,8 @@ class CostModel:
                   "allreduce": 2 * (p - 1) / p, "broadcast": 1.0, "send_recv": 1.0}.get(kind)
         if factor is None:
             raise ValueError(f"unknown collective {kind!r}; known: {COLLECTIVES}")
-        return link.alpha + factor * nbytes / link.bandwidth
+        phases = 2 if kind == "allreduce" else 1
+        return phases * link.alpha + factor * nbytes / link.bandwidth
 
     def peak(self, dtype: torch.dtype) -> float:
         name = str(dtype).replace("torch.", "")

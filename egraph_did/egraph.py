@@ -76,8 +76,7 @@ def Apply4(key: StringLike, sid: i64Like, a: D, b: D, c: D, d: D) -> D: ...
 
 
 APPLY = {1: Apply1, 2: Apply2, 3: Apply3, 4: Apply4}
-Valid = relation("Valid", T, String)  # t may be held in layout (any level below the top)
-Allowed = relation("Allowed", T, String)  # consumers may read t in layout (the top level)
+Valid = relation("Valid", T, String)  # t may be held in layout (its shape fits it)
 Trans = relation("Trans", String, String, String, i64)  # layout -> layout by a collective on a mesh axis
 STRAT = {(n, o): relation(f"Strat{n}x{o}", String, i64, *([T, String] * (o + n)))
          for n in APPLY for o in (1, 2)}
@@ -117,10 +116,8 @@ def _rules(m: int):
     t, l, lf, lt, kind = var("t", T), var("l", String), var("lf", String), var("lt", String), var("kind", String)
     ax = var("ax", i64)
     for k in range(m):
-        top = k + 1 == m
-        rs.register(rule(Phys(t, l, k), *([Allowed(t, l)] if top else [Valid(t, l)])).then(
-            union(Phys(t, l, k + 1)).with_(Keep(Phys(t, l, k)))))
-        rs.register(rule(Phys(t, lf, k), Trans(lf, lt, kind, ax), (Allowed if top else Valid)(t, lt)).then(
+        rs.register(rule(Phys(t, l, k)).then(union(Phys(t, l, k + 1)).with_(Keep(Phys(t, l, k)))))
+        rs.register(rule(Phys(t, lf, k), Trans(lf, lt, kind, ax), Valid(t, lt)).then(
             union(Phys(t, lt, k + 1)).with_(Coll(kind, ax, lt, Phys(t, lf, k)))))
     key, sid = var("key", String), var("sid", i64)
     for (n, o), strat in STRAT.items():
@@ -168,12 +165,10 @@ def saturate(problem: Problem) -> PhysGraph:
     for name, lays in problem.layouts.items():
         for lay in lays:
             acts.append(Valid(Tensor(name), lay.code()))
-        for lay in problem.allowed(name):
-            acts.append(Allowed(Tensor(name), lay.code()))
     for src, dst, kind, ax in transitions(problem):
         acts.append(Trans(src, dst, kind, ax))
     for tv in problem.fusion.inputs:
-        for lay in problem.input_layouts.get(tv.name) or problem.allowed(tv.name):
+        for lay in problem.load_layouts(tv.name):
             acts.append(union(Phys(Tensor(tv.name), lay.code(), 0)).with_(Load(tv.name, lay.code())))
     for key, strats in problem.strategies.items():
         e = problem.exprs[key]

@@ -79,13 +79,16 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     price(graph, problem)
     m = mesh.ndim
     outputs = {}
-    for name in problem.fusion.outputs:
+    inputs = {tv.name for tv in problem.fusion.inputs}
+    must = list(problem.fusion.outputs) + [t for t in problem.pins if t not in problem.fusion.outputs
+                                            and t not in inputs]
+    for name in must:  # outputs, and pinned intermediates the plan must materialize in their pin
         classes = [graph.index[(canonical(graph, problem, name), lay.code(), m)]
-                   for lay in problem.allowed(name)
+                   for lay in problem.deliverable(name)
                    if (canonical(graph, problem, name), lay.code(), m) in graph.index]
         if not classes:
-            raise PlanError(f"output {name}: no layout in {[str(x) for x in problem.allowed(name)]} is reachable "
-                            f"from the pinned inputs")
+            raise PlanError(f"{name}: no layout in {[str(x) for x in problem.deliverable(name)]} is reachable "
+                            f"from the pinned inputs; the pin on {name} cannot be honoured")
         outputs[name] = classes
     roots = with_roots(graph, outputs)
     if extractor == "greedy":
@@ -185,7 +188,7 @@ def _compute_step(problem: Problem, graph: PhysGraph, n: Node, outs: list[str], 
         for f in fs:
             flags.setdefault(f, []).append(m)
     return ComputeStep(e.op.name, tuple(args), tuple(params), tuple(outs),
-                       tuple((f, tuple(ms)) for f, ms in sorted(flags.items())), s.rules, s.time)
+                       tuple((f, tuple(ms)) for f, ms in sorted(flags.items())), s.rules, s.time, n.key)
 
 
 def _order(graph: PhysGraph, choice) -> list[str]:

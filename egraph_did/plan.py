@@ -48,6 +48,7 @@ class ComputeStep:
     flags: tuple[tuple[str, tuple[int, ...]], ...]  # flag -> mesh axes it applies on
     rules: tuple[str, ...]  # per mesh axis
     time: float
+    key: str = ""  # the expr of the optimized fusion this step runs (its first output's name)
     kind = "compute"
 
 
@@ -151,7 +152,8 @@ class Plan:
                 lines.append(f"{i:>3}  {what:<46}{self._arrow(s):<18}{s.bytes:>12.0f}{s.time * 1e6:>10.2f}  {s.why}")
             else:
                 outs = ", ".join(self.values[o].tensor for o in s.outputs)
-                ins = ", ".join(self.values[v].tensor for k, v in s.args if k in s.tensor_params)
+                ins = ", ".join(self.values[v].tensor if k in s.tensor_params else f"{k}={v}"
+                                for k, v in s.args if k in s.tensor_params or v is not None)
                 what = f"{outs} = {s.op}({ins})"
                 lay = ",".join(self.values[o].layout for o in s.outputs)
                 flags = "".join(f" +{f}" for f, _ in s.flags)
@@ -178,7 +180,8 @@ class Plan:
             if isinstance(s, ComputeStep):
                 d = {"step": "compute", "op": s.op, "args": [[k, enc(v)] for k, v in s.args],
                      "tensor_params": list(s.tensor_params), "outputs": list(s.outputs),
-                     "flags": [[f, list(m)] for f, m in s.flags], "rules": list(s.rules), "time": s.time}
+                     "flags": [[f, list(m)] for f, m in s.flags], "rules": list(s.rules), "time": s.time,
+                     "key": s.key}
             else:
                 d = {"step": "collective", **asdict(s)}
             steps.append(d)
@@ -224,7 +227,7 @@ class Plan:
                     raise PlanError(f"step {i}: unknown op {s['op']!r}")
                 step = ComputeStep(s["op"], tuple((k, dec(v)) for k, v in s["args"]), tuple(s["tensor_params"]),
                                    tuple(s["outputs"]), tuple((f, tuple(m)) for f, m in s["flags"]),
-                                   tuple(s["rules"]), s["time"])
+                                   tuple(s["rules"]), s["time"], s.get("key", ""))
                 refs = [v for k, v in step.args if k in step.tensor_params] + list(step.outputs)
             elif s.get("step") == "collective":
                 fields = {k: v for k, v in s.items() if k != "step"}

@@ -26,6 +26,7 @@ from .mesh import DeviceMesh
 # where rfactor rules apply to the primitive reductions.
 REDUCING_COMPOSITES = ("softmax", "layer_norm", "rms_norm", "var_mean", "mean", "cross_entropy")
 FREE_VIEWS = ("reshape", "unsqueeze", "expand", "broadcast_in_dim")  # metadata only, no kernel
+GATHERS = ("embedding", "take_along_axis")
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class Problem:
     pins: dict[str, Layout] = field(default_factory=dict)
     layouts: dict[str, list[Layout]] = field(default_factory=dict)  # every valid layout, partials included
     origin: dict[str, str] = field(default_factory=dict)  # decomposition tensor -> the composite it expands
-    input_layouts: dict[str, list[Layout]] = field(default_factory=dict)  # overrides allowed() for loads
+    input_layouts: dict[str, list[Layout]] = field(default_factory=dict)  # overrides load_layouts()
 
     def tensor(self, name: str) -> TensorView:
         return self.fusion.tensors[name]
@@ -62,11 +63,16 @@ class Problem:
         tv = self.tensor(name)
         return math.prod(local_extents(tv.shape, layout, self.mesh)) * tv.dtype.itemsize
 
-    def allowed(self, name: str) -> list[Layout]:
-        """Layouts a consumer may read `name` in: its pin, or any layout without a pending reduction."""
+    def deliverable(self, name: str) -> list[Layout]:
+        """Layouts `name` may be delivered in (an output, or a pinned tensor the plan must materialize):
+        its pin, or any layout without a pending reduction."""
         if name in self.pins:
             return [self.pins[name]]
         return [lay for lay in self.layouts[name] if not lay.has_partial]
+
+    def load_layouts(self, name: str) -> list[Layout]:
+        """Layouts an input may be bound in: its pin, or (free) any layout without a pending reduction."""
+        return self.input_layouts.get(name) or self.deliverable(name)
 
 
 # ---------------------------------------------------------------------- working copy
@@ -100,9 +106,10 @@ def _add_decompositions(work: Fusion, ops: Ops, mesh: DeviceMesh, problem: Probl
         start = len(work.exprs)
         for e in pending:
             args = dict(e.args)
-            variants = [lambda: e.op.decompose(ops, **args)]
-            if e.op.rfactor is not None:
-                variants += [lambda g=g: e.op.rfactor(ops, g, **args) for g in blocks]
+            if e.op.rfactor is not None:  # var_mean: the parallel Welford merge, one block per rank
+                variants = [lambda g=g: e.op.rfactor(ops, g, **args) for g in blocks]
+            else:
+                variants = [lambda: e.op.decompose(ops, **args)]
             for make in variants:
                 first = len(work.exprs)
                 outs = make()
@@ -171,6 +178,9 @@ def expr_strategies(e: Expr, mesh: DeviceMesh, cm: CostModel, problem: Problem) 
         out_shapes = [local_extents(t.shape, lay, mesh) for t, lay in zip(e.outputs, outs)]
         in_bytes = sum(math.prod(s) * t.dtype.itemsize for s, t in zip(in_shapes, operands))
         out_bytes = sum(math.prod(s) * t.dtype.itemsize for s, t in zip(out_shapes, e.outputs))
+        if e.op.name in GATHERS:  # a gather reads its indices and the rows it picks, not the whole table
+            k = 0 if e.op.name == "embedding" else 1  # the index operand
+            in_bytes = math.prod(in_shapes[k]) * operands[k].dtype.itemsize + out_bytes
         if e.op.name in FREE_VIEWS:
             time, mem = 0.0, 0.0
         else:
@@ -220,7 +230,7 @@ def _restrict_to(problem: Problem, like) -> None:
     """Keep only the strategies and input layouts another plan of the same fusion used."""
     used: dict[str, set] = {}
     for s in like.compute_steps:
-        key = like.values[s.outputs[0]].tensor
+        key = s.key
         ins = tuple(like.values[v].layout for k, v in s.args if k in s.tensor_params)
         used.setdefault(key, set()).add((ins, tuple(like.values[o].layout for o in s.outputs)))
     for key, strats in problem.strategies.items():

@@ -1,0 +1,109 @@
+"""Fusions of common transformer blocks, written once as for one device (for tests, benchmarks, demo).
+
+>>> fd = mlp(tokens=8, hidden=16)
+>>> [t.name for t in fd.fusion.inputs], list(fd.fusion.outputs)
+(['x', 'w1', 'w2'], ['y'])
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .fusion import FusionDefinition
+
+
+def _mlp_body(fd, x, hidden: int, dtype, prefix: str = ""):
+    w1 = fd.define_tensor((4 * hidden, hidden), dtype, name=f"{prefix}w1", axis_names=("4h", "h"))
+    w2 = fd.define_tensor((hidden, 4 * hidden), dtype, name=f"{prefix}w2", axis_names=("h", "4h"))
+    return fd.ops.linear(fd.ops.gelu(fd.ops.linear(x, w1)), w2)
+
+
+def mlp(tokens: int, hidden: int, dtype=torch.float32) -> FusionDefinition:
+    """y = linear(gelu(linear(x, w1)), w2), x [tokens, hidden]."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor((tokens, hidden), dtype, name="x", axis_names=("s", "h"))
+        fd.add_output(_mlp_body(fd, x, hidden, dtype), name="y")
+    return fd
+
+
+def _attention_body(fd, x, batch: int, seq: int, hidden: int, heads: int, dtype, prefix: str = "",
+                    causal: bool = True):
+    hd = hidden // heads
+
+    def heads_first(t):
+        return fd.ops.permute(fd.ops.reshape(t, (batch, seq, heads, hd)), (0, 2, 1, 3))
+
+    proj = {}
+    for n in ("wq", "wk", "wv", "wo"):
+        proj[n] = fd.define_tensor((hidden, hidden), dtype, name=f"{prefix}{n}", axis_names=("h", "h"))
+    q, k, v = (heads_first(fd.ops.linear(x, proj[n])) for n in ("wq", "wk", "wv"))
+    o = fd.ops.sdpa(q, k, v, is_causal=causal)
+    o = fd.ops.reshape(fd.ops.permute(o, (0, 2, 1, 3)), (batch, seq, hidden))
+    return fd.ops.linear(o, proj["wo"])
+
+
+def attention(batch: int, seq: int, hidden: int, heads: int, dtype=torch.float32, causal: bool = True
+              ) -> FusionDefinition:
+    """Self-attention: q, k, v projections, sdpa over heads, output projection; x [batch, seq, hidden]."""
+    assert hidden % heads == 0
+    with FusionDefinition() as fd:
+        x = fd.define_tensor((batch, seq, hidden), dtype, name="x", axis_names=("b", "s", "h"))
+        fd.add_output(_attention_body(fd, x, batch, seq, hidden, heads, dtype, causal=causal), name="y")
+    return fd
+
+
+def gpt_layer(batch: int, seq: int, hidden: int, heads: int, dtype=torch.float32, layers: int = 1
+              ) -> FusionDefinition:
+    """`layers` pre-norm GPT layers: x + attn(ln(x)), then + mlp(ln(.)); x [batch, seq, hidden]."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor((batch, seq, hidden), dtype, name="x", axis_names=("b", "s", "h"))
+        h = x
+        for i in range(layers):
+            p = f"l{i}." if layers > 1 else ""
+            g1, b1, g2, b2 = (fd.define_tensor((hidden,), dtype, name=f"{p}{n}", axis_names=("h",))
+                              for n in ("ln1_w", "ln1_b", "ln2_w", "ln2_b"))
+            a = _attention_body(fd, fd.ops.layer_norm(h, weight=g1, bias=b1), batch, seq, hidden, heads, dtype, p)
+            h = fd.ops.add(h, a)
+            h = fd.ops.add(h, _mlp_body(fd, fd.ops.layer_norm(h, weight=g2, bias=b2), hidden, dtype, p))
+        fd.add_output(h, name="y")
+    return fd
+
+
+def mlp_with_backward(tokens: int, hidden: int, dtype=torch.float32) -> FusionDefinition:
+    """The MLP forward and a hand-written backward (exact gelu): outputs y, dx, dw1, dw2 given dy."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor((tokens, hidden), dtype, name="x", axis_names=("s", "h"))
+        dy = fd.define_tensor((tokens, hidden), dtype, name="dy", axis_names=("s", "h"))
+        w1 = fd.define_tensor((4 * hidden, hidden), dtype, name="w1", axis_names=("4h", "h"))
+        w2 = fd.define_tensor((hidden, 4 * hidden), dtype, name="w2", axis_names=("h", "4h"))
+        h = fd.ops.linear(x, w1)
+        g = fd.ops.gelu(h)
+        fd.add_output(fd.ops.linear(g, w2), name="y")
+        dg = fd.ops.matmul(dy, w2)
+        fd.add_output(fd.ops.matmul(fd.ops.transpose(dy, 0, 1), g), name="dw2")
+        # gelu'(h) = Phi(h) + h * phi(h)
+        cdf = fd.ops.mul(fd.ops.add(fd.ops.erf(fd.ops.mul(h, 1 / math.sqrt(2))), 1.0), 0.5)
+        pdf = fd.ops.mul(fd.ops.exp(fd.ops.mul(fd.ops.mul(h, h), -0.5)), 1 / math.sqrt(2 * math.pi))
+        dh = fd.ops.mul(dg, fd.ops.add(cdf, fd.ops.mul(h, pdf)))
+        fd.add_output(fd.ops.matmul(dh, w1), name="dx")
+        fd.add_output(fd.ops.matmul(fd.ops.transpose(dh, 0, 1), x), name="dw1")
+    return fd
+
+
+def row_sum(rows: int, cols: int, dtype=torch.float32) -> FusionDefinition:
+    """y = sum(x, 1)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor((rows, cols), dtype, name="x", axis_names=("m", "n"))
+        fd.add_output(fd.ops.sum(x, 1), name="y")
+    return fd
+
+
+def layer_norm(rows: int, hidden: int, dtype=torch.float32) -> FusionDefinition:
+    """y = layer_norm(x, w, b) over the last axis."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor((rows, hidden), dtype, name="x", axis_names=("s", "h"))
+        w = fd.define_tensor((hidden,), dtype, name="w", axis_names=("h",))
+        b = fd.define_tensor((hidden,), dtype, name="b", axis_names=("h",))
+        fd.add_output(fd.ops.layer_norm(x, weight=w, bias=b), name="y")
+    return fd
