@@ -60,7 +60,7 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
 
     >>> import egraph_did as ed
     >>> with ed.FusionDefinition() as fd:
-    ...     x = fd.define_tensor((64, 1024), name="x")
+    ...     x = fd.define_tensor((64, 65536), name="x")
     ...     fd.add_output(fd.ops.sum(x, 1), name="y")
     >>> mesh = ed.DeviceMesh.arange(4)
     >>> _ = x.set_device_mesh(mesh).outer_split(1, 4).axis(1).parallelize(ed.ParallelType.DIDx)

@@ -289,8 +289,7 @@ RULE_CASES: dict[str, list[Case]] = {
     "take_along_other_axis": [
         case("dim1", M2, {"x": (4, 6), "i": I((4, 3), 6)}, lambda o, x, i: o.take_along_axis(x, i, 1)),
         case("dim0-uneven", M3, {"x": (4, 5), "i": I((2, 5), 4)}, lambda o, x, i: o.take_along_axis(x, i, 0)),
-        case("broadcast-index", M3, {"x": (5, 6), "i": I((1, 2), 6)},
-             lambda o, x, i: o.take_along_axis(x, i, -1)),
+        case("mesh2x2", M22, {"x": (4, 6), "i": I((4, 3), 6)}, lambda o, x, i: o.take_along_axis(x, i, -1)),
     ],
     "take_along_sharded_axis": [
         case("uneven", M3, {"x": (3, 7), "i": I((3, 4), 7)}, lambda o, x, i: o.take_along_axis(x, i, 1)),
