@@ -76,9 +76,9 @@ def Apply4(key: StringLike, sid: i64Like, a: D, b: D, c: D, d: D) -> D: ...
 
 
 APPLY = {1: Apply1, 2: Apply2, 3: Apply3, 4: Apply4}
-Valid = relation("Valid", T, String)  # t may be held in layout (its shape fits it)
-Trans = relation("Trans", String, String, String, i64)  # layout -> layout by a collective on a mesh axis
-STRAT = {(n, o): relation(f"Strat{n}x{o}", String, i64, *([T, String] * (o + n)))
+Valid = relation("Valid", T, String, egg_fn="Valid")  # t may be held in layout (its shape fits it)
+Trans = relation("Trans", String, String, String, i64, egg_fn="Trans")  # layout -> layout by a collective on a mesh axis
+STRAT = {(n, o): relation(f"Strat{n}x{o}", String, i64, *([T, String] * (o + n)), egg_fn=f"Strat{n}x{o}")
          for n in APPLY for o in (1, 2)}
 
 
@@ -154,38 +154,52 @@ def transitions(problem: Problem) -> list[tuple[str, str, str, int]]:
     return out
 
 
-def saturate(problem: Problem) -> PhysGraph:
-    """Encode, saturate and read back the physical graph (costs filled in by the extractor's caller)."""
-    m = problem.mesh.ndim
-    t0 = time.perf_counter()
-    eg = EGraph()
-    acts = []
-    for a, b in problem.equal:
-        acts.append(union(Tensor(a)).with_(Tensor(b)))
+def _facts(problem: Problem, ident: dict[str, str]) -> list[str]:
+    """The problem as egglog facts (text): equal terms, valid layouts, reshards, loads, strategies."""
+    def t(name):
+        return f'(Tensor "{ident[name]}")'
+    out = [f"(union {t(a)} {t(b)})" for a, b in problem.equal]
     for name, lays in problem.layouts.items():
-        for lay in lays:
-            acts.append(Valid(Tensor(name), lay.code()))
-    for src, dst, kind, ax in transitions(problem):
-        acts.append(Trans(src, dst, kind, ax))
+        out += [f'(Valid {t(name)} "{lay.code()}")' for lay in lays]
+    out += [f'(Trans "{src}" "{dst}" "{kind}" {ax})' for src, dst, kind, ax in transitions(problem)]
     for tv in problem.fusion.inputs:
-        for lay in problem.load_layouts(tv.name):
-            acts.append(union(Phys(Tensor(tv.name), lay.code(), 0)).with_(Load(tv.name, lay.code())))
+        out += [f'(union (Phys {t(tv.name)} "{lay.code()}" 0) (Load "{ident[tv.name]}" "{lay.code()}"))'
+                for lay in problem.load_layouts(tv.name)]
     for key, strats in problem.strategies.items():
         e = problem.exprs[key]
-        operands = [v.name for _, v in e.args if hasattr(v, "logical_domain")]
-        outs = [o.name for o in e.outputs]
-        rel = STRAT[(len(operands), len(outs))]
+        names = [o.name for o in e.outputs] + [v.name for _, v in e.args if hasattr(v, "logical_domain")]
+        rel = f"Strat{len(names) - len(e.outputs)}x{len(e.outputs)}"
         for s in strats:
-            pairs = [x for name, lay in zip(outs + operands, s.outputs + s.inputs)
-                     for x in (Tensor(name), lay.code())]
-            acts.append(rel(key, s.sid, *pairs))
-    eg.register(*acts)
+            pairs = " ".join(f'{t(n)} "{lay.code()}"' for n, lay in zip(names, s.outputs + s.inputs))
+            out.append(f'({rel} "{ident[key]}" {s.sid} {pairs})')
+    return out
+
+
+def saturate(problem: Problem, chunk: int = 200) -> PhysGraph:
+    """Encode, saturate and read back the physical graph (costs are set by the caller).
+
+    Facts go in as egglog text, parsed and run a chunk at a time: building each fact through the
+    Python API costs about 0.5 ms, and parsing one long program is quadratic in its length."""
+    m = problem.mesh.ndim
+    t0 = time.perf_counter()
+    # egglog sees tensors by index: user names may hold any character
+    ident = {name: f"t{i}" for i, name in enumerate(problem.fusion.tensors)}
+    eg = EGraph()
+    first = problem.fusion.inputs[0]
+    lay0 = problem.load_layouts(first.name)[0].code()
+    eg.register(union(Phys(Tensor(ident[first.name]), lay0, 0)).with_(Load(ident[first.name], lay0)))
+    rules = _rules(m)
+    eg.run(1, ruleset=rules)  # declares every sort, function and rule before the text facts arrive
+    facts = _facts(problem, ident)
+    for k in range(0, len(facts), chunk):
+        eg._egraph.run_program(*eg._egraph.parse_program("\n".join(facts[k:k + chunk])))
     t1 = time.perf_counter()
-    eg.run(_rules(m).saturate())
+    eg.run(rules.saturate())
     t2 = time.perf_counter()
-    graph = _read_back(eg, prefer=lambda name: (name in problem.origin, name))
+    name_of = {v: k for k, v in ident.items()}
+    graph = _read_back(eg, name_of, prefer=lambda name: (name in problem.origin, name))
     t3 = time.perf_counter()
-    graph.stats.update(encode_s=t1 - t0, saturate_s=t2 - t1, serialize_s=t3 - t2, facts=len(acts))
+    graph.stats.update(encode_s=t1 - t0, saturate_s=t2 - t1, serialize_s=t3 - t2, facts=len(facts))
     return graph
 
 
@@ -193,7 +207,7 @@ def _literal(op: str):
     return json.loads(op)
 
 
-def _read_back(eg: EGraph, prefer) -> PhysGraph:
+def _read_back(eg: EGraph, name_of: dict[str, str], prefer) -> PhysGraph:
     data = json.loads(eg._serialize(split_primitive_outputs=False).to_json())
     nodes, class_data = data["nodes"], data["class_data"]
 
@@ -203,7 +217,7 @@ def _read_back(eg: EGraph, prefer) -> PhysGraph:
     names_of: dict[str, list[str]] = defaultdict(list)
     for nd in nodes.values():
         if nd["op"] == "Tensor":
-            names_of[nd["eclass"]].append(_literal(nodes[nd["children"][0]]["op"]))
+            names_of[nd["eclass"]].append(name_of[_literal(nodes[nd["children"][0]]["op"])])
     tensor_names = {cls: min(names, key=prefer) for cls, names in names_of.items()}
     graph = PhysGraph()
     graph.canonical = {n: tensor_names[cls] for cls, names in names_of.items() for n in names}
@@ -219,11 +233,11 @@ def _read_back(eg: EGraph, prefer) -> PhysGraph:
             continue
         d_children = tuple(nodes[c]["eclass"] for c in ch if sort_of(c) == "D")
         if op.startswith("Apply"):
-            node = Node("Apply", d_children, _literal(nodes[ch[0]]["op"]), _literal(nodes[ch[1]]["op"]))
+            node = Node("Apply", d_children, name_of[_literal(nodes[ch[0]]["op"])], _literal(nodes[ch[1]]["op"]))
         elif op == "Proj":
             node = Node("Proj", d_children, sid=_literal(nodes[ch[0]]["op"]))
         elif op == "Load":
-            node = Node("Load", (), _literal(nodes[ch[0]]["op"]))
+            node = Node("Load", (), name_of[_literal(nodes[ch[0]]["op"])])
         elif op == "Keep":
             node = Node("Keep", d_children)
         elif op == "Coll":

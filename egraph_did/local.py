@@ -34,15 +34,15 @@ class RankContext:
         return self.mesh.coords(self.rank)
 
     def shard_range(self, extent: int, layout: Layout, axis: int) -> tuple[int, int]:
-        """[start, stop) of the global indices along `axis` this rank holds (outer mesh axes split first;
-        torch.chunk sizes at each level)."""
-        start, size = 0, extent
+        """[start, stop) of the global indices along `axis` this rank holds, as the loop domain says:
+        outer mesh axes split first, each split cutting the allocated (ceil) extent of the level above,
+        so a nested uneven split matches shard_tensor exactly."""
+        lo, hi, alloc = 0, extent, extent
         for m in layout.sharding_axes(axis):
-            p, c = self.mesh.shape[m], self.coords[m]
-            step = -(-size // p)
-            lo = min(c * step, size)
-            start, size = start + lo, min(step, size - lo)
-        return start, start + size
+            step = -(-alloc // self.mesh.shape[m])
+            start = lo + self.coords[m] * step
+            lo, hi, alloc = min(start, hi), min(start + step, hi), step
+        return lo, hi
 
     def local_shape(self, o: Operand) -> tuple[int, ...]:
         return tuple(hi - lo for lo, hi in (self.shard_range(e, o.layout, a) for a, e in enumerate(o.shape)))

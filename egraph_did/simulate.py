@@ -14,43 +14,49 @@ from .plan import Collective, ComputeStep, Plan
 from .sharding import shard_tensor, unshard_tensor
 
 
-def _chunk(t: torch.Tensor, axis: int, parts: int, index: int) -> torch.Tensor:
-    """torch.chunk's piece `index` of `parts` along axis (empty when past the end)."""
-    n = t.shape[axis]
-    step = -(-n // parts)
-    lo = min(index * step, n)
-    return t.narrow(axis, lo, min(step, n - lo))
-
-
 def collective(plan: Plan, c: Collective, local: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Every rank's result of one collective, given every rank's input."""
+    """Every rank's result of one collective, given every rank's input. Cuts follow the destination
+    layout's loop domain (RankContext.shard_range), so uneven and nested splits are exact."""
     mesh, m = plan.mesh, c.mesh_axis
-    src, dst = plan.values[c.src].layout_obj[m], plan.values[c.dst].layout_obj[m]
-    p = mesh.shape[m]
+    src_val, dst_val = plan.values[c.src], plan.values[c.dst]
+    src, dst = src_val.layout_obj, dst_val.layout_obj
     out = {}
     for rank in mesh.ranks:
-        group = mesh.ranks_along(m, rank)
-        me = mesh.coords(rank)[m]
-        parts = [local[r] for r in group]
+        ctx = RankContext(mesh, rank)
+        parts = [local[r] for r in mesh.ranks_along(m, rank)]
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            """Narrow t, laid out as src minus its split on mesh axis m, to what dst gives this rank."""
+            a = dst[m].axis
+            held, _ = ctx.shard_range(dst_val.shape[a], _without(src, m), a)
+            lo, hi = ctx.shard_range(dst_val.shape[a], dst, a)
+            return t.narrow(a, lo - held, hi - lo)
+
         if c.kind == "allreduce":
             res = parts[0].clone()
             for x in parts[1:]:
                 res = torch.maximum(res, x) if c.reduce == "max" else res + x
         elif c.kind == "reduce_scatter":
-            total = parts[0].clone()
+            res = parts[0].clone()
             for x in parts[1:]:
-                total = total + x
-            res = _chunk(total, dst.axis, p, me)
+                res = res + x
+            res = cut(res)
         elif c.kind == "allgather":
-            res = torch.cat(parts, dim=src.axis)
+            res = torch.cat(parts, dim=src[m].axis)
         elif c.kind == "alltoall":
-            res = _chunk(torch.cat(parts, dim=src.axis), dst.axis, p, me)
+            res = cut(torch.cat(parts, dim=src[m].axis))
         elif c.kind == "slice":
-            res = _chunk(local[rank], dst.axis, p, me)
+            res = cut(local[rank])
         else:
             raise PlanError(f"unknown collective {c.kind!r}")
         out[rank] = res.contiguous()
     return out
+
+
+def _without(layout: Layout, m: int) -> Layout:
+    """layout with mesh axis m replicated."""
+    from .layout import R
+    return layout.replace(m, R)
 
 
 def simulate(plan: Plan, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -77,17 +77,6 @@ class Case:
         return {n: s if isinstance(s, Spec) else Spec(tuple(s)) for n, s in self.inputs.items()}
 
 
-# RankContext.shard_range (egraph_did/local.py) cuts a second split of one tensor axis with torch.chunk of
-# the outer piece actually held, while the loop domain (apply_layout + sharding.local_indices, what
-# shard_tensor binds) splits the ceil-padded outer extent: extent 13 on a 2x2 mesh, S(0) on both mesh
-# axes, is rows [0:4] [4:7] [7:11] [11:13] by the loop domain but [0:4] [4:7] [7:10] [10:13] by
-# RankContext. Every local kernel that reads its place from RankContext then works on the wrong rows.
-NESTED_UNEVEN = pytest.mark.xfail(strict=True, reason=(
-    "BUG: egraph_did.local.RankContext.shard_range disagrees with the loop domain (sharding.local_indices) "
-    "for two mesh axes splitting one tensor axis unevenly (extent 13 on 2x2: rank 2 holds rows 7..10 by the "
-    "loop domain, RankContext says 7..9)"))
-
-
 def case(name, mesh, inputs, body, *marks) -> Case:
     return Case(name, mesh, inputs, body, marks)
 
@@ -215,7 +204,7 @@ RULE_CASES: dict[str, list[Case]] = {
             o.expand(x, (5, 4)), o.expand(y, (2, 3)))),
         case("broadcast_in_dim-uneven", M3, {"x": (5,)}, lambda o, x: o.broadcast_in_dim(x, (5, 4), (0,))),
         case("mesh2x2", M22, {"x": (4, 1)}, lambda o, x: o.expand(x, (4, 6))),
-        case("mesh2x2-nested-uneven", M22, {"x": (13, 1)}, lambda o, x: o.expand(x, (13, 2)), NESTED_UNEVEN),
+        case("mesh2x2-nested-uneven", M22, {"x": (13, 1)}, lambda o, x: o.expand(x, (13, 2))),
     ],
     # ---------------------------------------------------------------- aten
     "linear_column_parallel": [
@@ -268,7 +257,7 @@ RULE_CASES: dict[str, list[Case]] = {
         case("causal-mesh2x2", M22, {"q": (1, 1, 7, 2), "k": (1, 1, 7, 2), "v": (1, 1, 7, 2)},
              lambda o, q, k, v: o.sdpa(q, k, v, is_causal=True)),
         case("causal-mesh2x2-nested-uneven", M22, {"q": (1, 1, 13, 2), "k": (1, 1, 13, 2), "v": (1, 1, 13, 2)},
-             lambda o, q, k, v: o.sdpa(q, k, v, is_causal=True), NESTED_UNEVEN),
+             lambda o, q, k, v: o.sdpa(q, k, v, is_causal=True)),
     ],
     "sdpa_value_dim": [
         case("causal", M2, {"q": (1, 2, 3, 4), "k": (1, 2, 3, 4), "v": (1, 2, 3, 5)},
@@ -284,7 +273,7 @@ RULE_CASES: dict[str, list[Case]] = {
         case("uneven", M3, {"idx": I((2, 6), 7), "w": (7, 3)}, lambda o, idx, w: o.embedding(idx, w)),
         case("even", M2, {"idx": I((2, 3), 8), "w": (8, 3)}, lambda o, idx, w: o.embedding(idx, w)),
         case("mesh2x2-nested-uneven", M22, {"idx": I((20,), 13), "w": (13, 2)},
-             lambda o, idx, w: o.embedding(idx, w), NESTED_UNEVEN),
+             lambda o, idx, w: o.embedding(idx, w)),
     ],
     "take_along_other_axis": [
         case("dim1", M2, {"x": (4, 6), "i": I((4, 3), 6)}, lambda o, x, i: o.take_along_axis(x, i, 1)),
@@ -296,7 +285,7 @@ RULE_CASES: dict[str, list[Case]] = {
         case("dim0", M2, {"x": (5, 3), "i": I((4, 3), 5)}, lambda o, x, i: o.take_along_axis(x, i, 0)),
         case("mesh2x2", M22, {"x": (2, 8), "i": I((2, 6), 8)}, lambda o, x, i: o.take_along_axis(x, i, 1)),
         case("mesh2x2-nested-uneven", M22, {"x": (2, 13), "i": I((2, 20), 13)},
-             lambda o, x, i: o.take_along_axis(x, i, 1), NESTED_UNEVEN),
+             lambda o, x, i: o.take_along_axis(x, i, 1)),
     ],
 }
 
