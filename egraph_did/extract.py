@@ -74,8 +74,14 @@ def _greedy(graph: PhysGraph, order: list[str], penalty: float) -> dict[str, Nod
             if any(ch not in best for ch in n.children):
                 continue
             i = index[id(n)]
+            # start from the costliest child's set as a whole; walk only what the others add to it,
+            # so a residual chain (each set holding the previous one) stays linear
+            kids = sorted(set(n.children), key=lambda ch: best[ch][0], reverse=True)
             mask, cost = 1 << i, weight[i]
-            for ch in n.children:
+            if kids:
+                mask |= best[kids[0]][1]
+                cost += best[kids[0]][0]
+            for ch in kids[1:]:
                 new = best[ch][1] & ~mask
                 mask |= new
                 while new:
@@ -97,10 +103,93 @@ def _greedy(graph: PhysGraph, order: list[str], penalty: float) -> dict[str, Nod
     return chosen
 
 
+def _amortized(graph: PhysGraph, order: list[str], penalty: float) -> dict[str, Node] | None:
+    """Tree-cost greedy where a class's cost is split among the logical consumers that may read it: a value
+    several consumers share looks cheaper to each (the case plain greedy-DAG misses: b and c each
+    alone prefer their own copy, together they prefer one shared a)."""
+    tensor_of = {c: graph.ident[c][0] if c in graph.ident else c for c in order}
+    readers: dict[str, set] = {c: set() for c in order}
+    for c in order:
+        for n in graph.classes[c]:
+            for ch in n.children:
+                readers[ch].add(tensor_of[c])
+    best: dict[str, tuple[float, Node]] = {}
+    for c in order:
+        pick = None
+        for n in graph.classes[c]:
+            if any(ch not in best for ch in n.children):
+                continue
+            cost = n.cost + penalty * n.memory + sum(best[ch][0] / max(len(readers[ch]), 1) for ch in n.children)
+            if pick is None or cost < pick[0] - 1e-15:
+                pick = (cost, n)
+        if pick is not None:
+            best[c] = pick
+    if ROOT not in best:
+        return None
+    chosen, stack = {}, [ROOT]
+    while stack:
+        c = stack.pop()
+        if c not in chosen:
+            chosen[c] = best[c][1]
+            stack.extend(chosen[c].children)
+    return chosen
+
+
+def _dag_weight(choice: dict[str, Node], penalty: float) -> float:
+    return sum(n.cost + penalty * n.memory for n in choice.values())
+
+
+def _reachable(choice: dict[str, Node], fallback: dict[str, Node]) -> dict[str, Node] | None:
+    out, stack = {}, [ROOT]
+    while stack:
+        c = stack.pop()
+        if c in out:
+            continue
+        n = choice.get(c) or fallback.get(c)
+        if n is None:
+            return None
+        out[c] = n
+        stack.extend(n.children)
+    return out
+
+
+def _improve(graph: PhysGraph, choice: dict[str, Node], fallback: dict[str, Node], penalty: float,
+             max_classes: int = 3000) -> dict[str, Node]:
+    """Local search: switch one class's node at a time while the whole DAG's cost drops (small graphs)."""
+    if len(choice) > max_classes:
+        return choice
+    current = _dag_weight(choice, penalty)
+    for _ in range(4):
+        better = False
+        for c in list(choice):
+            if c not in choice:
+                continue
+            for n in graph.classes[c]:
+                if n is choice[c]:
+                    continue
+                trial = _reachable({**choice, c: n}, fallback)
+                if trial is not None and _dag_weight(trial, penalty) < current - 1e-15:
+                    choice, current, better = trial, _dag_weight(trial, penalty), True
+        if not better:
+            break
+    return choice
+
+
+def _best_of(graph: PhysGraph, order: list[str], penalty: float) -> dict[str, Node] | None:
+    """The cheaper of greedy-DAG and amortized greedy, then improved by local search."""
+    found = [c for c in (_greedy(graph, order, penalty), _amortized(graph, order, penalty)) if c is not None]
+    if not found:
+        return None
+    found.sort(key=lambda ch: _dag_weight(ch, penalty))
+    fallback = {c: n for ch in reversed(found) for c, n in ch.items()}
+    return _improve(graph, found[0], fallback, penalty)
+
+
 def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = None) -> Selection:
-    """Bottom-up greedy: each class keeps the cheapest node counting shared descendants once."""
+    """Bottom-up greedy: each class keeps the cheapest node counting shared descendants once; an
+    amortized variant catches values worth sharing, and a local search polishes small graphs."""
     order = _topo_order(graph, roots)
-    chosen = _greedy(graph, order, 0.0)
+    chosen = _best_of(graph, order, 0.0)
     if chosen is None:
         raise PlanError("no plan computes every output from the pinned inputs: a pin cannot be honoured")
     cost, mem = _total(chosen)
@@ -108,7 +197,7 @@ def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = 
         lo, hi = 0.0, 1e-12
         best_fit = None
         for _ in range(60):  # grow the price of a byte until the plan fits, then bisect
-            trial = _greedy(graph, order, hi)
+            trial = _best_of(graph, order, hi)
             if _total(trial)[1] <= memory_limit:
                 best_fit = trial
                 break
@@ -118,7 +207,7 @@ def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = 
                             f"(the smallest found needs {_total(trial)[1] / 2**30:.2f} GiB)")
         for _ in range(40):
             mid = (lo + hi) / 2
-            trial = _greedy(graph, order, mid)
+            trial = _best_of(graph, order, mid)
             if _total(trial)[1] <= memory_limit:
                 best_fit, hi = trial, mid
             else:
@@ -157,9 +246,10 @@ def exact(graph: PhysGraph, roots: list[str], memory_limit: float | None = None,
         for i, (_, n) in enumerate(nodes):
             a[r, i] = n.memory
         ub[r] = memory_limit
-    cost = np.array([n.cost for _, n in nodes])
+    # costs are seconds (~1e-6): solve in nanoseconds so HiGHS's absolute tolerances do not blur plans
+    cost = np.array([n.cost for _, n in nodes]) * 1e9
     res = milp(cost, constraints=LinearConstraint(a.tocsr(), lb, ub), integrality=np.ones(len(nodes)),
-               bounds=Bounds(0, 1), options={"time_limit": time_limit})
+               bounds=Bounds(0, 1), options={"time_limit": time_limit, "mip_rel_gap": 1e-12})
     if res.x is None:
         raise PlanError("no plan satisfies the pins" + (" and the memory bound" if memory_limit else "")
                         + f" (HiGHS: {res.message})")
