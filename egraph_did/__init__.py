@@ -36,3 +36,14 @@ __all__ += ["CostModel", "Link", "Layout", "Placement", "optimize", "Plan", "Col
 from .simulate import simulate  # noqa: E402
 
 __all__ += ["simulate"]
+
+
+def __getattr__(name):
+    # launch pulls in torch.multiprocessing; import it on first use
+    if name == "launch":
+        from .launch import launch
+        return launch
+    raise AttributeError(f"module 'egraph_did' has no attribute {name!r}")
+
+
+__all__ += ["launch"]

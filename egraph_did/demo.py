@@ -1,84 +1,78 @@
-"""The main job: a tensor-parallel MLP on a 4-device CPU mesh, laid out by hand in the loop-domain API.
+"""The main job: optimize, explain and run a tensor-parallel MLP on a 4-device CPU mesh.
 
-Megatron's layout: w1 column-parallel (its out axis split over the mesh), w2 row-parallel (its in axis
-split), so gelu runs on local columns and the second linear leaves a partial sum (one allreduce).
-The demo prints every tensor's loop and allocation domains and every rank's local shard shape, runs
-each rank's local program on its shards, resolves the partial and checks the result against the
-single-device reference.
+1. The MLP y = linear(gelu(linear(x, w1)), w2) is written once, as for one device; x and y are pinned
+   replicated, the weights are free.
+2. ed.optimize lays it out at shapes where tensor parallelism pays (32 tokens, hidden 8192, bf16, H200
+   cost model): Megatron's column- then row-parallel plan with one allreduce comes out of the costs.
+3. The same layouts are replayed at small float32 shapes (optimize(..., like=plan)), every tensor's
+   loop domain and local shard shapes are printed, and the plan runs: simulated in one process, and
+   (unless --no-launch) on 4 real gloo processes; both are checked against the single-device reference.
 """
 from __future__ import annotations
 
 import torch
 
-from . import DeviceMesh, FusionDefinition, ParallelType, evaluate, shard_tensor, unshard_tensor
-from .evaluate import run_expr
+from . import DeviceMesh, evaluate, optimize, simulate
+from .models import mlp
 
 
-def build_mlp(tokens: int = 8, hidden: int = 16, dtype=torch.float32):
-    """The MLP fusion y = linear(gelu(linear(x, w1)), w2) as for one device."""
-    with FusionDefinition() as fd:
-        x = fd.define_tensor((tokens, hidden), dtype, name="x", axis_names=("s", "h"))
-        w1 = fd.define_tensor((4 * hidden, hidden), dtype, name="w1", axis_names=("4h", "h"))
-        w2 = fd.define_tensor((hidden, 4 * hidden), dtype, name="w2", axis_names=("h", "4h"))
-        h1 = fd.ops.linear(x, w1)
-        g = fd.ops.gelu(h1)
-        fd.add_output(fd.ops.linear(g, w2), name="y")
+def pinned_mlp(tokens: int, hidden: int, mesh: DeviceMesh, dtype=torch.float32):
+    fd = mlp(tokens, hidden, dtype)
+    fd["x"].set_device_mesh(mesh)  # pinned replicated
+    fd["y"].set_device_mesh(mesh)
     return fd
 
 
-def megatron_layout(fd, mesh: DeviceMesh) -> None:
-    """Column-parallel w1, row-parallel w2: the hand-written plan the optimizer will have to find."""
-    f = fd.fusion
-    d = mesh.size
-    for tv in f.all_tensors():
-        tv.set_device_mesh(mesh)
-    for name, axis in (("w1", 0), ("w2", 1)):
-        f[name].outer_split(axis, d).axis(axis).parallelize(ParallelType.DIDx)
-    for tv in (f.producer(f["y"]).inputs[0], f.producer(f.producer(f["y"]).inputs[0]).inputs[0]):
-        tv.outer_split(1, d).axis(1).parallelize(ParallelType.DIDx)  # the hidden activations' 4h axis
-    f["y"].add_partial(ParallelType.DIDx)  # row-parallel output: a pending sum over the mesh
+def shard_table(plan) -> str:
+    mesh = plan.mesh
+    lines = [f"{'tensor':<10}{'shape':<12}{'loop domain':<26}local shape per rank",
+             "-" * 78]
+    seen = set()
+    for v in plan.values.values():
+        if v.tensor in seen:
+            continue
+        seen.add(v.tensor)
+        view = plan.value_view(next(n for n, w in plan.values.items()
+                                    if w.tensor == v.tensor and w.layout == plan.layout_of(v.tensor).code()))
+        shapes = " ".join(str(list(view.local_shape(r))) for r in mesh.ranks)
+        lines.append(f"{v.tensor:<10}{str(list(v.shape)):<12}{view.loop_str():<26}{shapes}")
+    return "\n".join(lines)
 
 
-def run_local_programs(fd, mesh: DeviceMesh, inputs: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
-    """Every rank runs the fusion's ops on its own shards (the layout above needs no collective until y)."""
-    f = fd.fusion
-    per_rank = {}
-    for rank in mesh.ranks:
-        env = {id(tv): shard_tensor(inputs[tv.name], tv, rank) for tv in f.inputs}
-        for expr in f.exprs:
-            for tv, val in zip(expr.outputs, run_expr(expr, env)):
-                assert tuple(val.shape) == tv.local_shape(rank), (tv.name, tuple(val.shape), tv.local_shape(rank))
-                env[id(tv)] = val
-        per_rank[rank] = {tv.name: env[id(tv)] for tv in f.all_tensors()}
-    return per_rank
+def _run_rank(rank, plan, inputs):
+    return plan.run(inputs, inputs="global", outputs="global")["y"]
 
 
-def main(tokens: int = 8, hidden: int = 16, ndev: int = 4) -> int:
+def main(tokens: int = 8, hidden: int = 16, ndev: int = 4, launch: bool = True) -> int:
     mesh = DeviceMesh.arange(ndev)
-    fd = build_mlp(tokens, hidden)
-    megatron_layout(fd, mesh)
-    f = fd.fusion
+    big = pinned_mlp(32, 8192, mesh, torch.bfloat16)
     print(f"egraph-did demo: tensor-parallel MLP on {mesh}\n")
-    print(f)
-    print()
-    header = f"{'tensor':<10}{'logical':<12}{'loop domain':<26}{'allocation':<22}local shape per rank"
-    print(header)
-    print("-" * len(header))
-    for tv in f.all_tensors():
-        alloc = "[" + ", ".join(str(d.extent) for d in tv.allocation_domain) + "]"
-        shapes = " ".join(str(list(tv.local_shape(r))) for r in mesh.ranks)
-        print(f"{tv.name:<10}{str(list(tv.shape)):<12}{tv.loop_str():<26}{alloc:<22}{shapes}")
+    print(big.fusion)
+    plan = optimize(big, mesh)
+    print("\n" + plan.explain())
+
+    small = pinned_mlp(tokens, hidden, mesh)
+    small_plan = optimize(small, mesh, like=plan)
+    print(f"\nthe same layouts at x [{tokens}, {hidden}] float32:\n")
+    print(shard_table(small_plan))
 
     torch.manual_seed(0)
-    inputs = {tv.name: torch.randn(tv.shape, dtype=torch.float64).to(tv.dtype) for tv in f.inputs}
-    per_rank = run_local_programs(fd, mesh, inputs)
-    y = unshard_tensor([per_rank[r]["y"] for r in sorted(mesh.ranks)], f["y"])  # the allreduce of y's partials
-    ref = evaluate(fd, inputs)["y"]
-    err = ((y - ref).abs().max() / ref.abs().max()).item()
-    print(f"\ny = sum over {ndev} ranks of their partial y (one allreduce); max relative error vs the "
-          f"single-device reference: {err:.2e}")
-    ok = torch.allclose(y, ref, rtol=1e-5, atol=1e-6)
-    print("numerics:", "OK" if ok else "MISMATCH")
+    inputs = {tv.name: torch.randn(tv.shape) for tv in small.fusion.inputs}
+    ref = evaluate(small, inputs)["y"]
+    ok = True
+    runs = {"simulate (one process, all ranks)": lambda: simulate(small_plan, inputs)["y"]}
+    if launch:
+        from .launch import launch as launch_ranks
+        runs[f"{ndev} gloo processes"] = lambda: launch_ranks(_run_rank, ndev, "gloo",
+                                                              args=(small_plan, inputs))[0]
+    print()
+    for what, run in runs.items():
+        y = run()
+        err = ((y - ref).abs().max() / ref.abs().max()).item()
+        good = torch.allclose(y, ref, rtol=1e-5, atol=1e-6)
+        ok &= good
+        print(f"{what}: max relative error vs the single-device reference {err:.2e} -> "
+              f"{'OK' if good else 'MISMATCH'}")
     return 0 if ok else 1
 
 

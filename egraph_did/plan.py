@@ -130,6 +130,16 @@ class Plan:
                 return self.value_view(v.name).loop_str()
         raise PlanError(f"no value of {tensor!r}")  # pragma: no cover
 
+    # ------------------------------------------------------------ run
+    def run(self, values, /, inputs: str = "global", outputs: str = "global", **options):
+        """Execute this plan on this rank, inside an initialized default process group (see ed.launch).
+
+        values: {input name: tensor}; inputs="global" (whole tensors, sharded here), "local" (this rank's
+        shards) or DTensors; outputs="global", "local" or "dtensor".
+        """
+        from .runtime import run_plan
+        return run_plan(self, values, inputs_kind=inputs, outputs_kind=outputs, **options)
+
     # ------------------------------------------------------------ explain
     def explain(self) -> str:
         """A readable account: every step with its rule, every collective with bytes, time and why."""

@@ -1,0 +1,59 @@
+"""KernelSpec: what a Triton scheduler compiles. A small DAG of primitive ops over one rank's local
+tensors (local shapes: DID axes are extent 1 and dropped, uneven shards give their own shapes).
+
+Segmentation (lowering/segment.py) builds specs from a plan's fusible steps, decomposing composites
+(gelu, softmax, layer_norm, rms_norm, ...) into the primitives below; schedulers
+(lowering/schedulers.py) classify a spec and generate, compile and launch its kernel.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# Primitive ops a kernel may hold (names of the op table, egraph_did/ops.py).
+POINTWISE_UNARY = ("neg", "exp", "log", "tanh", "sigmoid", "relu", "rsqrt", "sqrt", "erf", "abs", "cast")
+POINTWISE_BINARY = ("add", "sub", "mul", "div", "maximum", "pow")
+REDUCTIONS = ("sum", "amax")  # attrs: dims (tuple of ints), keepdim (bool)
+TRANSPOSES = ("permute", "transpose")
+KERNEL_OPS = POINTWISE_UNARY + POINTWISE_BINARY + REDUCTIONS + TRANSPOSES
+
+
+@dataclass(frozen=True)
+class KernelOp:
+    """out = op(**args); an arg is the name of a tensor of the spec or a literal (number, tuple, dtype)."""
+
+    out: str
+    op: str
+    args: tuple[tuple[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """inputs and outputs are tensor names; tensors maps every name (inputs, intermediates, outputs) to
+    its local (shape, dtype); ops are in topological order."""
+
+    inputs: tuple[str, ...]
+    ops: tuple[KernelOp, ...]
+    outputs: tuple[str, ...]
+    tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return next(s for n, s, _ in self.tensors if n == name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return next(d for n, _, d in self.tensors if n == name)
+
+    def is_tensor(self, v) -> bool:
+        return isinstance(v, str) and any(n == v for n, _, _ in self.tensors)
+
+    def key(self) -> str:
+        """A content hash: equal specs share one compiled kernel."""
+        def enc(v):
+            return str(v) if isinstance(v, torch.dtype) else v
+        body = json.dumps([self.inputs, [(o.out, o.op, [(k, enc(v)) for k, v in o.args]) for o in self.ops],
+                           self.outputs, [(n, s, str(d)) for n, s, d in self.tensors]], default=str)
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
