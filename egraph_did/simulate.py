@@ -59,8 +59,37 @@ def _without(layout: Layout, m: int) -> Layout:
     return layout.replace(m, R)
 
 
-def simulate(plan: Plan, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def compute_on_rank(plan: Plan, step: ComputeStep, env: Mapping[str, torch.Tensor], rank: int
+                    ) -> dict[str, torch.Tensor]:
+    """One compute step on one rank through torch (the op's reference on local shards)."""
+    operands = {k: Operand(plan.values[v].shape, plan.values[v].layout_obj)
+                for k, v in step.args if k in step.tensor_params}
+    outputs = [Operand(plan.values[o].shape, plan.values[o].layout_obj) for o in step.outputs]
+    args = {k: env[v] if k in step.tensor_params else v for k, v in step.args}
+    outs = run_local(step.op, args, operands, outputs, dict(step.flags), RankContext(plan.mesh, rank))
+    return dict(zip(step.outputs, outs))
+
+
+def bind_inputs(plan: Plan, inputs: Mapping[str, torch.Tensor]) -> dict[str, dict[int, torch.Tensor]]:
+    """Every rank's shard of every input value."""
+    missing = sorted(set(plan.inputs) - set(inputs))
+    if missing:
+        raise ShapeError(f"missing input(s) {missing}")
+    env: dict[str, dict[int, torch.Tensor]] = {}
+    for name, vals in plan.inputs.items():
+        for v in vals:
+            val = plan.values[v]
+            if tuple(inputs[name].shape) != val.shape:
+                raise ShapeError(f"input {name} has shape {tuple(inputs[name].shape)}, the plan expects {val.shape}")
+            view = plan.value_view(v)
+            env[v] = {r: shard_tensor(inputs[name], view, r) for r in plan.mesh.ranks}
+    return env
+
+
+def simulate(plan: Plan, inputs: Mapping[str, torch.Tensor], lowered: bool = True) -> dict[str, torch.Tensor]:
     """Run the plan's per-rank programs in one process; returns the outputs as global tensors.
+    lowered=True runs the lowered program (Triton kernels for fused segments, under TRITON_INTERPRET on
+    a CPU); lowered=False runs every compute step through torch eager.
 
     >>> import torch, egraph_did as ed
     >>> with ed.FusionDefinition() as fd:
@@ -73,34 +102,31 @@ def simulate(plan: Plan, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.
     True
     """
     mesh = plan.mesh
-    missing = sorted(set(plan.inputs) - set(inputs))
-    if missing:
-        raise ShapeError(f"simulate: missing input(s) {missing}")
-    env: dict[str, dict[int, torch.Tensor]] = {}
-    for name, vals in plan.inputs.items():
-        for v in vals:
-            val = plan.values[v]
-            if tuple(inputs[name].shape) != val.shape:
-                raise ShapeError(f"simulate: input {name} has shape {tuple(inputs[name].shape)}, the plan "
-                                 f"expects {val.shape}")
-            view = plan.value_view(v)
-            env[v] = {r: shard_tensor(inputs[name], view, r) for r in mesh.ranks}
-    for step in plan.steps:
-        if isinstance(step, Collective):
-            env[step.dst] = collective(plan, step, env[step.src])
-            continue
-        operands = {k: Operand(plan.values[v].shape, plan.values[v].layout_obj)
-                    for k, v in step.args if k in step.tensor_params}
-        outputs = [Operand(plan.values[o].shape, plan.values[o].layout_obj) for o in step.outputs]
-        results: dict[str, dict[int, torch.Tensor]] = {o: {} for o in step.outputs}
-        for r in mesh.ranks:
-            args = {k: env[v][r] if k in step.tensor_params else v for k, v in step.args}
-            outs = run_local(step.op, args, operands, outputs, dict(step.flags), RankContext(mesh, r))
-            for o, val in zip(step.outputs, outs):
-                results[o][r] = val
-        env.update(results)
+    env = bind_inputs(plan, inputs)
+    if lowered:
+        from egraph_did.lowering.segment import lower, run_fused
+        for seg in lower(plan).segments:
+            if seg.kind == "comm":
+                c = seg.steps[0]
+                env[c.dst] = collective(plan, c, env[c.src])
+                continue
+            for r in mesh.ranks:
+                local = {v: env[v][r] for v in env if r in env[v]}
+                outs = (run_fused(plan, seg, local, r) if seg.kind == "fused"
+                        else compute_on_rank(plan, seg.steps[0], local, r))
+                for v, t in outs.items():
+                    env.setdefault(v, {})[r] = t
+    else:
+        for step in plan.steps:
+            if isinstance(step, Collective):
+                env[step.dst] = collective(plan, step, env[step.src])
+                continue
+            for r in mesh.ranks:
+                outs = compute_on_rank(plan, step, {v: env[v][r] for v in env if r in env[v]}, r)
+                for v, t in outs.items():
+                    env.setdefault(v, {})[r] = t
     return {name: unshard_tensor([env[v][r] for r in sorted(mesh.ranks)], plan.value_view(v))
             for name, v in plan.outputs.items()}
 
 
-__all__ = ["simulate", "collective", "Layout"]
+__all__ = ["simulate", "collective", "compute_on_rank", "bind_inputs"]

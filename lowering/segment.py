@@ -1,0 +1,153 @@
+"""Segmentation: a plan's per-rank program as segments, each with one way to run.
+
+* comm: one collective (lowering/communication.py on a process group; simulate.collective in process);
+* aten: one compute step through torch (linear, matmul, sdpa: cuBLAS / flash attention on GPU; gathers;
+  steps whose strategy needs the rank's place, e.g. a bias added once or a vocab-parallel lookup);
+* fused: a maximal run of consecutive fusible steps (pointwise, reductions, softmax, layer_norm,
+  rms_norm, gelu, ...) compiled into one Triton kernel by the scheduler that takes it (pointwise,
+  reduction, persistent, transpose). A residual add feeding a layer_norm is one kernel.
+
+Segments are shape-agnostic; a fused segment becomes a KernelSpec on each rank's local shapes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from egraph_did.evaluate import decompose
+from egraph_did.fusion import Fusion
+from egraph_did.ir import TensorView
+from egraph_did.local import Operand, RankContext
+from egraph_did.plan import Collective, ComputeStep, Plan
+
+from .kernel_spec import KERNEL_OPS, KernelOp, KernelSpec
+
+# Ops a fused segment may hold: kernel primitives plus composites that decompose into them.
+FUSIBLE = set(KERNEL_OPS) | {"gelu", "silu", "softmax", "layer_norm", "rms_norm", "mean"}
+
+
+@dataclass(frozen=True)
+class Segment:
+    kind: str  # comm | aten | fused
+    steps: tuple  # one Collective, one ComputeStep, or several ComputeSteps
+    inputs: tuple[str, ...] = ()  # values a fused segment reads
+    outputs: tuple[str, ...] = ()  # values a fused segment hands on
+    scheduler: str = ""  # fused: pointwise | reduction | persistent | transpose
+
+    def describe(self) -> str:
+        if self.kind == "comm":
+            c = self.steps[0]
+            return f"comm {c.kind}[{c.mesh_axis_name}] {c.tensor}"
+        ops = "+".join(s.op for s in self.steps)
+        return f"{self.kind}{'/' + self.scheduler if self.scheduler else ''} {ops}"
+
+
+@dataclass
+class LoweredPlan:
+    plan: Plan
+    segments: list[Segment] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return "\n".join(f"{i:>3}  {s.describe()}" for i, s in enumerate(self.segments))
+
+
+def _fusible(step: ComputeStep) -> bool:
+    return step.op in FUSIBLE and not step.flags
+
+
+def _reads(step) -> list[str]:
+    return [v for k, v in step.args if k in step.tensor_params]
+
+
+def kernel_spec(plan: Plan, steps: tuple[ComputeStep, ...], inputs: tuple[str, ...], outputs: tuple[str, ...],
+                rank: int) -> KernelSpec:
+    """The segment's ops over rank's local shapes, composites decomposed into kernel primitives."""
+    ctx = RankContext(plan.mesh, rank)
+    fusion = Fusion()
+    tv: dict[str, TensorView] = {}
+    for v in inputs:
+        val = plan.values[v]
+        local = ctx.local_shape(Operand(val.shape, val.layout_obj))
+        tv[v] = fusion.define_tensor(local, val.dtype, name=f"in{len(tv)}")
+    for step in steps:
+        args = {k: tv[v] if k in step.tensor_params else v for k, v in step.args}
+        outs = fusion.emit(step.op, **args)
+        for v, t in zip(step.outputs, outs if isinstance(outs, tuple) else (outs,)):
+            tv[v] = t
+    for i, v in enumerate(outputs):
+        fusion.add_output(tv[v], f"out{i}")
+    prim, _ = decompose(fusion)
+    ops = tuple(KernelOp(e.outputs[0].name, e.op.name,
+                         tuple((k, a.name if isinstance(a, TensorView) else a) for k, a in e.args))
+                for e in prim.exprs)
+    tensors = tuple((t.name, t.shape, t.dtype) for t in prim.all_tensors())
+    return KernelSpec(tuple(t.name for t in prim.inputs), ops, tuple(prim.outputs[f"out{i}"].name
+                                                                         for i in range(len(outputs))), tensors)
+
+
+def _segment_io(plan: Plan, steps: list[ComputeStep], later: list) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    made = {v for s in steps for v in s.outputs}
+    ins: list[str] = []
+    for s in steps:
+        for v in _reads(s):
+            if v not in made and v not in ins:
+                ins.append(v)
+    needed = {v for s in later for v in (_reads(s) if isinstance(s, ComputeStep) else [s.src])}
+    needed |= set(plan.outputs.values())
+    outs = tuple(v for s in steps for v in s.outputs if v in needed)
+    return tuple(ins), outs
+
+
+def lower(plan: Plan, classify=None) -> LoweredPlan:
+    """Cut the plan into segments; fused runs are grown while the scheduler still takes them."""
+    if classify is None:
+        from .schedulers import classify
+    low = LoweredPlan(plan)
+    steps = plan.steps
+    group: list[ComputeStep] = []
+
+    def scheduler_for(run: list[ComputeStep], upto: int) -> str | None:
+        ins, outs = _segment_io(plan, run, steps[upto:])
+        if not outs:
+            return None
+        try:
+            return classify(kernel_spec(plan, tuple(run), ins, outs, plan.mesh.ranks[0]))
+        except (ValueError, KeyError, TypeError, AssertionError, NotImplementedError):
+            return None
+
+    def close(upto: int) -> None:
+        if not group:
+            return
+        sched = scheduler_for(group, upto)
+        if sched is None:  # nothing takes it whole: each step through torch
+            for s in group:
+                low.segments.append(Segment("aten", (s,)))
+        else:
+            ins, outs = _segment_io(plan, group, steps[upto:])
+            low.segments.append(Segment("fused", tuple(group), ins, outs, sched))
+        group.clear()
+
+    for i, step in enumerate(steps):
+        if isinstance(step, Collective):
+            close(i)
+            low.segments.append(Segment("comm", (step,)))
+        elif _fusible(step) and (group or step.op not in ("permute", "transpose")):
+            # a permute opening a run is a view for torch; after pointwise ops it is a tiled transpose
+            if group and scheduler_for(group + [step], i + 1) is None:
+                close(i)
+            group.append(step)
+        else:
+            close(i)
+            low.segments.append(Segment("aten", (step,)))
+    close(len(steps))
+    return low
+
+
+def run_fused(plan: Plan, seg: Segment, env: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """One rank's fused segment: its kernel on the rank's local shards (compiled once per spec)."""
+    from .schedulers import compile_kernel
+    spec = kernel_spec(plan, seg.steps, seg.inputs, seg.outputs, rank)
+    kernel = compile_kernel(spec)
+    outs = kernel({name: env[v] for name, v in zip(spec.inputs, seg.inputs)})
+    return {v: outs[name] for name, v in zip(spec.outputs, seg.outputs)}
