@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from itertools import product
 
 from egglog import EGraph, Expr, String, StringLike, function, i64, i64Like, relation, rule, ruleset, union, var
@@ -24,6 +23,7 @@ from egglog import EGraph, Expr, String, StringLike, function, i64, i64Like, rel
 from egraph_did.rewrites.resharding import reshards
 
 from .layout import Layout
+from .physgraph import Node, PhysGraph
 from .problem import Problem
 
 
@@ -80,33 +80,6 @@ Valid = relation("Valid", T, String, egg_fn="Valid")  # t may be held in layout 
 Trans = relation("Trans", String, String, String, i64, egg_fn="Trans")  # layout -> layout by a collective on a mesh axis
 STRAT = {(n, o): relation(f"Strat{n}x{o}", String, i64, *([T, String] * (o + n)), egg_fn=f"Strat{n}x{o}")
          for n in APPLY for o in (1, 2)}
-
-
-# ---------------------------------------------------------------------- read-back graph
-
-@dataclass
-class Node:
-    op: str  # Apply | Proj | Load | Keep | Coll | Choose
-    children: tuple[str, ...]  # class ids
-    key: str = ""  # Apply: expr key; Load: input name; Coll: kind
-    sid: int = -1  # Apply: strategy id; Proj: output index; Coll: mesh axis
-    cost: float = 0.0
-    memory: float = 0.0
-
-
-@dataclass
-class PhysGraph:
-    """Classes of the saturated e-graph's physical sort, with what each names and how to make it."""
-
-    classes: dict[str, list[Node]] = field(default_factory=dict)
-    ident: dict[str, tuple[str, str, int]] = field(default_factory=dict)  # class -> (tensor, layout, level)
-    index: dict[tuple[str, str, int], str] = field(default_factory=dict)  # (tensor, layout, level) -> class
-    canonical: dict[str, str] = field(default_factory=dict)  # tensor -> the name its class goes by
-    stats: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def n_nodes(self) -> int:
-        return sum(len(ns) for ns in self.classes.values())
 
 
 # ---------------------------------------------------------------------- encode + saturate

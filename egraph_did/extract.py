@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .egraph import Node, PhysGraph
+from .physgraph import Node, PhysGraph
 from .errors import PlanError
 
 ROOT = "__root__"

@@ -5,7 +5,7 @@ import math
 import time
 
 from .cost import CostModel
-from .egraph import Node, PhysGraph, saturate
+from .physgraph import Node, PhysGraph
 from .errors import PlanError
 from .extract import ROOT, Selection, exact, greedy_dag, with_roots
 from .layout import Layout
@@ -72,6 +72,8 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     t0 = time.perf_counter()
     cm = cost_model or CostModel.h200()
     pins = None if like is None else {name: like.values[v].layout_obj for name, v in like.outputs.items()}
+    from .egraph import saturate  # egglog is needed to optimize, not to load or run a plan
+
     problem = build_problem(fd, mesh, cm, pins=pins, like=like)
     t1 = time.perf_counter()
     graph = saturate(problem)

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import egraph_did as ed
-from egraph_did.egraph import Node, PhysGraph
+from egraph_did.physgraph import Node, PhysGraph
 from egraph_did.extract import exact, greedy_dag, with_roots
 from egraph_did.layout import Layout, S, apply_layout
 

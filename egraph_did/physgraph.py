@@ -1,0 +1,32 @@
+"""The saturated e-graph's physical sort as plain Python data: what extraction and plan building read.
+Kept apart from egraph.py so that loading and running plans never imports egglog."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Node:
+    op: str  # Apply | Proj | Load | Keep | Coll | Choose
+    children: tuple[str, ...]  # class ids
+    key: str = ""  # Apply: expr key; Load: input name; Coll: kind
+    sid: int = -1  # Apply: strategy id; Proj: output index; Coll: mesh axis
+    cost: float = 0.0
+    memory: float = 0.0
+
+
+@dataclass
+class PhysGraph:
+    """Classes of the saturated e-graph's physical sort, with what each names and how to make it."""
+
+    classes: dict[str, list[Node]] = field(default_factory=dict)
+    ident: dict[str, tuple[str, str, int]] = field(default_factory=dict)  # class -> (tensor, layout, level)
+    index: dict[tuple[str, str, int], str] = field(default_factory=dict)  # (tensor, layout, level) -> class
+    canonical: dict[str, str] = field(default_factory=dict)  # tensor -> the name its class goes by
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def n_nodes(self) -> int:
+        return sum(len(ns) for ns in self.classes.values())
+
+
