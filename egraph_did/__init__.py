@@ -9,6 +9,15 @@
 >>> x.loop_str(), x.local_shape(3)
 ('[DIDx{4}, s/4, h]', (2, 16))
 """
+import os as _os
+
+# rewrites/ and lowering/ sit at the top of the repository and install as egraph_did.rewrites and
+# egraph_did.lowering (package-dir mapping); from a plain checkout (no install, e.g. on a GPU machine
+# with PYTHONPATH set) the same names resolve through the package path.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isdir(_os.path.join(_root, "rewrites")) and _root not in __path__:
+    __path__.append(_root)
+
 from .errors import DtypeError, EgraphDidError, MeshError, PlanError, ShapeError, ShardingError
 from .evaluate import decompose, evaluate
 from .fusion import Expr, Fusion, FusionDefinition

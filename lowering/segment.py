@@ -77,13 +77,35 @@ def kernel_spec(plan: Plan, steps: tuple[ComputeStep, ...], inputs: tuple[str, .
             tv[v] = t
     for i, v in enumerate(outputs):
         fusion.add_output(tv[v], f"out{i}")
+    return spec_from_fusion(fusion)
+
+
+def spec_from_fusion(fusion: Fusion) -> KernelSpec:
+    """A single-device fusion of fusible ops as a KernelSpec (composites decomposed), outputs in order.
+
+    >>> import egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     x = fd.define_tensor((4, 8), name="x")
+    ...     fd.add_output(fd.ops.softmax(x), name="y")
+    >>> [o.op for o in spec_from_fusion(fd.fusion).ops]
+    ['amax', 'sub', 'exp', 'sum', 'div']
+    """
     prim, _ = decompose(fusion)
-    ops = tuple(KernelOp(e.outputs[0].name, e.op.name,
-                         tuple((k, a.name if isinstance(a, TensorView) else a) for k, a in e.args))
-                for e in prim.exprs)
-    tensors = tuple((t.name, t.shape, t.dtype) for t in prim.all_tensors())
-    return KernelSpec(tuple(t.name for t in prim.inputs), ops, tuple(prim.outputs[f"out{i}"].name
-                                                                         for i in range(len(outputs))), tensors)
+    alias: dict[str, str] = {}  # common subexpressions: decompositions repeat work (x - mean twice)
+    seen: dict[tuple, str] = {}
+    ops = []
+    for e in prim.exprs:
+        args = tuple((k, alias.get(a.name, a.name) if isinstance(a, TensorView) else a) for k, a in e.args)
+        key = (e.op.name, repr(args))
+        out = e.outputs[0].name
+        if key in seen and out not in {t.name for t in prim.outputs.values()}:
+            alias[out] = seen[key]
+            continue
+        seen.setdefault(key, out)
+        ops.append(KernelOp(out, e.op.name, args))
+    tensors = tuple((t.name, t.shape, t.dtype) for t in prim.all_tensors() if t.name not in alias)
+    return KernelSpec(tuple(t.name for t in prim.inputs), tuple(ops),
+                      tuple(t.name for t in prim.outputs.values()), tensors)
 
 
 def _segment_io(plan: Plan, steps: list[ComputeStep], later: list) -> tuple[tuple[str, ...], tuple[str, ...]]:
