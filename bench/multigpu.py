@@ -1,0 +1,193 @@
+"""GPT-3-shaped layer (batch 1, sequence 2048, hidden 12288, 96 heads, bf16) across the GPUs of one host:
+egraph-did's tensor-parallel and tensor+sequence-parallel plans against PyTorch DTensor
+(parallelize_module with ColwiseParallel / RowwiseParallel, SequenceParallel for the SP case), eager
+and under torch.compile; forward only (the fusion has no backward yet).
+
+    python bench/multigpu.py --make-plans          # here (needs egglog): optimize, write bench/plans/*.json
+    python bench/multigpu.py                       # on the GPU machine: every GPU it has
+    python bench/multigpu.py --cpu-smoke           # anywhere: 4 gloo processes at tiny shapes, numerics only
+
+With several GPUs: one process per GPU (ed.launch, NCCL), medians of CUDA-event timings after warm-up,
+numerics against a one-GPU reference (bf16: relative error under 2e-2), ratios to each baseline, and
+the cost model's prediction beside the measurement. With one GPU: the per-device compute of the 8-way
+plans (rank 0's local program, local shapes; collectives replaced by stand-ins of the right shape) is
+timed and reported; the multi-GPU parts report that they were not run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import egraph_did as ed  # noqa: E402
+
+PLANS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plans")
+GPT3 = dict(batch=1, seq=2048, hidden=12288, heads=96)
+# 96 layers of GPT-3 hold 348 GB of bf16 weights: on 8 GPUs a layer may keep about 1/8 of its weights
+# and its activations; the bound is what makes tensor parallelism the cheapest plan that fits.
+MEMORY_PER_LAYER = 1.0 * 2**30
+
+
+def gpt_fusion(ndev: int, sp: bool, batch, seq, hidden, heads, dtype=torch.bfloat16):
+    from egraph_did import models
+    from egraph_did.layout import Layout, S, apply_layout
+    mesh = ed.DeviceMesh.arange(ndev)
+    fd = models.gpt_layer(batch, seq, hidden, heads, dtype)
+    for name in ("x", "y"):
+        if sp:
+            apply_layout(fd[name], Layout((S(1),)), mesh)
+        else:
+            fd[name].set_device_mesh(mesh)
+    return fd, mesh
+
+
+def plan_path(ndev: int, sp: bool) -> str:
+    return os.path.join(PLANS, f"gpt3_{'tpsp' if sp else 'tp'}_{ndev}.json")
+
+
+def make_plans() -> None:
+    os.makedirs(PLANS, exist_ok=True)
+    for ndev in (2, 4, 8):
+        for sp in (False, True):
+            fd, mesh = gpt_fusion(ndev, sp, **GPT3)
+            plan = ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=MEMORY_PER_LAYER * 8 / ndev))
+            with open(plan_path(ndev, sp), "w") as f:
+                f.write(plan.to_json())
+            kinds = sorted(c.kind for c in plan.collectives)
+            print(f"{ndev} ranks {'TP+SP' if sp else 'TP'}: predicted {plan.predicted_time * 1e3:.3f} ms, "
+                  f"{kinds}, {plan.memory / 2**30:.2f} GiB per device -> {plan_path(ndev, sp)}")
+
+
+def load_plan(ndev: int, sp: bool):
+    with open(plan_path(ndev, sp)) as f:
+        return ed.Plan.from_json(f.read())
+
+
+# ---------------------------------------------------------------------- one GPU: per-device compute
+
+def per_device_compute(plan, device, iters: int = 20) -> tuple[float, float]:
+    """Median ms of rank 0's local program with collectives replaced by stand-ins; and the cost model's
+    prediction of the collectives it skipped."""
+    from egraph_did.local import Operand, RankContext
+    from egraph_did.lowering.execute import run_rank
+    from egraph_did.lowering.segment import lower
+    mesh, rank = plan.mesh, plan.mesh.ranks[0]
+    ctx = RankContext(mesh, rank)
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def local_random(value):
+        v = plan.values[value]
+        shape = ctx.local_shape(Operand(v.shape, v.layout_obj))
+        return torch.randn(shape, device=device, dtype=getattr(torch, v.dtype), generator=g) * 0.02
+
+    env0 = {v: local_random(v) for vals in plan.inputs.values() for v in vals}
+    stand_ins = {c.dst: local_random(c.dst) for c in plan.collectives + [s for s in plan.steps
+                                                                         if getattr(s, "kind", "") == "slice"]}
+    lowered = lower(plan)
+    skipped = sum(c.time for c in plan.collectives)
+
+    def stand_in(plan_, c, local, rank_):
+        return stand_ins[c.dst]
+
+    def once():
+        run_rank(plan, dict(env0), rank, stand_in, lowered)
+    for _ in range(3):
+        once()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        once()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), skipped * 1e3
+
+
+def single_gpu_report() -> None:
+    dev = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name()} x1 | torch {torch.__version__}")
+    print("multi-GPU runs (NCCL plans vs DTensor TP / TP+SP, eager and compiled; calibration of the "
+          "NVLink links): NOT RUN, this machine has one GPU; they need nvidia-h200-x2/-x4/-x8")
+    print(f"{'plan':<16}{'segments':>9}{'compute ms':>12}{'predicted compute ms':>22}{'predicted comm ms (not run)':>29}")
+    for sp in (False, True):
+        plan = load_plan(8, sp)
+        from egraph_did.lowering.segment import lower
+        nseg = len(lower(plan).segments)
+        ms, comm_ms = per_device_compute(plan, dev)
+        pred = sum(s.time for s in plan.compute_steps) * 1e3
+        print(f"{('TP+SP' if sp else 'TP') + ' 8-way':<16}{nseg:>9}{ms:>12.3f}{pred:>22.3f}{comm_ms:>29.3f}")
+
+
+# ---------------------------------------------------------------------- several processes
+
+def _rank_main(rank, plan, inputs, iters, device_kind):
+    import torch.distributed as dist
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if device_kind == "cuda" else "cpu"
+    local_inputs = {k: v.to(device) for k, v in inputs.items()}
+    out = plan.run(local_inputs, inputs="global", outputs="global")
+    times = []
+    for _ in range(iters):
+        if device_kind == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        if device_kind == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            plan.run(local_inputs, inputs="global", outputs="local")
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e))
+    return {k: v.cpu() for k, v in out.items()}, (statistics.median(times) if times else float("nan"))
+
+
+def multi_process_run(ndev: int, backend: str, small: bool) -> None:
+    shape = dict(batch=1, seq=16, hidden=64, heads=8) if small else GPT3
+    device_kind = "cuda" if backend == "nccl" else "cpu"
+    dtype = torch.float32 if small else torch.bfloat16
+    for sp in (False, True):
+        big = load_plan(ndev, sp) if not small else None
+        fd, mesh = gpt_fusion(ndev, sp, dtype=dtype, **shape)
+        plan = ed.optimize(fd, mesh, like=big) if big is not None and small else (
+            big if big is not None else ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=2**20)))
+        g = torch.Generator().manual_seed(0)
+        inputs = {t.name: (torch.randn(t.shape, generator=g, dtype=torch.float64) * 0.05).to(dtype)
+                  for t in fd.fusion.inputs}
+        ref = ed.evaluate(fd, {k: v.double() for k, v in inputs.items()}) if small else None
+        results = ed.launch(_rank_main, ndev, backend, args=(plan, inputs, 0 if small else 20, device_kind),
+                            timeout=600)
+        out, ms = results[0]
+        label = f"{'TP+SP' if sp else 'TP'} {ndev}-way"
+        if ref is not None:
+            err = ((out["y"].double() - ref["y"]).norm() / ref["y"].norm()).item()
+            print(f"{label}: egraph-did plan on {ndev} {backend} processes, relative error {err:.1e}")
+        else:
+            print(f"{label}: {ms:.3f} ms (predicted {plan.predicted_time * 1e3:.3f} ms)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--make-plans", action="store_true")
+    ap.add_argument("--cpu-smoke", action="store_true")
+    args = ap.parse_args()
+    if args.make_plans:
+        make_plans()
+    elif args.cpu_smoke:
+        multi_process_run(4, "gloo", small=True)
+    elif torch.cuda.is_available() and torch.cuda.device_count() == 1:
+        single_gpu_report()
+    elif torch.cuda.is_available():
+        multi_process_run(torch.cuda.device_count(), "nccl", small=False)
+    else:
+        print("no GPU: use --cpu-smoke or --make-plans")
+
+
+if __name__ == "__main__":
+    main()
