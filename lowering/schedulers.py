@@ -1,0 +1,709 @@
+"""Triton schedulers: classify a KernelSpec, generate its kernel's source from the spec's IR, compile it
+once per content hash and launch it on one rank's local tensors.
+
+Four schedulers, in the spirit of nvFuser's:
+
+- pointwise:  pointwise ops with numpy broadcasting; one flat loop over the broadcast shape.
+- persistent: pointwise ops and sum/amax reductions (keepdim) over the same trailing axes whose row
+              fits on chip (<= 16384 elements): a row stays in registers between its reductions
+              (softmax, layer_norm, rms_norm, residual add + layer_norm in one kernel).
+- reduction:  one sum/amax over trailing axes of any length (inner: a loop over column blocks) or over
+              leading axes (outer, e.g. a column sum), with a pointwise prologue and epilogue.
+- transpose:  one permute/transpose that moves the last axis, with pointwise ops before and after; tiles
+              load along the input's contiguous axis and store along the output's.
+
+Anything else classifies as None and runs in torch eager (run_eager). Kernels compute in fp32 for 16-bit
+floats and round once at the store. Under TRITON_INTERPRET=1 (no GPU) the same source runs on the CPU;
+blocks are then large, since the interpreter costs per program, not per element.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from egraph_did.errors import DtypeError, PlanError, ShapeError
+from egraph_did.ops import OPS
+
+from .codegen import COMPUTE_TYPE, FLOATS, Group, Phase, Writer, align_to, ident
+from .kernel_spec import (KERNEL_OPS, POINTWISE_BINARY, POINTWISE_UNARY, REDUCTIONS, TRANSPOSES, KernelOp,
+                          KernelSpec)
+
+PERSISTENT_MAX_ROW = 16384  # elements of a row a persistent kernel holds on chip
+_BIG = 2**31 - 2**20       # past this many elements, offsets are computed in int64
+
+
+class Unsupported(PlanError):
+    """No Triton scheduler takes this spec (classify answers None; run it with run_eager)."""
+
+
+# ------------------------------------------------------------------ analysis
+
+@dataclass
+class Schedule:
+    """What a scheduler needs to know about a spec: the loop shape, the frame of every op (the loop
+    axes its operands right-align to) and of every produced tensor, the reduced loop axes, and which ops
+    run after the reduction or permute (the epilogue)."""
+
+    kind: str
+    loop: tuple[int, ...]
+    op_frame: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    out_frame: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    red_axes: tuple[int, ...] = ()
+    after: set[str] = field(default_factory=set)
+    pivot: KernelOp | None = None  # the reduction of a reduction kernel, the permute of a transpose
+    outer: bool = False            # reduction over leading axes (a column sum)
+
+    @property
+    def base(self) -> tuple[int, ...]:
+        return tuple(range(len(self.loop)))
+
+
+def _args(op: KernelOp) -> dict:
+    """The op's arguments with defaults filled in from the op table's signature."""
+    bound = OPS[op.op].signature.bind(**dict(op.args))
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _tensor_args(spec: KernelSpec, op: KernelOp) -> list[str]:
+    return [v for _, v in op.args if spec.is_tensor(v)]
+
+
+def _check_ops(spec: KernelSpec) -> None:
+    """Reject what no scheduler can emit: ops outside the primitives, dtypes without a kernel type."""
+    for op in spec.ops:
+        if not spec.is_tensor(op.out):
+            raise Unsupported(f"op {op.op} produces {op.out!r}, which has no (shape, dtype) in spec.tensors")
+        if op.op not in KERNEL_OPS:
+            raise Unsupported(
+                f"op {op.op!r} (producing {op.out!r}) is not a kernel primitive; Triton kernels take "
+                f"{', '.join(KERNEL_OPS)}. Decompose it (egraph_did.ops.OPS[{op.op!r}].decompose) or run it "
+                f"as an ATen segment")
+        try:
+            args = _args(op)
+        except TypeError as e:
+            raise Unsupported(f"op {op.op} (producing {op.out!r}): arguments {dict(op.args)} do not fit its "
+                              f"signature {OPS[op.op].signature}: {e}") from None
+        for k in ("x", "a", "b"):
+            v = args.get(k)
+            if k in args and not spec.is_tensor(v) and not (op.op in POINTWISE_BINARY and
+                                                             isinstance(v, (int, float, bool))):
+                raise Unsupported(f"op {op.op} (producing {op.out!r}): argument {k}={v!r} is neither a tensor "
+                                  f"of the spec nor a Python number")
+        for v in _tensor_args(spec, op) + [op.out]:
+            dt = spec.dtype(v)
+            if dt not in COMPUTE_TYPE:
+                raise Unsupported(f"tensor {v!r} is {str(dt).replace('torch.', '')}; Triton kernels take "
+                                  f"float32, float16, bfloat16, int32, int64 and bool (float64 runs eager)")
+        tensors = [spec.dtype(v) for v in _tensor_args(spec, op)]
+        if op.op in REDUCTIONS and any(d not in FLOATS for d in tensors):
+            raise Unsupported(f"{op.op} producing {op.out!r}: kernels reduce floating-point tensors only")
+        if op.op == "pow" and any(d not in FLOATS for d in tensors + [spec.dtype(op.out)]):
+            raise Unsupported(f"pow producing {op.out!r}: kernels take pow of floating-point tensors only")
+        if op.op != "cast" and torch.bool in tensors:
+            raise Unsupported(f"{op.op} producing {op.out!r}: kernels take bool tensors only through cast")
+    for n in spec.inputs + spec.outputs:
+        if not spec.is_tensor(n):
+            raise Unsupported(f"tensor {n!r} is listed as an input or output but has no (shape, dtype) in "
+                              f"spec.tensors")
+
+
+def _reduced_axes(spec: KernelSpec, op: KernelOp, frame: tuple[int, ...]) -> tuple[int, ...]:
+    x = _args(op)["x"]
+    nd = len(spec.shape(x))
+    dims = _args(op)["dims"]
+    dims = range(nd) if dims is None else ((dims,) if isinstance(dims, int) else dims)
+    off = len(frame) - nd
+    return tuple(sorted(frame[off + d % nd] for d in dims))
+
+
+def _perm(spec: KernelSpec, op: KernelOp) -> tuple[int, ...]:
+    args = _args(op)
+    n = len(spec.shape(args["x"]))
+    if op.op == "permute":
+        return tuple(d % n for d in args["dims"])
+    p = list(range(n))
+    a, b = args["dim0"] % n, args["dim1"] % n
+    p[a], p[b] = p[b], p[a]
+    return tuple(p)
+
+
+def _frames(spec: KernelSpec, s: Schedule) -> None:
+    """Give every op the frame its operands align to and every produced tensor its own frame: the base
+    loop axes, until a keepdim=False reduction drops axes or a permute reorders them."""
+    for op in spec.ops:
+        inter = {s.out_frame[v] for v in _tensor_args(spec, op) if v in s.out_frame}
+        if len(inter) > 1:
+            raise Unsupported(f"{op.op} producing {op.out!r} mixes tensors from before and after a reduction "
+                              f"or permute; no single kernel loop holds both")
+        frame = inter.pop() if inter else s.base
+        for v in _tensor_args(spec, op):
+            if align_to(spec.shape(v), frame, s.loop) is None:
+                raise Unsupported(f"{op.op} producing {op.out!r}: operand {v!r} of shape {spec.shape(v)} does "
+                                  f"not broadcast into the kernel's loop {s.loop}")
+        s.op_frame[op.out] = frame
+        out = frame
+        if op.op in REDUCTIONS:
+            red = _reduced_axes(spec, op, frame)
+            if not _args(op)["keepdim"]:
+                out = tuple(a for a in frame if a not in red)
+        elif op.op in TRANSPOSES:
+            x = _args(op)["x"]
+            if len(spec.shape(x)) != len(frame):
+                raise Unsupported(f"{op.op} producing {op.out!r}: {x!r} must span the whole loop {s.loop}")
+            out = tuple(frame[p] for p in _perm(spec, op))
+        if align_to(spec.shape(op.out), out, s.loop) is None:
+            raise Unsupported(f"{op.op} producing {op.out!r} of shape {spec.shape(op.out)}: does not fit the "
+                              f"kernel's loop {s.loop}")
+        s.out_frame[op.out] = out
+
+
+def _downstream(spec: KernelSpec, pivot: KernelOp) -> set[str]:
+    after = {pivot.out}
+    for op in spec.ops:
+        if any(v in after for v in _tensor_args(spec, op)):
+            after.add(op.out)
+    after.discard(pivot.out)
+    return after
+
+
+def _check_epilogue(spec: KernelSpec, s: Schedule, what: str) -> None:
+    """Ops after the pivot may read it, each other and spec inputs, but not tensors computed before it
+    (those live inside the loop), and nothing along a reduced axis."""
+    for op in spec.ops:
+        if op.out not in s.after:
+            continue
+        for v in _tensor_args(spec, op):
+            if v != s.pivot.out and v not in s.after and v not in spec.inputs:
+                raise Unsupported(f"{op.op} producing {op.out!r} reads {v!r}, computed before the {what}; a "
+                                  f"{s.kind} kernel cannot keep it past the {what}")
+        for v in _tensor_args(spec, op) + [op.out]:
+            al = align_to(spec.shape(v), s.op_frame[op.out] if v != op.out else s.out_frame[v], s.loop)
+            if any(a in s.red_axes for a in al if a is not None):
+                raise Unsupported(f"{op.op} producing {op.out!r} needs {v!r} along the reduced axes after the "
+                                  f"reduction (a second pass over the row): the persistent scheduler takes rows "
+                                  f"of up to {PERSISTENT_MAX_ROW} elements")
+
+
+def _broadcast_loop(spec: KernelSpec) -> tuple[int, ...]:
+    try:
+        return tuple(torch.broadcast_shapes(*(s for _, s, _ in spec.tensors)))
+    except RuntimeError as e:
+        raise Unsupported(f"the spec's tensors do not broadcast to one loop shape: {e}") from None
+
+
+def _pointwise(spec: KernelSpec) -> Schedule:
+    s = Schedule("pointwise", _broadcast_loop(spec))
+    _frames(spec, s)
+    return s
+
+
+def _transpose(spec: KernelSpec, p: KernelOp) -> Schedule:
+    x = _args(p)["x"]
+    s = Schedule("transpose", spec.shape(x), pivot=p)
+    n = len(s.loop)
+    if n < 2:
+        raise Unsupported(f"{p.op} producing {p.out!r}: a transpose needs at least 2 axes")
+    perm = _perm(spec, p)
+    if perm[-1] == n - 1:
+        raise Unsupported(f"{p.op} producing {p.out!r} keeps the last axis in place; the transpose scheduler "
+                          f"tiles a permute that moves it")
+    _frames(spec, s)
+    s.after = _downstream(spec, p)
+    _check_epilogue(spec, s, p.op)
+    return s
+
+
+def _reduction(spec: KernelSpec, r: KernelOp) -> Schedule:
+    x = _args(r)["x"]
+    s = Schedule("reduction", spec.shape(x), pivot=r)
+    _frames(spec, s)
+    n = len(s.loop)
+    s.red_axes = _reduced_axes(spec, r, s.op_frame[r.out])
+    k = len(s.red_axes)
+    if s.red_axes == tuple(range(n - k, n)):
+        s.outer = False
+    elif s.red_axes == tuple(range(k)):
+        s.outer = True
+    else:
+        raise Unsupported(f"{r.op} producing {r.out!r} reduces axes {s.red_axes} of {s.loop}: the reduction "
+                          f"scheduler takes trailing (inner) or leading (outer) axes")
+    s.after = _downstream(spec, r)
+    _check_epilogue(spec, s, "reduction")
+    return s
+
+
+def _persistent(spec: KernelSpec, reds: list[KernelOp]) -> Schedule:
+    s = Schedule("persistent", _broadcast_loop(spec))
+    for r in reds:
+        if not _args(r)["keepdim"]:
+            raise Unsupported(f"{r.op} producing {r.out!r} has keepdim=False; the persistent scheduler keeps "
+                              f"reduced axes (keepdim=True) so later ops broadcast along the row")
+    _frames(spec, s)
+    n = len(s.loop)
+    axes = {_reduced_axes(spec, r, s.op_frame[r.out]) for r in reds}
+    if len(axes) != 1:
+        raise Unsupported(f"reductions over different loop axes {sorted(axes)}; a persistent kernel reduces "
+                          f"one row")
+    s.red_axes = axes.pop()
+    k = len(s.red_axes)
+    if s.red_axes != tuple(range(n - k, n)):
+        raise Unsupported(f"reductions over axes {s.red_axes} of {s.loop}: the persistent scheduler reduces "
+                          f"trailing axes")
+    row = math.prod(s.loop[n - k:])
+    if row > PERSISTENT_MAX_ROW:
+        raise Unsupported(f"rows of {row} elements do not fit on chip (the persistent scheduler takes up to "
+                          f"{PERSISTENT_MAX_ROW})")
+    return s
+
+
+def schedule(spec: KernelSpec) -> Schedule:
+    """The schedule of a spec, or Unsupported saying why no scheduler takes it."""
+    _check_ops(spec)
+    reds = [op for op in spec.ops if op.op in REDUCTIONS]
+    perms = [op for op in spec.ops if op.op in TRANSPOSES]
+    if perms:
+        if reds or len(perms) > 1:
+            raise Unsupported("a transpose kernel holds exactly one permute/transpose and no reduction")
+        return _transpose(spec, perms[0])
+    if not reds:
+        return _pointwise(spec)
+    why = None
+    if len(reds) == 1:
+        try:
+            return _reduction(spec, reds[0])
+        except Unsupported as e:
+            why = e
+    try:
+        return _persistent(spec, reds)
+    except Unsupported as e:
+        raise Unsupported(f"{e}" + (f" (and as a reduction: {why})" if why else "")) from None
+
+
+def classify(spec: KernelSpec) -> str | None:
+    """The scheduler that takes spec: "pointwise", "persistent", "reduction", "transpose", or None (the
+    caller runs it eagerly).
+
+    >>> from egraph_did.lowering.kernel_spec import KernelOp, KernelSpec
+    >>> import torch
+    >>> spec = KernelSpec(("x",), (KernelOp("y", "exp", (("x", "x"),)),), ("y",),
+    ...                   (("x", (4, 5), torch.float32), ("y", (4, 5), torch.float32)))
+    >>> classify(spec)
+    'pointwise'
+    """
+    try:
+        return schedule(spec).kind
+    except Unsupported:
+        return None
+
+
+# ------------------------------------------------------------------ block and warp heuristics
+
+def _p2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    grid: int
+    constexprs: tuple[tuple[str, int], ...]
+    num_warps: int
+
+
+def heuristics(spec: KernelSpec, s: Schedule, interpret: bool | None = None) -> LaunchConfig:
+    """Block sizes and warps from shape and dtype. On GPU: pointwise blocks of 1024 (32-bit) or 2048
+    (16-bit), persistent BLOCK_N = next_pow2(row) with BLOCK_M rows up to ~4096 elements a tile and 8
+    warps from 8192 elements, reduction loops over 2048..4096 elements, 64x64 (16-bit) or 32x32
+    transpose tiles (measured on one H200, bf16 [16384, 12288], in the comments below). Interpreted: the largest blocks that
+    stay cheap in numpy (~64K elements), since every program costs Python overhead."""
+    interpret = interpreting() if interpret is None else interpret
+    L = s.loop
+    itemsize = max((t.itemsize for _, _, t in spec.tensors), default=4)
+    if s.kind == "pointwise":
+        numel = math.prod(L)
+        if interpret:
+            block, warps = min(_p2(numel), 65536), 4
+        else:
+            # H200, bf16 [16384, 12288] gelu chain: 2048 x 4 warps 87% of copy, 1024 x 4 85%, 4096 x 16 83%
+            block, warps = max(128, min(_p2(numel), 2048 if itemsize <= 2 else 1024)), 4
+        return LaunchConfig(-(-numel // block), (("BLOCK", block),), warps)
+    if s.kind == "persistent":
+        k = len(s.red_axes)
+        rows, cols = math.prod(L[:len(L) - k]), math.prod(L[len(L) - k:])
+        bn = _p2(cols)
+        tile = 65536 if interpret else 4096
+        bm = min(_p2(rows), max(1, tile // bn))
+        # H200, bf16 rows of 12288 (BLOCK_N 16384): 8 warps 96% of copy, 16 warps 86%, 32 warps 50%
+        warps = 8 if not interpret and bm * bn >= 8192 else 4
+        return LaunchConfig(-(-rows // bm), (("BLOCK_M", bm), ("BLOCK_N", bn)), warps)
+    if s.kind == "reduction":
+        k = len(s.red_axes)
+        if s.outer:
+            kk, cols = math.prod(L[:k]), math.prod(L[k:])
+            if interpret:
+                bn = min(_p2(cols), 1024)
+                bk = min(_p2(kk), max(1, 65536 // bn))
+            else:
+                # H200, bf16 [16384, 12288] column sum: 256 x 32 x 8 warps 88% of copy, 128 x 64 82%
+                bn = min(_p2(cols), 64 if cols >= 64 * 264 else 32)
+                bk = min(_p2(kk), max(1, 8192 // bn))
+            warps = 4 if interpret or bk * bn <= 2048 else 8
+            return LaunchConfig(-(-cols // bn), (("BLOCK_K", bk), ("BLOCK_N", bn)), warps)
+        rows, kk = math.prod(L[:len(L) - k]), math.prod(L[len(L) - k:])
+        if interpret:
+            bk = min(_p2(kk), 4096)
+            bm = min(_p2(rows), max(1, 65536 // bk))
+        else:
+            bk = min(_p2(kk), 4096 if itemsize <= 2 else 2048)
+            bm = min(_p2(rows), max(1, 4096 // bk))
+        warps = 4 if interpret or bm * bk <= 2048 else 8
+        return LaunchConfig(-(-rows // bm), (("BLOCK_M", bm), ("BLOCK_K", bk)), warps)
+    # transpose
+    n = len(L)
+    perm = _perm(spec, s.pivot)
+    ea, eb = L[n - 1], L[perm[-1]]
+    if interpret:
+        ba, bb = min(_p2(ea), 256), min(_p2(eb), 256)
+    else:
+        t = 64 if itemsize <= 2 else 32  # H200 bf16: 64x64 88% of copy, 32x32 74%
+        ba, bb = min(_p2(ea), t), min(_p2(eb), t)
+    na, nb = -(-ea // ba), -(-eb // bb)
+    batch = math.prod(e for i, e in enumerate(L) if i not in (n - 1, perm[-1]))
+    return LaunchConfig(na * nb * batch, (("BLOCK_A", ba), ("BLOCK_B", bb), ("NA", na), ("NB", nb)), 4)
+
+
+# ------------------------------------------------------------------ source generation
+
+def _params(spec: KernelSpec) -> tuple[dict[str, str], dict[str, str], list[str]]:
+    used: set[str] = set()
+
+    def fresh(base):
+        name, i = base, 1
+        while name in used:
+            name, i = f"{base}_{i}", i + 1
+        used.add(name)
+        return name
+
+    ins = {n: fresh(f"in_{ident(n)}") for n in spec.inputs}
+    outs = {n: fresh(f"out_{ident(n)}") for n in dict.fromkeys(spec.outputs)}
+    return ins, outs, list(ins.values()) + list(outs.values())
+
+
+def _emit_ops(w: Writer, spec: KernelSpec, s: Schedule, ops: list[KernelOp], phase: Phase, key: str,
+              env: dict[str, str], outs: dict[str, str], reduce: Callable | None = None) -> None:
+    """Emit ops (pointwise; reductions through `reduce`) in order, storing outputs as they appear."""
+    for op in ops:
+        frame = s.op_frame[op.out]
+
+        def operand(v, frame=frame):
+            return env[v] if v in env else w.load(v, frame, phase, key)
+
+        if op.op in REDUCTIONS:
+            env[op.out] = reduce(op, operand)
+        elif op.op in TRANSPOSES:
+            x = _args(op)["x"]
+            env[op.out] = operand(x)  # a permute moves no data here: the output frame reorders the axes
+        else:
+            env[op.out] = w.pointwise(op, operand)
+        if op.out in outs:
+            w.store(op.out, env[op.out], s.out_frame[op.out], phase)
+
+
+def _store_input_outputs(w: Writer, spec: KernelSpec, s: Schedule, phase: Phase, key: str, outs) -> None:
+    for n in outs:
+        if n in spec.inputs:
+            w.store(n, w.load(n, s.base, phase, key), s.base, phase)
+
+
+def _pid(big: bool) -> str:
+    return "tl.program_id(0).to(tl.int64)" if big else "tl.program_id(0)"
+
+
+def generate_source(spec: KernelSpec, s: Schedule | None = None) -> str:
+    """The Triton source of spec's kernel: a module defining `kernel(inputs..., outputs..., BLOCKs)`."""
+    s = s or schedule(spec)
+    ins, outs, params = _params(spec)
+    w = Writer(spec, ins, outs)
+    L = s.loop
+    n = len(L)
+    big = max([math.prod(L)] + [math.prod(sh) for _, sh, _ in spec.tensors]) > _BIG
+    i64 = ".to(tl.int64)" if big else ""
+    env: dict[str, str] = {}
+    ops = list(spec.ops)
+    w.emit(f"pid = {_pid(big)}")
+
+    if s.kind == "pointwise":
+        consts = ["BLOCK"]
+        w.emit("offs = pid * BLOCK + tl.arange(0, BLOCK)")
+        w.emit(f"offs_mask = offs < {math.prod(L)}")
+        phase = Phase(L, [Group(s.base, "offs", "offs_mask")])
+        _store_input_outputs(w, spec, s, phase, "main", outs)
+        _emit_ops(w, spec, s, ops, phase, "main", env, outs)
+
+    elif s.kind == "persistent":
+        consts = ["BLOCK_M", "BLOCK_N"]
+        k = len(s.red_axes)
+        rows, cols = math.prod(L[:n - k]), math.prod(L[n - k:])
+        w.emit("rows = (pid * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]")
+        w.emit(f"rows_mask = rows < {rows}")
+        w.emit("cols = tl.arange(0, BLOCK_N)[None, :]")
+        w.emit(f"cols_mask = cols < {cols}")
+        g_rows, g_cols = Group(tuple(range(n - k)), "rows", "rows_mask"), Group(s.red_axes, "cols", "cols_mask")
+        phase = Phase(L, [g_rows, g_cols])
+
+        def reduce(op, operand):
+            x = _args(op)["x"]
+            v = operand(x)
+            al = align_to(spec.shape(x), s.op_frame[op.out], L)
+            if not any(a in s.red_axes for a in al if a is not None):
+                var = w.fresh(op.out)
+                w.emit(f"{var} = {v}  # {op.op} over extent-1 axes")
+                w.spans[var] = w.spans[v]
+                return var
+            fill = "0.0" if op.op == "sum" else 'float("-inf")'
+            var = w.reduce(op.op, f"tl.where(cols_mask, {v}, {fill})", 1, True, op.out, f"  # {op.op} of {x}")
+            w.spans[var] = w.spans[v] - {g_cols}
+            return var
+
+        _store_input_outputs(w, spec, s, phase, "main", outs)
+        _emit_ops(w, spec, s, ops, phase, "main", env, outs, reduce)
+
+    elif s.kind == "reduction":
+        r = s.pivot
+        k = len(s.red_axes)
+        fill = "0.0" if r.op == "sum" else 'float("-inf")'
+        if s.outer:
+            consts = ["BLOCK_K", "BLOCK_N"]
+            kk, cols = math.prod(L[:k]), math.prod(L[k:])
+            w.emit("offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)")
+            w.emit("cols = offs_n[None, :]")
+            w.emit(f"cols_mask = cols < {cols}")
+            w.emit(f"acc = tl.full([BLOCK_K, BLOCK_N], {fill}, tl.float32)")
+            w.emit(f"for k0 in range(0, {kk}, BLOCK_K):")
+            w.indent += 1
+            w.emit(f"ks = (k0 + tl.arange(0, BLOCK_K)[:, None]){i64}")
+            w.emit(f"ks_mask = ks < {kk}")
+            pro = Phase(L, [Group(s.red_axes, "ks", "ks_mask"), Group(tuple(range(k, n)), "cols", "cols_mask")])
+            epi_group = Group(tuple(range(k, n)), "offs_n", "offs_n_mask")
+            red_axis = 0
+        else:
+            consts = ["BLOCK_M", "BLOCK_K"]
+            rows, kk = math.prod(L[:n - k]), math.prod(L[n - k:])
+            w.emit("offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)")
+            w.emit("rows = offs_m[:, None]")
+            w.emit(f"rows_mask = rows < {rows}")
+            w.emit(f"acc = tl.full([BLOCK_M, BLOCK_K], {fill}, tl.float32)")
+            w.emit(f"for k0 in range(0, {kk}, BLOCK_K):")
+            w.indent += 1
+            w.emit(f"ks = (k0 + tl.arange(0, BLOCK_K)[None, :]){i64}")
+            w.emit(f"ks_mask = ks < {kk}")
+            pro = Phase(L, [Group(tuple(range(n - k)), "rows", "rows_mask"), Group(s.red_axes, "ks", "ks_mask")])
+            epi_group = Group(tuple(range(n - k)), "offs_m", "offs_m_mask")
+            red_axis = 1
+        before = [op for op in ops if op.out not in s.after and op is not r]
+        _store_input_outputs(w, spec, s, pro, "pro", outs)
+        _emit_ops(w, spec, s, before, pro, "pro", env, outs)
+        x = _args(r)["x"]
+        v = env[x] if x in env else w.load(x, s.op_frame[r.out], pro, "pro")
+        if r.op == "sum":
+            w.emit(f"acc = acc + tl.where(ks_mask, {v}, 0.0)")
+        else:
+            w.emit(f'acc = tl.maximum(acc, tl.where(ks_mask, {v}, float("-inf")), '
+                   f'propagate_nan=tl.PropagateNan.ALL)')
+        w.indent -= 1
+        epi = Phase(L, [epi_group])
+        w.emit(f"{epi_group.mask} = {epi_group.flat} < {math.prod(L[a] for a in epi_group.axes)}")
+        var = w.reduce(r.op, "acc", red_axis, False, r.out, f"  # {r.op} of {x}")
+        w.spans[var] = frozenset({epi_group})
+        env[r.out] = var
+        if r.out in outs:
+            w.store(r.out, var, s.out_frame[r.out], epi)
+        _emit_ops(w, spec, s, [op for op in ops if op.out in s.after], epi, "epi", env, outs)
+
+    else:  # transpose
+        consts = ["BLOCK_A", "BLOCK_B", "NA", "NB"]
+        perm = _perm(spec, s.pivot)
+        a, b = n - 1, perm[-1]
+        batch = tuple(i for i in range(n) if i not in (a, b))
+        w.emit("pid_a = pid % NA")
+        w.emit("pid_b = (pid // NA) % NB")
+        w.emit("bat = pid // (NA * NB)")
+        w.emit("ia = (pid_a * BLOCK_A + tl.arange(0, BLOCK_A))[None, :]")
+        w.emit(f"ia_mask = ia < {L[a]}")
+        w.emit("ib = (pid_b * BLOCK_B + tl.arange(0, BLOCK_B))[:, None]")
+        w.emit(f"ib_mask = ib < {L[b]}")
+        phase = Phase(L, [Group((b,), "ib", "ib_mask"), Group((a,), "ia", "ia_mask"), Group(batch, "bat", None)])
+        _store_input_outputs(w, spec, s, phase, "main", outs)
+        _emit_ops(w, spec, s, ops, phase, "main", env, outs)
+
+    sig = ", ".join(params + [f"{c}: tl.constexpr" for c in consts])
+    shapes = lambda names: ", ".join(f"{m} {list(spec.shape(m))} {str(spec.dtype(m)).replace('torch.', '')}"
+                                     for m in names)
+    header = (f"# egraph-did kernel {spec.key()} ({s.kind}), generated by lowering/schedulers.py\n"
+              f"# inputs: {shapes(spec.inputs)}\n# outputs: {shapes(dict.fromkeys(spec.outputs))}\n"
+              + "".join(f"# {op.out} = {op.op}({', '.join(f'{k}={v}' for k, v in op.args)})\n" for op in ops))
+    return w.source(header, sig)
+
+
+# ------------------------------------------------------------------ compile, cache, launch
+
+_KERNELS: dict[str, "Kernel"] = {}
+_STATS = {"compiled": 0, "hits": 0}
+
+
+def cache_dir() -> Path:
+    """Where generated kernel sources live: $EGRAPH_DID_CACHE, else ~/.cache/egraph_did/kernels."""
+    root = os.environ.get("EGRAPH_DID_CACHE")
+    path = Path(root) if root else Path.home() / ".cache" / "egraph_did" / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cache_info() -> dict[str, int]:
+    """In-process cache counters: kernels compiled (generated and imported) and cache hits."""
+    return dict(_STATS, cached=len(_KERNELS))
+
+
+def clear_cache() -> None:
+    """Forget compiled kernels in this process (the source files stay on disk)."""
+    _KERNELS.clear()
+    _STATS.update(compiled=0, hits=0)
+
+
+def _ensure_backend() -> None:
+    # The jit decorator reads TRITON_INTERPRET when a kernel is defined: set it before importing one.
+    if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _import(path: Path, key: str):
+    name = f"egraph_did_kernel_{key}"
+    mod_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.modules[name] = module
+    mod_spec.loader.exec_module(module)
+    return module
+
+
+class Kernel:
+    """A compiled spec: call it with {input name: tensor} to get {output name: tensor}."""
+
+    def __init__(self, spec: KernelSpec, s: Schedule, source: str, path: Path, fn):
+        self.spec, self.schedule, self.source, self.path, self.fn = spec, s, source, path, fn
+        self.kind = s.kind
+        self._config: LaunchConfig | None = None
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.kind}, {self.spec.key()}, {self.path})"
+
+    def _check(self, inputs: dict[str, torch.Tensor]) -> torch.device:
+        spec = self.spec
+        missing = [n for n in spec.inputs if n not in inputs]
+        if missing:
+            raise PlanError(f"kernel {spec.key()} ({self.kind}): missing inputs {missing}; it takes "
+                            f"{list(spec.inputs)}")
+        for n in spec.inputs:
+            t = inputs[n]
+            if tuple(t.shape) != tuple(spec.shape(n)):
+                raise ShapeError(f"kernel {spec.key()}: input {n} has shape {tuple(t.shape)} but the spec says "
+                                 f"{spec.shape(n)}; compile a spec for this local shape")
+            if t.dtype != spec.dtype(n):
+                raise DtypeError(f"kernel {spec.key()}: input {n} is {t.dtype} but the spec says "
+                                 f"{spec.dtype(n)}; cast it first")
+        devices = {inputs[n].device for n in spec.inputs}
+        if len(devices) > 1:
+            raise PlanError(f"kernel {spec.key()}: inputs on several devices {sorted(map(str, devices))}")
+        device = devices.pop() if devices else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if device.type != "cuda" and not interpreting():
+            raise PlanError(f"kernel {spec.key()}: inputs on {device} need a GPU, or TRITON_INTERPRET=1 set "
+                            f"before the first kernel compiles")
+        return device
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        spec = self.spec
+        device = self._check(inputs)
+        names = list(dict.fromkeys(spec.outputs))
+        outs = {n: torch.empty(spec.shape(n), dtype=spec.dtype(n), device=device) for n in names}
+        if any(math.prod(sh) == 0 for _, sh, _ in spec.tensors):
+            if all(o.numel() == 0 for o in outs.values()):
+                return outs
+            # e.g. a sum over an empty axis: the output is not empty, torch knows its value
+            ref = run_eager(spec, inputs)
+            return {n: ref[n].contiguous() for n in names}
+        if self._config is None:
+            self._config = heuristics(spec, self.schedule)
+        cfg = self._config
+        args = [inputs[n].contiguous() for n in spec.inputs] + [outs[n] for n in names]
+        self.fn[(cfg.grid,)](*args, **dict(cfg.constexprs), num_warps=cfg.num_warps)
+        return outs
+
+
+def compile_kernel(spec: KernelSpec) -> Kernel:
+    """Generate, write (cache_dir()/<spec.key()>.py), import and wrap spec's kernel; once per content
+    hash in this process. Raises Unsupported (a PlanError) naming the reason when no scheduler takes it.
+
+    >>> from egraph_did.lowering.kernel_spec import KernelOp, KernelSpec
+    >>> import torch
+    >>> spec = KernelSpec(("x",), (KernelOp("y", "relu", (("x", "x"),)),), ("y",),
+    ...                   (("x", (3, 5), torch.float32), ("y", (3, 5), torch.float32)))
+    >>> x = torch.randn(3, 5)
+    >>> torch.equal(compile_kernel(spec)({"x": x})["y"], torch.relu(x))
+    True
+    """
+    key = spec.key()
+    hit = _KERNELS.get(key)
+    if hit is not None:
+        _STATS["hits"] += 1
+        return hit
+    s = schedule(spec)
+    _ensure_backend()
+    source = generate_source(spec, s)
+    path = cache_dir() / f"{key}.py"
+    if not path.exists() or path.read_text() != source:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(source)
+        os.replace(tmp, path)  # atomic: concurrent ranks never import a half-written file
+    kernel = Kernel(spec, s, source, path, _import(path, key).kernel)
+    _KERNELS[key] = kernel
+    _STATS["compiled"] += 1
+    return kernel
+
+
+# ------------------------------------------------------------------ eager reference
+
+def run_eager(spec: KernelSpec, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Evaluate spec op by op with the op table's torch references: the fallback for specs classify
+    rejects, and the oracle kernels are tested against.
+
+    >>> from egraph_did.lowering.kernel_spec import KernelOp, KernelSpec
+    >>> import torch
+    >>> spec = KernelSpec(("x",), (KernelOp("y", "mul", (("a", "x"), ("b", 2.0))),), ("y",),
+    ...                   (("x", (2,), torch.float32), ("y", (2,), torch.float32)))
+    >>> run_eager(spec, {"x": torch.tensor([1.0, 3.0])})["y"]
+    tensor([2., 6.])
+    """
+    missing = [n for n in spec.inputs if n not in inputs]
+    if missing:
+        raise PlanError(f"run_eager: missing inputs {missing}; the spec takes {list(spec.inputs)}")
+    env = {n: inputs[n] for n in spec.inputs}
+    for op in spec.ops:
+        kwargs = {k: env[v] if isinstance(v, str) and v in env else v for k, v in op.args}
+        env[op.out] = OPS[op.op].reference(**kwargs)
+    return {n: env[n] for n in spec.outputs}
+
+
+__all__ = ["classify", "compile_kernel", "run_eager", "schedule", "generate_source", "heuristics",
+           "cache_dir", "cache_info", "clear_cache", "Kernel", "Schedule", "Unsupported", "PERSISTENT_MAX_ROW"]

@@ -1,0 +1,486 @@
+"""Triton schedulers on the CPU interpreter: every kernel against run_eager, the op-by-op torch oracle.
+
+Tolerances: float32 kernels match eager to rtol 1e-5 (atol 1e-5 for values near zero). 16-bit kernels
+compute in fp32 and round once at the store, while eager rounds after every op, so they are compared
+with eager run on the same inputs upcast to fp32 and rounded to the dtype at the end: float16 within
+rtol/atol 2e-3 (two ulps), bfloat16 within 1.6e-2 (two ulps).
+
+On a GPU machine, `TRITON_INTERPRET=0 pytest tests/test_schedulers.py` runs the same claims on CUDA.
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything defines a Triton kernel
+os.environ.setdefault("EGRAPH_DID_CACHE", tempfile.mkdtemp(prefix="egraph_did_kernels_"))
+DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from egraph_did.errors import PlanError, ShapeError  # noqa: E402
+from egraph_did.ops import OPS, TensorSpec  # noqa: E402
+from egraph_did.lowering import schedulers as sch  # noqa: E402
+from egraph_did.lowering.kernel_spec import KernelOp, KernelSpec  # noqa: E402
+
+# Masked-off lanes of interpreted kernels compute on padding (log(0), 0/0): numpy warns, nothing is stored.
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+# ------------------------------------------------------------------ building specs by hand
+
+class TV:
+    """A tensor of a spec being built."""
+
+    def __init__(self, name, shape, dtype):
+        self.name, self.shape, self.dtype = name, tuple(shape), dtype
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+
+class Build:
+    """Emit primitives (composites decompose through the op table, as segmentation does); shapes and
+    dtypes come from each op's shape rule. `b.add(x, y)`, `b.layer_norm(x, None, w, bias)`, ..."""
+
+    def __init__(self):
+        self.inputs, self.ops, self.tensors, self.n = [], [], {}, 0
+
+    def input(self, name, shape, dtype=torch.float32):
+        self.inputs.append(name)
+        self.tensors[name] = (tuple(shape), dtype)
+        return TV(name, shape, dtype)
+
+    def __getattr__(self, opname):
+        opdef = OPS[opname]
+
+        def call(*args, **kwargs):
+            if opdef.is_composite:
+                return opdef.decompose(self, *args, **kwargs)
+            bound = opdef.signature.bind(*args, **kwargs)
+            specs = {k: TensorSpec(v.name, v.shape, v.dtype, tuple(f"d{i}" for i in range(len(v.shape))))
+                     if isinstance(v, TV) else v for k, v in bound.arguments.items()}
+            out = opdef.infer(**specs)[0]
+            name = f"t{self.n}"
+            self.n += 1
+            self.ops.append(KernelOp(name, opname, tuple((k, v.name if isinstance(v, TV) else v)
+                                                         for k, v in bound.arguments.items())))
+            self.tensors[name] = (out.shape, out.dtype)
+            return TV(name, out.shape, out.dtype)
+
+        return call
+
+    def spec(self, *outs) -> KernelSpec:
+        return KernelSpec(tuple(self.inputs), tuple(self.ops), tuple(o.name for o in outs),
+                          tuple((n, s, d) for n, (s, d) in self.tensors.items()))
+
+
+def make_inputs(spec, seed=0, positive=()):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for n in spec.inputs:
+        shape, dt = spec.shape(n), spec.dtype(n)
+        if dt.is_floating_point:
+            t = torch.randn(shape, generator=g)
+            out[n] = (t.abs() + 0.5 if n in positive else t).to(dt)
+        elif dt == torch.bool:
+            out[n] = torch.randint(0, 2, shape, generator=g).bool()
+        else:
+            out[n] = torch.randint(-50, 50, shape, generator=g).to(dt)
+    return {n: t.to(DEVICE) for n, t in out.items()}
+
+
+def check(spec, inputs=None, kind=None, **kw):
+    """compile_kernel(spec) equals run_eager(spec) on the same inputs (see the module's tolerances)."""
+    inputs = make_inputs(spec, **kw) if inputs is None else inputs
+    if kind is not None:
+        assert sch.classify(spec) == kind
+    got = sch.compile_kernel(spec)(inputs)
+    low = [spec.dtype(n) for n in spec.inputs if spec.dtype(n) in (torch.float16, torch.bfloat16)]
+    up = {n: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for n, t in inputs.items()}
+    want = sch.run_eager(spec, up if low else inputs)
+    assert list(got) == list(dict.fromkeys(spec.outputs))
+    for n in spec.outputs:
+        assert got[n].dtype == spec.dtype(n) and tuple(got[n].shape) == spec.shape(n), n
+        rtol, atol = TOL.get(spec.dtype(n), (0, 0))
+        torch.testing.assert_close(got[n], want[n].to(spec.dtype(n)), rtol=rtol, atol=atol, equal_nan=True,
+                                   msg=lambda m: f"output {n} of {sch.classify(spec)} kernel: {m}")
+    return got
+
+
+# ------------------------------------------------------------------ specs used below
+
+def gelu_chain(shape, dtype=torch.float32):
+    """gelu(x) * b + a, gelu in its erf form."""
+    b = Build()
+    x, w, a = b.input("x", shape, dtype), b.input("w", shape[-1:], dtype), b.input("a", shape, dtype)
+    return b.spec(b.add(b.mul(b.gelu(x), w), a))
+
+
+def softmax(shape, dtype=torch.float32):
+    b = Build()
+    return b.spec(b.softmax(b.input("x", shape, dtype), -1))
+
+
+def layer_norm(shape, dtype=torch.float32, residual=False):
+    b = Build()
+    x = b.input("x", shape, dtype)
+    w, bias = b.input("w", shape[-1:], dtype), b.input("bias", shape[-1:], dtype)
+    if residual:
+        h = b.add(x, b.input("r", shape, dtype))
+        return b.spec(h, b.layer_norm(h, None, w, bias))
+    return b.spec(b.layer_norm(x, None, w, bias))
+
+
+def rms_norm(shape, dtype=torch.float32):
+    b = Build()
+    x, w = b.input("x", shape, dtype), b.input("w", shape[-1:], dtype)
+    return b.spec(b.rms_norm(x, None, w, 1e-6))
+
+
+def row_reduce(shape, op="sum", keepdim=False, dtype=torch.float32):
+    b = Build()
+    return b.spec(getattr(b, op)(b.input("x", shape, dtype), -1, keepdim))
+
+
+def col_reduce(shape, op="sum", keepdim=False, dtype=torch.float32):
+    b = Build()
+    return b.spec(getattr(b, op)(b.input("x", shape, dtype), 0, keepdim))
+
+
+def transpose2d_epilogue(shape, dtype=torch.float32):
+    """relu(x^T * 2 + bias) with bias broadcast along the output's rows."""
+    b = Build()
+    x, bias = b.input("x", shape, dtype), b.input("bias", (shape[0],), dtype)
+    return b.spec(b.relu(b.add(b.mul(b.transpose(x, 0, 1), 2.0), bias)))
+
+
+def permute3d(shape, perm, dtype=torch.float32):
+    """exp(x) -> permute -> + y (y in the output's layout); the prologue's exp(x) is an output too."""
+    b = Build()
+    x = b.input("x", shape, dtype)
+    e = b.exp(b.mul(x, 0.5))
+    y = b.input("y", tuple(shape[p] for p in perm), dtype)
+    return b.spec(e, b.sub(b.permute(e, perm), y))
+
+
+# ------------------------------------------------------------------ classify
+
+@pytest.mark.parametrize("make, kind", [
+    (lambda: gelu_chain((7, 13)), "pointwise"),
+    (lambda: softmax((7, 13)), "persistent"),
+    (lambda: layer_norm((7, 13)), "persistent"),
+    (lambda: layer_norm((7, 13), residual=True), "persistent"),
+    (lambda: rms_norm((7, 13)), "persistent"),
+    (lambda: row_reduce((7, 13)), "reduction"),
+    (lambda: row_reduce((3, 100000), keepdim=True), "reduction"),
+    (lambda: col_reduce((13, 7), "amax"), "reduction"),
+    (lambda: transpose2d_epilogue((7, 13)), "transpose"),
+    (lambda: permute3d((3, 5, 7), (2, 0, 1)), "transpose"),
+    (lambda: softmax((4, PERSISTENT_TOO_BIG)), None),         # row does not fit, two reductions
+    (lambda: permute3d((3, 5, 7), (1, 0, 2)), None),          # keeps the last axis: a strided copy
+    (lambda: gelu_chain((4, 8), torch.float64), None),        # float64 runs eager
+    (lambda: middle_axis_sum(), None),                        # neither inner nor outer
+])
+def test_classify_names_the_scheduler_that_takes_each_pattern(make, kind):
+    assert sch.classify(make()) == kind
+
+
+PERSISTENT_TOO_BIG = sch.PERSISTENT_MAX_ROW + 1
+
+
+def middle_axis_sum():
+    b = Build()
+    return b.spec(b.sum(b.input("x", (3, 4, 5)), 1))
+
+
+def test_residual_add_and_layer_norm_is_one_persistent_kernel():
+    spec = layer_norm((6, 40), residual=True)
+    assert sch.classify(spec) == "persistent" and len(spec.outputs) == 2
+    check(spec)
+
+
+def test_spec_classify_rejects_answers_none_and_compile_says_why():
+    spec = softmax((2, PERSISTENT_TOO_BIG))
+    assert sch.classify(spec) is None
+    with pytest.raises(sch.Unsupported, match="do not fit on chip"):
+        sch.compile_kernel(spec)
+
+
+def test_unsupported_op_is_rejected_with_a_clear_error():
+    b = Build()
+    x, w = b.input("x", (4, 8)), b.input("w", (3, 8))
+    spec = b.spec(b.linear(x, w))
+    assert sch.classify(spec) is None
+    with pytest.raises(PlanError, match=r"op 'linear' \(producing 't0'\) is not a kernel primitive"):
+        sch.compile_kernel(spec)
+
+
+# ------------------------------------------------------------------ pointwise
+
+@pytest.mark.parametrize("shape", [(7, 13), (300, 301), (5,), ()])
+def test_pointwise_gelu_chain_matches_eager_fp32_on_uneven_shapes(shape):
+    if shape == ():
+        b = Build()
+        spec = b.spec(b.gelu(b.input("x", ())))
+    else:
+        spec = gelu_chain(shape)
+    check(spec, kind="pointwise")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_pointwise_gelu_chain_in_16_bit_computes_in_fp32_and_rounds_once(dtype):
+    check(gelu_chain((9, 33), dtype))
+
+
+def test_pointwise_broadcasts_rows_columns_and_python_scalars():
+    b = Build()
+    x, col, row, one = (b.input("x", (7, 13)), b.input("col", (7, 1)), b.input("row", (13,)),
+                        b.input("one", (1, 1)))
+    y = b.div(b.sub(1.0, b.mul(x, col)), b.add(b.maximum(row, 0.5), one))
+    z = b.add(b.mul(b.input("c", (5, 1, 13)), row), 3)   # 3-D against 1-D and a broadcast middle axis
+    check(b.spec(y, z), kind="pointwise")
+
+
+def test_every_pointwise_primitive_matches_eager():
+    b = Build()
+    x, p = b.input("x", (6, 11)), b.input("p", (6, 11))  # p > 0 for log, sqrt, rsqrt, pow
+    terms = [b.neg(x), b.exp(x), b.log(p), b.tanh(x), b.sigmoid(x), b.relu(x), b.rsqrt(p), b.sqrt(p),
+             b.erf(x), b.abs(x), b.sub(x, p), b.maximum(x, p), b.pow(p, 2.5), b.pow(x, 3), b.pow(p, x),
+             b.pow(2.0, x), b.pow(x, -0.5), b.tanh(b.mul(x, 1e-3))]
+    check(b.spec(*terms), positive=("p",), kind="pointwise")
+
+
+def test_cast_rounds_through_16_bit_and_handles_int_and_bool():
+    b = Build()
+    x, i = b.input("x", (5, 9)), b.input("i", (5, 9), torch.int32)
+    h = b.mul(b.cast(x, torch.float16), 3.0)             # fp16 result of an fp16 op
+    k = b.add(b.cast(b.mul(x, 10.0), torch.int32), i)    # truncation toward zero, int arithmetic
+    m = b.cast(b.maximum(x, 0.0), torch.bool)
+    f = b.div(i, 4)                                      # int / int is a float division
+    check(b.spec(h, k, m, b.cast(m, torch.float32), f), kind="pointwise")
+
+
+def test_output_broadcast_along_the_loop_is_written_once_and_right():
+    b = Build()
+    x, w = b.input("x", (6, 10)), b.input("w", (10,))
+    spec = b.spec(b.mul(x, w), b.exp(w))     # exp(w) is [10] while the loop is [6, 10]
+    check(spec, kind="pointwise")
+
+
+def test_non_contiguous_inputs_are_read_by_value():
+    spec = gelu_chain((7, 13))
+    ins = make_inputs(spec)
+    ins["x"] = torch.randn(13, 7, device=DEVICE).t()          # a transposed view
+    ins["a"] = torch.randn(7, 26, device=DEVICE)[:, ::2]      # a strided slice
+    assert not ins["x"].is_contiguous() and not ins["a"].is_contiguous()
+    check(spec, ins)
+
+
+def test_zero_size_tensors_return_empty_outputs_without_launching():
+    spec = gelu_chain((0, 13))
+    kernel = sch.compile_kernel(spec)
+    fn, kernel.fn = kernel.fn, None            # a launch would fail
+    try:
+        out = kernel(make_inputs(spec))
+    finally:
+        kernel.fn = fn
+    assert out[spec.outputs[0]].shape == (0, 13)
+
+
+def test_sum_over_an_empty_axis_is_zeros_as_in_torch():
+    spec = row_reduce((3, 0))
+    assert torch.equal(sch.compile_kernel(spec)(make_inputs(spec))["t0"], torch.zeros(3, device=DEVICE))
+
+
+def test_wrong_input_shape_is_named():
+    spec = gelu_chain((7, 13))
+    ins = make_inputs(spec)
+    ins["x"] = torch.randn(7, 12, device=DEVICE)
+    with pytest.raises(ShapeError, match=r"input x has shape \(7, 12\)"):
+        sch.compile_kernel(spec)(ins)
+
+
+# ------------------------------------------------------------------ persistent
+
+@pytest.mark.parametrize("shape", [(7, 13), (5, 1000), (70, 1000), (2, 3, 17)])
+def test_softmax_is_persistent_and_matches_eager_fp32(shape):
+    check(softmax(shape), kind="persistent")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_softmax_and_layer_norm_in_16_bit(dtype):
+    check(softmax((5, 1000), dtype), kind="persistent")
+    check(layer_norm((7, 13), dtype), kind="persistent")
+
+
+@pytest.mark.parametrize("shape", [(7, 13), (5, 1000)])
+def test_layer_norm_with_weight_and_bias_matches_torch_layer_norm(shape):
+    spec = layer_norm(shape)
+    ins = make_inputs(spec)
+    got = check(spec, ins, kind="persistent")[spec.outputs[0]]
+    torch.testing.assert_close(got, F.layer_norm(ins["x"], shape[-1:], ins["w"], ins["bias"]),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_weight_matches_torch_rms_norm(dtype):
+    spec = rms_norm((9, 300), dtype)
+    ins = make_inputs(spec)
+    got = check(spec, ins, kind="persistent")[spec.outputs[0]]
+    rtol, atol = TOL[dtype]
+    want = F.rms_norm(ins["x"].float(), (300,), ins["w"].float(), 1e-6).to(dtype)
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+def test_persistent_reads_per_row_operands_and_passes_inputs_through():
+    """x * rsqrt(sum(x^2) + s) with s [M, 1]; the input x is also an output (a copy)."""
+    b = Build()
+    x, s = b.input("x", (9, 50)), b.input("s", (9, 1))
+    y = b.mul(x, b.rsqrt(b.add(b.sum(b.mul(x, x), -1, True), s)))
+    spec = b.spec(y, x, b.sum(y, -1, True))
+    check(spec, kind="persistent", positive=("s",))
+
+
+def test_persistent_normalizes_over_two_trailing_axes():
+    b = Build()
+    x, w = b.input("x", (4, 3, 10)), b.input("w", (3, 10))
+    check(b.spec(b.layer_norm(x, (3, 10), w, None)), kind="persistent")
+
+
+# ------------------------------------------------------------------ reduction
+
+@pytest.mark.parametrize("shape", [(7, 13), (5, 1000), (3, 4100), (11,)])
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_row_sum_matches_eager_for_any_row_length(shape, keepdim):
+    check(row_reduce(shape, "sum", keepdim), kind="reduction")
+
+
+def test_long_rows_loop_over_column_blocks():
+    spec = row_reduce((3, 4100))
+    cfg = dict(sch.heuristics(spec, sch.schedule(spec)).constexprs)
+    assert cfg["BLOCK_K"] < 4100          # the interpreted kernel does loop
+    check(spec)
+
+
+@pytest.mark.parametrize("shape", [(13, 7), (1000, 5), (4100, 3)])
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_column_sum_is_an_outer_reduction_matching_eager(shape, keepdim):
+    spec = col_reduce(shape, "sum", keepdim)
+    assert sch.schedule(spec).outer
+    check(spec, kind="reduction")
+
+
+@pytest.mark.parametrize("make", [lambda: row_reduce((7, 13), "amax", True), lambda: col_reduce((9, 5), "amax"),
+                                  lambda: row_reduce((3, 4100), "amax")])
+def test_amax_matches_eager(make):
+    check(make(), kind="reduction")
+
+
+def test_amax_and_softmax_propagate_nan_as_torch():
+    for spec in (row_reduce((4, 300), "amax"), col_reduce((300, 4), "amax"), softmax((4, 300))):
+        ins = make_inputs(spec)
+        ins["x"][1, 2] = float("nan")
+        got = check(spec, ins)[spec.outputs[0]]
+        assert got.isnan().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_row_and_column_sums_in_16_bit_accumulate_in_fp32(dtype):
+    check(row_reduce((5, 1000), dtype=dtype))
+    check(col_reduce((1000, 5), dtype=dtype))
+
+
+def test_reduction_with_prologue_and_epilogue_is_one_kernel():
+    """sqrt(mean((x + r) * w)^2 + bias): the residual sum is also an output, stored from inside the loop."""
+    b = Build()
+    x, r, w, bias = b.input("x", (6, 4100)), b.input("r", (6, 4100)), b.input("w", (4100,)), b.input("bias", (6,))
+    h = b.add(x, r)
+    m = b.mean(b.mul(h, w), -1)
+    spec = b.spec(h, b.sqrt(b.add(b.mul(m, m), bias)))
+    check(spec, kind="reduction", positive=("bias",))
+
+
+def test_column_sum_with_prologue_and_epilogue():
+    b = Build()
+    x, s = b.input("x", (33, 7)), b.input("s", (33, 1))
+    spec = b.spec(b.relu(b.sub(b.sum(b.mul(x, s), 0, True), 1.0)))
+    check(spec, kind="reduction")
+
+
+# ------------------------------------------------------------------ transpose
+
+@pytest.mark.parametrize("shape", [(7, 13), (300, 5)])
+def test_2d_transpose_with_epilogue_matches_eager(shape):
+    check(transpose2d_epilogue(shape), kind="transpose")
+
+
+@pytest.mark.parametrize("perm", [(2, 0, 1), (0, 2, 1), (2, 1, 0), (1, 2, 0)])
+def test_3d_permute_with_prologue_and_epilogue_matches_eager(perm):
+    check(permute3d((3, 5, 7), perm), kind="transpose")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_transpose_in_16_bit(dtype):
+    check(transpose2d_epilogue((33, 65), dtype), kind="transpose")
+
+
+# ------------------------------------------------------------------ large tensors
+
+@pytest.mark.parametrize("make", [lambda: gelu_chain((7, 13)), lambda: softmax((5, 33)),
+                                  lambda: row_reduce((3, 4100)), lambda: col_reduce((13, 7)),
+                                  lambda: permute3d((3, 5, 7), (2, 0, 1))])
+def test_offsets_are_int64_past_two_billion_elements(make, monkeypatch):
+    """Every scheduler computes offsets in int64 once a tensor could overflow int32 (here: the
+    threshold lowered, so that small tensors take the same path)."""
+    spec = make()
+    assert ".to(tl.int64)" not in sch.generate_source(spec)
+    monkeypatch.setattr(sch, "_BIG", 10)
+    assert "tl.program_id(0).to(tl.int64)" in sch.generate_source(spec)
+    sch.clear_cache()
+    try:
+        check(spec)
+    finally:
+        sch.clear_cache()
+
+
+# ------------------------------------------------------------------ cache and heuristics
+
+def test_same_spec_compiles_once_per_content_hash():
+    sch.clear_cache()
+    first = sch.compile_kernel(softmax((3, 7)))
+    again = sch.compile_kernel(softmax((3, 7)))          # an equal spec built anew
+    other = sch.compile_kernel(softmax((3, 8)))
+    assert again is first and other is not first
+    assert sch.cache_info()["compiled"] == 2 and sch.cache_info()["hits"] == 1
+    assert first.path.name == f"{softmax((3, 7)).key()}.py" and first.path.parent == sch.cache_dir()
+    assert first.path.read_text() == first.source
+
+
+def test_gpu_heuristics_stay_in_the_tuned_ranges():
+    big = (16384, 12288)
+    pw = sch.heuristics(gelu_chain(big, torch.bfloat16), sch.schedule(gelu_chain(big, torch.bfloat16)), False)
+    assert 1024 <= dict(pw.constexprs)["BLOCK"] <= 4096
+    spec = layer_norm(big, torch.bfloat16)
+    ln = dict(sch.heuristics(spec, sch.schedule(spec), False).constexprs)
+    assert ln["BLOCK_N"] == 16384 and ln["BLOCK_M"] == 1
+    spec = softmax((16384, 128), torch.bfloat16)
+    sm = sch.heuristics(spec, sch.schedule(spec), False)
+    assert 4096 <= math.prod(dict(sm.constexprs).values()) <= 16384 and sm.num_warps >= 4
+    spec = row_reduce(big, dtype=torch.bfloat16)
+    assert 1024 <= dict(sch.heuristics(spec, sch.schedule(spec), False).constexprs)["BLOCK_K"] <= 4096
+    spec = transpose2d_epilogue(big, torch.bfloat16)
+    tr = dict(sch.heuristics(spec, sch.schedule(spec), False).constexprs)
+    assert (tr["BLOCK_A"], tr["BLOCK_B"]) == (64, 64)
+
+
+def test_interpreter_heuristics_use_large_blocks():
+    spec = softmax((70, 1000))
+    cfg = sch.heuristics(spec, sch.schedule(spec), True)
+    assert dict(cfg.constexprs)["BLOCK_M"] == 64 and cfg.grid == 2
