@@ -166,6 +166,11 @@ def lower(plan: Plan, classify=None) -> LoweredPlan:
     return low
 
 
+def eager_segments(plan: Plan) -> list[Segment]:
+    """One segment per step, every compute step through torch (no kernels)."""
+    return [Segment("comm" if isinstance(s, Collective) else "aten", (s,)) for s in plan.steps]
+
+
 def run_fused(plan: Plan, seg: Segment, env: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
     """One rank's fused segment: its kernel on the rank's local shards (compiled once per spec)."""
     from .schedulers import compile_kernel

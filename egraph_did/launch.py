@@ -1,0 +1,264 @@
+"""launch(): run fn(rank, *args) in one process per rank, each with the default process group
+initialized, and bring the return values home in rank order.
+
+A run ends as a whole: when a rank raises, the others are stopped and LaunchError names the rank and
+carries its traceback; when the run outlives `timeout` (a rank skipped a collective the others wait in),
+every rank is stopped and LaunchError names the ranks that had not returned and the plan step each had
+reached (from egraph_did.runtime's progress records). No child outlives launch().
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import queue
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.multiprocessing as mp
+
+from .errors import EgraphDidError
+
+BACKENDS = ("gloo", "nccl")
+
+
+class LaunchError(EgraphDidError, RuntimeError):
+    """A launched run failed: a rank raised, died, or the run outlived its timeout.
+
+    rank: the first rank that failed (None on a timeout); ranks: every rank named; tracebacks:
+    {rank: traceback text}; progress: {rank: where that rank was, in words}."""
+
+    def __init__(self, message: str, rank: int | None = None, ranks: Sequence[int] = (),
+                 tracebacks: dict[int, str] | None = None, progress: dict[int, str] | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.ranks = tuple(ranks)
+        self.tracebacks = dict(tracebacks or {})
+        self.progress = dict(progress or {})
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)  # the parent never reads half a record
+
+
+def _child(rank: int, nprocs: int, port: int, backend: str, fn: Callable, args: tuple, workdir: str,
+           events, release, timeout: float) -> None:
+    """One rank: set up the process group, run fn, save its value, report, wait to be released."""
+    import torch.distributed as dist
+
+    from . import runtime
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nprocs),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs))
+    progress_path = os.path.join(workdir, f"progress{rank}.json")
+
+    def note(text: str) -> None:
+        _write_json(progress_path, {"state": "setup", "since": time.time(), "text": text})
+
+    runtime.add_progress_hook(lambda p: _write_json(progress_path, {
+        "run": p.run, "index": p.index, "total": p.total, "what": p.what, "state": p.state, "since": p.since,
+        "text": str(p)}))
+    note("initializing the process group")
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        else:
+            # the ranks share the host's cores; one thread pool each would oversubscribe them
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
+        dist.init_process_group(backend, rank=rank, world_size=nprocs,
+                                timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
+        note("running fn, before any plan step")
+        result = fn(rank, *args)
+        path = os.path.join(workdir, f"result{rank}.pt")
+        torch.save(result, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        events.put(("done", rank, ""))
+    except BaseException:  # noqa: BLE001 - every failure goes to the parent, which ends the run
+        events.put(("error", rank, traceback.format_exc()))
+    # stay up until every rank is done: a rank that leaves early breaks its peers' connections
+    release.wait(timeout + 60.0)
+
+    def shut_down():
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - shutting down; the parent has what it needs
+            pass
+
+    # a collective left pending (a peer that never came) can hold destroy_process_group: bound it
+    closer = threading.Thread(target=shut_down, daemon=True)
+    closer.start()
+    closer.join(2.0)
+    # the parent holds every report already; skip the interpreter's teardown (about a second of torch)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(0)
+
+
+def _progress(workdir: str, nprocs: int, done: set[int], now: float) -> dict[int, str]:
+    out = {}
+    for r in range(nprocs):
+        try:
+            with open(os.path.join(workdir, f"progress{r}.json")) as f:
+                p = json.load(f)
+        except (OSError, ValueError):
+            p = None
+        if r in done:
+            out[r] = "returned" + (f" (last {p['text']})" if p and p["state"] == "finished" else "")
+            continue
+        if p is None:
+            out[r] = "starting up (imports)"
+            continue
+        if p["state"] == "finished":
+            out[r] = f"{p['text']}, then ran on outside the plan"
+        else:
+            out[r] = f"{p['text']} (for {now - p['since']:.1f} s)"
+    return out
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    end = time.monotonic() + 5.0
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5.0)
+
+
+def launch(fn: Callable, nprocs: int, backend: str = "gloo", args: tuple = (), timeout: float = 120.0) -> list[Any]:
+    """Run fn(rank, *args) in `nprocs` processes (spawned) with torch.distributed's default process
+    group initialized (MASTER_ADDR 127.0.0.1, a free port, world size nprocs); returns the per-rank
+    return values in rank order. fn and args must be picklable (a module-level function); return
+    values travel through torch.save, so tensors come back intact.
+
+    backend: "gloo" (CPU; each rank gets cpu_count // nprocs torch threads) or "nccl" (one GPU per
+    rank: rank % device_count). timeout: seconds for the whole run, start-up included (a few seconds per
+    process: each imports torch); past it every rank is stopped and LaunchError says where each was.
+    A rank that raises stops the run at once: LaunchError names it and holds its traceback.
+
+    >>> import operator
+    >>> launch(operator.add, nprocs=2, args=(10,))
+    [10, 11]
+    """
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise LaunchError(f"launch: nprocs must be a positive int, got {nprocs!r}")
+    if backend not in BACKENDS:
+        raise LaunchError(f"launch: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise LaunchError("launch: backend='nccl' needs CUDA GPUs; use backend='gloo' on CPU")
+    ctx = mp.get_context("spawn")
+    workdir = tempfile.mkdtemp(prefix="egraph-did-launch-")
+    events, release = ctx.Queue(), ctx.Event()
+    port = _free_port()
+    procs = [ctx.Process(target=_child, name=f"egraph-did-rank{r}",
+                         args=(r, nprocs, port, backend, fn, tuple(args), workdir, events, release, timeout))
+             for r in range(nprocs)]
+    start = time.monotonic()
+    deadline = start + timeout
+    done: set[int] = set()
+    try:
+        for p in procs:
+            p.start()
+        while len(done) < nprocs:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                waiting = [r for r in range(nprocs) if r not in done]
+                prog = _progress(workdir, nprocs, done, time.time())
+                lines = "\n".join(f"  rank {r}: {prog[r]}" for r in range(nprocs))
+                raise LaunchError(f"launch: the run did not finish within {timeout:g} s; rank(s) {waiting} had not "
+                                  f"returned (a collective that some rank never reached stalls the others):\n{lines}",
+                                  None, waiting, {}, prog)
+            try:
+                kind, rank, text = events.get(timeout=min(0.1, left))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in done and not p.is_alive()]
+                if dead:
+                    _raise_dead(dead, procs, events, workdir, nprocs, done)
+                continue
+            if kind == "done":
+                done.add(rank)
+                continue
+            _raise_failed(rank, text, events, workdir, nprocs, done)
+        release.set()
+        results = []
+        location = None if torch.cuda.is_available() else "cpu"
+        for r in range(nprocs):
+            results.append(torch.load(os.path.join(workdir, f"result{r}.pt"), map_location=location,
+                                      weights_only=False))
+        for p in procs:
+            p.join(10.0)
+        return results
+    finally:
+        release.set()
+        _stop(procs)
+        events.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _drain(events) -> list[tuple]:
+    out = []
+    while True:
+        try:
+            out.append(events.get(timeout=0.05))
+        except (queue.Empty, OSError, ValueError):
+            return out
+
+
+def _raise_failed(rank: int, text: str, events, workdir: str, nprocs: int, done: set[int]):
+    # ranks that fail after the first (their peer went quiet) are named, but the first is the cause
+    time.sleep(0.2)
+    tracebacks = {rank: text}
+    for kind, r, t in _drain(events):
+        if kind == "error":
+            tracebacks.setdefault(r, t)
+        else:
+            done.add(r)
+    prog = _progress(workdir, nprocs, done, time.time())
+    last = text.strip().splitlines()[-1] if text.strip() else "?"
+    others = [r for r in tracebacks if r != rank]
+    also = f"; rank(s) {others} failed after it" if others else ""
+    lines = "\n".join(f"  rank {r}: {prog[r]}" for r in range(nprocs))
+    raise LaunchError(f"launch: rank {rank} raised {last}{also}\nwhere each rank was:\n{lines}\n"
+                      f"traceback of rank {rank}:\n{text}", rank, [rank] + others, tracebacks, prog)
+
+
+def _raise_dead(dead: list[int], procs, events, workdir: str, nprocs: int, done: set[int]):
+    for kind, r, t in _drain(events):  # a report may have been in flight
+        if kind == "error":
+            _raise_failed(r, t, events, workdir, nprocs, done)
+        done.add(r)
+    dead = [r for r in dead if r not in done]
+    if not dead:
+        return
+    prog = _progress(workdir, nprocs, done, time.time())
+    codes = ", ".join(f"rank {r} (exit code {procs[r].exitcode})" for r in dead)
+    lines = "\n".join(f"  rank {r}: {prog[r]}" for r in range(nprocs))
+    raise LaunchError(f"launch: {codes} exited without returning (killed, crashed, os._exit, or fn could not "
+                      f"be unpickled: its stderr says which)\n"
+                      f"where each rank was:\n{lines}", dead[0], dead, {}, prog)
+
+
+__all__ = ["launch", "LaunchError"]

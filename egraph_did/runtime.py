@@ -1,0 +1,369 @@
+"""run_plan(): one rank's part of a plan, inside an initialized torch.distributed process group.
+
+Binds this rank's inputs (global tensors it shards, local shards it checks, or DTensors), runs the
+plan's steps in order (compute steps through `execute_compute`, collectives through
+lowering/communication.run_collective), and hands back its outputs as global tensors, local shards or
+DTensors. Every rank of the plan's mesh runs the same steps, so every rank makes the same collective
+calls in the same order; what each rank is doing is kept in a progress record (`last_progress`,
+`add_progress_hook`), which launch() reads to say where a stalled run stopped.
+
+Semantics are simulate()'s: the same local kernels, the same cuts; collectives are real.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from .errors import EgraphDidError, PlanError, ShapeError
+from .layout import Layout
+from .local import RankContext
+from .lowering.execute import run_segment
+from .lowering.segment import eager_segments, lower
+from .lowering.communication import (check_world, world_key, ensure_groups, gather_to_all, local_shape,
+                                     run_collective)
+from .mesh import DeviceMesh
+from .plan import Collective, ComputeStep, Plan, Step
+from .sharding import shard_tensor, unshard_tensor
+from .simulate import compute_on_rank
+
+INPUT_KINDS = ("global", "local", "dtensor")
+OUTPUT_KINDS = ("global", "local", "dtensor")
+
+
+class StepError(PlanError):
+    """A step of a plan failed on one rank; names the rank, the step and what it was doing."""
+
+    def __init__(self, message: str, rank: int, index: int, what: str):
+        super().__init__(message)
+        self.rank, self.index, self.what = rank, index, what
+
+
+# ---------------------------------------------------------------------------- progress
+
+@dataclass(frozen=True)
+class Progress:
+    """Where one rank is: step `index` of `total` (-1 while binding inputs, `total` while delivering
+    outputs), what that step does, and since when (time.time())."""
+
+    rank: int
+    run: int  # how many run_plan calls this process has started
+    index: int
+    total: int
+    what: str
+    state: str  # "running" | "finished" | "failed"
+    since: float
+
+    def __str__(self) -> str:
+        if self.state == "finished":
+            return f"finished run {self.run} ({self.total} steps)"
+        where = (f"{self.what} (run {self.run})" if not 0 <= self.index < self.total
+                 else f"step {self.index}/{self.total} (run {self.run}): {self.what}")
+        return f"{'failed in' if self.state == 'failed' else 'in'} {where}"
+
+
+_last: Progress | None = None
+_hooks: list[Callable[[Progress], None]] = []
+_runs = 0
+
+
+def last_progress() -> Progress | None:
+    """The latest progress record of this process (None before any run_plan)."""
+    return _last
+
+
+def add_progress_hook(fn: Callable[[Progress], None]) -> Callable[[], None]:
+    """Call fn(progress) at every record (each step's start, the end of a run, a failure); returns a
+    function that removes the hook. launch() uses it to let the parent see every rank's place."""
+    _hooks.append(fn)
+    return lambda: _hooks.remove(fn) if fn in _hooks else None
+
+
+def _record(rank: int, index: int, total: int, what: str, state: str = "running") -> None:
+    global _last
+    _last = Progress(rank, _runs, index, total, what, state, time.time())
+    for fn in list(_hooks):
+        fn(_last)
+
+
+def describe(plan: Plan, step: Step) -> str:
+    """One line naming a step as explain() does: 'allreduce[x] y P->R' or 'y = linear(gelu_1, w2)'."""
+    if isinstance(step, Collective):
+        return (f"{step.kind}[{step.mesh_axis_name}] {step.tensor} "
+                f"{plan.values[step.src].layout}->{plan.values[step.dst].layout}")
+    outs = ", ".join(plan.values[o].tensor for o in step.outputs)
+    ins = ", ".join(plan.values[v].tensor for k, v in step.args if k in step.tensor_params)
+    return f"{outs} = {step.op}({ins})"
+
+
+# ---------------------------------------------------------------------------- compute
+
+def execute_compute(plan: Plan, step: ComputeStep, env: Mapping[str, torch.Tensor], rank: int
+                    ) -> tuple[torch.Tensor, ...]:
+    """This rank's outputs of one compute step through torch (in step.outputs order)."""
+    outs = compute_on_rank(plan, step, env, rank)
+    return tuple(outs[o] for o in step.outputs)
+
+
+# ---------------------------------------------------------------------------- DTensor interop
+
+def _torch_placements(layout: Layout) -> tuple:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    return tuple(Shard(p.axis) if p.is_shard else Partial(p.reduce) if p.is_partial else Replicate()
+                 for p in layout)
+
+
+def _dtensor_range(extent: int, layout: Layout, mesh: DeviceMesh, rank: int, axis: int) -> tuple[int, int]:
+    """[lo, hi) DTensor gives `rank` along `axis`: each Shard chunks the size left by the mesh dims
+    before it (where the loop domain chunks the allocated ceil size instead)."""
+    coords = mesh.coords(rank)
+    lo, size = 0, extent
+    for m in layout.sharding_axes(axis):
+        chunk = -(-size // mesh.shape[m])
+        start = min(chunk * coords[m], size)
+        lo, size = lo + start, min(size, start + chunk) - start
+    return lo, lo + size
+
+
+def _dtensor_agrees(shape, layout: Layout, mesh: DeviceMesh) -> bool:
+    """Whether DTensor's chunks are the loop domain's for every rank (they differ only for some nested
+    uneven splits)."""
+    return all(_dtensor_range(n, layout, mesh, r, a) == RankContext(mesh, r).shard_range(n, layout, a)
+               for r in mesh.ranks for a, n in enumerate(shape))
+
+
+def _grid(mesh: DeviceMesh) -> list:
+    return torch.tensor(mesh.ranks).reshape(mesh.shape).tolist()
+
+
+_TORCH_MESHES: dict[tuple, Any] = {}
+
+
+def torch_device_mesh(mesh: DeviceMesh, device_type: str):
+    """The torch.distributed DeviceMesh of `mesh` (created once per process group; collective)."""
+    from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+    key = (mesh, device_type, world_key())
+    if key not in _TORCH_MESHES:
+        grid = torch.tensor(mesh.ranks).reshape(mesh.shape)
+        _TORCH_MESHES[key] = TorchMesh(device_type, grid, mesh_dim_names=mesh.axis_names)
+    return _TORCH_MESHES[key]
+
+
+def _is_dtensor(x) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(x, DTensor)
+
+
+def _local_of_dtensor(plan: Plan, name: str, value: str, dt, rank: int) -> torch.Tensor:
+    """This rank's shard of a DTensor input: its local tensor when its mesh, placements and chunks are
+    the plan's; otherwise the whole tensor (full_tensor, collective on every rank) sharded as planned."""
+    val = plan.values[value]
+    layout = val.layout_obj
+    if tuple(dt.shape) != val.shape:
+        raise ShapeError(f"run_plan: input {name!r} is a DTensor of global shape {tuple(dt.shape)}, the plan "
+                         f"expects {val.shape}")
+    placements = tuple(_normalized(p, len(val.shape)) for p in dt.placements)
+    same = (dt.device_mesh.ndim == plan.mesh.ndim and dt.device_mesh.mesh.tolist() == _grid(plan.mesh)
+            and placements == _torch_placements(layout) and _dtensor_agrees(val.shape, layout, plan.mesh))
+    if same:
+        local = dt.to_local()
+        want = local_shape(plan, value, rank)
+        if tuple(local.shape) != want:  # pragma: no cover - DTensor broke its own chunking
+            raise ShapeError(f"run_plan: input {name!r}: rank {rank}'s DTensor shard is {tuple(local.shape)}, "
+                             f"its placements give {want}")
+        return local.contiguous()
+    return shard_tensor(dt.full_tensor(), plan.value_view(value), rank)
+
+
+def _normalized(p, ndim: int):
+    from torch.distributed.tensor import Shard
+    if type(p) is Shard and p.dim < 0:
+        return Shard(p.dim % ndim)
+    return p
+
+
+def _to_dtensor(plan: Plan, value: str, local: torch.Tensor, rank: int, timeout: float | None):
+    from torch.distributed.tensor import DTensor
+    val = plan.values[value]
+    layout = val.layout_obj
+    tmesh = torch_device_mesh(plan.mesh, local.device.type)
+    if not _dtensor_agrees(val.shape, layout, plan.mesh):
+        # DTensor cannot express these nested uneven chunks: deliver its own chunks of the same placements
+        whole = _global_of(plan, value, local, timeout)
+        local = whole
+        for a, n in enumerate(val.shape):
+            lo, hi = _dtensor_range(n, layout, plan.mesh, rank, a)
+            local = local.narrow(a, lo, hi - lo)
+        coords = plan.mesh.coords(rank)
+        local = (torch.zeros_like(local) if any(coords[m] for m, p in enumerate(layout) if p.is_partial)
+                 else local.contiguous())
+    stride = torch.empty(val.shape, device="meta").stride()
+    return DTensor.from_local(local, tmesh, _torch_placements(layout), run_check=False,
+                              shape=torch.Size(val.shape), stride=stride)
+
+
+def _global_of(plan: Plan, value: str, local: torch.Tensor, timeout: float | None) -> torch.Tensor:
+    """The whole tensor of a value on every rank: every rank's shard gathered, partials summed."""
+    if plan.values[value].layout_obj.is_replicated:
+        return local
+    shards = gather_to_all(local, [local_shape(plan, value, r) for r in sorted(plan.mesh.ranks)], timeout)
+    return unshard_tensor(shards, plan.value_view(value))
+
+
+# ---------------------------------------------------------------------------- run
+
+def _device() -> torch.device | None:
+    """Where tensors must live for the backend: NCCL needs this rank's GPU; gloo takes them as given."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def _bind_inputs(plan: Plan, inputs: Mapping[str, Any], kind: str, rank: int, device, timeout) -> dict:
+    missing = sorted(set(plan.inputs) - set(inputs))
+    if missing:
+        raise ShapeError(f"run_plan: missing input(s) {missing}; the plan's inputs are {sorted(plan.inputs)}")
+    env: dict[str, torch.Tensor] = {}
+    for name, vals in plan.inputs.items():
+        given = inputs[name]
+        if _is_dtensor(given):
+            for v in vals:
+                env[v] = _local_of_dtensor(plan, name, v, given, rank)
+            continue
+        if kind == "dtensor":
+            raise ShapeError(f"run_plan: inputs_kind='dtensor' but input {name!r} is a "
+                             f"{type(given).__name__}; pass a torch DTensor (or inputs_kind='global'/'local')")
+        if not isinstance(given, torch.Tensor):
+            raise ShapeError(f"run_plan: input {name!r}: expected a torch.Tensor, got {type(given).__name__}")
+        if kind == "global":
+            for v in vals:
+                val = plan.values[v]
+                if tuple(given.shape) != val.shape:
+                    raise ShapeError(f"run_plan: input {name!r} has shape {tuple(given.shape)}, the plan expects "
+                                     f"the global shape {val.shape} (pass inputs_kind='local' for shards)")
+                shard = shard_tensor(given, plan.value_view(v), rank)  # cut first: only the shard moves
+                env[v] = shard if device is None else shard.to(device)
+            continue
+        if device is not None:
+            given = given.to(device)
+        # local: the shard of the input's first layout; any other layout it is loaded in is cut from the
+        # whole tensor (gathered: every rank takes this branch, so the gather matches)
+        first = vals[0]
+        want = local_shape(plan, first, rank)
+        if tuple(given.shape) != want:
+            raise ShapeError(f"run_plan: input {name!r} on rank {rank}: the local shard has shape "
+                             f"{tuple(given.shape)}, but its loop domain {plan.value_view(first).loop_str()} "
+                             f"gives rank {rank} the shape {want} (of global {plan.values[first].shape}); pass "
+                             f"that shard (ed.shard_tensor) or the global tensor with inputs_kind='global'")
+        env[first] = given.contiguous()
+        if len(vals) > 1:
+            whole = _global_of(plan, first, env[first], timeout)
+            for v in vals[1:]:
+                env[v] = shard_tensor(whole, plan.value_view(v), rank)
+    return env
+
+
+def _frees(segments) -> list[list[str]]:
+    """Per segment, the values no later segment reads and no output is (dropped once it has run)."""
+    last: dict[str, int] = {}
+    for i, seg in enumerate(segments):
+        for s in seg.steps:
+            for v in ([v for k, v in s.args if k in s.tensor_params] if isinstance(s, ComputeStep) else [s.src]):
+                last[v] = i
+    return [[v for v, j in last.items() if j == i] for i in range(len(segments))]
+
+
+def run_plan(plan: Plan, inputs: Mapping[str, Any], *, inputs_kind: str = "global", outputs_kind: str = "global",
+             rank: int | None = None, step_timeout: float | None = None, lowered: bool = True) -> dict[str, Any]:
+    """Run this rank's part of `plan`; every rank of plan.mesh calls it, with the default process group
+    initialized over exactly the mesh's ranks (launch() sets that up).
+
+    inputs: {name: tensor}. inputs_kind "global": whole tensors, sharded here as the plan lays each
+    input out; "local": this rank's shard (ed.shard_tensor of the global tensor), shape-checked. A torch
+    DTensor is taken as given either way (its local tensor when its placements are the plan's, else
+    resharded from full_tensor()).
+    outputs_kind "global": whole tensors on every rank (shards gathered, partial sums added); "local":
+    this rank's shards; "dtensor": torch DTensors (Shard/Replicate, Partial for a pending sum or max).
+    rank: this process's rank in the default process group (the default; mesh ranks are those ranks).
+    step_timeout: seconds any one collective may wait for its group (None: the process group's timeout).
+    lowered: run the lowered program (fused segments as Triton kernels; under TRITON_INTERPRET on a CPU);
+    False runs every compute step through torch eager.
+    Returns {output name: tensor}. A failing step raises StepError naming the rank and the step.
+
+    Example (one process per rank; `work` must be importable by the spawned processes)::
+
+        def work(rank, plan_json, X):
+            plan = ed.Plan.from_json(plan_json)
+            return run_plan(plan, {"x": X}, outputs_kind="global")["y"]
+
+        ys = launch(work, nprocs=4, args=(plan.to_json(), X))  # every rank holds the whole y
+    """
+    global _runs
+    if inputs_kind not in INPUT_KINDS:
+        raise PlanError(f"run_plan: inputs_kind must be one of {INPUT_KINDS}, got {inputs_kind!r}")
+    if outputs_kind not in OUTPUT_KINDS:
+        raise PlanError(f"run_plan: outputs_kind must be one of {OUTPUT_KINDS}, got {outputs_kind!r}")
+    check_world(plan.mesh)
+    me = dist.get_rank()
+    if rank is None:
+        rank = me
+    elif rank != me:
+        raise PlanError(f"run_plan: rank={rank} was passed, but this process is rank {me} of the process group "
+                        f"(mesh ranks are process-group ranks; leave rank=None)")
+    _runs += 1
+    total = len(plan.steps)
+    device = _device()
+
+    def _collective(plan_, c, local, rank_):
+        return run_collective(plan_, c, local, rank_, timeout=step_timeout)
+
+    def phase(index: int, what: str, fn):
+        _record(rank, index, total, what)
+        try:
+            return fn()
+        except Exception as e:
+            _record(rank, index, total, what, "failed")
+            if index < 0 and isinstance(e, EgraphDidError):
+                raise  # a bad input: its message already names the input and the rank
+            where = ("binding inputs" if index < 0 else "delivering outputs" if index >= total
+                     else f"step {index}")
+            raise StepError(f"rank {rank}, {where} ({what}): {type(e).__name__}: {e}", rank, index, what) from e
+
+    phase(-1, "creating process groups", lambda: ensure_groups(plan.mesh, rank))
+    env = phase(-1, f"binding inputs ({inputs_kind})",
+                lambda: _bind_inputs(plan, inputs, inputs_kind, rank, device, step_timeout))
+    segments = lower(plan).segments if lowered else eager_segments(plan)
+    total = len(segments)
+    frees = _frees(segments)
+    keep = set(plan.outputs.values())
+    for i, seg in enumerate(segments):
+        what = describe(plan, seg.steps[0]) if seg.kind == "comm" else seg.describe()
+        env.update(phase(i, what, lambda: run_segment(plan, seg, env, rank, _collective)))
+        for v in frees[i]:
+            if v not in keep:
+                env.pop(v, None)  # its last reader has run
+
+    def deliver():
+        out = {}
+        for name, v in plan.outputs.items():
+            if outputs_kind == "local":
+                out[name] = env[v]
+            elif outputs_kind == "global":
+                out[name] = _global_of(plan, v, env[v], step_timeout)
+            else:
+                out[name] = _to_dtensor(plan, v, env[v], rank, step_timeout)
+        return out
+
+    out = phase(total, f"delivering outputs ({outputs_kind})", deliver)
+    _record(rank, total, total, "done", "finished")
+    return out
+
+
+__all__ = ["run_plan", "execute_compute", "describe", "Progress", "StepError", "last_progress",
+           "add_progress_hook", "torch_device_mesh"]
