@@ -47,12 +47,6 @@ from .simulate import simulate  # noqa: E402
 __all__ += ["simulate"]
 
 
-def __getattr__(name):
-    # launch pulls in torch.multiprocessing; import it on first use
-    if name == "launch":
-        from .launch import launch
-        return launch
-    raise AttributeError(f"module 'egraph_did' has no attribute {name!r}")
+from .launcher import LaunchError, launch  # noqa: E402
 
-
-__all__ += ["launch"]
+__all__ += ["launch", "LaunchError"]

@@ -62,7 +62,7 @@ def main(tokens: int = 8, hidden: int = 16, ndev: int = 4, launch: bool = True) 
     ok = True
     runs = {"simulate (one process, all ranks)": lambda: simulate(small_plan, inputs)["y"]}
     if launch:
-        from .launch import launch as launch_ranks
+        from .launcher import launch as launch_ranks
         runs[f"{ndev} gloo processes"] = lambda: launch_ranks(_run_rank, ndev, "gloo",
                                                               args=(small_plan, inputs))[0]
     print()

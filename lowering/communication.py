@@ -98,7 +98,7 @@ def ensure_groups(mesh: DeviceMesh, rank: int) -> None:
 def check_world(mesh: DeviceMesh) -> None:
     if not dist.is_initialized():
         raise PlanError("no default process group: call torch.distributed.init_process_group first "
-                        "(egraph_did.launch.launch does it for every rank)")
+                        "(egraph_did.launcher.launch does it for every rank)")
     world = dist.get_world_size()
     if sorted(mesh.ranks) != list(range(world)):
         raise PlanError(f"the plan's mesh {mesh} holds ranks {sorted(mesh.ranks)}, but the process group has "

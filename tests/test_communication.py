@@ -16,7 +16,7 @@ import torch
 
 from egraph_did import DeviceMesh
 from egraph_did.cost import CostModel
-from egraph_did.launch import launch
+from egraph_did.launcher import launch
 from egraph_did.layout import Layout, valid_layouts
 from egraph_did.lowering import communication as comm
 from egraph_did.plan import Collective, Plan, Value
