@@ -100,6 +100,18 @@ def per_device_compute(plan, device, iters: int = 20) -> tuple[float, float]:
     for _ in range(3):
         once()
     torch.cuda.synchronize()
+    per_segment: dict[int, float] = {}  # one more run, each segment timed alone (synchronized)
+    env = dict(env0)
+    for i, seg in enumerate(lowered.segments):
+        from egraph_did.lowering.execute import run_segment
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        env.update(run_segment(plan, seg, env, rank, stand_in))
+        e.record()
+        torch.cuda.synchronize()
+        per_segment[i] = s.elapsed_time(e)
+    top = sorted(per_segment.items(), key=lambda kv: -kv[1])[:6]
+    print("   slowest segments: " + ", ".join(f"{lowered.segments[i].describe()} {t:.3f} ms" for i, t in top))
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
