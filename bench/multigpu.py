@@ -195,7 +195,7 @@ def _rank_main(rank, plan, inputs, sp, shape, iters, device_kind):
     return res, ms
 
 
-def multi_process_run(ndev: int, backend: str, small: bool) -> None:
+def multi_process_run(ndev: int, backend: str, small: bool, model=None) -> None:
     shape = dict(batch=1, seq=16, hidden=64, heads=8) if small else GPT3
     device_kind = "cuda" if backend == "nccl" else "cpu"
     dtype = torch.float32 if small else torch.bfloat16
@@ -221,10 +221,48 @@ def multi_process_run(ndev: int, backend: str, small: bool) -> None:
         for who, y in res.items():
             err = ((y.double() - ref).norm() / ref.norm()).item()
             ratio = ms[who] and ms["egraph-did"] and ms[who] / ms["egraph-did"]
+            pred = (repredict(plan, model) if model is not None else plan.predicted_time) * 1e3
             rows.append(f"{label:<12}{who:<18}{ms[who]:>10.3f}{err:>11.1e}{'ok' if err < tol else 'WRONG':>6}"
-                        f"{ratio:>12.2f}{plan.predicted_time * 1e3 if who == 'egraph-did' else float('nan'):>14.3f}")
+                        f"{ratio:>12.2f}{pred if who == 'egraph-did' else float('nan'):>14.3f}")
     print(f"{'plan':<12}{'run':<18}{'ms':>10}{'rel err':>11}{'':>6}{'x egraph':>12}{'predicted ms':>14}")
     print("\n".join(rows))
+
+
+def _calibrate_rank(rank, sizes, iters):
+    from egraph_did.calibrate import measure_collectives
+    return measure_collectives(sizes=sizes, iters=iters)
+
+
+def calibration(ndev: int, backend: str, small: bool):
+    """Measure the collectives over every rank, fit the link, save a preset, and report predicted
+    (default preset and calibrated) against measured for each collective."""
+    from egraph_did.calibrate import calibrated, fit_link, predicted, save_preset
+    sizes = (1 << 12, 1 << 16, 1 << 20) if small else (1 << 16, 1 << 20, 1 << 24, 1 << 26, 1 << 28)
+    ms = ed.launch(_calibrate_rank, ndev, backend, args=(sizes, 3 if small else 20), timeout=900)[0]
+    base = ed.CostModel.h200()
+    model = calibrated(base, [fit_link(ms, f"{backend}-{ndev}")])
+    path = os.path.join(PLANS, f"calibrated_{backend}_{ndev}.json")
+    save_preset(model, path)
+    link = model.links[0]
+    print(f"calibrated link over {ndev} ranks ({backend}): alpha {link.alpha * 1e6:.2f} us, "
+          f"bandwidth {link.bandwidth / 1e9:.1f} GB/s -> {path}")
+    print(f"{'collective':<16}{'bytes':>12}{'measured us':>13}{'preset us':>11}{'calibrated us':>15}{'cal/meas':>10}")
+    for m in ms:
+        cal = predicted(model, m)
+        print(f"{m.kind:<16}{m.nbytes:>12.0f}{m.seconds * 1e6:>13.1f}{predicted(base, m) * 1e6:>11.1f}"
+              f"{cal * 1e6:>15.1f}{cal / m.seconds:>10.2f}")
+    return model
+
+
+def repredict(plan, model) -> float:
+    """The plan's predicted seconds with its collectives re-priced under `model`."""
+    t = 0.0
+    for s in plan.steps:
+        if getattr(s, "kind", "compute") in ("compute", "slice"):
+            t += s.time
+        else:
+            t += model.collective_time(s.kind, s.bytes, plan.mesh.shape[s.mesh_axis], s.mesh_axis, plan.mesh.ndim)
+    return t
 
 
 def main() -> None:
@@ -235,11 +273,14 @@ def main() -> None:
     if args.make_plans:
         make_plans()
     elif args.cpu_smoke:
-        multi_process_run(4, "gloo", small=True)
+        model = calibration(4, "gloo", small=True)
+        multi_process_run(4, "gloo", small=True, model=model)
     elif torch.cuda.is_available() and torch.cuda.device_count() == 1:
         single_gpu_report()
     elif torch.cuda.is_available():
-        multi_process_run(torch.cuda.device_count(), "nccl", small=False)
+        n = torch.cuda.device_count()
+        model = calibration(n, "nccl", small=False)
+        multi_process_run(n, "nccl", small=False, model=model)
     else:
         print("no GPU: use --cpu-smoke or --make-plans")
 
