@@ -112,15 +112,7 @@ def per_device_compute(plan, device, iters: int = 20) -> tuple[float, float]:
         per_segment[i] = s.elapsed_time(e)
     top = sorted(per_segment.items(), key=lambda kv: -kv[1])[:6]
     print("   slowest segments: " + ", ".join(f"{lowered.segments[i].describe()} {t:.3f} ms" for i, t in top))
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        once()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), skipped * 1e3
+    return _time(once, iters, "cuda", barrier=False), skipped * 1e3
 
 
 def single_gpu_report() -> None:
@@ -140,10 +132,11 @@ def single_gpu_report() -> None:
 
 # ---------------------------------------------------------------------- several processes
 
-def _time(fn, iters: int, device_kind: str) -> float:
-    """Median ms over iters CUDA-event timings after warm-up (NaN when not timing)."""
+def _time(fn, iters: int, device_kind: str, barrier: bool = True) -> float:
+    """Median ms over iters CUDA-event timings after warm-up (NaN when not timing); with barrier, every
+    rank starts each iteration together."""
     import torch.distributed as dist
-    if iters == 0:
+    if iters == 0 or device_kind != "cuda":
         fn()
         return float("nan")
     for _ in range(5):
@@ -151,7 +144,8 @@ def _time(fn, iters: int, device_kind: str) -> float:
     times = []
     for _ in range(iters):
         torch.cuda.synchronize()
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         fn()

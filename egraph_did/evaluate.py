@@ -8,7 +8,7 @@ from typing import Mapping
 import torch
 
 from .errors import ShapeError
-from .fusion import Fusion, FusionDefinition, Ops, as_fusion
+from .fusion import Fusion, FusionDefinition, as_fusion, replay
 from .ir import TensorView
 
 
@@ -90,24 +90,17 @@ def _decompose_once(fd: FusionDefinition | Fusion) -> tuple[Fusion, dict[str, st
     ['amax', 'sub', 'exp', 'sum', 'div']
     """
     src = as_fusion(fd)
-    dst = Fusion()
-    ops = Ops(dst)
-    new: dict[int, TensorView] = {}
-    for tv in src.inputs:
-        new[id(tv)] = dst.define_tensor(tv.shape, tv.dtype, tv.name, [d.name for d in tv.logical_domain])
-    for expr in src.exprs:
-        args = {k: new[id(v)] if isinstance(v, TensorView) else v for k, v in expr.args}
-        if expr.op.is_composite:
-            outs = expr.op.decompose(ops, **args)
-        else:
-            outs = dst.emit(expr.op.name, **args)
+
+    def expand(ops, expr, args):
+        outs = expr.op.decompose(ops, **args) if expr.op.is_composite else ops._fusion.emit(expr.op.name, **args)
         outs = outs if isinstance(outs, tuple) else (outs,)
         assert len(outs) == len(expr.outputs), expr
+        fixed = []
         for old, tv in zip(expr.outputs, outs):
             assert tv.shape == old.shape, f"decomposition of {expr} changed {old.name}'s shape"
-            if tv.dtype != old.dtype:
-                tv = ops.cast(tv, old.dtype)
-            new[id(old)] = tv
+            fixed.append(tv if tv.dtype == old.dtype else ops.cast(tv, old.dtype))
+        return tuple(fixed)
+    dst, ops, new = replay(src, expand)
     for name, tv in src.outputs.items():
         out = new[id(tv)]
         if out in dst.inputs and out.name == name:

@@ -235,6 +235,22 @@ class FusionDefinition:
         return str(self.fusion)
 
 
+def replay(src: Fusion, apply) -> tuple[Fusion, Ops, dict[int, TensorView]]:
+    """A new fusion with src's inputs (same names and axes), then apply(ops, expr, args) for each of
+    src's exprs, args holding the new tensors; apply returns the new output(s) of that expr. Returns
+    (fusion, ops, {id(old tensor): new tensor}); outputs are left to the caller."""
+    dst = Fusion()
+    ops = Ops(dst)
+    new: dict[int, TensorView] = {}
+    for tv in src.inputs:
+        new[id(tv)] = dst.define_tensor(tv.shape, tv.dtype, tv.name, [d.name for d in tv.logical_domain])
+    for e in src.exprs:
+        outs = apply(ops, e, {k: new[id(v)] if isinstance(v, TensorView) else v for k, v in e.args})
+        for old, tv in zip(e.outputs, outs if isinstance(outs, tuple) else (outs,)):
+            new[id(old)] = tv
+    return dst, ops, new
+
+
 def as_fusion(f) -> Fusion:
     """A Fusion from a Fusion or a FusionDefinition."""
     if isinstance(f, FusionDefinition):

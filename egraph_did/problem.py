@@ -17,7 +17,7 @@ from egraph_did.rewrites import AxisStrategy, Operand, OpView, axis_strategies
 
 from .cost import CostModel
 from .errors import PlanError
-from .fusion import Expr, Fusion, Ops, as_fusion
+from .fusion import Expr, Fusion, Ops, as_fusion, replay
 from .ir import TensorView
 from .layout import Layout, is_valid, layout_of, local_extents, valid_layouts
 from .mesh import DeviceMesh
@@ -79,19 +79,15 @@ class Problem:
 
 def clone_fusion(src: Fusion) -> tuple[Fusion, Ops]:
     """A structural copy of src with the same tensor names (no pins)."""
-    dst = Fusion()
-    ops = Ops(dst)
-    new: dict[int, TensorView] = {}
-    for tv in src.inputs:
-        new[id(tv)] = dst.define_tensor(tv.shape, tv.dtype, tv.name, [d.name for d in tv.logical_domain])
-    for e in src.exprs:
-        outs = dst.emit(e.op.name, **{k: new[id(v)] if isinstance(v, TensorView) else v for k, v in e.args})
+    def same(ops, e, args):
+        outs = ops._fusion.emit(e.op.name, **args)
         outs = outs if isinstance(outs, tuple) else (outs,)
-        for old, tv in zip(e.outputs, outs):
-            dst.tensors.pop(tv.name)
+        for old, tv in zip(e.outputs, outs):  # keep the user's names
+            ops._fusion.tensors.pop(tv.name)
             tv.name = old.name
-            dst.tensors[tv.name] = tv
-            new[id(old)] = tv
+            ops._fusion.tensors[tv.name] = tv
+        return outs
+    dst, ops, new = replay(src, same)
     for name, tv in src.outputs.items():
         dst.outputs[name] = new[id(tv)]
     return dst, ops
