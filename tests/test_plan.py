@@ -1,0 +1,68 @@
+"""Plans: pins on intermediate tensors are materialized exactly, and plan JSON is validated on load."""
+import json
+
+import pytest
+import torch
+
+import egraph_did as ed
+from egraph_did import models
+from egraph_did.layout import Layout, S, apply_layout
+
+MESH = ed.DeviceMesh.arange(4)
+
+
+def pinned_mlp():
+    fd = models.mlp(32, 8192, torch.bfloat16)
+    fd["x"].set_device_mesh(MESH)
+    fd["y"].set_device_mesh(MESH)
+    return fd
+
+
+def test_a_pinned_intermediate_is_materialized_in_its_pin():
+    fd = pinned_mlp()
+    apply_layout(fd["gelu_1"], Layout((S(0),)), MESH)  # the hidden activation, pinned token-sharded
+    plan = ed.optimize(fd, MESH)
+    assert "gelu_1:S0" in plan.values
+    produced = {v for s in plan.steps for v in (s.outputs if isinstance(s, ed.ComputeStep) else [s.dst])}
+    assert "gelu_1:S0" in produced
+    assert plan.predicted_time > ed.optimize(pinned_mlp(), MESH).predicted_time  # the pin costs something
+
+
+def test_plan_json_is_plain_and_validated():
+    plan = ed.optimize(pinned_mlp(), MESH)
+    d = json.loads(plan.to_json())
+    assert d["format"] == "egraph-did-plan/1" and d["mesh"]["shape"] == [4]
+    with pytest.raises(ed.PlanError, match="not an egraph-did plan"):
+        ed.Plan.from_json(json.dumps({**d, "format": "other"}))
+    with pytest.raises(ed.PlanError, match="does not parse"):
+        ed.Plan.from_json("{")
+    bad = json.loads(plan.to_json())
+    bad["steps"][0]["op"] = "frobnicate"
+    with pytest.raises(ed.PlanError, match="unknown op 'frobnicate'"):
+        ed.Plan.from_json(json.dumps(bad))
+    bad = json.loads(plan.to_json())
+    bad["steps"][-1]["src"] = "nowhere:R"
+    with pytest.raises(ed.PlanError, match="unknown value"):
+        ed.Plan.from_json(json.dumps(bad))
+    bad = json.loads(plan.to_json())
+    bad["steps"] = bad["steps"][1:]  # the first linear's output is read before anything produces it
+    with pytest.raises(ed.PlanError, match="before any step produces it"):
+        ed.Plan.from_json(json.dumps(bad))
+
+
+def test_explain_names_every_collective_with_bytes_time_and_reason():
+    plan = ed.optimize(pinned_mlp(), MESH)
+    text = plan.explain()
+    (c,) = plan.collectives
+    assert f"allreduce[{c.mesh_axis_name}] y" in text and f"{c.bytes:.0f}" in text
+    assert f"{c.time * 1e6:.2f}" in text and c.why in text
+    assert "linear_column_parallel" in text and "linear_row_parallel" in text
+
+
+def test_unknown_extractor_and_missing_outputs_are_errors():
+    with pytest.raises(ed.PlanError, match="extractor"):
+        ed.optimize(pinned_mlp(), MESH, extractor="magic")
+    with ed.FusionDefinition() as fd:
+        fd.define_tensor((4,), name="x")
+    with pytest.raises(ed.PlanError, match="no outputs"):
+        ed.optimize(fd, MESH)
