@@ -24,6 +24,13 @@ KINDS = ("allgather", "reduce_scatter", "allreduce", "alltoall")
 
 @dataclass(frozen=True)
 class Measurement:
+    """The median time of one collective at one size on a group of ranks.
+
+    >>> m = Measurement("allreduce", nbytes=1 << 20, group_size=4, seconds=31e-6)
+    >>> round(predicted(CostModel.h200(), m) * 1e6, 1)  # what the h200 preset expects instead
+    24.3
+    """
+
     kind: str
     nbytes: float  # the full (gathered / pre-scatter) bytes per rank, as the cost model counts them
     group_size: int
@@ -38,7 +45,16 @@ def _factor(kind: str, p: int) -> tuple[int, float]:
 def measure_collectives(sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 23), kinds=KINDS, iters: int = 10,
                         group=None, device=None, dtype=torch.float32) -> list[Measurement]:
     """Median seconds of each collective at each size (bytes per rank of the full tensor). Call on every
-    rank of an initialized process group; every rank returns the same list (rank 0's timings)."""
+    rank of an initialized process group; every rank returns the same list (rank 0's timings).
+
+    Example::
+
+        def work(rank):  # module level: launch pickles it
+            return measure_collectives(sizes=(1 << 16, 1 << 20), iters=5)
+
+        ms = ed.launch(work, nprocs=2)[0]  # a Measurement per kind and size
+        model = calibrated(ed.CostModel.h200(), [fit_link(ms, "gloo-loopback")])
+    """
     import torch.distributed as dist
 
     # torch 2.13 names these *_single (the old names warn); torch 2.11 has only the old ones
@@ -105,19 +121,46 @@ def fit_link(measurements: list[Measurement], name: str = "calibrated") -> Link:
 
 
 def predicted(model: CostModel, m: Measurement, mesh_axis: int = 0, mesh_ndim: int = 1) -> float:
+    """The seconds `model` predicts for the collective `m` measured.
+
+    >>> m = Measurement("allgather", nbytes=1 << 20, group_size=8, seconds=14e-6)
+    >>> round(predicted(CostModel.h200(), m) * 1e6, 1)  # microseconds (14 were measured)
+    12.5
+    """
     return model.collective_time(m.kind, m.nbytes, m.group_size, mesh_axis, mesh_ndim)
 
 
 def calibrated(base: CostModel, links: list[Link]) -> CostModel:
-    """base with its links replaced (one per mesh axis, outermost first, or one for every axis)."""
+    """base with its links replaced (one per mesh axis, outermost first, or one for every axis).
+
+    >>> model = calibrated(CostModel.h200(), [Link("gloo-loopback", alpha=50e-6, bandwidth=2e9)])
+    >>> model.name, model.links[0].alpha, model.hbm_bandwidth == CostModel.h200().hbm_bandwidth
+    ('h200-nvlink+calibrated', 5e-05, True)
+    """
     return dataclasses.replace(base, name=f"{base.name}+calibrated", links=tuple(links))
 
 
 def save_preset(model: CostModel, path: str) -> None:
+    """Write `model` to `path` as JSON (load_preset reads it back).
+
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "h200.json")
+    >>> save_preset(CostModel.h200(), path)
+    >>> load_preset(path) == CostModel.h200()
+    True
+    """
     with open(path, "w") as f:
         json.dump(model.to_dict(), f, indent=1)
 
 
 def load_preset(path: str) -> CostModel:
+    """The CostModel save_preset wrote to `path`.
+
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "multinode.json")
+    >>> save_preset(CostModel.h200_multinode(memory_limit=80e9), path)
+    >>> [link.name for link in load_preset(path).links], load_preset(path).memory_limit
+    (['infiniband', 'nvlink'], 80000000000.0)
+    """
     with open(path) as f:
         return CostModel.from_dict(json.load(f))

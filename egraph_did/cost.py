@@ -24,7 +24,12 @@ COLLECTIVES = ("allgather", "reduce_scatter", "allreduce", "alltoall", "broadcas
 
 @dataclass(frozen=True)
 class Link:
-    """The network of one mesh axis."""
+    """The network of one mesh axis: latency per collective and bus bandwidth per rank.
+
+    >>> link = Link("infiniband", alpha=20e-6, bandwidth=45e9)  # 400 Gb/s per GPU
+    >>> CostModel.h200_multinode().links[0] == link
+    True
+    """
 
     name: str
     alpha: float  # seconds per collective
@@ -66,6 +71,7 @@ class CostModel:
 
     # -------------------------------------------------------------- queries
     def link(self, mesh_axis: int, mesh_ndim: int) -> Link:
+        """The link of mesh axis `mesh_axis` of a `mesh_ndim`-D mesh."""
         if len(self.links) == 1:
             return self.links[0]
         if len(self.links) != mesh_ndim:
@@ -86,6 +92,7 @@ class CostModel:
         return phases * link.alpha + factor * nbytes / link.bandwidth
 
     def peak(self, dtype: torch.dtype) -> float:
+        """Peak FLOP/s for `dtype` (float32's for a dtype the table lacks)."""
         name = str(dtype).replace("torch.", "")
         table = dict(self.peak_flops)
         return table.get(name, table.get("float32"))
@@ -95,15 +102,18 @@ class CostModel:
         return self.launch_overhead + max(flops / self.peak(dtype), nbytes / self.hbm_bandwidth)
 
     def with_memory_limit(self, memory_limit: float | None) -> "CostModel":
+        """A copy bounded to `memory_limit` bytes per device (None: no bound)."""
         return dataclasses.replace(self, memory_limit=memory_limit)
 
     # -------------------------------------------------------------- JSON
     def to_dict(self) -> dict:
+        """Plain JSON-ready data; from_dict reads it back."""
         return {"name": self.name, "peak_flops": dict(self.peak_flops), "hbm_bandwidth": self.hbm_bandwidth,
                 "launch_overhead": self.launch_overhead, "memory_limit": self.memory_limit,
                 "links": [dataclasses.asdict(link) for link in self.links]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
+        """Inverse of to_dict()."""
         return cls(d["name"], tuple(d["peak_flops"].items()), d["hbm_bandwidth"], d["launch_overhead"],
                    tuple(Link(**link) for link in d["links"]), d.get("memory_limit"))

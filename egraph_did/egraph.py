@@ -32,7 +32,8 @@ class T(Expr):
 
 
 @function(egg_fn="Tensor")
-def Tensor(name: StringLike) -> T: ...
+def Tensor(name: StringLike) -> T:
+    """The logical tensor called `name` (an index such as "t3": user names may hold any character)."""
 
 
 class D(Expr):
@@ -40,39 +41,48 @@ class D(Expr):
 
 
 @function(egg_fn="Phys", unextractable=True)
-def Phys(t: T, layout: StringLike, level: i64Like) -> D: ...
+def Phys(t: T, layout: StringLike, level: i64Like) -> D:
+    """The class of every way to hold logical tensor t in `layout` at `level` (0..mesh ndim)."""
 
 
 @function(egg_fn="Load")
-def Load(name: StringLike, layout: StringLike) -> D: ...
+def Load(name: StringLike, layout: StringLike) -> D:
+    """Input `name` bound in `layout`: every rank receives its shard."""
 
 
 @function(egg_fn="Keep")
-def Keep(d: D) -> D: ...
+def Keep(d: D) -> D:
+    """d unchanged, one level up (a mesh axis on which no collective runs)."""
 
 
 @function(egg_fn="Coll")
-def Coll(kind: StringLike, axis: i64Like, dst: StringLike, d: D) -> D: ...
+def Coll(kind: StringLike, axis: i64Like, dst: StringLike, d: D) -> D:
+    """d after collective `kind` over mesh axis `axis`, which leaves it in layout `dst`."""
 
 
 @function(egg_fn="Proj")
-def Proj(index: i64Like, d: D) -> D: ...
+def Proj(index: i64Like, d: D) -> D:
+    """Output `index` of the multi-output op application d."""
 
 
 @function(egg_fn="Apply1")
-def Apply1(key: StringLike, sid: i64Like, a: D) -> D: ...
+def Apply1(key: StringLike, sid: i64Like, a: D) -> D:
+    """The expr `key` run under its strategy `sid` on one operand."""
 
 
 @function(egg_fn="Apply2")
-def Apply2(key: StringLike, sid: i64Like, a: D, b: D) -> D: ...
+def Apply2(key: StringLike, sid: i64Like, a: D, b: D) -> D:
+    """The expr `key` run under its strategy `sid` on two operands."""
 
 
 @function(egg_fn="Apply3")
-def Apply3(key: StringLike, sid: i64Like, a: D, b: D, c: D) -> D: ...
+def Apply3(key: StringLike, sid: i64Like, a: D, b: D, c: D) -> D:
+    """The expr `key` run under its strategy `sid` on three operands."""
 
 
 @function(egg_fn="Apply4")
-def Apply4(key: StringLike, sid: i64Like, a: D, b: D, c: D, d: D) -> D: ...
+def Apply4(key: StringLike, sid: i64Like, a: D, b: D, c: D, d: D) -> D:
+    """The expr `key` run under its strategy `sid` on four operands."""
 
 
 APPLY = {1: Apply1, 2: Apply2, 3: Apply3, 4: Apply4}
@@ -108,7 +118,15 @@ def _rules(m: int):
 
 def transitions(problem: Problem) -> list[tuple[str, str, str, int]]:
     """Every (src layout, dst layout, collective, mesh axis) that changes one mesh axis's placement, where
-    no inner mesh axis splits the same tensor axis (shards nest outer mesh axis first)."""
+    no inner mesh axis splits the same tensor axis (shards nest outer mesh axis first).
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import row_sum
+    >>> from egraph_did.problem import build_problem
+    >>> moves = transitions(build_problem(row_sum(8, 64), ed.DeviceMesh.arange(4)))
+    >>> ("P", "S0", "reduce_scatter", 0) in moves, sorted({kind for _, _, kind, _ in moves})
+    (True, ['allgather', 'allreduce', 'alltoall', 'reduce_scatter', 'slice'])
+    """
     codes: dict[str, Layout] = {}
     for lays in problem.layouts.values():
         for lay in lays:
@@ -152,7 +170,16 @@ def saturate(problem: Problem, chunk: int = 200) -> PhysGraph:
     """Encode, saturate and read back the physical graph (costs are set by the caller).
 
     Facts go in as egglog text, parsed and run a chunk at a time: building each fact through the
-    Python API costs about 0.5 ms, and parsing one long program is quadratic in its length."""
+    Python API costs about 0.5 ms, and parsing one long program is quadratic in its length.
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import row_sum
+    >>> from egraph_did.problem import build_problem
+    >>> graph = saturate(build_problem(row_sum(8, 64), ed.DeviceMesh.arange(4)))
+    >>> ways = graph.classes[graph.index[("y", "S0", 1)]]  # y split by rows, after mesh axis 0
+    >>> sorted((n.op, n.key) for n in ways)  # computed so, or reached from P or R by a collective
+    [('Coll', 'reduce_scatter'), ('Coll', 'slice'), ('Keep', '')]
+    """
     m = problem.mesh.ndim
     t0 = time.perf_counter()
     # egglog sees tensors by index: user names may hold any character
@@ -222,4 +249,9 @@ def _read_back(eg: EGraph, name_of: dict[str, str], prefer) -> PhysGraph:
 
 
 def sort_of_class(class_data, cls: str) -> str:
+    """The sort (short name) of e-class `cls` in egglog's serialized class data.
+
+    >>> sort_of_class({"egraph_did.egraph.D-1": {"type": "egraph_did.egraph.D"}}, "egraph_did.egraph.D-1")
+    'D'
+    """
     return class_data[cls]["type"].rsplit(".", 1)[-1]

@@ -2,24 +2,71 @@
 
 
 class EgraphDidError(Exception):
-    """Base class of every error egraph-did raises on purpose."""
+    """Base class of every error egraph-did raises on purpose: catch it to catch them all.
+
+    >>> import egraph_did as ed
+    >>> try:
+    ...     ed.DeviceMesh([0, 0])
+    ... except ed.EgraphDidError as e:
+    ...     print(type(e).__name__)
+    MeshError
+    """
 
 
 class ShapeError(EgraphDidError, ValueError):
-    """An op got operands whose shapes, dtypes or axes do not fit (raised at the op that is wrong)."""
+    """An op got operands whose shapes, dtypes or axes do not fit (raised at the op that is wrong).
+
+    >>> import egraph_did as ed
+    >>> fd = ed.FusionDefinition()
+    >>> x, w = fd.define_tensor((8, 3), name="x"), fd.define_tensor((4, 5), name="w")
+    >>> fd.ops.linear(x, w)
+    Traceback (most recent call last):
+    ...
+    egraph_did.errors.ShapeError: linear(x, w): w has in-features 5 but x's last axis is 3 (w is [out, in], as in torch)
+    """
 
 
 class ShardingError(EgraphDidError, ValueError):
-    """A loop-domain transform or a DID binding that cannot be honoured."""
+    """A loop-domain transform or a DID binding that cannot be honoured.
+
+    >>> import egraph_did as ed
+    >>> x = ed.FusionDefinition().define_tensor((8, 3), name="x").set_device_mesh(ed.DeviceMesh.arange(4))
+    >>> try:
+    ...     x.parallelize(0, ed.ParallelType.DIDx)  # DIDx binds a split of the axis, not the axis
+    ... except ed.ShardingError as e:
+    ...     print(e)
+    x: loop axis 8 has extent 8 but DIDx binds mesh axis 'x' of size 4; use outer_split(axis, 4)
+    """
 
 
 class MeshError(EgraphDidError, ValueError):
-    """A device mesh that is malformed, or a mesh axis that does not exist."""
+    """A device mesh that is malformed, or a mesh axis that does not exist.
+
+    >>> import egraph_did as ed
+    >>> ed.DeviceMesh([0, 0])
+    Traceback (most recent call last):
+    ...
+    egraph_did.errors.MeshError: DeviceMesh: rank(s) [0] appear more than once; every rank holds one place
+    """
 
 
 class PlanError(EgraphDidError, ValueError):
-    """A plan that cannot be built, loaded or run as asked."""
+    """A plan that cannot be built, loaded or run as asked.
+
+    >>> import egraph_did as ed
+    >>> ed.Plan.from_json("{}")
+    Traceback (most recent call last):
+    ...
+    egraph_did.errors.PlanError: not an egraph-did plan (expected format 'egraph-did-plan/1')
+    """
 
 
 class DtypeError(ShapeError):
-    """A dtype that is unknown, or not allowed for the op it was given to."""
+    """A dtype that is unknown, or not allowed for the op it was given to. A ShapeError too.
+
+    >>> import egraph_did as ed
+    >>> ed.FusionDefinition().define_tensor((2,), dtype="complex64", name="z")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    egraph_did.errors.DtypeError: define_tensor(z): unknown or unsupported dtype 'complex64'; use one of float32, ...
+    """

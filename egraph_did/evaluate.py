@@ -13,7 +13,16 @@ from .ir import TensorView
 
 
 def check_inputs(fusion: Fusion, inputs: Mapping[str, torch.Tensor]) -> None:
-    """Every input present, of the declared shape and dtype; nothing unknown."""
+    """Every input present, of the declared shape and dtype; nothing unknown.
+
+    >>> import torch
+    >>> from egraph_did.models import row_sum
+    >>> check_inputs(row_sum(2, 3).fusion, {"x": torch.zeros(2, 3)})  # fine: nothing to say
+    >>> check_inputs(row_sum(2, 3).fusion, {"x": torch.zeros(3, 2)})
+    Traceback (most recent call last):
+    ...
+    egraph_did.errors.ShapeError: input 'x': declared shape (2, 3), got (3, 2)
+    """
     names = [t.name for t in fusion.inputs]
     unknown = sorted(set(inputs) - set(names))
     if unknown:
@@ -32,7 +41,14 @@ def check_inputs(fusion: Fusion, inputs: Mapping[str, torch.Tensor]) -> None:
 
 
 def run_expr(expr, env: dict[int, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """Evaluate one expr's reference on tensors looked up in env (by TensorView id)."""
+    """Evaluate one expr's reference on tensors looked up in env (by TensorView id).
+
+    >>> import torch
+    >>> from egraph_did.models import row_sum
+    >>> fusion = row_sum(2, 3).fusion
+    >>> run_expr(fusion.exprs[0], {id(fusion["x"]): torch.ones(2, 3)})
+    (tensor([3., 3.]),)
+    """
     kwargs = {k: env[id(v)] if isinstance(v, TensorView) else v for k, v in expr.args}
     out = expr.op.reference(**kwargs)
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
@@ -68,7 +84,17 @@ def evaluate(fd: FusionDefinition | Fusion, inputs: Mapping[str, torch.Tensor],
 
 
 def decompose(fd: FusionDefinition | Fusion) -> tuple[Fusion, dict[str, str]]:
-    """Composites rewritten into primitives until none is left (see _decompose_once)."""
+    """Composites rewritten into primitives until none is left (see _decompose_once); returns (fusion,
+    {old input name: new input name}).
+
+    >>> import egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     x = fd.define_tensor((2, 3), name="x")
+    ...     fd.add_output(fd.ops.gelu(x), name="y")  # exact gelu: x * Phi(x), Phi through erf
+    >>> prim, _ = ed.decompose(fd)
+    >>> [e.op.name for e in prim.exprs], list(prim.outputs)
+    (['mul', 'mul', 'erf', 'add', 'mul'], ['y'])
+    """
     fusion, names = _decompose_once(as_fusion(fd))
     for _ in range(8):
         if not any(e.op.is_composite for e in fusion.exprs):

@@ -18,7 +18,13 @@ ROOT = "__root__"
 
 @dataclass
 class Selection:
-    """The chosen node of every class the plan needs."""
+    """The chosen node of every class the plan needs, with their total cost and memory.
+
+    >>> g = PhysGraph({"x": [Node("Load", (), "x")], "y": [Node("Apply", ("x",), "y", 0, cost=4e-6, memory=32.0)]})
+    >>> sel = greedy_dag(g, with_roots(g, {"y": ["y"]}))
+    >>> sorted(sel.choice), sel.cost, sel.memory, sel.method
+    (['__out__:y', '__root__', 'x', 'y'], 4e-06, 32.0, 'greedy-dag')
+    """
 
     choice: dict[str, Node]
     cost: float
@@ -49,7 +55,14 @@ def _topo_order(graph: PhysGraph, roots: list[str]) -> list[str]:
 
 
 def with_roots(graph: PhysGraph, outputs: dict[str, list[str]]) -> list[str]:
-    """Add one choice class per output (any of its allowed classes) and a root needing all of them."""
+    """Add one choice class per output (any of its allowed classes) and a root needing all of them.
+
+    >>> g = PhysGraph({"y:R": [Node("Load", (), "y")], "y:S0": [Node("Load", (), "y")]})
+    >>> with_roots(g, {"y": ["y:R", "y:S0"]})
+    ['__root__']
+    >>> [n.children for n in g.classes["__out__:y"]], g.classes["__root__"][0].children
+    ([('y:R',), ('y:S0',)], ('__out__:y',))
+    """
     roots = []
     for name, classes in outputs.items():
         cls = f"__out__:{name}"
@@ -187,7 +200,16 @@ def _best_of(graph: PhysGraph, order: list[str], penalty: float) -> dict[str, No
 
 def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = None) -> Selection:
     """Bottom-up greedy: each class keeps the cheapest node counting shared descendants once; an
-    amortized variant catches values worth sharing, and a local search polishes small graphs."""
+    amortized variant catches values worth sharing, and a local search polishes small graphs.
+
+    >>> g = PhysGraph({"w": [Node("Load", (), "w")],
+    ...                "w:R": [Node("Coll", ("w",), "allgather", 0, cost=20e-6)],
+    ...                "y": [Node("Apply", ("w:R",), "y", 0, cost=1e-6), Node("Apply", ("w",), "y", 1, cost=15e-6)],
+    ...                "z": [Node("Apply", ("w:R",), "z", 0, cost=1e-6), Node("Apply", ("w",), "z", 1, cost=15e-6)]})
+    >>> sel = greedy_dag(g, with_roots(g, {"y": ["y"], "z": ["z"]}))
+    >>> round(sel.cost * 1e6), sel.choice["y"].sid  # one allgather serves y and z: 20 + 1 + 1 us
+    (22, 0)
+    """
     order = _topo_order(graph, roots)
     chosen = _best_of(graph, order, 0.0)
     if chosen is None:
@@ -220,7 +242,15 @@ def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = 
 def exact(graph: PhysGraph, roots: list[str], memory_limit: float | None = None,
           time_limit: float = 60.0) -> Selection:
     """Minimum-cost DAG extraction as a 0/1 program (HiGHS): pick nodes so every picked node's child
-    classes have a picked node and every root does; each picked node is paid once."""
+    classes have a picked node and every root does; each picked node is paid once.
+
+    >>> g = PhysGraph({"x": [Node("Load", (), "x")],
+    ...                "y": [Node("Apply", ("x",), "y", 0, cost=1e-6, memory=4096.0),
+    ...                      Node("Apply", ("x",), "y", 1, cost=5e-6, memory=1024.0)]})
+    >>> roots = with_roots(g, {"y": ["y"]})
+    >>> exact(g, roots).choice["y"].sid, exact(g, roots, memory_limit=2048).choice["y"].sid
+    (0, 1)
+    """
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import lil_matrix
 

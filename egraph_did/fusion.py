@@ -28,7 +28,13 @@ ALL_TENSORS: "weakref.WeakSet[TensorView]" = weakref.WeakSet()
 @dataclass(frozen=True)
 class Expr:
     """One op application: `outputs = op(args)`. args keeps every bound argument by parameter name;
-    tensor arguments are TensorViews, the rest literals."""
+    tensor arguments are TensorViews, the rest literals.
+
+    >>> from egraph_did.models import mlp
+    >>> e = mlp(tokens=8, hidden=16).fusion.exprs[1]
+    >>> str(e), [t.name for t in e.inputs], e.attrs
+    ('gelu_1 = gelu(linear_0)', ['linear_0'], {'approximate': 'none'})
+    """
 
     op: OpDef
     args: tuple[tuple[str, Any], ...]
@@ -46,6 +52,7 @@ class Expr:
 
     @property
     def output(self) -> TensorView:
+        """The only output (an op with several outputs has none)."""
         assert len(self.outputs) == 1, f"{self.op.name} has {len(self.outputs)} outputs"
         return self.outputs[0]
 
@@ -64,7 +71,19 @@ class Expr:
 
 
 class Fusion:
-    """A DAG of ops over TensorViews, in definition (topological) order."""
+    """A DAG of ops over TensorViews, in definition (topological) order.
+
+    >>> from egraph_did.models import mlp
+    >>> fusion = mlp(tokens=8, hidden=16).fusion
+    >>> print(fusion)
+    inputs: x[8, 16], w1[64, 16], w2[16, 64]
+      linear_0 = linear(x, w1)
+      gelu_1 = gelu(linear_0)
+      y = linear(gelu_1, w2)
+    outputs: y
+    >>> str(fusion.producer(fusion["y"])), [str(e) for e in fusion.consumers(fusion["x"])]
+    ('y = linear(gelu_1, w2)', ['linear_0 = linear(x, w1)'])
+    """
 
     def __init__(self):
         self.inputs: list[TensorView] = []
@@ -91,6 +110,7 @@ class Fusion:
 
     def define_tensor(self, shape: Sequence[int], dtype=torch.float32, name: str | None = None,
                       axis_names: Sequence[str] | None = None) -> TensorView:
+        """A new input of the given logical shape (see FusionDefinition.define_tensor)."""
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         label = name or f"input {len(self.inputs)}"
         for i, e in enumerate(shape):
@@ -134,6 +154,7 @@ class Fusion:
         return tvs[0] if len(tvs) == 1 else tvs
 
     def add_output(self, tv: TensorView, name: str | None = None) -> TensorView:
+        """Mark tv as an output, renamed to `name` if given; returns tv."""
         if not isinstance(tv, TensorView) or tv.fusion is not self:
             raise ShapeError(f"add_output: {tv!r} is not a tensor of this fusion")
         name = name or tv.name
@@ -160,9 +181,11 @@ class Fusion:
         return self._producer.get(id(tv))
 
     def consumers(self, tv: TensorView) -> list[Expr]:
+        """The exprs that read tv, in order."""
         return [e for e in self.exprs if any(i is tv for i in e.inputs)]
 
     def all_tensors(self) -> Iterator[TensorView]:
+        """Every tensor: inputs, intermediates and outputs."""
         return iter(self.tensors.values())
 
     def __getitem__(self, name: str) -> TensorView:
@@ -178,7 +201,15 @@ class Fusion:
 
 
 class Ops:
-    """`fd.ops.NAME(...)`: every op of the op table, with the signature of its shape rule."""
+    """`fd.ops.NAME(...)`: every op of the op table, with the signature of its shape rule.
+
+    >>> import egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     x = fd.define_tensor((4, 8), name="x")
+    ...     y = fd.ops.sum(fd.ops.relu(x), 1)
+    >>> str(fd.fusion.producer(y)), "softmax" in dir(fd.ops)
+    ('sum_1 = sum(relu_0, dims=1)', True)
+    """
 
     def __init__(self, fusion: Fusion):
         self._fusion = fusion
@@ -238,7 +269,14 @@ class FusionDefinition:
 def replay(src: Fusion, apply) -> tuple[Fusion, Ops, dict[int, TensorView]]:
     """A new fusion with src's inputs (same names and axes), then apply(ops, expr, args) for each of
     src's exprs, args holding the new tensors; apply returns the new output(s) of that expr. Returns
-    (fusion, ops, {id(old tensor): new tensor}); outputs are left to the caller."""
+    (fusion, ops, {id(old tensor): new tensor}); outputs are left to the caller.
+
+    >>> from egraph_did.models import mlp
+    >>> same = lambda ops, e, args: ops._fusion.emit(e.op.name, **args)  # re-emit each op unchanged
+    >>> dst, ops, new = replay(mlp(tokens=8, hidden=16).fusion, same)
+    >>> [str(e) for e in dst.exprs]  # fresh names for the outputs, which the caller may rename
+    ['linear_0 = linear(x, w1)', 'gelu_1 = gelu(linear_0)', 'linear_2 = linear(gelu_1, w2)']
+    """
     dst = Fusion()
     ops = Ops(dst)
     new: dict[int, TensorView] = {}
@@ -252,7 +290,12 @@ def replay(src: Fusion, apply) -> tuple[Fusion, Ops, dict[int, TensorView]]:
 
 
 def as_fusion(f) -> Fusion:
-    """A Fusion from a Fusion or a FusionDefinition."""
+    """A Fusion from a Fusion or a FusionDefinition.
+
+    >>> fd = FusionDefinition()
+    >>> as_fusion(fd) is fd.fusion, as_fusion(fd.fusion) is fd.fusion
+    (True, True)
+    """
     if isinstance(f, FusionDefinition):
         return f.fusion
     if isinstance(f, Fusion):

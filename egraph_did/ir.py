@@ -32,7 +32,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class ParallelType(enum.Enum):
-    """How a loop axis is executed: serially on one device, or spread over a mesh axis."""
+    """How a loop axis is executed: serially on one device, or spread over a mesh axis.
+
+    >>> mesh = DeviceMesh([[0, 1], [2, 3]])
+    >>> ParallelType.DIDx.mesh_axis(mesh), ParallelType.DIDy.mesh_axis(mesh), ParallelType.Serial.is_device
+    (1, 0, False)
+    """
 
     Serial = "Serial"
     DIDx = "DIDx"
@@ -41,6 +46,7 @@ class ParallelType(enum.Enum):
 
     @property
     def is_device(self) -> bool:
+        """Whether this type binds a mesh axis (DIDx, DIDy or DIDz)."""
         return self is not ParallelType.Serial
 
     def mesh_axis(self, mesh: DeviceMesh) -> int:
@@ -58,12 +64,22 @@ class ParallelType(enum.Enum):
 
     @classmethod
     def for_mesh_axis(cls, mesh: DeviceMesh, axis: int | str) -> "ParallelType":
-        """Inverse of mesh_axis()."""
+        """Inverse of mesh_axis().
+
+        >>> ParallelType.for_mesh_axis(DeviceMesh([[0, 1], [2, 3]]), 0)
+        <ParallelType.DIDy: 'DIDy'>
+        """
         depth = mesh.ndim - mesh.axis_index(axis)
         return (cls.DIDx, cls.DIDy, cls.DIDz)[depth - 1]
 
 
 class IterType(enum.Enum):
+    """What a loop axis iterates over: elements (Iteration), a reduction, or a broadcast axis of extent 1.
+
+    >>> str(IterDomain("k", 8, IterType.Reduction)), str(IterDomain("one", 1, IterType.Broadcast))
+    ('rk', 'bone')
+    """
+
     Iteration = "Iteration"
     Reduction = "Reduction"
     Broadcast = "Broadcast"
@@ -74,7 +90,11 @@ class IterType(enum.Enum):
 
 @dataclass(frozen=True)
 class LogicalIndex:
-    """The index along one logical axis."""
+    """The index along one logical axis.
+
+    >>> LogicalIndex(1).eval({1: np.arange(4)}), LogicalIndex(1).axes
+    (array([0, 1, 2, 3]), frozenset({1}))
+    """
     axis: int
 
     def eval(self, idx: dict[int, np.ndarray]) -> np.ndarray:
@@ -87,7 +107,11 @@ class LogicalIndex:
 
 @dataclass(frozen=True)
 class OuterOf:
-    """Outer part of a split: coordinate // inner_extent."""
+    """Outer part of a split: coordinate // inner_extent.
+
+    >>> OuterOf(LogicalIndex(0), 3).eval({0: np.arange(7)})  # 7 split in pieces of 3
+    array([0, 0, 0, 1, 1, 1, 2])
+    """
     of: "IndexExpr"
     inner_extent: int
 
@@ -101,7 +125,11 @@ class OuterOf:
 
 @dataclass(frozen=True)
 class InnerOf:
-    """Inner part of a split: coordinate % inner_extent."""
+    """Inner part of a split: coordinate % inner_extent.
+
+    >>> InnerOf(LogicalIndex(0), 3).eval({0: np.arange(7)})  # 7 split in pieces of 3
+    array([0, 1, 2, 0, 1, 2, 0])
+    """
     of: "IndexExpr"
     inner_extent: int
 
@@ -115,7 +143,12 @@ class InnerOf:
 
 @dataclass(frozen=True)
 class MergeOf:
-    """A merge of two axes: outer * inner_extent + inner."""
+    """A merge of two axes: outer * inner_extent + inner.
+
+    >>> m = MergeOf(LogicalIndex(0), LogicalIndex(1), 4)  # [2, 4] seen as [8]
+    >>> m.eval({0: np.array([0, 1]), 1: np.array([3, 2])}), m.axes
+    (array([3, 6]), frozenset({0, 1}))
+    """
     outer: "IndexExpr"
     inner: "IndexExpr"
     inner_extent: int
@@ -130,7 +163,13 @@ class MergeOf:
 
 @dataclass(frozen=True)
 class PendingSum:
-    """A partial: a reduction over the devices of a mesh axis that has not happened yet."""
+    """A partial: a reduction over the devices of a mesh axis that has not happened yet.
+
+    >>> from egraph_did import FusionDefinition
+    >>> y = FusionDefinition().define_tensor((4, 8)).set_device_mesh(DeviceMesh.arange(2))
+    >>> y.add_partial(ParallelType.DIDx).loop_domain[-1].index, y.loop_domain[-1].logical_axes
+    (PendingSum(), frozenset())
+    """
 
     def eval(self, idx):  # pragma: no cover - never asked: a partial holds every logical element
         raise ShardingError("a partial axis has no logical coordinate")
@@ -159,14 +198,17 @@ class IterDomain:
 
     @property
     def is_device(self) -> bool:
+        """Whether this axis is bound to a mesh axis."""
         return self.parallel_type.is_device
 
     @property
     def is_reduction(self) -> bool:
+        """Whether this axis is reduced (a DID one: a pending sum over the mesh axis)."""
         return self.iter_type is IterType.Reduction
 
     @property
     def is_broadcast(self) -> bool:
+        """Whether this is a broadcast axis of extent 1."""
         return self.iter_type is IterType.Broadcast
 
     @property
@@ -186,7 +228,14 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 class AxisRef:
-    """A handle on one loop axis of a TensorView: `tv.axis(1).parallelize(ParallelType.DIDx)`."""
+    """A handle on one loop axis of a TensorView: `tv.axis(1).parallelize(ParallelType.DIDx)`.
+
+    >>> from egraph_did import FusionDefinition
+    >>> x = FusionDefinition().define_tensor((8, 6), axis_names=("s", "h")).outer_split(0, 4)
+    >>> a = x.axis(0)
+    >>> str(a), a.extent, a.parallelize(ParallelType.DIDx).loop_str()
+    ('4', 4, '[DIDx{4}, s/4, h]')
+    """
 
     def __init__(self, tv: "TensorView", pos: int):
         self._tv, self._pos = tv, pos
@@ -197,14 +246,17 @@ class AxisRef:
 
     @property
     def domain(self) -> IterDomain:
+        """The loop IterDomain this handle points at (as it is now)."""
         return self._tv.loop_domain[self._pos]
 
     @property
     def extent(self) -> int:
+        """The loop axis's extent."""
         return self.domain.extent
 
     @property
     def parallel_type(self) -> ParallelType:
+        """How the loop axis is executed."""
         return self.domain.parallel_type
 
     def __str__(self) -> str:
@@ -245,15 +297,23 @@ class TensorView:
 
     @property
     def ndim(self) -> int:
+        """The number of logical axes."""
         return len(self.logical_domain)
 
     @property
     def loop_domain(self) -> tuple[IterDomain, ...]:
+        """The loop axes, outermost first (see loop_str())."""
         return tuple(self._loop)
 
     @property
     def allocation_domain(self) -> tuple[IterDomain, ...]:
-        """The loop domain as allocated on one device: DID axes have extent 1; partial axes drop out."""
+        """The loop domain as allocated on one device: DID axes have extent 1; partial axes drop out.
+
+        >>> from egraph_did import FusionDefinition
+        >>> x = FusionDefinition().define_tensor((8, 6), axis_names=("s", "h")).set_device_mesh(DeviceMesh.arange(4))
+        >>> [str(d) for d in x.outer_split(0, 4).parallelize(0, ParallelType.DIDx).allocation_domain]
+        ['DIDx{1}', 's/4', 'h']
+        """
         return tuple(dataclasses.replace(d, extent=1) if d.is_device else d
                      for d in self._loop if not (d.is_reduction and d.is_device))
 
@@ -261,7 +321,13 @@ class TensorView:
         """Per logical axis, the extent the allocation domain reserves for it (an upper bound on every
         rank's local extent; equal to it when every split divides).
 
-        Only defined when no allocated loop axis mixes several logical axes."""
+        Only defined when no allocated loop axis mixes several logical axes.
+
+        >>> from egraph_did import FusionDefinition
+        >>> x = FusionDefinition().define_tensor((10, 6)).set_device_mesh(DeviceMesh.arange(4))
+        >>> x.outer_split(0, 4).parallelize(0, ParallelType.DIDx).allocation_extents()  # rows 3, 3, 3, 1
+        (3, 6)
+        """
         out = [1] * self.ndim
         for d in self.allocation_domain:
             axes = d.logical_axes
@@ -323,7 +389,12 @@ class TensorView:
         return self.split(axis, factor, inner_split=False)
 
     def inner_split(self, axis: int, factor: int) -> "TensorView":
-        """Split so the inner part is `factor` long."""
+        """Split so the inner part is `factor` long.
+
+        >>> from egraph_did import FusionDefinition
+        >>> FusionDefinition().define_tensor((10, 4), axis_names=("n", "k")).inner_split(0, 4).loop_str()
+        '[n/4, 4, k]'
+        """
         return self.split(axis, factor, inner_split=True)
 
     def merge(self, axis_o: int, axis_i: int | None = None) -> "TensorView":
@@ -386,7 +457,13 @@ class TensorView:
         return AxisRef(self, self._pos(i, f"axis({i})"))
 
     def set_device_mesh(self, mesh: DeviceMesh) -> "TensorView":
-        """Place this tensor on a mesh. With no DID axis it is pinned replicated there."""
+        """Place this tensor on a mesh. With no DID axis it is pinned replicated there.
+
+        >>> from egraph_did import FusionDefinition
+        >>> x = FusionDefinition().define_tensor((8, 6), name="x").set_device_mesh(DeviceMesh.arange(4))
+        >>> x
+        TensorView(x: [8, 6] float32 on DeviceMesh(x=4))
+        """
         if not isinstance(mesh, DeviceMesh):
             raise MeshError(f"{self.name}.set_device_mesh: expected a DeviceMesh, got {type(mesh).__name__}")
         for d in self._loop:
@@ -403,7 +480,13 @@ class TensorView:
                 f"'{mesh.axis_names[ptype.mesh_axis(mesh)]}' of size {size}; use outer_split(axis, {size})")
 
     def parallelize(self, axis: int, ptype: ParallelType) -> "TensorView":
-        """Bind loop axis `axis` to a mesh axis (DIDx/DIDy/DIDz) or back to Serial."""
+        """Bind loop axis `axis` to a mesh axis (DIDx/DIDy/DIDz) or back to Serial.
+
+        >>> from egraph_did import FusionDefinition
+        >>> x = FusionDefinition().define_tensor((8, 6), axis_names=("s", "h")).set_device_mesh(DeviceMesh.arange(2))
+        >>> x.outer_split(1, 2).parallelize(1, ParallelType.DIDx).loop_str()
+        '[s, DIDx{2}, h/2]'
+        """
         pos = self._pos(axis, f"parallelize({axis}, {ptype})")
         if not isinstance(ptype, ParallelType):
             raise ShardingError(f"parallelize: expected a ParallelType, got {ptype!r}")
@@ -448,17 +531,30 @@ class TensorView:
         return self
 
     def reset_loop_domain(self) -> "TensorView":
-        """Drop every split, merge, reorder and DID binding: loop = logical again (mesh kept)."""
+        """Drop every split, merge, reorder and DID binding: loop = logical again (mesh kept).
+
+        >>> from egraph_did import FusionDefinition
+        >>> x = FusionDefinition().define_tensor((8, 6), axis_names=("s", "h")).set_device_mesh(DeviceMesh.arange(2))
+        >>> x.outer_split(0, 2).parallelize(0, ParallelType.DIDx).reset_loop_domain().loop_str(), x.mesh.size
+        ('[s, h]', 2)
+        """
         self._loop = list(self.logical_domain)
         return self
 
     # ------------------------------------------------------------ queries
     def device_axes(self) -> dict[ParallelType, IterDomain]:
-        """The loop axes bound to mesh axes, by parallel type."""
+        """The loop axes bound to mesh axes, by parallel type.
+
+        >>> from egraph_did import FusionDefinition
+        >>> x = FusionDefinition().define_tensor((8, 6), axis_names=("s", "h")).set_device_mesh(DeviceMesh.arange(2))
+        >>> {p.name: str(d) for p, d in x.outer_split(0, 2).parallelize(0, ParallelType.DIDx).device_axes().items()}
+        {'DIDx': 'DIDx{2}'}
+        """
         return {d.parallel_type: d for d in self._loop if d.is_device}
 
     @property
     def is_sharded(self) -> bool:
+        """Whether some loop axis is bound to a mesh axis."""
         return any(d.is_device for d in self._loop)
 
     def loop_str(self) -> str:
@@ -466,7 +562,14 @@ class TensorView:
         return "[" + ", ".join(str(d) for d in self._loop) + "]"
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
-        """The shape of the shard `rank` holds (logical axes, local extents). See sharding.py."""
+        """The shape of the shard `rank` holds (logical axes, local extents). See sharding.py.
+
+        >>> from egraph_did import FusionDefinition
+        >>> x = FusionDefinition().define_tensor((10, 6)).set_device_mesh(DeviceMesh.arange(4))
+        >>> _ = x.outer_split(0, 4).parallelize(0, ParallelType.DIDx)
+        >>> [x.local_shape(r) for r in range(4)]  # 10 rows in ceil-sized pieces
+        [(3, 6), (3, 6), (3, 6), (1, 6)]
+        """
         from .sharding import local_shape
         return local_shape(self, rank)
 

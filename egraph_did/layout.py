@@ -19,7 +19,13 @@ from .mesh import DeviceMesh
 
 @dataclass(frozen=True, order=True)
 class Placement:
-    """How a tensor sits on one mesh axis."""
+    """How a tensor sits on one mesh axis: R (replicated), S(axis) (split), P (partial sum) or Pmax.
+
+    >>> str(R), str(S(1)), str(P), str(PMAX)
+    ('R', 'S(1)', 'P', 'Pmax')
+    >>> S(1).is_shard, PMAX.is_partial, PMAX.code()
+    (True, True, 'M')
+    """
 
     kind: str  # "R", "S", "P"
     axis: int = -1  # tensor axis for S
@@ -32,13 +38,16 @@ class Placement:
 
     @property
     def is_shard(self) -> bool:
+        """Whether this placement splits a tensor axis (S)."""
         return self.kind == "S"
 
     @property
     def is_partial(self) -> bool:
+        """Whether every rank holds a summand (P) or a candidate maximum (Pmax)."""
         return self.kind == "P"
 
     def code(self) -> str:
+        """Compact text for layout codes: 'R', 'P', 'M' (Pmax) or 'S<axis>'."""
         return {"R": "R", "P": "P" if self.reduce == "sum" else "M"}.get(self.kind) or f"S{self.axis}"
 
     def __str__(self) -> str:
@@ -55,13 +64,24 @@ PMAX = Placement("P", reduce="max")
 
 
 def S(axis: int) -> Placement:
-    """Sharded on tensor axis `axis` (non-negative)."""
+    """Sharded on tensor axis `axis` (non-negative).
+
+    >>> str(S(0)), S(0).is_shard, S(0).code()
+    ('S(0)', True, 'S0')
+    """
     return Placement("S", axis)
 
 
 @dataclass(frozen=True, order=True)
 class Layout:
-    """One placement per mesh axis (outermost mesh axis first)."""
+    """One placement per mesh axis (outermost mesh axis first).
+
+    >>> lay = Layout((S(1), R))  # on a 2-D mesh: axis 1 split over the outer mesh axis
+    >>> str(lay), lay.code(), Layout.from_code("S1.R") == lay
+    ('[S(1), R]', 'S1.R', True)
+    >>> lay.sharding_axes(1), lay.replace(1, P).has_partial
+    ([0], True)
+    """
 
     placements: tuple[Placement, ...]
 
@@ -80,6 +100,7 @@ class Layout:
 
     @classmethod
     def from_code(cls, code: str) -> "Layout":
+        """Inverse of code()."""
         out = []
         for c in code.split("."):
             out.append({"R": R, "P": P, "M": PMAX}.get(c) or S(int(c[1:])))
@@ -87,13 +108,16 @@ class Layout:
 
     @property
     def is_replicated(self) -> bool:
+        """Whether every mesh axis holds the whole tensor."""
         return all(p.kind == "R" for p in self.placements)
 
     @property
     def has_partial(self) -> bool:
+        """Whether a reduction over some mesh axis is still pending."""
         return any(p.is_partial for p in self.placements)
 
     def replace(self, mesh_axis: int, placement: Placement) -> "Layout":
+        """A copy with mesh axis `mesh_axis` set to `placement`."""
         ps = list(self.placements)
         ps[mesh_axis] = placement
         return Layout(tuple(ps))
@@ -107,11 +131,20 @@ class Layout:
 
 
 def replicated(mesh: DeviceMesh) -> Layout:
+    """The layout that holds the whole tensor on every rank of `mesh`.
+
+    >>> str(replicated(DeviceMesh([[0, 1], [2, 3]])))
+    '[R, R]'
+    """
     return Layout((R,) * mesh.ndim)
 
 
 def local_extents(shape: Sequence[int], layout: Layout, mesh: DeviceMesh) -> tuple[int, ...]:
-    """The largest local shape any rank holds under `layout` (ceil-sized shards)."""
+    """The largest local shape any rank holds under `layout` (ceil-sized shards).
+
+    >>> local_extents((10, 8), Layout((S(0),)), DeviceMesh.arange(4))  # rows 3, 3, 3, 1
+    (3, 8)
+    """
     out = list(shape)
     for m, p in enumerate(layout):
         if p.is_shard:
@@ -120,13 +153,24 @@ def local_extents(shape: Sequence[int], layout: Layout, mesh: DeviceMesh) -> tup
 
 
 def shard_factor(layout: Layout, mesh: DeviceMesh) -> int:
-    """How many ways the tensor's elements are divided (replicated and partial axes do not divide)."""
+    """How many ways the tensor's elements are divided (replicated and partial axes do not divide).
+
+    >>> mesh = DeviceMesh([[0, 1, 2], [3, 4, 5]])
+    >>> shard_factor(Layout((R, S(0))), mesh), shard_factor(Layout((P, S(0))), mesh)
+    (3, 3)
+    """
     return math.prod(mesh.shape[m] for m, p in enumerate(layout) if p.is_shard)
 
 
 def valid_layouts(shape: Sequence[int], mesh: DeviceMesh, partial: bool = False) -> Iterator[Layout]:
     """Every layout of a tensor of `shape`: an axis is sharded only where every rank gets at least one
-    element (uneven shards allowed, empty ones not); partials only when asked."""
+    element (uneven shards allowed, empty ones not); partials only when asked.
+
+    >>> [str(lay) for lay in valid_layouts((4, 1), DeviceMesh.arange(2))]  # axis 1 is too short to split
+    ['[R]', '[S(0)]']
+    >>> [str(lay) for lay in valid_layouts((4, 1), DeviceMesh.arange(2), partial=True)]
+    ['[R]', '[P]', '[Pmax]', '[S(0)]']
+    """
     choices = [R] + ([P, PMAX] if partial else []) + [S(a) for a in range(len(shape))]
     for combo in itertools.product(choices, repeat=mesh.ndim):
         layout = Layout(tuple(combo))
@@ -135,6 +179,15 @@ def valid_layouts(shape: Sequence[int], mesh: DeviceMesh, partial: bool = False)
 
 
 def is_valid(layout: Layout, shape: Sequence[int], mesh: DeviceMesh) -> bool:
+    """Whether `layout` fits a tensor of `shape` on `mesh`: one placement per mesh axis, sharded axes
+    that exist, and no rank left with an empty shard.
+
+    >>> mesh = DeviceMesh.arange(4)
+    >>> is_valid(Layout((S(0),)), (7, 8), mesh)  # rows 2, 2, 2, 1
+    True
+    >>> is_valid(Layout((S(0),)), (5, 8), mesh)  # rows 2, 2, 1, 0: the last shard is empty
+    False
+    """
     if len(layout) != mesh.ndim:
         return False
     for a in range(len(shape)):
@@ -170,7 +223,16 @@ def apply_layout(tv: TensorView, layout: Layout, mesh: DeviceMesh) -> TensorView
 
 def layout_of(tv: TensorView, mesh: DeviceMesh) -> Layout:
     """The layout a pinned tensor's loop domain expresses; PlanError when no layout expresses it
-    exactly (e.g. a DID split that is not outermost), naming the tensor."""
+    exactly (e.g. a DID split that is not outermost), naming the tensor.
+
+    >>> import egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     x = fd.define_tensor((8, 12), axis_names=("s", "h"))
+    >>> mesh = ed.DeviceMesh.arange(4)
+    >>> _ = x.set_device_mesh(mesh).outer_split(1, 4).axis(1).parallelize(ed.ParallelType.DIDx)
+    >>> str(layout_of(x, mesh))
+    '[S(1)]'
+    """
     from .fusion import Fusion
     from .sharding import local_indices
 

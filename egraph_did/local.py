@@ -18,7 +18,12 @@ from .ops import OPS
 
 @dataclass(frozen=True)
 class Operand:
-    """A tensor operand or output as one rank sees it."""
+    """A tensor operand or output as one rank sees it: its global shape and its layout.
+
+    >>> x = Operand((10, 8), Layout.from_code("S0"))
+    >>> RankContext(DeviceMesh.arange(4), rank=3).local_shape(x)  # rows 9..10 of 10
+    (1, 8)
+    """
 
     shape: tuple[int, ...]  # global
     layout: Layout
@@ -26,11 +31,19 @@ class Operand:
 
 @dataclass(frozen=True)
 class RankContext:
+    """One rank's place on the mesh: which piece of each sharded axis it holds.
+
+    >>> ctx = RankContext(DeviceMesh([[0, 1], [2, 3]]), rank=2)
+    >>> ctx.coords, ctx.shard_range(10, Layout.from_code("S0.R"), axis=0), ctx.on_first([1])
+    ((1, 0), (5, 10), True)
+    """
+
     mesh: DeviceMesh
     rank: int
 
     @property
     def coords(self) -> tuple[int, ...]:
+        """This rank's coordinate on every mesh axis."""
         return self.mesh.coords(self.rank)
 
     def shard_range(self, extent: int, layout: Layout, axis: int) -> tuple[int, int]:
@@ -45,6 +58,7 @@ class RankContext:
         return lo, hi
 
     def local_shape(self, o: Operand) -> tuple[int, ...]:
+        """The shape of this rank's shard of `o`."""
         return tuple(hi - lo for lo, hi in (self.shard_range(e, o.layout, a) for a, e in enumerate(o.shape)))
 
     def on_first(self, mesh_axes) -> bool:
@@ -54,7 +68,15 @@ class RankContext:
 
 def run_local(op: str, args: dict[str, Any], operands: dict[str, Operand], outputs: list[Operand],
               flags: dict[str, list[int]], ctx: RankContext) -> tuple[torch.Tensor, ...]:
-    """One rank's part of a compute step. args holds local tensors (by parameter) and literals."""
+    """One rank's part of a compute step. args holds local tensors (by parameter) and literals.
+
+    >>> import torch
+    >>> x, y = Operand((2, 8), Layout.from_code("S1")), Operand((2,), Layout.from_code("P"))
+    >>> ctx = RankContext(DeviceMesh.arange(2), rank=1)  # it holds 4 of x's 8 columns
+    >>> args = {"x": torch.ones(2, 4), "dims": 1, "keepdim": False}
+    >>> run_local("mean", args, {"x": x}, [y], {"global_count": [0]}, ctx)  # local sum / global count 8
+    (tensor([0.5000, 0.5000]),)
+    """
     args = dict(args)
     out_shapes = [ctx.local_shape(o) for o in outputs]
     if op in ("reshape", "expand", "broadcast_in_dim"):

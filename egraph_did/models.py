@@ -20,7 +20,12 @@ def _mlp_body(fd, x, hidden: int, dtype, prefix: str = ""):
 
 
 def mlp(tokens: int, hidden: int, dtype=torch.float32) -> FusionDefinition:
-    """y = linear(gelu(linear(x, w1)), w2), x [tokens, hidden]."""
+    """y = linear(gelu(linear(x, w1)), w2), x [tokens, hidden].
+
+    >>> fd = mlp(tokens=8, hidden=16)
+    >>> fd["w1"].shape, [e.op.name for e in fd.fusion.exprs]
+    ((64, 16), ['linear', 'gelu', 'linear'])
+    """
     with FusionDefinition() as fd:
         x = fd.define_tensor((tokens, hidden), dtype, name="x", axis_names=("s", "h"))
         fd.add_output(_mlp_body(fd, x, hidden, dtype), name="y")
@@ -45,7 +50,12 @@ def _attention_body(fd, x, batch: int, seq: int, hidden: int, heads: int, dtype,
 
 def attention(batch: int, seq: int, hidden: int, heads: int, dtype=torch.float32, causal: bool = True
               ) -> FusionDefinition:
-    """Self-attention: q, k, v projections, sdpa over heads, output projection; x [batch, seq, hidden]."""
+    """Self-attention: q, k, v projections, sdpa over heads, output projection; x [batch, seq, hidden].
+
+    >>> fd = attention(batch=2, seq=8, hidden=16, heads=4)
+    >>> [t.name for t in fd.fusion.inputs], fd["y"].shape
+    (['x', 'wq', 'wk', 'wv', 'wo'], (2, 8, 16))
+    """
     assert hidden % heads == 0
     with FusionDefinition() as fd:
         x = fd.define_tensor((batch, seq, hidden), dtype, name="x", axis_names=("b", "s", "h"))
@@ -55,7 +65,12 @@ def attention(batch: int, seq: int, hidden: int, heads: int, dtype=torch.float32
 
 def gpt_layer(batch: int, seq: int, hidden: int, heads: int, dtype=torch.float32, layers: int = 1
               ) -> FusionDefinition:
-    """`layers` pre-norm GPT layers: x + attn(ln(x)), then + mlp(ln(.)); x [batch, seq, hidden]."""
+    """`layers` pre-norm GPT layers: x + attn(ln(x)), then + mlp(ln(.)); x [batch, seq, hidden].
+
+    >>> fd = gpt_layer(batch=2, seq=8, hidden=16, heads=4, layers=2)
+    >>> len(fd.fusion.inputs), fd["l1.w2"].shape  # x, then 10 weights per layer, named by layer
+    (21, (16, 64))
+    """
     with FusionDefinition() as fd:
         x = fd.define_tensor((batch, seq, hidden), dtype, name="x", axis_names=("b", "s", "h"))
         h = x
@@ -71,7 +86,12 @@ def gpt_layer(batch: int, seq: int, hidden: int, heads: int, dtype=torch.float32
 
 
 def mlp_with_backward(tokens: int, hidden: int, dtype=torch.float32) -> FusionDefinition:
-    """The MLP forward and a hand-written backward (exact gelu): outputs y, dx, dw1, dw2 given dy."""
+    """The MLP forward and a hand-written backward (exact gelu): outputs y, dx, dw1, dw2 given dy.
+
+    >>> fd = mlp_with_backward(tokens=8, hidden=16)
+    >>> {name: tv.shape for name, tv in fd.fusion.outputs.items()}
+    {'y': (8, 16), 'dw2': (16, 64), 'dx': (8, 16), 'dw1': (64, 16)}
+    """
     with FusionDefinition() as fd:
         x = fd.define_tensor((tokens, hidden), dtype, name="x", axis_names=("s", "h"))
         dy = fd.define_tensor((tokens, hidden), dtype, name="dy", axis_names=("s", "h"))
@@ -92,7 +112,12 @@ def mlp_with_backward(tokens: int, hidden: int, dtype=torch.float32) -> FusionDe
 
 
 def row_sum(rows: int, cols: int, dtype=torch.float32) -> FusionDefinition:
-    """y = sum(x, 1)."""
+    """y = sum(x, 1).
+
+    >>> fd = row_sum(rows=8, cols=64)
+    >>> [str(e) for e in fd.fusion.exprs], fd["y"].shape
+    (['y = sum(x, dims=1)'], (8,))
+    """
     with FusionDefinition() as fd:
         x = fd.define_tensor((rows, cols), dtype, name="x", axis_names=("m", "n"))
         fd.add_output(fd.ops.sum(x, 1), name="y")
@@ -100,7 +125,14 @@ def row_sum(rows: int, cols: int, dtype=torch.float32) -> FusionDefinition:
 
 
 def layer_norm(rows: int, hidden: int, dtype=torch.float32) -> FusionDefinition:
-    """y = layer_norm(x, w, b) over the last axis."""
+    """y = layer_norm(x, w, b) over the last axis.
+
+    >>> import torch, egraph_did as ed
+    >>> fd = layer_norm(rows=2, hidden=4)
+    >>> y = ed.evaluate(fd, {"x": torch.arange(8.).reshape(2, 4), "w": torch.ones(4), "b": torch.zeros(4)})["y"]
+    >>> y.mean(1).abs().max().item() < 1e-6  # each row centred
+    True
+    """
     with FusionDefinition() as fd:
         x = fd.define_tensor((rows, hidden), dtype, name="x", axis_names=("s", "h"))
         w = fd.define_tensor((hidden,), dtype, name="w", axis_names=("h",))

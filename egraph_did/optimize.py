@@ -15,7 +15,16 @@ from .problem import Problem, build_problem
 
 
 def price(graph: PhysGraph, problem: Problem) -> None:
-    """Set every node's predicted seconds and the bytes its result occupies on one device."""
+    """Set every node's predicted seconds and the bytes its result occupies on one device.
+
+    >>> from egraph_did.models import row_sum
+    >>> problem = build_problem(row_sum(8, 64), DeviceMesh.arange(4))
+    >>> graph = PhysGraph({"x:S1": [Node("Load", (), "x")], "x:R": [Node("Coll", ("x:S1",), "allgather", 0)]},
+    ...                   ident={"x:S1": ("x", "S1", 0), "x:R": ("x", "R", 1)})
+    >>> price(graph, problem)
+    >>> [(round(n.cost * 1e6, 2), n.memory) for c in ("x:S1", "x:R") for n in graph.classes[c]]
+    [(0.0, 512), (10.0, 2048)]
+    """
     cm, mesh = problem.cost_model, problem.mesh
     strategies = {(k, s.sid): s for k, ss in problem.strategies.items() for s in ss}
     for cls, nodes in graph.classes.items():
@@ -36,7 +45,14 @@ def price(graph: PhysGraph, problem: Problem) -> None:
 
 def collective_cost(problem: Problem, kind: str, axis: int, tensor: str, src: Layout, dst: Layout
                     ) -> tuple[float, float]:
-    """(seconds, bytes moved) for one collective; bytes are the full-on-this-axis tensor per rank."""
+    """(seconds, bytes moved) for one collective; bytes are the full-on-this-axis tensor per rank.
+
+    >>> from egraph_did.models import row_sum
+    >>> problem = build_problem(row_sum(8, 64), DeviceMesh.arange(4))
+    >>> secs, nbytes = collective_cost(problem, "allreduce", 0, "y", Layout.from_code("P"), Layout.from_code("R"))
+    >>> round(secs * 1e6, 2), nbytes  # y is 8 floats; an allreduce pays two latencies of 10 us
+    (20.0, 32)
+    """
     cm, mesh = problem.cost_model, problem.mesh
     if kind == "slice":
         out = problem.nbytes(tensor, dst)
@@ -108,12 +124,27 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
 
 
 def canonical(graph: PhysGraph, problem: Problem, tensor: str) -> str:
-    """The name the e-graph read-back uses for the class of `tensor`."""
+    """The name the e-graph read-back uses for the class of `tensor`.
+
+    >>> graph = PhysGraph(canonical={"div_5": "y"})  # softmax's decomposition ends in div_5, equal to y
+    >>> canonical(graph, None, "div_5"), canonical(graph, None, "x")
+    ('y', 'x')
+    """
     return graph.canonical.get(tensor, tensor)
 
 
 def build_plan(problem: Problem, graph: PhysGraph, sel: Selection) -> Plan:
-    """Turn the chosen nodes into ordered steps over named values."""
+    """Turn the chosen nodes into ordered steps over named values.
+
+    >>> from egraph_did.egraph import saturate
+    >>> from egraph_did.models import row_sum
+    >>> pins = {"x": Layout.from_code("S1"), "y": Layout.from_code("R")}
+    >>> problem = build_problem(row_sum(8, 64), DeviceMesh.arange(4), pins=pins)
+    >>> graph = saturate(problem); price(graph, problem)
+    >>> sel = greedy_dag(graph, with_roots(graph, {"y": [graph.index[("y", "R", 1)]]}))
+    >>> [s.kind for s in build_plan(problem, graph, sel).steps]  # one latency beats an allreduce's two
+    ['allgather', 'compute']
+    """
     mesh = problem.mesh
     choice = sel.choice
     order = [c for c in _order(graph, choice) if c in choice]

@@ -7,6 +7,14 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Node:
+    """One node of a physical class: how to make that class's value from its child classes, at what
+    predicted cost (seconds) and memory (bytes per device). Costs are set by optimize.price.
+
+    >>> n = Node("Coll", ("c1",), key="allgather", sid=0)  # allgather c1's value over mesh axis 0
+    >>> n.op, n.children, n.key, n.cost
+    ('Coll', ('c1',), 'allgather', 0.0)
+    """
+
     op: str  # Apply | Proj | Load | Keep | Coll | Choose
     children: tuple[str, ...]  # class ids
     key: str = ""  # Apply: expr key; Load: input name; Coll: kind
@@ -17,7 +25,13 @@ class Node:
 
 @dataclass
 class PhysGraph:
-    """Classes of the saturated e-graph's physical sort, with what each names and how to make it."""
+    """Classes of the saturated e-graph's physical sort, with what each names and how to make it.
+
+    >>> g = PhysGraph({"c0": [Node("Load", (), "x")], "c1": [Node("Coll", ("c0",), "allgather", 0)]},
+    ...               ident={"c0": ("x", "S0", 0), "c1": ("x", "R", 1)})
+    >>> g.n_nodes, g.ident["c1"]
+    (2, ('x', 'R', 1))
+    """
 
     classes: dict[str, list[Node]] = field(default_factory=dict)
     ident: dict[str, tuple[str, str, int]] = field(default_factory=dict)  # class -> (tensor, layout, level)
@@ -27,6 +41,7 @@ class PhysGraph:
 
     @property
     def n_nodes(self) -> int:
+        """Nodes over all classes."""
         return sum(len(ns) for ns in self.classes.values())
 
 

@@ -25,7 +25,12 @@ FORMAT = "egraph-did-plan/1"
 
 @dataclass(frozen=True)
 class Value:
-    """A logical tensor held in one layout."""
+    """A logical tensor held in one layout; its name is '<tensor>:<layout code>'.
+
+    >>> v = Value("x:S1", "x", (8, 64), "float32", "S1", ("m", "n"))
+    >>> str(v.layout_obj)
+    '[S(1)]'
+    """
 
     name: str
     tensor: str
@@ -36,11 +41,21 @@ class Value:
 
     @property
     def layout_obj(self) -> Layout:
+        """The layout as a Layout (stored as its code)."""
         return Layout.from_code(self.layout)
 
 
 @dataclass(frozen=True)
 class ComputeStep:
+    """An op run locally on every rank: its arguments (value names for tensors, literals otherwise), the
+    values it writes, the strategy's flags and its rule per mesh axis, and its predicted seconds.
+
+    >>> step = ComputeStep("sum", (("x", "x:S1"), ("dims", 1), ("keepdim", False)), ("x",), ("y:P",), (),
+    ...                    ("sum_over_sharded_axis",), 4e-6, key="y")
+    >>> step.kind, dict(step.args)["x"], step.outputs
+    ('compute', 'x:S1', ('y:P',))
+    """
+
     op: str
     args: tuple[tuple[str, Any], ...]  # param -> value name (for tensors) or literal
     tensor_params: tuple[str, ...]  # which params are values
@@ -54,6 +69,14 @@ class ComputeStep:
 
 @dataclass(frozen=True)
 class Collective:
+    """One collective over one mesh axis: it turns value src into value dst (the same tensor in another
+    layout), moving `bytes` per rank in a predicted `time`; `why` names the step that needed it.
+
+    >>> c = Collective("reduce_scatter", "y", "y:P", "y:S0", 0, "x", bytes=32.0, time=1e-5)
+    >>> f"{c.kind}[{c.mesh_axis_name}] {c.src} -> {c.dst}"
+    'reduce_scatter[x] y:P -> y:S0'
+    """
+
     kind: str  # allgather | reduce_scatter | allreduce | alltoall | slice
     tensor: str
     src: str
@@ -71,7 +94,18 @@ Step = ComputeStep | Collective
 
 @dataclass
 class Plan:
-    """The optimizer's answer for one fusion on one mesh."""
+    """The optimizer's answer for one fusion on one mesh.
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import row_sum
+    >>> fd, mesh = row_sum(8, 64), ed.DeviceMesh.arange(4)
+    >>> _ = apply_layout(fd["x"], Layout.from_code("S1"), mesh)  # pin x: split along the summed axis
+    >>> plan = ed.optimize(fd, mesh)
+    >>> [s.kind for s in plan.steps], str(plan.layout_of("y")), plan.loop_domain("y")
+    (['compute', 'reduce_scatter'], '[S(0)]', '[DIDx{4}, m/4]')
+    >>> ed.Plan.from_json(plan.to_json()).count("reduce_scatter")
+    1
+    """
 
     mesh: DeviceMesh
     cost_model: CostModel
@@ -91,6 +125,7 @@ class Plan:
 
     @property
     def compute_steps(self) -> list[ComputeStep]:
+        """Every compute step, in execution order."""
         return [s for s in self.steps if isinstance(s, ComputeStep)]
 
     @property
@@ -99,6 +134,7 @@ class Plan:
         return sum(s.time for s in self.steps)
 
     def count(self, kind: str) -> int:
+        """How many collectives of `kind` (e.g. 'allreduce') the plan runs."""
         return sum(1 for c in self.collectives if c.kind == kind)
 
     def layout_of(self, tensor: str) -> Layout:
@@ -136,6 +172,13 @@ class Plan:
 
         values: {input name: tensor}; inputs="global" (whole tensors, sharded here), "local" (this rank's
         shards) or DTensors; outputs="global", "local" or "dtensor".
+
+        Example::
+
+            def work(rank, plan, X):  # module level: launch pickles it
+                return plan.run({"x": X}, outputs="local")["y"]
+
+            shards = ed.launch(work, nprocs=4, args=(plan, X))  # rank r's piece of y, for each r
         """
         from .runtime import run_plan
         return run_plan(self, values, inputs_kind=inputs, outputs_kind=outputs, **options)

@@ -31,7 +31,14 @@ GATHERS = ("embedding", "take_along_axis")
 
 @dataclass(frozen=True)
 class Strategy:
-    """One way to run an expr on the whole mesh: a layout per operand and output, flags per mesh axis."""
+    """One way to run an expr on the whole mesh: a layout per operand and output, flags per mesh axis.
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import row_sum
+    >>> problem = build_problem(row_sum(8, 64), ed.DeviceMesh.arange(4))
+    >>> [(str(s.inputs[0]), str(s.outputs[0]), s.rules[0]) for s in problem.strategies["y"]][:2]
+    [('[S(0)]', '[S(0)]', 'reduce_other_axis'), ('[S(1)]', '[P]', 'sum_over_sharded_axis')]
+    """
 
     key: str  # the expr's first output name
     sid: int
@@ -45,6 +52,18 @@ class Strategy:
 
 @dataclass
 class Problem:
+    """The sharding problem of one fusion on one mesh: a working copy of the fusion, every tensor's
+    valid layouts, the pins, and every expr's priced strategies (see build_problem).
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import row_sum
+    >>> fd, mesh = row_sum(8, 64), ed.DeviceMesh.arange(4)
+    >>> _ = fd["x"].set_device_mesh(mesh).outer_split(1, 4).axis(1).parallelize(ed.ParallelType.DIDx)
+    >>> problem = build_problem(fd, mesh)
+    >>> str(problem.pins["x"]), [str(lay) for lay in problem.deliverable("y")], problem.nbytes("x", problem.pins["x"])
+    ('[S(1)]', ['[R]', '[S(0)]'], 512)
+    """
+
     fusion: Fusion  # working copy: the user's exprs, then decompositions
     mesh: DeviceMesh
     cost_model: CostModel
@@ -57,9 +76,11 @@ class Problem:
     input_layouts: dict[str, list[Layout]] = field(default_factory=dict)  # overrides load_layouts()
 
     def tensor(self, name: str) -> TensorView:
+        """The working copy's tensor called `name`."""
         return self.fusion.tensors[name]
 
     def nbytes(self, name: str, layout: Layout) -> float:
+        """Bytes of the largest shard of `name` under `layout` (what one device holds)."""
         tv = self.tensor(name)
         return math.prod(local_extents(tv.shape, layout, self.mesh)) * tv.dtype.itemsize
 
@@ -78,7 +99,14 @@ class Problem:
 # ---------------------------------------------------------------------- working copy
 
 def clone_fusion(src: Fusion) -> tuple[Fusion, Ops]:
-    """A structural copy of src with the same tensor names (no pins)."""
+    """A structural copy of src with the same tensor names (no pins).
+
+    >>> from egraph_did.models import mlp
+    >>> src = mlp(tokens=8, hidden=16).fusion
+    >>> dst, ops = clone_fusion(src)
+    >>> [str(e) for e in dst.exprs] == [str(e) for e in src.exprs], dst["x"] is src["x"]
+    (True, False)
+    """
     def same(ops, e, args):
         outs = ops._fusion.emit(e.op.name, **args)
         outs = outs if isinstance(outs, tuple) else (outs,)
@@ -124,13 +152,27 @@ def _add_decompositions(work: Fusion, ops: Ops, mesh: DeviceMesh, problem: Probl
 # ---------------------------------------------------------------------- strategies
 
 def op_view(e: Expr, d: int) -> OpView:
+    """Expr e as the sharding rules see it on a mesh axis of `d` devices: operand and output shapes and
+    dtypes by parameter, literal attributes.
+
+    >>> from egraph_did.models import row_sum
+    >>> v = op_view(row_sum(8, 64).fusion.exprs[0], 4)
+    >>> v.op, v["x"].shape, v.attrs, v.d
+    ('sum', (8, 64), (('dims', 1), ('keepdim', False)), 4)
+    """
     operands = tuple(Operand(k, v.shape, v.dtype) for k, v in e.args if isinstance(v, TensorView))
     attrs = tuple((k, v) for k, v in e.args if not isinstance(v, TensorView))
     return OpView(e.op.name, operands, attrs, tuple(Operand("out", o.shape, o.dtype) for o in e.outputs), d)
 
 
 def local_flops(e: Expr, ins: list[tuple[int, ...]], outs: list[tuple[int, ...]]) -> float:
-    """Floating-point work of one rank's kernel, from the local shapes."""
+    """Floating-point work of one rank's kernel, from the local shapes.
+
+    >>> from egraph_did.models import mlp
+    >>> first = mlp(tokens=8, hidden=16).fusion.exprs[0]  # linear(x, w1): [8, 16] x [64, 16]^T
+    >>> local_flops(first, [(8, 16), (64, 16)], [(8, 64)])  # 2 * 8 * 64 * 16
+    16384.0
+    """
     name = e.op.name
     out_n = math.prod(outs[0])
     if name == "linear":
@@ -158,7 +200,16 @@ def _combination_ok(e: Expr, ins: tuple[Layout, ...], mesh: DeviceMesh) -> bool:
 
 
 def expr_strategies(e: Expr, mesh: DeviceMesh, cm: CostModel, problem: Problem) -> list[Strategy]:
-    """Every strategy of e on the mesh: the product of its one-axis rules, valid shapes only, priced."""
+    """Every strategy of e on the mesh: the product of its one-axis rules, valid shapes only, priced.
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import row_sum
+    >>> mesh = ed.DeviceMesh([[0, 1], [2, 3]])
+    >>> problem = build_problem(row_sum(8, 64), mesh)
+    >>> strategies = expr_strategies(problem.exprs["y"], mesh, problem.cost_model, problem)
+    >>> len(strategies), strategies[1].rules  # 4 rules per mesh axis, every pair fits
+    (16, ('reduce_other_axis', 'sum_over_sharded_axis'))
+    """
     operands = [v for _, v in e.args if isinstance(v, TensorView)]
     per_axis: list[list[AxisStrategy]] = [axis_strategies(op_view(e, size)) for size in mesh.shape]
     key = e.outputs[0].name
@@ -193,7 +244,16 @@ def expr_strategies(e: Expr, mesh: DeviceMesh, cm: CostModel, problem: Problem) 
 def build_problem(fd, mesh: DeviceMesh, cost_model: CostModel | None = None,
                   pins: dict[str, Layout] | None = None, like=None) -> Problem:
     """Working fusion, pins read from the user's loop domains (plus `pins`), strategies for every expr.
-    like: a Plan of the same fusion (at any shapes) whose layouts and strategies are the only ones kept."""
+    like: a Plan of the same fusion (at any shapes) whose layouts and strategies are the only ones kept.
+
+    >>> import egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     x = fd.define_tensor((8, 64), name="x")
+    ...     fd.add_output(fd.ops.softmax(x, -1), name="y")
+    >>> problem = build_problem(fd, ed.DeviceMesh.arange(4), pins={"y": Layout.from_code("R")})
+    >>> problem.equal, [e.op.name for e in problem.fusion.exprs]  # softmax and its decomposition
+    ([('y', 'div_5')], ['softmax', 'amax', 'sub', 'exp', 'sum', 'div'])
+    """
     user = as_fusion(fd)
     if not user.outputs:
         raise PlanError("the fusion has no outputs; call fd.add_output(tensor, name=...)")

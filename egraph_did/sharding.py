@@ -63,13 +63,28 @@ def local_shape(tv: TensorView, rank: int) -> tuple[int, ...]:
 
 
 def partial_mesh_axes(tv: TensorView) -> list[int]:
-    """Mesh axes over which `tv` is a pending sum."""
+    """Mesh axes over which `tv` is a pending sum.
+
+    >>> from egraph_did import FusionDefinition, DeviceMesh, ParallelType
+    >>> with FusionDefinition() as fd:
+    ...     y = fd.define_tensor((4, 8))
+    >>> partial_mesh_axes(y.set_device_mesh(DeviceMesh([[0, 1], [2, 3]])).add_partial(ParallelType.DIDy))
+    [0]
+    """
     mesh = _mesh_of(tv)
     return [d.parallel_type.mesh_axis(mesh) for d in tv.loop_domain if d.is_device and d.is_reduction]
 
 
 def replicated_mesh_axes(tv: TensorView) -> list[int]:
-    """Mesh axes that neither shard `tv` nor hold a partial of it."""
+    """Mesh axes that neither shard `tv` nor hold a partial of it.
+
+    >>> from egraph_did import FusionDefinition, DeviceMesh, ParallelType
+    >>> with FusionDefinition() as fd:
+    ...     x = fd.define_tensor((4, 8))
+    >>> _ = x.set_device_mesh(DeviceMesh([[0, 1], [2, 3]])).outer_split(1, 2).axis(1).parallelize(ParallelType.DIDx)
+    >>> replicated_mesh_axes(x)  # DIDx binds mesh axis 1; axis 0 holds copies
+    [0]
+    """
     mesh = _mesh_of(tv)
     bound = {d.parallel_type.mesh_axis(mesh) for d in tv.loop_domain if d.is_device}
     return [a for a in range(mesh.ndim) if a not in bound]
@@ -166,6 +181,13 @@ def placements(tv: TensorView) -> tuple[str, ...]:
     """Per mesh axis, 'R', 'P' or 'S(a)' for a tensor whose DID splits are simple outer splits.
 
     Informational (explain tables, DTensor interop); the loop domain stays the source of truth.
+
+    >>> from egraph_did import FusionDefinition, DeviceMesh, ParallelType
+    >>> with FusionDefinition() as fd:
+    ...     x = fd.define_tensor((4, 8))
+    >>> _ = x.set_device_mesh(DeviceMesh([[0, 1], [2, 3]])).outer_split(1, 2).axis(1).parallelize(ParallelType.DIDx)
+    >>> placements(x.add_partial(ParallelType.DIDy))
+    ('P', 'S(1)')
     """
     mesh = _mesh_of(tv)
     out = ["R"] * mesh.ndim

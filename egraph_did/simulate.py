@@ -16,7 +16,17 @@ from .sharding import shard_tensor, unshard_tensor
 
 def collective(plan: Plan, c: Collective, local: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     """Every rank's result of one collective, given every rank's input. Cuts follow the destination
-    layout's loop domain (RankContext.shard_range), so uneven and nested splits are exact."""
+    layout's loop domain (RankContext.shard_range), so uneven and nested splits are exact.
+
+    >>> import torch, egraph_did as ed
+    >>> from egraph_did.models import row_sum
+    >>> fd, mesh = row_sum(8, 64), ed.DeviceMesh.arange(4)
+    >>> _ = fd["x"].set_device_mesh(mesh).outer_split(1, 4).axis(1).parallelize(ed.ParallelType.DIDx)
+    >>> plan = ed.optimize(fd, mesh)
+    >>> c = plan.collectives[0]  # y = sum(x, 1) is a partial sum: reduce-scatter it
+    >>> c.kind, collective(plan, c, {r: torch.ones(8) for r in mesh.ranks})[3]
+    ('reduce_scatter', tensor([4., 4.]))
+    """
     mesh, m = plan.mesh, c.mesh_axis
     src_val, dst_val = plan.values[c.src], plan.values[c.dst]
     src, dst = src_val.layout_obj, dst_val.layout_obj
@@ -61,7 +71,14 @@ def _without(layout: Layout, m: int) -> Layout:
 
 def compute_on_rank(plan: Plan, step: ComputeStep, env: Mapping[str, torch.Tensor], rank: int
                     ) -> dict[str, torch.Tensor]:
-    """One compute step on one rank through torch (the op's reference on local shards)."""
+    """One compute step on one rank through torch (the op's reference on local shards).
+
+    >>> import torch, egraph_did as ed
+    >>> from egraph_did.models import row_sum
+    >>> plan = ed.optimize(row_sum(4, 3), ed.DeviceMesh.arange(2))  # rows split: y = sum(x, 1) is local
+    >>> compute_on_rank(plan, plan.steps[0], {"x:S0": torch.ones(2, 3)}, rank=1)
+    {'y:S0': tensor([3., 3.])}
+    """
     operands = {k: Operand(plan.values[v].shape, plan.values[v].layout_obj)
                 for k, v in step.args if k in step.tensor_params}
     outputs = [Operand(plan.values[o].shape, plan.values[o].layout_obj) for o in step.outputs]
@@ -71,7 +88,15 @@ def compute_on_rank(plan: Plan, step: ComputeStep, env: Mapping[str, torch.Tenso
 
 
 def bind_inputs(plan: Plan, inputs: Mapping[str, torch.Tensor]) -> dict[str, dict[int, torch.Tensor]]:
-    """Every rank's shard of every input value."""
+    """Every rank's shard of every input value.
+
+    >>> import torch, egraph_did as ed
+    >>> from egraph_did.models import row_sum
+    >>> plan = ed.optimize(row_sum(4, 3), ed.DeviceMesh.arange(2))  # x's rows split over 2 ranks
+    >>> bind_inputs(plan, {"x": torch.arange(12.).reshape(4, 3)})["x:S0"][1]
+    tensor([[ 6.,  7.,  8.],
+            [ 9., 10., 11.]])
+    """
     missing = sorted(set(plan.inputs) - set(inputs))
     if missing:
         raise ShapeError(f"missing input(s) {missing}")

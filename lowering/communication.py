@@ -45,6 +45,14 @@ class AxisGroup:
     members is in mesh order (coordinate 0 first): the order simulate concatenates in. The backend
     orders a group by ascending global rank, so `slot(r)` is where member r's piece sits in a
     backend buffer. pg is None for a group of one (nothing to communicate).
+
+    Example::
+
+        def work(rank):  # module level: launch pickles it
+            group = axis_group(DeviceMesh([[0, 1], [2, 3]]), 1, rank)  # this rank's row of the mesh
+            return group.members, group.me
+
+        ed.launch(work, nprocs=4)  # [((0, 1), 0), ((0, 1), 1), ((2, 3), 0), ((2, 3), 1)]
     """
 
     members: tuple[int, ...]
@@ -53,6 +61,7 @@ class AxisGroup:
 
     @property
     def size(self) -> int:
+        """How many ranks the group holds."""
         return len(self.members)
 
     def slot(self, member_index: int) -> int:
@@ -64,6 +73,15 @@ _GROUPS: dict[tuple, AxisGroup] = {}
 
 
 def world_key() -> int:
+    """Which default process group is current: groups created under one are never reused under the next.
+
+    Example::
+
+        def work(rank):
+            return world_key()  # the same until this process destroys and re-creates its default group
+
+        ed.launch(work, nprocs=2)
+    """
     # a new default process group (destroy + init in one process) must not reuse the old groups
     return id(dist.group.WORLD)
 
@@ -71,7 +89,16 @@ def world_key() -> int:
 def axis_group(mesh: DeviceMesh, axis: int, rank: int) -> AxisGroup:
     """The group of `rank` along mesh axis `axis`. Creating it is collective: the first call for a
     (mesh, axis) must happen on every rank of the world, in the same order (run_plan calls
-    ensure_groups up front so that it does)."""
+    ensure_groups up front so that it does).
+
+    Example::
+
+        def work(rank):
+            group = axis_group(DeviceMesh.arange(4), 0, rank)  # every rank, in the same order
+            return group.size, group.me
+
+        ed.launch(work, nprocs=4)  # [(4, 0), (4, 1), (4, 2), (4, 3)]
+    """
     key = (mesh, axis, rank, world_key())
     if key not in _GROUPS:
         if mesh.shape[axis] == 1:
@@ -90,12 +117,31 @@ def axis_group(mesh: DeviceMesh, axis: int, rank: int) -> AxisGroup:
 
 
 def ensure_groups(mesh: DeviceMesh, rank: int) -> None:
-    """Create the process groups of every axis of `mesh` (collective; same order on every rank)."""
+    """Create the process groups of every axis of `mesh` (collective; same order on every rank).
+
+    Example::
+
+        def work(rank, plan, partial):
+            ensure_groups(plan.mesh, rank)  # every group of the mesh, before any collective needs one
+            return run_collective(plan, plan.collectives[0], partial, rank)
+
+        ed.launch(work, nprocs=plan.mesh.size, args=(plan, partial))
+    """
     for axis in range(mesh.ndim):
         axis_group(mesh, axis, rank)
 
 
 def check_world(mesh: DeviceMesh) -> None:
+    """PlanError unless a default process group is up with one process per rank of `mesh`.
+
+    Example::
+
+        def work(rank):
+            check_world(DeviceMesh.arange(2))  # fine: two processes
+            check_world(DeviceMesh.arange(4))  # PlanError: ... run one process per mesh rank
+
+        ed.launch(work, nprocs=2)  # LaunchError naming the rank that raised, with its PlanError
+    """
     if not dist.is_initialized():
         raise PlanError("no default process group: call torch.distributed.init_process_group first "
                         "(egraph_did.launcher.launch does it for every rank)")
@@ -151,7 +197,17 @@ def _padded(t: torch.Tensor, size: int) -> torch.Tensor:
 def allgather(t: torch.Tensor, dim: int, group: AxisGroup, sizes: Sequence[int],
               timeout: float | None = None) -> torch.Tensor:
     """Every member's `t` concatenated along `dim`, in mesh order; sizes[i] is members[i]'s extent
-    along dim (uneven allowed). Every other axis is the same on every member."""
+    along dim (uneven allowed). Every other axis is the same on every member.
+
+    Example::
+
+        def work(rank):
+            group = axis_group(DeviceMesh.arange(2), 0, rank)
+            t = torch.full((rank + 1, 3), float(rank))  # rank 0 holds 1 row, rank 1 holds 2
+            return allgather(t, 0, group, sizes=[1, 2])
+
+        ed.launch(work, nprocs=2)[0]  # tensor([[0., 0., 0.], [1., 1., 1.], [1., 1., 1.]])
+    """
     dim %= max(t.ndim, 1)
     if t.shape[dim] != sizes[group.me]:
         raise ShapeError(f"allgather: this rank holds {t.shape[dim]} along axis {dim}, the plan says "
@@ -174,7 +230,16 @@ def allgather(t: torch.Tensor, dim: int, group: AxisGroup, sizes: Sequence[int],
 def reduce_scatter(t: torch.Tensor, dim: int, group: AxisGroup, bounds: Sequence[tuple[int, int]],
                    op: str = "sum", timeout: float | None = None) -> torch.Tensor:
     """Sum (or max) of every member's `t`, of which this rank keeps [lo, hi) = bounds[me] along `dim`;
-    bounds[i] is the piece members[i] keeps (uneven allowed)."""
+    bounds[i] is the piece members[i] keeps (uneven allowed).
+
+    Example::
+
+        def work(rank):
+            group = axis_group(DeviceMesh.arange(2), 0, rank)
+            return reduce_scatter(torch.ones(3, 2), 0, group, bounds=[(0, 2), (2, 3)])
+
+        ed.launch(work, nprocs=2)  # [tensor([[2., 2.], [2., 2.]]), tensor([[2., 2.]])]
+    """
     dim %= max(t.ndim, 1)
     lo, hi = bounds[group.me]
     if group.pg is None:
@@ -194,7 +259,16 @@ def reduce_scatter(t: torch.Tensor, dim: int, group: AxisGroup, bounds: Sequence
 
 
 def allreduce(t: torch.Tensor, group: AxisGroup, op: str = "sum", timeout: float | None = None) -> torch.Tensor:
-    """Sum or max over the members, into a new tensor (t is left as it was)."""
+    """Sum or max over the members, into a new tensor (t is left as it was).
+
+    Example::
+
+        def work(rank):
+            group = axis_group(DeviceMesh.arange(2), 0, rank)
+            return allreduce(torch.tensor([float(rank)]), group, op="max")
+
+        ed.launch(work, nprocs=2)  # [tensor([1.]), tensor([1.])]
+    """
     out = t.contiguous().clone()
     if group.pg is None or not out.numel():
         return out
@@ -209,7 +283,17 @@ def alltoall(t: torch.Tensor, src_dim: int, dst_dim: int, group: AxisGroup, src_
              dst_bounds: Sequence[tuple[int, int]], timeout: float | None = None) -> torch.Tensor:
     """narrow(cat(members' t along src_dim), dst_dim, *dst_bounds[me]) without gathering everything:
     member i is sent its [lo, hi) along dst_dim of this rank's piece. src_sizes[i] is member i's
-    extent along src_dim."""
+    extent along src_dim.
+
+    Example::
+
+        def work(rank):  # a [4, 2] tensor split by rows becomes split by columns
+            group = axis_group(DeviceMesh.arange(2), 0, rank)
+            rows = torch.arange(8.).reshape(4, 2)[2 * rank: 2 * rank + 2]
+            return alltoall(rows, 0, 1, group, src_sizes=[2, 2], dst_bounds=[(0, 1), (1, 2)])
+
+        ed.launch(work, nprocs=2)[1]  # tensor([[1.], [3.], [5.], [7.]])
+    """
     nd = max(t.ndim, 1)
     src_dim, dst_dim = src_dim % nd, dst_dim % nd
     if src_dim == dst_dim:  # not a transpose of the sharding: gather, then cut
@@ -245,14 +329,27 @@ def alltoall(t: torch.Tensor, src_dim: int, dst_dim: int, group: AxisGroup, src_
 
 
 def local_slice(t: torch.Tensor, dim: int, lo: int, hi: int) -> torch.Tensor:
-    """[lo, hi) of t along dim: R -> S needs no communication."""
+    """[lo, hi) of t along dim: R -> S needs no communication.
+
+    >>> local_slice(torch.arange(6).reshape(2, 3), 1, 1, 3)
+    tensor([[1, 2],
+            [4, 5]])
+    """
     return t.narrow(dim, lo, hi - lo).contiguous()
 
 
 def broadcast(t: torch.Tensor, src: int, group: AxisGroup | None = None, timeout: float | None = None
               ) -> torch.Tensor:
     """Global rank `src`'s t, on every member of `group` (the whole world when None). Every rank
-    passes a tensor of the same shape and dtype; a new tensor comes back."""
+    passes a tensor of the same shape and dtype; a new tensor comes back.
+
+    Example::
+
+        def work(rank):
+            return broadcast(torch.tensor([rank + 10]), src=1)
+
+        ed.launch(work, nprocs=2)  # [tensor([11]), tensor([11])]
+    """
     out = _wire(t.contiguous().clone())
     pg = None if group is None else group.pg
     if group is not None and pg is None:
@@ -263,14 +360,34 @@ def broadcast(t: torch.Tensor, src: int, group: AxisGroup | None = None, timeout
 
 
 def send(t: torch.Tensor, dst: int, timeout: float | None = None) -> None:
-    """Send t to global rank dst (which calls recv)."""
+    """Send t to global rank dst (which calls recv).
+
+    Example::
+
+        def work(rank):
+            if rank == 0:
+                return send(torch.arange(3.), dst=1)
+            return recv((3,), torch.float32, src=0)
+
+        ed.launch(work, nprocs=2)  # [None, tensor([0., 1., 2.])]
+    """
     if t.numel():
         _wait(dist.isend(_wire(t.contiguous()), dst), timeout, f"send to rank {dst}")
 
 
 def recv(shape: Sequence[int], dtype: torch.dtype, src: int, device: torch.device | str = "cpu",
          timeout: float | None = None) -> torch.Tensor:
-    """Receive a tensor of `shape` and `dtype` from global rank src (which calls send)."""
+    """Receive a tensor of `shape` and `dtype` from global rank src (which calls send).
+
+    Example::
+
+        def work(rank):
+            if rank == 1:
+                return send(torch.tensor([True, False]), dst=0)  # bool travels as uint8
+            return recv((2,), torch.bool, src=1)
+
+        ed.launch(work, nprocs=2)  # [tensor([ True, False]), None]
+    """
     out = _wire(torch.empty(tuple(shape), dtype=dtype, device=device))
     if out.numel():
         _wait(dist.irecv(out, src), timeout, f"recv from rank {src}")
@@ -280,7 +397,16 @@ def recv(shape: Sequence[int], dtype: torch.dtype, src: int, device: torch.devic
 def gather_to_all(t: torch.Tensor, shapes: Sequence[Sequence[int]], timeout: float | None = None
                   ) -> list[torch.Tensor]:
     """Every world rank's tensor, on every rank, in rank order; shapes[r] is rank r's shape (any
-    shapes, one dtype). Used to assemble global outputs."""
+    shapes, one dtype). Used to assemble global outputs.
+
+    Example::
+
+        def work(rank):
+            shapes = [(1, 2), (3,)]  # any shape per rank
+            return gather_to_all(torch.full(shapes[rank], float(rank)), shapes)
+
+        ed.launch(work, nprocs=2)[0]  # [tensor([[0., 0.]]), tensor([1., 1., 1.])]
+    """
     world = dist.get_world_size()
     me = dist.get_rank()
     if tuple(t.shape) != tuple(shapes[me]):
@@ -305,7 +431,14 @@ def _without(layout: Layout, m: int) -> Layout:
 
 
 def local_shape(plan: Plan, value: str, rank: int) -> tuple[int, ...]:
-    """The shape of `rank`'s shard of a plan value (its allocation: ceil-cut, uneven splits exact)."""
+    """The shape of `rank`'s shard of a plan value (its allocation: ceil-cut, uneven splits exact).
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import row_sum
+    >>> plan = ed.optimize(row_sum(10, 3), ed.DeviceMesh.arange(4))  # x's 10 rows split over 4 ranks
+    >>> [local_shape(plan, "x:S0", r) for r in range(4)]
+    [(3, 3), (3, 3), (3, 3), (1, 3)]
+    """
     v = plan.values[value]
     return RankContext(plan.mesh, rank).local_shape(Operand(v.shape, v.layout_obj))
 
@@ -315,7 +448,16 @@ def run_collective(plan: Plan, c: Collective, local: torch.Tensor, rank: int, *,
     """This rank's result of collective `c`, given this rank's shard of c.src: exactly
     egraph_did.simulate.collective(plan, c, every_rank_shard)[rank], computed with the ranks of c's
     mesh axis over torch.distributed. timeout: seconds to wait for the group (None: the process
-    group's own timeout)."""
+    group's own timeout).
+
+    Example::
+
+        def work(rank, plan, partial):  # plan: row_sum with x split on its summed axis, 4 ranks
+            c = plan.collectives[0]  # reduce_scatter[x] y: P -> S0
+            return run_collective(plan, c, partial, rank, timeout=30)
+
+        ed.launch(work, nprocs=4, args=(plan, torch.ones(8)))  # tensor([4., 4.]) on every rank
+    """
     mesh, m = plan.mesh, c.mesh_axis
     src_val, dst_val = plan.values[c.src], plan.values[c.dst]
     src, dst = src_val.layout_obj, dst_val.layout_obj

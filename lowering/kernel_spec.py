@@ -24,7 +24,12 @@ KERNEL_OPS = POINTWISE_UNARY + POINTWISE_BINARY + REDUCTIONS + TRANSPOSES
 
 @dataclass(frozen=True)
 class KernelOp:
-    """out = op(**args); an arg is the name of a tensor of the spec or a literal (number, tuple, dtype)."""
+    """out = op(**args); an arg is the name of a tensor of the spec or a literal (number, tuple, dtype).
+
+    >>> op = KernelOp("y", "sum", (("x", "in0"), ("dims", (1,)), ("keepdim", False)))
+    >>> op.op, dict(op.args)["x"]
+    ('sum', 'in0')
+    """
 
     out: str
     op: str
@@ -34,7 +39,17 @@ class KernelOp:
 @dataclass(frozen=True)
 class KernelSpec:
     """inputs and outputs are tensor names; tensors maps every name (inputs, intermediates, outputs) to
-    its local (shape, dtype); ops are in topological order."""
+    its local (shape, dtype); ops are in topological order.
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.lowering.segment import spec_from_fusion
+    >>> with ed.FusionDefinition() as fd:
+    ...     x = fd.define_tensor((4, 8), name="x")
+    ...     fd.add_output(fd.ops.sum(fd.ops.relu(x), 1), name="y")
+    >>> spec = spec_from_fusion(fd.fusion)
+    >>> spec.inputs, [op.op for op in spec.ops], spec.shape("y"), spec.is_tensor("relu_0"), len(spec.key())
+    (('x',), ['relu', 'sum'], (4,), True, 16)
+    """
 
     inputs: tuple[str, ...]
     ops: tuple[KernelOp, ...]
@@ -42,12 +57,15 @@ class KernelSpec:
     tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
 
     def shape(self, name: str) -> tuple[int, ...]:
+        """The local shape of tensor `name`."""
         return next(s for n, s, _ in self.tensors if n == name)
 
     def dtype(self, name: str) -> torch.dtype:
+        """The dtype of tensor `name`."""
         return next(d for n, _, d in self.tensors if n == name)
 
     def is_tensor(self, v) -> bool:
+        """Whether an op argument names a tensor of the spec (rather than being a literal)."""
         return isinstance(v, str) and any(n == v for n, _, _ in self.tensors)
 
     def key(self) -> str:

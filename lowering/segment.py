@@ -29,6 +29,14 @@ FUSIBLE = set(KERNEL_OPS) | {"gelu", "silu", "softmax", "layer_norm", "rms_norm"
 
 @dataclass(frozen=True)
 class Segment:
+    """A piece of a rank's program with one way to run: a collective (comm), one compute step through
+    torch (aten), or a run of fusible steps compiled into one kernel (fused).
+
+    >>> c = Collective("allreduce", "y", "y:P", "y:R", 0, "x", bytes=32.0, time=2e-5)
+    >>> Segment("comm", (c,)).describe()
+    'comm allreduce[x] y'
+    """
+
     kind: str  # comm | aten | fused
     steps: tuple  # one Collective, one ComputeStep, or several ComputeSteps
     inputs: tuple[str, ...] = ()  # values a fused segment reads
@@ -36,6 +44,7 @@ class Segment:
     scheduler: str = ""  # fused: pointwise | reduction | persistent | transpose
 
     def describe(self) -> str:
+        """One line: the kind (and scheduler), then the collective or the ops."""
         if self.kind == "comm":
             c = self.steps[0]
             return f"comm {c.kind}[{c.mesh_axis_name}] {c.tensor}"
@@ -45,10 +54,22 @@ class Segment:
 
 @dataclass
 class LoweredPlan:
+    """A plan cut into segments, in execution order (see lower()).
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import mlp
+    >>> plan = ed.optimize(mlp(tokens=8, hidden=16), ed.DeviceMesh.arange(2))
+    >>> print(LoweredPlan(plan, eager_segments(plan)).summary())  # no kernels: every step through torch
+      0  aten linear
+      1  aten gelu
+      2  aten linear
+    """
+
     plan: Plan
     segments: list[Segment] = field(default_factory=list)
 
     def summary(self) -> str:
+        """One numbered line per segment."""
         return "\n".join(f"{i:>3}  {s.describe()}" for i, s in enumerate(self.segments))
 
 
@@ -62,7 +83,16 @@ def _reads(step) -> list[str]:
 
 def kernel_spec(plan: Plan, steps: tuple[ComputeStep, ...], inputs: tuple[str, ...], outputs: tuple[str, ...],
                 rank: int) -> KernelSpec:
-    """The segment's ops over rank's local shapes, composites decomposed into kernel primitives."""
+    """The segment's ops over rank's local shapes, composites decomposed into kernel primitives.
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import mlp
+    >>> plan = ed.optimize(mlp(tokens=8, hidden=16), ed.DeviceMesh.arange(2))
+    >>> seg = lower(plan).segments[1]  # fused/pointwise gelu
+    >>> spec = kernel_spec(plan, seg.steps, seg.inputs, seg.outputs, rank=1)
+    >>> spec.shape(spec.inputs[0]), [op.op for op in spec.ops]  # rank 1's rows; exact gelu through erf
+    ((4, 64), ['mul', 'mul', 'erf', 'add', 'mul'])
+    """
     ctx = RankContext(plan.mesh, rank)
     fusion = Fusion()
     tv: dict[str, TensorView] = {}
@@ -122,7 +152,15 @@ def _segment_io(plan: Plan, steps: list[ComputeStep], later: list) -> tuple[tupl
 
 
 def lower(plan: Plan, classify=None) -> LoweredPlan:
-    """Cut the plan into segments; fused runs are grown while the scheduler still takes them."""
+    """Cut the plan into segments; fused runs are grown while the scheduler still takes them.
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import mlp
+    >>> print(lower(ed.optimize(mlp(tokens=8, hidden=16), ed.DeviceMesh.arange(2))).summary())
+      0  aten linear
+      1  fused/pointwise gelu
+      2  aten linear
+    """
     if classify is None:
         from .schedulers import classify
     low = LoweredPlan(plan)
@@ -167,7 +205,14 @@ def lower(plan: Plan, classify=None) -> LoweredPlan:
 
 
 def eager_segments(plan: Plan) -> list[Segment]:
-    """One segment per step, every compute step through torch (no kernels)."""
+    """One segment per step, every compute step through torch (no kernels).
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import mlp
+    >>> plan = ed.optimize(mlp(tokens=8, hidden=16), ed.DeviceMesh.arange(2))
+    >>> [seg.describe() for seg in eager_segments(plan)]
+    ['aten linear', 'aten gelu', 'aten linear']
+    """
     return [Segment("comm" if isinstance(s, Collective) else "aten", (s,)) for s in plan.steps]
 
 
@@ -177,7 +222,15 @@ _KERNELS: dict[tuple, tuple] = {}
 def run_fused(plan: Plan, seg: Segment, env: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
     """One rank's fused segment: its kernel on the rank's local shards. The spec and kernel are built once
     per (segment, rank, input values): building a spec decomposes a small fusion, milliseconds of Python
-    that a run must not pay per step."""
+    that a run must not pay per step.
+
+    >>> import torch, egraph_did as ed
+    >>> from egraph_did.models import mlp
+    >>> plan = ed.optimize(mlp(tokens=8, hidden=16), ed.DeviceMesh.arange(2))
+    >>> seg = lower(plan).segments[1]  # fused/pointwise gelu, reading linear_0:S0
+    >>> run_fused(plan, seg, {"linear_0:S0": torch.zeros(4, 64)}, rank=0)["gelu_1:S0"].abs().max()
+    tensor(0.)
+    """
     from .schedulers import compile_kernel
     key = (seg, rank, plan.mesh, tuple(plan.values[v] for v in seg.inputs))
     if key not in _KERNELS:
