@@ -85,6 +85,8 @@ def run_local(op: str, args: dict[str, Any], operands: dict[str, Operand], outpu
         args["blocks"] = out_shapes[0][args["dim"] % len(out_shapes[0][:-1])]
     if "bias_once" in flags and not ctx.on_first(flags["bias_once"]):
         args["bias"] = None
+    special = flags.keys() & {"global_count", "vocab_parallel", "masked_gather", "q_offset"}
+    assert len(special) <= 1, f"{op}: strategy flags {sorted(special)} cannot combine in one local kernel"
     if "global_count" in flags:
         return (_global_mean(op, args, operands),)
     if "vocab_parallel" in flags:
@@ -110,19 +112,24 @@ def _global_mean(op: str, args, operands) -> torch.Tensor:
     return total / operands["target"].shape[0]
 
 
+def _masked_take(table: torch.Tensor, index: torch.Tensor, lo: int, hi: int, take) -> torch.Tensor:
+    """take(table, index - lo) where index falls in [lo, hi), else 0 (a summand of a partial). Selected
+    with where, not multiplied: an inf or nan the clamped lookup lands on must not leak as 0 * inf."""
+    inside = (index >= lo) & (index < hi)
+    picked = take(table, (index - lo).clamp(0, max(hi - lo - 1, 0)))
+    mask = inside.unsqueeze(-1) if picked.ndim > inside.ndim else inside
+    return torch.where(mask, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
+
+
 def _masked_rows(weight, indices, w: Operand, axis: int, ctx: RankContext) -> torch.Tensor:
     lo, hi = ctx.shard_range(w.shape[axis], w.layout, axis)
-    inside = (indices >= lo) & (indices < hi)
-    local = (indices - lo).clamp(0, max(hi - lo - 1, 0))
-    return weight[local] * inside.unsqueeze(-1).to(weight.dtype)
+    return _masked_take(weight, indices, lo, hi, lambda t, i: t[i])
 
 
 def _masked_gather(args, x: Operand, ctx: RankContext) -> torch.Tensor:
     xl, index, dim = args["x"], args["index"], args["dim"] % len(x.shape)
     lo, hi = ctx.shard_range(x.shape[dim], x.layout, dim)
-    inside = (index >= lo) & (index < hi)
-    picked = torch.take_along_dim(xl, (index - lo).clamp(0, max(hi - lo - 1, 0)), dim)
-    return picked * inside.to(xl.dtype)
+    return _masked_take(xl, index, lo, hi, lambda t, i: torch.take_along_dim(t, i, dim))
 
 
 def _sdpa_offset(args, q: Operand, ctx: RankContext) -> torch.Tensor:
