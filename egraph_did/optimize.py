@@ -152,10 +152,8 @@ def build_plan(problem: Problem, graph: PhysGraph, sel: Selection) -> Plan:
     value_of: dict[str, str] = {}  # class -> value name
     steps: list = []
     inputs: dict[str, list[str]] = {}
-    apply_outputs: dict[str, list[str]] = {}
 
-    def value_for(cls: str) -> str:
-        t, lay, _ = graph.ident[cls]
+    def value_named(t: str, lay: str) -> str:
         name = f"{t}:{lay}"
         if name not in values:
             tv = problem.tensor(t)
@@ -163,6 +161,15 @@ def build_plan(problem: Problem, graph: PhysGraph, sel: Selection) -> Plan:
                                  tuple(d.name for d in tv.logical_domain))
         return name
 
+    def value_for(cls: str) -> str:
+        t, lay, _ = graph.ident[cls]
+        return value_named(t, lay)
+
+    # a multi-output op's values, by its tuple class: the projected ones first, named by their classes
+    projected: dict[str, dict[int, str]] = {}
+    for cls in order:
+        if choice[cls].op == "Proj":
+            projected.setdefault(choice[cls].children[0], {})[choice[cls].sid] = value_for(cls)
     produced: set[str] = set()
     for cls in order:
         n = choice[cls]
@@ -172,9 +179,14 @@ def build_plan(problem: Problem, graph: PhysGraph, sel: Selection) -> Plan:
             value_of[cls] = value_of[n.children[0]]
             continue
         if n.op == "Proj":
-            value_of[cls] = value_for(cls)
+            value_of[cls] = projected[n.children[0]][n.sid]
             continue
-        if n.op == "Apply" and cls not in graph.ident:  # a multi-output op's tuple class
+        if n.op == "Apply" and cls not in graph.ident:  # a multi-output op's tuple class: the op runs here
+            e, strat = problem.exprs[n.key], problem.strategies[n.key][n.sid]
+            outs = [projected.get(cls, {}).get(i) or value_named(o.name, strat.outputs[i].code())
+                    for i, o in enumerate(e.outputs)]
+            steps.append(_compute_step(problem, n, outs, value_of))
+            produced.update(outs)
             value_of[cls] = cls
             continue
         v = value_for(cls)
@@ -191,10 +203,8 @@ def build_plan(problem: Problem, graph: PhysGraph, sel: Selection) -> Plan:
             reduce = "max" if values[src].layout_obj[n.sid].reduce == "max" and n.key == "allreduce" else "sum"
             steps.append(Collective(n.key, t, src, v, n.sid, mesh.axis_names[n.sid], nbytes, secs, reduce))
         elif n.op == "Apply":
-            steps.append(_compute_step(problem, graph, n, [v], value_of))
+            steps.append(_compute_step(problem, n, [v], value_of))
         produced.add(v)
-    # multi-output applies: emit the op once, before its first projected output is used
-    steps = _emit_tuples(problem, graph, choice, order, value_of, steps, values, value_for)
     outputs = {}
     for name in problem.fusion.outputs:
         cls = f"__out__:{name}"
@@ -205,7 +215,7 @@ def build_plan(problem: Problem, graph: PhysGraph, sel: Selection) -> Plan:
     return plan
 
 
-def _compute_step(problem: Problem, graph: PhysGraph, n: Node, outs: list[str], value_of) -> ComputeStep:
+def _compute_step(problem: Problem, n: Node, outs: list[str], value_of) -> ComputeStep:
     e = problem.exprs[n.key]
     s = problem.strategies[n.key][n.sid]
     operand_values = iter(value_of[c] for c in n.children)
@@ -240,36 +250,6 @@ def _order(graph: PhysGraph, choice) -> list[str]:
         for ch in reversed(choice[c].children):
             if ch not in seen:
                 stack.append((ch, False))
-    return out
-
-
-def _emit_tuples(problem, graph, choice, order, value_of, steps, values, value_for):
-    """Insert each multi-output compute step before the first step that reads one of its outputs."""
-    tuples = {}
-    for cls in order:
-        n = choice[cls]
-        if n.op == "Proj":
-            tup = n.children[0]
-            tuples.setdefault(tup, {})[n.sid] = value_of[cls]
-    if not tuples:
-        return steps
-    out = list(steps)
-    for tup, projected in tuples.items():
-        n = choice[tup]
-        e = problem.exprs[n.key]
-        s = problem.strategies[n.key][n.sid]
-        outs = []
-        for i, o in enumerate(e.outputs):
-            if i in projected:
-                outs.append(projected[i])
-            else:  # an output nobody reads still gets a name
-                name = f"{o.name}:{s.outputs[i].code()}"
-                values.setdefault(name, Value(name, o.name, o.shape, str(o.dtype).replace("torch.", ""),
-                                              s.outputs[i].code(), tuple(d.name for d in o.logical_domain)))
-                outs.append(name)
-        step = _compute_step(problem, graph, n, outs, value_of)
-        first = next((i for i, st in enumerate(out) if set(_reads(st)) & set(outs)), len(out))
-        out.insert(first, step)
     return out
 
 

@@ -66,3 +66,16 @@ def test_unknown_extractor_and_missing_outputs_are_errors():
         fd.define_tensor((4,), name="x")
     with pytest.raises(ed.PlanError, match="no outputs"):
         ed.optimize(fd, MESH)
+
+
+def test_chained_multi_output_ops_are_emitted_in_dependency_order():
+    mesh = ed.DeviceMesh.arange(2)
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((4, 6, 8), torch.float64, name="x")
+        _, m = fd.ops.var_mean(x, 2)
+        v2, _ = fd.ops.var_mean(m, 1)  # reads an output of the first var_mean
+        fd.add_output(fd.ops.exp(v2), name="y")
+    apply_layout(x, Layout((S(0),)), mesh)
+    plan = ed.optimize(fd, mesh)  # validate() inside raises if a step reads a value before it exists
+    X = torch.randn(4, 6, 8, dtype=torch.float64)
+    torch.testing.assert_close(ed.simulate(plan, {"x": X})["y"], ed.evaluate(fd, {"x": X})["y"])
