@@ -16,7 +16,6 @@ timed and reported; the multi-GPU parts report that they were not run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys

@@ -101,10 +101,6 @@ class CostModel:
         """Roofline time of one local kernel, with a launch floor."""
         return self.launch_overhead + max(flops / self.peak(dtype), nbytes / self.hbm_bandwidth)
 
-    def with_memory_limit(self, memory_limit: float | None) -> "CostModel":
-        """A copy bounded to `memory_limit` bytes per device (None: no bound)."""
-        return dataclasses.replace(self, memory_limit=memory_limit)
-
     # -------------------------------------------------------------- JSON
     def to_dict(self) -> dict:
         """Plain JSON-ready data; from_dict reads it back."""

@@ -188,12 +188,14 @@ def _improve(graph: PhysGraph, choice: dict[str, Node], fallback: dict[str, Node
     return choice
 
 
-def _best_of(graph: PhysGraph, order: list[str], penalty: float) -> dict[str, Node] | None:
-    """The cheaper of greedy-DAG and amortized greedy, then improved by local search."""
+def _best_of(graph: PhysGraph, order: list[str], penalty: float, improve: bool = True) -> dict[str, Node] | None:
+    """The cheaper of greedy-DAG and amortized greedy, then (improve) polished by local search."""
     found = [c for c in (_greedy(graph, order, penalty), _amortized(graph, order, penalty)) if c is not None]
     if not found:
         return None
     found.sort(key=lambda ch: _dag_weight(ch, penalty))
+    if not improve:
+        return found[0]
     fallback = {c: n for ch in reversed(found) for c, n in ch.items()}
     return _improve(graph, found[0], fallback, penalty)
 
@@ -218,8 +220,8 @@ def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = 
     if memory_limit is not None and mem > memory_limit:
         lo, hi = 0.0, 1e-12
         best_fit = None
-        for _ in range(60):  # grow the price of a byte until the plan fits, then bisect
-            trial = _best_of(graph, order, hi)
+        for _ in range(60):  # grow the price of a byte until the plan fits, then bisect (no local search
+            trial = _best_of(graph, order, hi, improve=False)  # inside the loop: it is the costly part)
             if _total(trial)[1] <= memory_limit:
                 best_fit = trial
                 break
@@ -229,12 +231,14 @@ def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = 
                             f"(the smallest found needs {_total(trial)[1] / 2**30:.2f} GiB)")
         for _ in range(40):
             mid = (lo + hi) / 2
-            trial = _best_of(graph, order, mid)
+            trial = _best_of(graph, order, mid, improve=False)
             if _total(trial)[1] <= memory_limit:
                 best_fit, hi = trial, mid
             else:
                 lo = mid
-        chosen = best_fit
+        polished = _best_of(graph, order, hi)
+        chosen = polished if _total(polished)[1] <= memory_limit and \
+            _dag_weight(polished, hi) <= _dag_weight(best_fit, hi) else best_fit
         cost, mem = _total(chosen)
     return Selection(chosen, cost, mem, "greedy-dag")
 

@@ -130,15 +130,6 @@ class Layout:
         return "[" + ", ".join(str(p) for p in self.placements) + "]"
 
 
-def replicated(mesh: DeviceMesh) -> Layout:
-    """The layout that holds the whole tensor on every rank of `mesh`.
-
-    >>> str(replicated(DeviceMesh([[0, 1], [2, 3]])))
-    '[R, R]'
-    """
-    return Layout((R,) * mesh.ndim)
-
-
 def local_extents(shape: Sequence[int], layout: Layout, mesh: DeviceMesh) -> tuple[int, ...]:
     """The largest local shape any rank holds under `layout` (ceil-sized shards).
 
@@ -150,16 +141,6 @@ def local_extents(shape: Sequence[int], layout: Layout, mesh: DeviceMesh) -> tup
         if p.is_shard:
             out[p.axis] = -(-out[p.axis] // mesh.shape[m])
     return tuple(out)
-
-
-def shard_factor(layout: Layout, mesh: DeviceMesh) -> int:
-    """How many ways the tensor's elements are divided (replicated and partial axes do not divide).
-
-    >>> mesh = DeviceMesh([[0, 1, 2], [3, 4, 5]])
-    >>> shard_factor(Layout((R, S(0))), mesh), shard_factor(Layout((P, S(0))), mesh)
-    (3, 3)
-    """
-    return math.prod(mesh.shape[m] for m, p in enumerate(layout) if p.is_shard)
 
 
 def valid_layouts(shape: Sequence[int], mesh: DeviceMesh, partial: bool = False) -> Iterator[Layout]:
@@ -259,5 +240,5 @@ def layout_of(tv: TensorView, mesh: DeviceMesh) -> Layout:
     return layout
 
 
-__all__ = ["Placement", "Layout", "R", "P", "PMAX", "S", "replicated", "local_extents", "shard_factor",
+__all__ = ["Placement", "Layout", "R", "P", "PMAX", "S", "local_extents",
            "valid_layouts", "is_valid", "apply_layout", "layout_of"]

@@ -1,7 +1,6 @@
 """optimize(): fusion -> problem -> e-graph (saturated) -> priced graph -> DAG extraction -> Plan."""
 from __future__ import annotations
 
-import math
 import time
 
 from .cost import CostModel
@@ -25,7 +24,6 @@ def price(graph: PhysGraph, problem: Problem) -> None:
     >>> [(round(n.cost * 1e6, 2), n.memory) for c in ("x:S1", "x:R") for n in graph.classes[c]]
     [(0.0, 512), (10.0, 2048)]
     """
-    cm, mesh = problem.cost_model, problem.mesh
     strategies = {(k, s.sid): s for k, ss in problem.strategies.items() for s in ss}
     for cls, nodes in graph.classes.items():
         for n in nodes:
@@ -57,12 +55,9 @@ def collective_cost(problem: Problem, kind: str, axis: int, tensor: str, src: La
     if kind == "slice":
         out = problem.nbytes(tensor, dst)
         return cm.compute_time(0.0, 2 * out, problem.tensor(tensor).dtype), 0.0
-    wide = src if kind in ("reduce_scatter", "allreduce") else dst  # the side not split on this axis
-    if kind == "alltoall":
-        wide = src
-    nbytes = problem.nbytes(tensor, wide)
-    if kind == "alltoall":
-        nbytes = nbytes  # each rank sends (p-1)/p of what it holds
+    # allgather: the gathered (output) bytes; reduce_scatter and allreduce: the input's; alltoall: the shard
+    # a rank holds, (p-1)/p of which it sends
+    nbytes = problem.nbytes(tensor, dst if kind == "allgather" else src)
     return cm.collective_time(kind, nbytes, mesh.shape[axis], axis, mesh.ndim), nbytes
 
 

@@ -6,6 +6,8 @@ why: the step that needed it), in execution order.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -13,7 +15,7 @@ from typing import Any
 import torch
 
 from .cost import CostModel
-from .errors import PlanError
+from .errors import DtypeError, PlanError
 from .fusion import Fusion
 from .ir import TensorView
 from .layout import Layout, apply_layout
@@ -39,7 +41,7 @@ class Value:
     layout: str  # Layout.code()
     axes: tuple[str, ...] = ()
 
-    @property
+    @functools.cached_property
     def layout_obj(self) -> Layout:
         """The layout as a Layout (stored as its code)."""
         return Layout.from_code(self.layout)
@@ -66,6 +68,11 @@ class ComputeStep:
     key: str = ""  # the expr of the optimized fusion this step runs (its first output's name)
     kind = "compute"
 
+    @property
+    def reads(self) -> list[str]:
+        """The values this step reads."""
+        return [v for k, v in self.args if k in self.tensor_params]
+
 
 @dataclass(frozen=True)
 class Collective:
@@ -87,6 +94,11 @@ class Collective:
     time: float
     reduce: str = "sum"
     why: str = ""
+
+    @property
+    def reads(self) -> list[str]:
+        """The value this collective reads."""
+        return [self.src]
 
 
 Step = ComputeStep | Collective
@@ -152,6 +164,22 @@ class Plan:
                 return v.layout_obj
         raise PlanError(f"the plan holds no tensor named {tensor!r}")
 
+    def check_input_dtype(self, name: str, tensor: torch.Tensor, where: str = "run") -> None:
+        """DtypeError unless tensor has the dtype the plan was optimized for (no silent precision change).
+
+        >>> import torch, egraph_did as ed
+        >>> from egraph_did.models import row_sum
+        >>> plan = ed.optimize(row_sum(8, 64), ed.DeviceMesh.arange(2))
+        >>> plan.check_input_dtype("x", torch.zeros(8, 64, dtype=torch.float64))
+        Traceback (most recent call last):
+        ...
+        egraph_did.errors.DtypeError: run: input 'x' is float64, the plan expects float32; cast it
+        """
+        want = self.values[self.inputs[name][0]].dtype
+        got = str(tensor.dtype).replace("torch.", "")
+        if got != want:
+            raise DtypeError(f"{where}: input {name!r} is {got}, the plan expects {want}; cast it")
+
     def value_view(self, value: str) -> TensorView:
         """A TensorView with the value's loop domain (for shard_tensor and loop-domain strings)."""
         v = self.values[value]
@@ -182,6 +210,65 @@ class Plan:
         """
         from .runtime import run_plan
         return run_plan(self, values, inputs_kind=inputs, outputs_kind=outputs, **options)
+
+    # ------------------------------------------------------------ simplify
+    def simplified(self) -> "Plan":
+        """A copy with back-to-back collectives that cancel removed (rewrites/resharding.CANCELLATIONS):
+        allgather then slice, slice then allgather, alltoall there and back: readers of the second's
+        result read the first's input; reduce_scatter then allgather becomes one allreduce. The extractor
+        never picks such pairs (the direct class is cheaper); hand-written or edited plans may hold them.
+
+        >>> import egraph_did as ed
+        >>> from egraph_did.models import mlp
+        >>> plan = ed.optimize(mlp(8, 16), ed.DeviceMesh.arange(2))
+        >>> len(plan.simplified().steps) == len(plan.steps)
+        True
+        """
+        from egraph_did.rewrites.resharding import CANCELLATIONS
+        pairs = {(a, b) for a, b, _ in CANCELLATIONS}
+        steps = list(self.steps)
+        rename: dict[str, str] = {}
+        out: list[Step] = []
+        producer = {s.dst: s for s in steps if isinstance(s, Collective)}
+        readers: dict[str, int] = {}
+        for s in steps:
+            for v in s.reads:
+                readers[v] = readers.get(v, 0) + 1
+        dropped: set[int] = set()
+        for s in steps:
+            first = producer.get(s.src) if isinstance(s, Collective) else None
+            if (first is not None and id(first) not in dropped and (first.kind, s.kind) in pairs
+                    and first.mesh_axis == s.mesh_axis and readers.get(first.dst) == 1
+                    and first.dst not in self.outputs.values()):
+                if self.values[s.dst].layout == self.values[first.src].layout:
+                    rename[s.dst] = first.src  # the pair is the identity
+                    dropped.update((id(first), id(s)))
+                    continue
+                if (first.kind, s.kind) == ("reduce_scatter", "allgather"):
+                    dropped.add(id(first))
+                    out.append(dataclasses.replace(s, kind="allreduce", src=first.src, bytes=first.bytes,
+                                                   time=self.cost_model.collective_time(
+                                                       "allreduce", first.bytes, self.mesh.shape[s.mesh_axis],
+                                                       s.mesh_axis, self.mesh.ndim)))
+                    continue
+            out.append(s)
+        out = [s for s in out if id(s) not in dropped]
+
+        def fix(v: str) -> str:
+            while v in rename:
+                v = rename[v]
+            return v
+        fixed: list[Step] = []
+        for s in out:
+            if isinstance(s, ComputeStep):
+                fixed.append(dataclasses.replace(s, args=tuple((k, fix(v) if k in s.tensor_params else v)
+                                                               for k, v in s.args)))
+            else:
+                fixed.append(dataclasses.replace(s, src=fix(s.src)))
+        plan = Plan(self.mesh, self.cost_model, dict(self.values), fixed, self.inputs,
+                    {k: fix(v) for k, v in self.outputs.items()}, self.memory, self.method, dict(self.stats))
+        plan.validate()
+        return plan
 
     # ------------------------------------------------------------ explain
     def explain(self) -> str:

@@ -9,9 +9,7 @@ import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
-import torch
 
 from egraph_did.rewrites import AxisStrategy, Operand, OpView, axis_strategies
 

@@ -1,7 +1,7 @@
 """run_plan(): one rank's part of a plan, inside an initialized torch.distributed process group.
 
 Binds this rank's inputs (global tensors it shards, local shards it checks, or DTensors), runs the
-plan's steps in order (compute steps through `execute_compute`, collectives through
+plan's lowered segments in order (fused kernels, torch compute steps, collectives through
 lowering/communication.run_collective), and hands back its outputs as global tensors, local shards or
 DTensors. Every rank of the plan's mesh runs the same steps, so every rank makes the same collective
 calls in the same order; what each rank is doing is kept in a progress record (`last_progress`,
@@ -22,13 +22,12 @@ from .errors import EgraphDidError, PlanError, ShapeError
 from .layout import Layout
 from .local import RankContext
 from .lowering.execute import run_segment
-from .lowering.segment import eager_segments, lower
+from .lowering.segment import eager_segments, lowered_plan
 from .lowering.communication import (check_world, world_key, ensure_groups, gather_to_all, local_shape,
                                      run_collective)
 from .mesh import DeviceMesh
 from .plan import Collective, ComputeStep, Plan, Step
 from .sharding import shard_tensor, unshard_tensor
-from .simulate import compute_on_rank
 
 INPUT_KINDS = ("global", "local", "dtensor")
 OUTPUT_KINDS = ("global", "local", "dtensor")
@@ -100,13 +99,6 @@ def describe(plan: Plan, step: Step) -> str:
 
 
 # ---------------------------------------------------------------------------- compute
-
-def execute_compute(plan: Plan, step: ComputeStep, env: Mapping[str, torch.Tensor], rank: int
-                    ) -> tuple[torch.Tensor, ...]:
-    """This rank's outputs of one compute step through torch (in step.outputs order)."""
-    outs = compute_on_rank(plan, step, env, rank)
-    return tuple(outs[o] for o in step.outputs)
-
 
 # ---------------------------------------------------------------------------- DTensor interop
 
@@ -241,6 +233,7 @@ def _bind_inputs(plan: Plan, inputs: Mapping[str, Any], kind: str, rank: int, de
                              f"{type(given).__name__}; pass a torch DTensor (or inputs_kind='global'/'local')")
         if not isinstance(given, torch.Tensor):
             raise ShapeError(f"run_plan: input {name!r}: expected a torch.Tensor, got {type(given).__name__}")
+        plan.check_input_dtype(name, given, f"run_plan on rank {rank}")
         if kind == "global":
             for v in vals:
                 val = plan.values[v]
@@ -332,13 +325,13 @@ def run_plan(plan: Plan, inputs: Mapping[str, Any], *, inputs_kind: str = "globa
             if index < 0 and isinstance(e, EgraphDidError):
                 raise  # a bad input: its message already names the input and the rank
             where = ("binding inputs" if index < 0 else "delivering outputs" if index >= total
-                     else f"step {index}")
+                     else f"segment {index} of {total}")
             raise StepError(f"rank {rank}, {where} ({what}): {type(e).__name__}: {e}", rank, index, what) from e
 
     phase(-1, "creating process groups", lambda: ensure_groups(plan.mesh, rank))
     env = phase(-1, f"binding inputs ({inputs_kind})",
                 lambda: _bind_inputs(plan, inputs, inputs_kind, rank, device, step_timeout))
-    segments = lower(plan).segments if lowered else eager_segments(plan)
+    segments = lowered_plan(plan).segments if lowered else eager_segments(plan)
     total = len(segments)
     frees = _frees(segments)
     keep = set(plan.outputs.values())
@@ -365,5 +358,5 @@ def run_plan(plan: Plan, inputs: Mapping[str, Any], *, inputs_kind: str = "globa
     return out
 
 
-__all__ = ["run_plan", "execute_compute", "describe", "Progress", "StepError", "last_progress",
+__all__ = ["run_plan", "describe", "Progress", "StepError", "last_progress",
            "add_progress_hook", "torch_device_mesh"]

@@ -102,6 +102,7 @@ def bind_inputs(plan: Plan, inputs: Mapping[str, torch.Tensor]) -> dict[str, dic
         raise ShapeError(f"missing input(s) {missing}")
     env: dict[str, dict[int, torch.Tensor]] = {}
     for name, vals in plan.inputs.items():
+        plan.check_input_dtype(name, inputs[name], "simulate")
         for v in vals:
             val = plan.values[v]
             if tuple(inputs[name].shape) != val.shape:
@@ -129,8 +130,8 @@ def simulate(plan: Plan, inputs: Mapping[str, torch.Tensor], lowered: bool = Tru
     mesh = plan.mesh
     env = bind_inputs(plan, inputs)
     if lowered:
-        from egraph_did.lowering.segment import lower, run_fused
-        for seg in lower(plan).segments:
+        from egraph_did.lowering.segment import lowered_plan, run_fused
+        for seg in lowered_plan(plan).segments:
             if seg.kind == "comm":
                 c = seg.steps[0]
                 env[c.dst] = collective(plan, c, env[c.src])

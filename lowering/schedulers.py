@@ -33,7 +33,7 @@ from egraph_did.errors import DtypeError, PlanError, ShapeError
 from egraph_did.ops import OPS
 
 from .codegen import COMPUTE_TYPE, FLOATS, Group, Phase, Writer, align_to, ident
-from .kernel_spec import (KERNEL_OPS, POINTWISE_BINARY, POINTWISE_UNARY, REDUCTIONS, TRANSPOSES, KernelOp,
+from .kernel_spec import (KERNEL_OPS, POINTWISE_BINARY, REDUCTIONS, TRANSPOSES, KernelOp,
                           KernelSpec)
 
 PERSISTENT_MAX_ROW = 16384  # elements of a row a persistent kernel holds on chip

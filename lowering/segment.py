@@ -167,14 +167,17 @@ def lower(plan: Plan, classify=None) -> LoweredPlan:
     steps = plan.steps
     group: list[ComputeStep] = []
 
+    memo: dict[tuple, str | None] = {}  # growing a run classifies it; closing it asks again: answer once
+
     def scheduler_for(run: list[ComputeStep], upto: int) -> str | None:
-        ins, outs = _segment_io(plan, run, steps[upto:])
-        if not outs:
-            return None
-        try:
-            return classify(kernel_spec(plan, tuple(run), ins, outs, plan.mesh.ranks[0]))
-        except (ValueError, KeyError, TypeError, AssertionError, NotImplementedError):
-            return None
+        key = (len(run), id(run[0]), upto)
+        if key not in memo:
+            ins, outs = _segment_io(plan, run, steps[upto:])
+            try:
+                memo[key] = classify(kernel_spec(plan, tuple(run), ins, outs, plan.mesh.ranks[0])) if outs else None
+            except (ValueError, KeyError, TypeError, AssertionError, NotImplementedError):
+                memo[key] = None
+        return memo[key]
 
     def close(upto: int) -> None:
         if not group:
@@ -202,6 +205,16 @@ def lower(plan: Plan, classify=None) -> LoweredPlan:
             low.segments.append(Segment("aten", (step,)))
     close(len(steps))
     return low
+
+
+def lowered_plan(plan: Plan) -> LoweredPlan:
+    """lower(plan), once per plan object (segmentation classifies every fused run: not per run)."""
+    cached = getattr(plan, "_lowered", None)
+    if cached is None or cached.plan is not plan or cached.steps != len(plan.steps):
+        cached = lower(plan)
+        cached.steps = len(plan.steps)
+        plan._lowered = cached
+    return cached
 
 
 def eager_segments(plan: Plan) -> list[Segment]:
@@ -232,10 +245,20 @@ def run_fused(plan: Plan, seg: Segment, env: dict[str, torch.Tensor], rank: int)
     tensor(0.)
     """
     from .schedulers import compile_kernel
+    from .schedulers import Unsupported
     key = (seg, rank, plan.mesh, tuple(plan.values[v] for v in seg.inputs))
     if key not in _KERNELS:
         spec = kernel_spec(plan, seg.steps, seg.inputs, seg.outputs, rank)
-        _KERNELS[key] = (spec, compile_kernel(spec))
+        try:
+            _KERNELS[key] = (spec, compile_kernel(spec))
+        except Unsupported:  # this rank's (uneven) local shapes fit no scheduler: torch runs the steps
+            _KERNELS[key] = (spec, None)
     spec, kernel = _KERNELS[key]
+    if kernel is None:
+        from egraph_did.simulate import compute_on_rank
+        local = dict(env)
+        for step in seg.steps:
+            local.update(compute_on_rank(plan, step, local, rank))
+        return {v: local[v] for v in seg.outputs}
     outs = kernel({name: env[v] for name, v in zip(spec.inputs, seg.inputs)})
     return {v: outs[name] for name, v in zip(spec.outputs, seg.outputs)}

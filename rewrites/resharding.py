@@ -67,7 +67,7 @@ def reshards(src: Placement, dst: Placement) -> list[Reshard]:
 
 # Cancellations: a pair of reshards on one mesh axis that compose to the identity (first, then second).
 # The extractor never picks such a pair (the direct class is cheaper); plans loaded from JSON or written
-# by hand are cleaned with them (plan.simplify).
+# by hand are cleaned with them (Plan.simplified).
 CANCELLATIONS: list[tuple[str, str, str]] = [
     ("allgather", "slice", "slice(allgather(x, a), a) = x: S(a) -> R -> S(a)"),
     ("slice", "allgather", "allgather(slice(x, a), a) = x: R -> S(a) -> R"),

@@ -79,3 +79,38 @@ def test_chained_multi_output_ops_are_emitted_in_dependency_order():
     plan = ed.optimize(fd, mesh)  # validate() inside raises if a step reads a value before it exists
     X = torch.randn(4, 6, 8, dtype=torch.float64)
     torch.testing.assert_close(ed.simulate(plan, {"x": X})["y"], ed.evaluate(fd, {"x": X})["y"])
+
+
+def test_simplified_removes_cancelling_collectives_and_fuses_reduce_scatter_allgather():
+    from egraph_did.plan import Collective, Value
+    small = models.mlp(8, 16, torch.float64)
+    small["x"].set_device_mesh(MESH)
+    small["y"].set_device_mesh(MESH)
+    plan = ed.optimize(small, MESH, like=ed.optimize(pinned_mlp(), MESH))
+    (ar,) = plan.collectives
+    values = dict(plan.values)
+    values["y:S0"] = Value("y:S0", "y", (8, 16), "float64", "S0", ("s", "h"))
+    values["x:S1"] = Value("x:S1", "x", (8, 16), "float64", "S1", ("s", "h"))
+    values["x:R2"] = Value("x:R2", "x", (8, 16), "float64", "R", ("s", "h"))
+    steps = []
+    for s in plan.steps:
+        if s is ar:  # the allreduce as reduce_scatter then allgather
+            steps += [Collective("reduce_scatter", "y", ar.src, "y:S0", 0, "x", ar.bytes, 1e-5),
+                      Collective("allgather", "y", "y:S0", ar.dst, 0, "x", ar.bytes, 1e-5)]
+        elif isinstance(s, ed.ComputeStep) and s.op == "linear" and "x:R" in s.reads:  # x sliced, then gathered
+            steps += [Collective("slice", "x", "x:R", "x:S1", 0, "x", 0, 1e-6),
+                      Collective("allgather", "x", "x:S1", "x:R2", 0, "x", 512, 1e-5),
+                      ed.ComputeStep(s.op, tuple((k, "x:R2" if v == "x:R" else v) for k, v in s.args),
+                                     s.tensor_params, s.outputs, s.flags, s.rules, s.time, s.key)]
+        else:
+            steps.append(s)
+    detour = ed.Plan(plan.mesh, plan.cost_model, values, steps, plan.inputs, plan.outputs)
+    detour.validate()
+    assert [c.kind for c in detour.collectives] == ["allgather", "reduce_scatter", "allgather"]
+    clean = detour.simplified()
+    assert [c.kind for c in clean.collectives] == ["allreduce"]
+    g = torch.Generator().manual_seed(3)
+    inputs = {t.name: torch.randn(t.shape, generator=g, dtype=torch.float64) for t in small.fusion.inputs}
+    ref = ed.evaluate(small, inputs)["y"]
+    for p in (detour, clean):
+        torch.testing.assert_close(ed.simulate(p, inputs)["y"], ref)

@@ -238,4 +238,4 @@ def test_a_step_timeout_names_the_step_on_the_waiting_ranks(cases, results):
     for rank in (0, 1, 2):
         msg, index, waited = results[rank]["step_timeout"]
         assert index == step and 0.9 < waited < 5
-        assert f"rank {rank}, step {step} (allreduce[x] y P->R)" in msg and "did not complete within 1 s" in msg
+        assert f"rank {rank}, segment {step} of " in msg and "(allreduce[x] y P->R)" in msg and "did not complete within 1 s" in msg
