@@ -163,13 +163,15 @@ class MergeOf:
 
 @dataclass(frozen=True)
 class PendingSum:
-    """A partial: a reduction over the devices of a mesh axis that has not happened yet.
+    """A partial: a reduction (sum, or max) over the devices of a mesh axis that has not happened yet.
 
     >>> from egraph_did import FusionDefinition
     >>> y = FusionDefinition().define_tensor((4, 8)).set_device_mesh(DeviceMesh.arange(2))
     >>> y.add_partial(ParallelType.DIDx).loop_domain[-1].index, y.loop_domain[-1].logical_axes
-    (PendingSum(), frozenset())
+    (PendingSum(reduce='sum'), frozenset())
     """
+
+    reduce: str = "sum"
 
     def eval(self, idx):  # pragma: no cover - never asked: a partial holds every logical element
         raise ShardingError("a partial axis has no logical coordinate")
@@ -219,7 +221,8 @@ class IterDomain:
     def __str__(self) -> str:
         prefix = "r" if self.is_reduction else ("b" if self.is_broadcast else "")
         if self.is_device:
-            return f"{prefix}{self.parallel_type.name}{{{self.extent}}}"
+            pending_max = isinstance(self.index, PendingSum) and self.index.reduce == "max"
+            return f"{prefix}{self.parallel_type.name}{{{self.extent}}}{'(max)' if pending_max else ''}"
         return f"{prefix}{self.name}"
 
 
@@ -507,10 +510,11 @@ class TensorView:
         self._loop[pos] = dataclasses.replace(d, parallel_type=ptype)
         return self
 
-    def add_partial(self, ptype: ParallelType) -> "TensorView":
+    def add_partial(self, ptype: ParallelType, reduce: str = "sum") -> "TensorView":
         """Mark this tensor as a pending sum over the mesh axis `ptype` binds: a reduction loop axis
         bound to that mesh axis, as nvFuser's rfactor of a DID reduction leaves it. Each rank then holds
-        a summand; the tensor's value is the sum over that mesh axis. Needs the mesh set first.
+        a summand; the tensor's value is the sum over that mesh axis (reduce="max": the maximum, as an
+        amax over a sharded axis leaves it, shown as rDIDx{n}(max)). Needs the mesh set first.
 
         >>> from egraph_did import FusionDefinition, DeviceMesh, ParallelType
         >>> with FusionDefinition() as fd:
@@ -523,11 +527,13 @@ class TensorView:
                                 f"the size of the mesh axis it pends over)")
         if not ptype.is_device:
             raise ShardingError(f"{self.name}.add_partial: a partial needs a DID parallel type, got {ptype.name}")
+        if reduce not in ("sum", "max"):
+            raise ShardingError(f"{self.name}.add_partial: reduce must be 'sum' or 'max', got {reduce!r}")
         for d in self._loop:
             if d.parallel_type is ptype:
                 raise ShardingError(f"{self.name}: {ptype.name} is already bound to loop axis {d}")
         size = self.mesh.shape[ptype.mesh_axis(self.mesh)]
-        self._loop.append(IterDomain(f"p{ptype.name}", size, IterType.Reduction, ptype, PendingSum()))
+        self._loop.append(IterDomain(f"p{ptype.name}", size, IterType.Reduction, ptype, PendingSum(reduce)))
         return self
 
     def reset_loop_domain(self) -> "TensorView":

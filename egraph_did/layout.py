@@ -198,7 +198,7 @@ def apply_layout(tv: TensorView, layout: Layout, mesh: DeviceMesh) -> TensorView
             pos += 1
     for m, p in enumerate(layout):
         if p.is_partial:
-            tv.add_partial(ParallelType.for_mesh_axis(mesh, m))
+            tv.add_partial(ParallelType.for_mesh_axis(mesh, m), p.reduce)
     return tv
 
 
@@ -224,7 +224,7 @@ def layout_of(tv: TensorView, mesh: DeviceMesh) -> Layout:
     for d in tv.loop_domain:
         if d.is_device:
             m = d.parallel_type.mesh_axis(mesh)
-            ps[m] = P if d.is_reduction else S(next(iter(d.logical_axes)))
+            ps[m] = (PMAX if d.index.reduce == "max" else P) if d.is_reduction else S(next(iter(d.logical_axes)))
     layout = Layout(tuple(ps))
     probe = TensorView(tv.name, tv.shape, tv.dtype, [d.name for d in tv.logical_domain], Fusion())
     try:

@@ -62,6 +62,12 @@ def local_shape(tv: TensorView, rank: int) -> tuple[int, ...]:
     return tuple(len(i) for i in local_indices(tv, rank))
 
 
+def _pending(tv: TensorView, reduce: str) -> list[int]:
+    mesh = _mesh_of(tv)
+    return [d.parallel_type.mesh_axis(mesh) for d in tv.loop_domain
+            if d.is_device and d.is_reduction and d.index.reduce == reduce]
+
+
 def partial_mesh_axes(tv: TensorView) -> list[int]:
     """Mesh axes over which `tv` is a pending sum.
 
@@ -122,8 +128,8 @@ def shard_tensor(tensor: torch.Tensor, tv: TensorView, rank: int) -> torch.Tenso
     coords = mesh.coords(rank)
     indices = local_indices(tv, rank)
     local = tensor[_index_tuple(indices)] if tv.ndim else tensor.clone()
-    if any(coords[a] != 0 for a in partial_mesh_axes(tv)):
-        local = torch.zeros_like(local)
+    if any(coords[a] != 0 for a in _pending(tv, "sum")):
+        local = torch.zeros_like(local)  # a pending max needs no zeros: every copy is the value
     return local.contiguous()
 
 
@@ -159,7 +165,12 @@ def unshard_tensor(shards: Sequence[torch.Tensor] | Mapping[int, torch.Tensor], 
                              f"but its loop domain {tv.loop_str()} gives it {want}")
     replicated = replicated_mesh_axes(tv)
     first = by_rank[ranks[0]]
-    out = torch.zeros(tv.shape, dtype=first.dtype, device=first.device)
+    pending_max = bool(_pending(tv, "max"))
+    if pending_max and _pending(tv, "sum"):
+        raise ShardingError(f"unshard_tensor({tv.name}): a pending sum and a pending max on one tensor "
+                            f"do not commute; resolve one first")
+    out = (torch.full(tv.shape, -torch.inf, dtype=first.dtype, device=first.device) if pending_max
+           else torch.zeros(tv.shape, dtype=first.dtype, device=first.device))
     for r in ranks:
         coords = mesh.coords(r)
         if any(coords[a] != 0 for a in replicated):
@@ -170,7 +181,10 @@ def unshard_tensor(shards: Sequence[torch.Tensor] | Mapping[int, torch.Tensor], 
                 raise ShardingError(f"unshard_tensor({tv.name}): ranks {twin} and {r} hold different data "
                                     f"although {tv.name} is replicated on mesh axes {axes}")
             continue
-        if tv.ndim == 0:
+        if pending_max:
+            idx = _index_tuple(local_indices(tv, r)) if tv.ndim else ()
+            out[idx] = torch.maximum(out[idx], by_rank[r])
+        elif tv.ndim == 0:
             out += by_rank[r]
         else:
             out.index_put_(_index_tuple(local_indices(tv, r)), by_rank[r], accumulate=True)
@@ -194,7 +208,8 @@ def placements(tv: TensorView) -> tuple[str, ...]:
     for d in tv.loop_domain:
         if d.is_device:
             ax = d.parallel_type.mesh_axis(mesh)
-            out[ax] = "P" if d.is_reduction else f"S({next(iter(d.logical_axes))})"
+            pend = "Pmax" if d.is_reduction and d.index.reduce == "max" else "P"
+            out[ax] = pend if d.is_reduction else f"S({next(iter(d.logical_axes))})"
     return tuple(out)
 
 

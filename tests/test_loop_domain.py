@@ -416,3 +416,20 @@ def test_repr_shows_loop_dtype_and_mesh():
     x = tensor((2, 8), ("b", "s"), name="x", dtype=torch.bfloat16).set_device_mesh(DeviceMesh.arange(2))
     x.outer_split(1, 2).axis(1).parallelize(DIDx)
     assert repr(x) == "TensorView(x: [b, DIDx{2}, s/2] bfloat16 on DeviceMesh(x=2))"
+
+
+def test_a_pending_max_reads_back_as_pmax_and_unshards_by_maximum():
+    from egraph_did.layout import PMAX, Layout, S, apply_layout, layout_of
+    mesh = ed.DeviceMesh([[0, 1], [2, 3]])
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((5, 3), name="x")
+    apply_layout(x, Layout((PMAX, S(0))), mesh)
+    assert x.loop_str() == "[DIDx{2}, 5/2, 3, rDIDy{2}(max)]"
+    assert layout_of(x, mesh) == Layout((PMAX, S(0))) and ed.placements(x) == ("Pmax", "S(0)")
+    X = torch.randn(5, 3)
+    shards = [ed.shard_tensor(X, x, r) for r in mesh.ranks]
+    assert all(torch.equal(shards[r], shards[r + 2]) for r in (0, 1))  # every copy along y is the value
+    shards[2] = shards[2] - 1.0  # a smaller candidate on the other y rank leaves the maximum alone
+    assert torch.equal(ed.unshard_tensor(shards, x), X)
+    with pytest.raises(ed.ShardingError, match="reduce must be"):
+        x.reset_loop_domain().add_partial(ed.ParallelType.DIDx, "min")
