@@ -2,8 +2,9 @@
 
 Replaceable: `optimize(..., cost_model=MyModel())` takes any object with the methods of CostModel.
 
-Communication on a mesh axis of p ranks moving n bytes (n = the bytes of the full, unsharded-on-that-axis
-tensor one rank ends with, or starts with for reduce_scatter):
+Communication on a mesh axis of p ranks moving n bytes (n = the bytes of the tensor unsplit on that
+axis that one rank ends with (allgather) or starts with (reduce_scatter, allreduce); for alltoall, the
+shard a rank holds, of which it sends (p-1)/p):
   allgather, reduce_scatter, alltoall:  alpha + (p-1)/p * n / bw
   allreduce:                            2 alpha + 2(p-1)/p * n / bw
   broadcast, send/recv:                 alpha + n / bw
