@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .layout import Layout
+from .layout import Layout, R
 from .mesh import DeviceMesh
 from .ops import OPS
 
@@ -56,6 +56,20 @@ class RankContext:
             start = lo + self.coords[m] * step
             lo, hi, alloc = min(start, hi), min(start + step, hi), step
         return lo, hi
+
+    def cut_range(self, shape, src: Layout, dst: Layout, m: int) -> tuple[int, int]:
+        """[start, stop) along dst's split axis, relative to a tensor laid out as src with mesh axis m
+        replicated: the piece a collective on m that ends in dst leaves this rank (reduce_scatter, slice,
+        alltoall).
+
+        >>> from egraph_did.layout import R, S
+        >>> RankContext(DeviceMesh.arange(4), 3).cut_range((10,), Layout((R,)), Layout((S(0),)), 0)
+        (9, 10)
+        """
+        a = dst[m].axis
+        held, _ = self.shard_range(shape[a], src.replace(m, R), a)
+        lo, hi = self.shard_range(shape[a], dst, a)
+        return lo - held, hi - held
 
     def local_shape(self, o: Operand) -> tuple[int, ...]:
         """The shape of this rank's shard of `o`."""

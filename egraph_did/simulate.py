@@ -8,7 +8,6 @@ from typing import Mapping
 import torch
 
 from .errors import PlanError, ShapeError
-from .layout import Layout
 from .local import Operand, RankContext, run_local
 from .plan import Collective, ComputeStep, Plan
 from .sharding import shard_tensor, unshard_tensor
@@ -37,10 +36,8 @@ def collective(plan: Plan, c: Collective, local: dict[int, torch.Tensor]) -> dic
 
         def cut(t: torch.Tensor) -> torch.Tensor:
             """Narrow t, laid out as src minus its split on mesh axis m, to what dst gives this rank."""
-            a = dst[m].axis
-            held, _ = ctx.shard_range(dst_val.shape[a], _without(src, m), a)
-            lo, hi = ctx.shard_range(dst_val.shape[a], dst, a)
-            return t.narrow(a, lo - held, hi - lo)
+            lo, hi = ctx.cut_range(dst_val.shape, src, dst, m)
+            return t.narrow(dst[m].axis, lo, hi - lo)
 
         if c.kind == "allreduce":
             res = parts[0].clone()
@@ -61,12 +58,6 @@ def collective(plan: Plan, c: Collective, local: dict[int, torch.Tensor]) -> dic
             raise PlanError(f"unknown collective {c.kind!r}")
         out[rank] = res.contiguous()
     return out
-
-
-def _without(layout: Layout, m: int) -> Layout:
-    """layout with mesh axis m replicated."""
-    from .layout import R
-    return layout.replace(m, R)
 
 
 def compute_on_rank(plan: Plan, step: ComputeStep, env: Mapping[str, torch.Tensor], rank: int

@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 from egraph_did.errors import PlanError, ShapeError
-from egraph_did.layout import Layout, R
 from egraph_did.local import Operand, RankContext
 from egraph_did.mesh import DeviceMesh
 from egraph_did.plan import Collective, Plan
@@ -426,10 +425,6 @@ def gather_to_all(t: torch.Tensor, shapes: Sequence[Sequence[int]], timeout: flo
 
 # ---------------------------------------------------------------------------- plan collectives
 
-def _without(layout: Layout, m: int) -> Layout:
-    return layout.replace(m, R)
-
-
 def local_shape(plan: Plan, value: str, rank: int) -> tuple[int, ...]:
     """The shape of `rank`'s shard of a plan value (its allocation: ceil-cut, uneven splits exact).
 
@@ -469,10 +464,7 @@ def run_collective(plan: Plan, c: Collective, local: torch.Tensor, rank: int, *,
 
     def bounds(r: int) -> tuple[int, int]:
         """What dst gives member r along its split axis, relative to what src minus axis m holds."""
-        ctx, a = RankContext(mesh, r), dst[m].axis
-        held, _ = ctx.shard_range(dst_val.shape[a], _without(src, m), a)
-        lo, hi = ctx.shard_range(dst_val.shape[a], dst, a)
-        return lo - held, hi - held
+        return RankContext(mesh, r).cut_range(dst_val.shape, src, dst, m)
 
     def src_sizes() -> list[int]:
         a = src[m].axis
