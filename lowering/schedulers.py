@@ -153,6 +153,7 @@ def _frames(spec: KernelSpec, s: Schedule) -> None:
         out = frame
         if op.op in REDUCTIONS:
             red = _reduced_axes(spec, op, frame)
+            _check_reduced_operand(spec, op, frame, s.loop, red)
             if not _args(op)["keepdim"]:
                 out = tuple(a for a in frame if a not in red)
         elif op.op in TRANSPOSES:
@@ -164,6 +165,21 @@ def _frames(spec: KernelSpec, s: Schedule) -> None:
             raise Unsupported(f"{op.op} producing {op.out!r} of shape {spec.shape(op.out)}: does not fit the "
                               f"kernel's loop {s.loop}")
         s.out_frame[op.out] = out
+
+
+def _check_reduced_operand(spec: KernelSpec, op: KernelOp, frame: tuple[int, ...], loop: tuple[int, ...],
+                           red: tuple[int, ...]) -> None:
+    """A reduction must run over its operand's own extents. Where the operand has extent 1 along a reduced
+    loop axis that other tensors of the kernel widen, the kernel would sum each element once per copy of
+    the broadcast (sum(x[4, 1]) beside mul(w[4, 3], x) came out 3x too large): no single loop holds both."""
+    x = _args(op)["x"]
+    al = align_to(spec.shape(x), frame, loop)
+    off = len(frame) - len(spec.shape(x))
+    for d, a in enumerate(al):
+        if a is None and frame[off + d] in red and loop[frame[off + d]] > 1:
+            raise Unsupported(f"{op.op} producing {op.out!r} reduces axis {d} of {x!r} (extent 1), which the "
+                              f"kernel's loop {loop} broadcasts to {loop[frame[off + d]]}: the reduction would "
+                              f"count each element once per copy")
 
 
 def _downstream(spec: KernelSpec, pivot: KernelOp) -> set[str]:

@@ -54,3 +54,36 @@ def test_a_float64_run_falls_back_to_torch_for_every_step():
     _, plan = small_plan()
     f64 = ed.Plan.from_json(plan.to_json().replace('"float32"', '"float64"'))
     assert all(s.kind != "fused" for s in lower(f64).segments)  # no float64 kernels: torch runs them
+
+
+def _fused_beside_broadcast(build):
+    """One-device plan of a reduction and a broadcasting pointwise op that segmentation considers together;
+    the lowered simulation must equal the reference (it was silently wrong, even on one device)."""
+    with ed.FusionDefinition() as fd:
+        inputs = build(fd)
+    plan = ed.optimize(fd, ed.DeviceMesh.arange(1))
+    g = torch.Generator().manual_seed(0)
+    values = {n: torch.randn(s, generator=g) + 1.0 for n, s in inputs.items()}
+    ref = ed.evaluate(fd, values)
+    got = ed.simulate(plan, values)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_sum_beside_a_broadcasting_mul_is_not_counted_once_per_copy():
+    def build(fd):
+        x, w = fd.define_tensor((4, 1), name="x"), fd.define_tensor((4, 3), name="w")
+        fd.add_output(fd.ops.sum(x, keepdim=True), name="s")
+        fd.add_output(fd.ops.mul(w, x), name="m")
+        return {"x": (4, 1), "w": (4, 3)}
+    _fused_beside_broadcast(build)
+
+
+def test_layer_norm_and_rms_norm_beside_a_broadcasting_neg_equal_the_reference():
+    for norm in ("layer_norm", "rms_norm"):
+        def build(fd):
+            x, z = fd.define_tensor((1, 4), name="x"), fd.define_tensor((2, 1), name="z")
+            fd.add_output(getattr(fd.ops, norm)(x, normalized_shape=(1, 4)), name="n")
+            fd.add_output(fd.ops.neg(z), name="z2")
+            return {"x": (1, 4), "z": (2, 1)}
+        _fused_beside_broadcast(build)

@@ -484,3 +484,37 @@ def test_interpreter_heuristics_use_large_blocks():
     spec = softmax((70, 1000))
     cfg = sch.heuristics(spec, sch.schedule(spec), True)
     assert dict(cfg.constexprs)["BLOCK_M"] == 64 and cfg.grid == 2
+
+
+# ------------------------------------------------------------------ reductions beside broadcasts
+
+def test_sum_beside_a_wider_pointwise_op_is_not_counted_once_per_broadcast_copy():
+    """sum(x[4, 1]) over all axes with mul(w[4, 3], x) in the same spec: the loop is [4, 3], but the sum
+    runs over x's own extents (it came out 3x too large when fused)."""
+    b = Build()
+    x, w = b.input("x", (4, 1)), b.input("w", (4, 3))
+    spec = b.spec(b.sum(x, None, True), b.mul(w, x))
+    assert sch.classify(spec) is None  # no single loop holds both: segmentation splits them
+
+
+def test_layer_norm_beside_a_taller_pointwise_op_is_not_fused_over_the_broadcast():
+    """layer_norm(x[1, 4], normalized_shape=(1, 4)) reduces both axes; neg(z[2, 1]) widens axis 0 to 2."""
+    b = Build()
+    x, z = b.input("x", (1, 4)), b.input("z", (2, 1))
+    spec = b.spec(b.layer_norm(x, (1, 4)), b.neg(z))
+    assert sch.classify(spec) is None
+
+
+@pytest.mark.parametrize("xshape, wshape, dims", [
+    ((4, 1), (4, 3), None), ((4, 1), (4, 3), 1), ((1, 4), (3, 4), 0), ((2, 1, 5), (2, 3, 5), (1, 2)),
+    ((1, 4), (2, 1), (0, 1)), ((5, 1), (1, 6), 0),
+])
+@pytest.mark.parametrize("op", ["sum", "amax"])
+def test_reduction_fused_with_a_broadcasting_op_matches_eager_or_is_declined(xshape, wshape, dims, op):
+    """Whatever the scheduler takes of a reduction beside a broadcast, it computes what eager computes."""
+    b = Build()
+    x, w = b.input("x", xshape), b.input("w", wshape)
+    r = getattr(b, op)(x, dims, True)
+    spec = b.spec(b.add(b.mul(w, x), 1.0), r)
+    if sch.classify(spec) is not None:
+        check(spec)
