@@ -51,7 +51,8 @@ def _pow(a, b):
     b_int = b == tl.floor(b)
     b_odd = b_int & ((b - 2.0 * tl.floor(b * 0.5)) == 1.0)
     r = tl.where(a < 0, tl.where(b_int, tl.where(b_odd, -r, r), float("nan")), r)
-    return tl.where((b == 0) | (a == 1.0), 1.0, r)
+    # nested where, not `|`: a 0-d exponent loads as a scalar, and the interpreter cannot `|` a scalar bool
+    return tl.where(b == 0, 1.0, tl.where(a == 1.0, 1.0, r))
 ''',
 }
 

@@ -518,3 +518,14 @@ def test_reduction_fused_with_a_broadcasting_op_matches_eager_or_is_declined(xsh
     spec = b.spec(b.add(b.mul(w, x), 1.0), r)
     if sch.classify(spec) is not None:
         check(spec)
+
+
+@pytest.mark.parametrize("xshape, eshape", [((4, 8), (4, 8)), ((4, 8), (8,)), ((4, 8), (4, 1)), ((8,), (4, 8)),
+                                            ((4, 8), ()), ((), (4, 8)), ((4, 1), (1, 8))])
+def test_pow_with_a_tensor_exponent_of_any_broadcast_shape_matches_eager(xshape, eshape):
+    """pow(x, e) and pow(|x|, -e) with e a tensor (a 0-d exponent loads as a scalar: it failed under the
+    interpreter)."""
+    b = Build()
+    x, e = b.input("x", xshape), b.input("e", eshape)
+    spec = b.spec(b.pow(x, e), b.pow(b.abs(x), b.neg(e)), b.pow(2.0, e))
+    check(spec, kind="pointwise")
