@@ -76,9 +76,9 @@ def welford_blocks_sharded(e):
 @rule("welford_merge")
 def welford_merge_other_axis(e):
     """merging Welford blocks along one axis keeps a shard on another"""
-    stats, dim = e["stats"], e.attr("dim") % e["stats"].ndim
-    keep = e.attr("keepdim")
-    for a in range(stats.ndim - 1):
+    rank = e["stats"].ndim - 1  # the trailing axis holds (count, mean, M2); dim counts without it
+    dim, keep = e.attr("dim") % rank, e.attr("keepdim")
+    for a in range(rank):
         if a != dim:
             yield e.strategy(out=S(a if keep or a < dim else a - 1), stats=S(a))
 

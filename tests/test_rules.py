@@ -158,6 +158,9 @@ RULE_CASES: dict[str, list[Case]] = {
         case("uneven", M3, {"x": (5, 6)}, lambda o, x: o.welford_merge(o.welford_blocks(x, 1, 2), 1)),
         case("keepdim", M2, {"x": (4, 3, 6)}, lambda o, x: o.welford_merge(
             o.welford_blocks(x, 2, 2), 2, correction=0, keepdim=True)),
+        case("negative-dim", M3, {"x": (6, 5)}, lambda o, x: o.welford_merge(o.welford_blocks(x, -2, 3), -2)),
+        case("negative-dim-keepdim", M2, {"x": (3, 4, 6)}, lambda o, x: o.welford_merge(
+            o.welford_blocks(x, -1, 2), -1, keepdim=True)),
     ],
     "softmax_other_axis": [
         case("uneven", M3, {"x": (5, 4)}, lambda o, x: o.softmax(x, 1)),
