@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from .errors import PlanError
-from .ir import ParallelType, TensorView
+from .ir import InnerOf, LogicalIndex, OuterOf, ParallelType, TensorView
 from .mesh import DeviceMesh
 
 
@@ -145,37 +145,87 @@ def local_extents(shape: Sequence[int], layout: Layout, mesh: DeviceMesh) -> tup
 
 def valid_layouts(shape: Sequence[int], mesh: DeviceMesh, partial: bool = False) -> Iterator[Layout]:
     """Every layout of a tensor of `shape`: an axis is sharded only where every rank gets at least one
-    element (uneven shards allowed, empty ones not); partials only when asked.
+    element (uneven shards allowed, empty ones not); partials only when asked; only R on a mesh axis of
+    size 1 (see is_valid).
 
     >>> [str(lay) for lay in valid_layouts((4, 1), DeviceMesh.arange(2))]  # axis 1 is too short to split
     ['[R]', '[S(0)]']
     >>> [str(lay) for lay in valid_layouts((4, 1), DeviceMesh.arange(2), partial=True)]
     ['[R]', '[P]', '[Pmax]', '[S(0)]']
+    >>> [str(lay) for lay in valid_layouts((4,), DeviceMesh([[0], [1]]))]  # the second mesh axis has size 1
+    ['[R, R]', '[S(0), R]']
     """
-    choices = [R] + ([P, PMAX] if partial else []) + [S(a) for a in range(len(shape))]
-    for combo in itertools.product(choices, repeat=mesh.ndim):
+    full = [R] + ([P, PMAX] if partial else []) + [S(a) for a in range(len(shape))]
+    choices = [full if size > 1 else [R] for size in mesh.shape]
+    for combo in itertools.product(*choices):
         layout = Layout(tuple(combo))
         if is_valid(layout, shape, mesh):
             yield layout
 
 
+def nested_chunks(extent: int, ways: Sequence[int]) -> tuple[int, int]:
+    """(largest, smallest) piece of `extent` split as a loop domain nests outer splits: by ways[0]
+    first (torch.chunk: ceil-sized pieces), then the loop extent of a piece by ways[1], and so on.
+    The smallest piece is the last one at every level; 0 means some rank holds nothing.
+
+    >>> nested_chunks(6, [2, 2])  # 3, 3 then 2, 1 each: no rank is empty (a flat split by 4 would be)
+    (2, 1)
+    >>> nested_chunks(5, [2, 2]), nested_chunks(5, [4])  # 3 -> 2, 1; 2 -> 2, 0   |   2, 2, 1, 0
+    ((2, 0), (2, 0))
+    """
+    loop, last = extent, extent
+    for w in ways:
+        loop = -(-loop // w)
+        last = max(last - (w - 1) * loop, 0)
+    return loop, min(last, loop)
+
+
+def empty_rank(layout: Layout, shape: Sequence[int], mesh: DeviceMesh) -> int | None:
+    """The first tensor axis of which some rank would hold nothing under `layout`, or None.
+
+    >>> empty_rank(Layout((S(0),)), (5, 8), DeviceMesh.arange(4)), empty_rank(Layout((S(0),)), (7, 8), DeviceMesh.arange(4))
+    (0, None)
+    """
+    for a in range(len(shape)):
+        ways = [mesh.shape[m] for m in layout.sharding_axes(a)]
+        if ways and nested_chunks(shape[a], ways)[1] == 0:
+            return a
+    return None
+
+
 def is_valid(layout: Layout, shape: Sequence[int], mesh: DeviceMesh) -> bool:
     """Whether `layout` fits a tensor of `shape` on `mesh`: one placement per mesh axis, sharded axes
-    that exist, and no rank left with an empty shard.
+    that exist, no rank left with an empty shard (splits nest as the loop domain nests them: outer mesh
+    axis first, each inner split of the ceil-sized loop extent), and only R on a mesh axis of size 1
+    (a split or a partial over one device holds the same data as R: R is its canonical form).
 
     >>> mesh = DeviceMesh.arange(4)
     >>> is_valid(Layout((S(0),)), (7, 8), mesh)  # rows 2, 2, 2, 1
     True
     >>> is_valid(Layout((S(0),)), (5, 8), mesh)  # rows 2, 2, 1, 0: the last shard is empty
     False
+    >>> is_valid(Layout((S(0), S(0))), (6, 8), DeviceMesh([[0, 1], [2, 3]]))  # 3 | 3, then 2, 1 | 2, 1
+    True
+    >>> is_valid(Layout((S(0), R)), (8,), DeviceMesh([[0], [1]])), is_valid(Layout((R, S(0))), (8,), DeviceMesh([[0], [1]]))
+    (True, False)
     """
     if len(layout) != mesh.ndim:
         return False
-    for a in range(len(shape)):
-        ways = math.prod(mesh.shape[m] for m in layout.sharding_axes(a))
-        if ways > 1 and -(-shape[a] // ways) * (ways - 1) >= shape[a]:
-            return False  # the last shard would be empty
-    return all(not p.is_shard or p.axis < len(shape) for p in layout)
+    if any(p.kind != "R" and size == 1 for p, size in zip(layout, mesh.shape)):
+        return False
+    if not all(not p.is_shard or p.axis < len(shape) for p in layout):
+        return False
+    return empty_rank(layout, shape, mesh) is None
+
+
+def canonical_layout(layout: Layout, mesh: DeviceMesh) -> Layout:
+    """`layout` with every placement on a mesh axis of size 1 made R (the same data: one device holds
+    the whole of a split or the whole sum of a partial over one device).
+
+    >>> str(canonical_layout(Layout.from_code("S0.P"), DeviceMesh([[0], [1]])))
+    '[S(0), R]'
+    """
+    return Layout(tuple(p if size > 1 else R for p, size in zip(layout, mesh.shape)))
 
 
 def apply_layout(tv: TensorView, layout: Layout, mesh: DeviceMesh) -> TensorView:
@@ -203,16 +253,22 @@ def apply_layout(tv: TensorView, layout: Layout, mesh: DeviceMesh) -> TensorView
 
 
 def layout_of(tv: TensorView, mesh: DeviceMesh) -> Layout:
-    """The layout a pinned tensor's loop domain expresses; PlanError when no layout expresses it
-    exactly (e.g. a DID split that is not outermost), naming the tensor.
+    """The layout a pinned tensor's loop domain expresses, canonical (R on mesh axes of size 1);
+    PlanError naming the tensor, and saying what to do, when no layout expresses it exactly: a rank
+    left with no elements, or a DID split that is not outermost (a merged gate/up or QKV weight).
 
     >>> import egraph_did as ed
     >>> with ed.FusionDefinition() as fd:
-    ...     x = fd.define_tensor((8, 12), axis_names=("s", "h"))
+    ...     x = fd.define_tensor((8, 16), axis_names=("s", "h"))
     >>> mesh = ed.DeviceMesh.arange(4)
     >>> _ = x.set_device_mesh(mesh).outer_split(1, 4).axis(1).parallelize(ed.ParallelType.DIDx)
     >>> str(layout_of(x, mesh))
     '[S(1)]'
+    >>> x.name = "w"  # a merged gate/up weight: each rank holds a quarter of either half
+    >>> layout_of(x.reset_loop_domain().outer_split(1, 2).outer_split(2, 4).parallelize(2, ed.ParallelType.DIDx), mesh)
+    Traceback (most recent call last):
+    ...
+    egraph_did.errors.PlanError: w: the loop domain [s, 2, DIDx{4}, h/2/4] binds DIDx inside the serial outer split '2' of axis 1 (a non-outermost DID split, as of a merged gate/up or QKV weight); shard_tensor and simulate handle it, the optimizer does not: pin the parts as separate tensors (e.g. gate and up, each outer_split(axis, mesh size) then parallelized) joined by the ops that use them, or leave w free
     """
     from .fusion import Fusion
     from .sharding import local_indices
@@ -225,20 +281,59 @@ def layout_of(tv: TensorView, mesh: DeviceMesh) -> Layout:
         if d.is_device:
             m = d.parallel_type.mesh_axis(mesh)
             ps[m] = (PMAX if d.index.reduce == "max" else P) if d.is_reduction else S(next(iter(d.logical_axes)))
-    layout = Layout(tuple(ps))
+    layout = canonical_layout(Layout(tuple(ps)), mesh)
+    held = {r: local_indices(tv, r) for r in mesh.ranks}
+    for a, n in enumerate(tv.shape):
+        empty = [r for r in mesh.ranks if n and not len(held[r][a])]
+        if empty:
+            ways = math.prod(mesh.shape[m] for m, p in enumerate(layout) if p.is_shard and p.axis == a)
+            sizes = sorted({len(held[r][a]) for r in mesh.ranks}, reverse=True)
+            raise PlanError(
+                f"{tv.name}: the loop domain {tv.loop_str()} leaves rank {empty[0]} with none of the {n} "
+                f"elements of axis {a} (shards of {sizes} elements, torch.chunk style); shards that hold "
+                f"nothing are not supported: split axis {a} over fewer devices, shard another axis, pad "
+                f"{tv.name} to a multiple of {ways} along axis {a}, or leave it free")
     probe = TensorView(tv.name, tv.shape, tv.dtype, [d.name for d in tv.logical_domain], Fusion())
     try:
         apply_layout(probe, layout, mesh)
     except PlanError:
         probe = None
-    if probe is None or any(
-            [i.tolist() for i in local_indices(probe, r)] != [i.tolist() for i in local_indices(tv, r)]
-            for r in mesh.ranks):
-        raise PlanError(f"{tv.name}: the loop domain {tv.loop_str()} is not an outer DID split of each sharded "
-                        f"axis (the optimizer lays tensors out as R/P/S(axis) per mesh axis); pin it as "
-                        f"outer_split(axis, mesh size) then parallelize the outer part, or leave it free")
+    if probe is None or any([i.tolist() for i in local_indices(probe, r)] != [i.tolist() for i in held[r]]
+                            for r in mesh.ranks):
+        inner = _non_outermost(tv)
+        if inner is not None:
+            d, outer = inner
+            a = next(iter(d.logical_axes))
+            raise PlanError(
+                f"{tv.name}: the loop domain {tv.loop_str()} binds {d.parallel_type.name} inside the serial "
+                f"outer split '{outer}' of axis {a} (a non-outermost DID split, as of a merged gate/up or QKV "
+                f"weight); shard_tensor and simulate handle it, the optimizer does not: pin the parts as "
+                f"separate tensors (e.g. gate and up, each outer_split(axis, mesh size) then parallelized) "
+                f"joined by the ops that use them, or leave {tv.name} free")
+        raise PlanError(f"{tv.name}: the loop domain {tv.loop_str()} is not the canonical DID split of its "
+                        f"sharded axes (the optimizer lays tensors out as R/P/S(axis) per mesh axis, an axis "
+                        f"split over two mesh axes outer mesh axis first); pin it as outer_split(axis, mesh "
+                        f"size) then parallelize the outer part, or leave it free")
     return layout
 
 
-__all__ = ["Placement", "Layout", "R", "P", "PMAX", "S", "local_extents",
-           "valid_layouts", "is_valid", "apply_layout", "layout_of"]
+def _non_outermost(tv: TensorView):
+    """(DID loop axis, serial outer part) where a DID axis derives from the inner part of a split whose
+    outer part stays serial (extent > 1), or None."""
+    def inners(ix):
+        while ix is not None and not isinstance(ix, LogicalIndex):
+            if isinstance(ix, InnerOf):
+                yield ix
+            ix = getattr(ix, "of", None)
+    siblings = {d.index: d for d in tv.loop_domain if isinstance(d.index, OuterOf)}
+    for d in tv.loop_domain:
+        if d.is_device and not d.is_reduction:
+            for ix in inners(d.index):
+                outer = siblings.get(OuterOf(ix.of, ix.inner_extent))
+                if outer is not None and not outer.is_device and outer.extent > 1:
+                    return d, outer
+    return None
+
+
+__all__ = ["Placement", "Layout", "R", "P", "PMAX", "S", "local_extents", "nested_chunks", "empty_rank",
+           "valid_layouts", "is_valid", "canonical_layout", "apply_layout", "layout_of"]

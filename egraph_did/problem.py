@@ -17,7 +17,7 @@ from .cost import CostModel
 from .errors import PlanError
 from .fusion import Expr, Fusion, Ops, as_fusion, replay
 from .ir import TensorView
-from .layout import Layout, is_valid, layout_of, local_extents, valid_layouts
+from .layout import Layout, canonical_layout, is_valid, layout_of, local_extents, valid_layouts
 from .mesh import DeviceMesh
 
 # Composites whose reduction may run over a sharded axis: the e-graph also holds their decomposition,
@@ -264,7 +264,7 @@ def build_problem(fd, mesh: DeviceMesh, cost_model: CostModel | None = None,
     for name, lay in (pins or {}).items():
         if name not in work.tensors:
             raise PlanError(f"pin for unknown tensor {name!r}")
-        problem.pins[name] = lay
+        problem.pins[name] = canonical_layout(lay, mesh)
     _add_decompositions(work, ops, mesh, problem)
     for tv in work.all_tensors():
         problem.layouts[tv.name] = list(valid_layouts(tv.shape, mesh, partial=True))
@@ -294,7 +294,7 @@ def _restrict_to(problem: Problem, like) -> None:
         for i, s in enumerate(problem.strategies[key]):
             problem.strategies[key][i] = dataclasses.replace(s, sid=i)
     for name, vals in like.inputs.items():
-        problem.input_layouts[name] = [like.values[v].layout_obj for v in vals]
+        problem.input_layouts[name] = [canonical_layout(like.values[v].layout_obj, problem.mesh) for v in vals]
 
 
 __all__ = ["Problem", "Strategy", "build_problem", "expr_strategies", "clone_fusion", "REDUCING_COMPOSITES"]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import egraph_did as ed
+from egraph_did import models
 from egraph_did.ir import ParallelType
 
 F64 = torch.float64
@@ -45,3 +46,86 @@ def test_welford_merge_with_negative_dim_keeps_only_shards_of_unmerged_axes_and_
     merge = next(s for s in plan.compute_steps if s.op == "welford_merge")
     assert plan.values[dict(merge.args)["stats"]].layout != "S0"  # axis 0 of the stats is the merged one
     assert_simulates(plan, fd)
+
+
+# ---------------------------------------------------------------------- 2. mesh axes of size 1
+
+def mesh_4x1():
+    return ed.DeviceMesh(torch.arange(4).reshape(4, 1), axis_names=("dp", "tp"))
+
+
+def mesh_1x4():
+    return ed.DeviceMesh(torch.arange(4).reshape(1, 4), axis_names=("dp", "tp"))
+
+
+def pinned_mlp(mesh, big_axis, size1_pins=False):
+    """The MLP with x split by rows over the size-4 mesh axis and y replicated; size1_pins adds a split
+    of x's columns and a pending sum of y over the size-1 mesh axis (the same data)."""
+    fd = models.mlp(32, 4096, torch.bfloat16)
+    x, y = fd["x"], fd["y"]
+    x.set_device_mesh(mesh).outer_split(0, 4).parallelize(0, big_axis)
+    y.set_device_mesh(mesh)
+    if size1_pins:
+        other = DIDx if big_axis is DIDy else DIDy
+        x.outer_split(2, 1).parallelize(2, other)
+        y.add_partial(other)
+    return fd
+
+
+def summary(plan):
+    return [(c.kind, c.tensor, c.bytes, c.time) for c in plan.collectives], plan.predicted_time
+
+
+@pytest.mark.parametrize("size1_pins", [False, True], ids=["plain-pins", "pins-on-the-size-1-axis"])
+def test_no_collective_runs_on_a_mesh_axis_of_size_1_and_plans_equal_the_1d_plan(size1_pins):
+    flat = ed.optimize(pinned_mlp(MESH4, DIDx), MESH4)
+    assert flat.collectives  # the comparison means something: the 1-D plan communicates
+    for mesh, big in ((mesh_4x1(), DIDy), (mesh_1x4(), DIDx)):
+        plan = ed.optimize(pinned_mlp(mesh, big, size1_pins), mesh)
+        one = mesh.shape.index(1)
+        assert not [s for s in plan.steps if isinstance(s, ed.Collective) and s.mesh_axis == one]
+        assert all(v.layout_obj[one].kind == "R" for v in plan.values.values())  # R is the canonical form
+        assert summary(plan) == summary(flat)
+
+
+def test_a_plan_on_a_mesh_with_a_size_1_axis_simulates_exactly():
+    mesh = mesh_4x1()
+    fd = models.mlp(8, 16, F64)
+    fd["x"].set_device_mesh(mesh).outer_split(1, 4).parallelize(1, DIDy)
+    fd["x"].outer_split(0, 1).parallelize(0, DIDx)
+    fd["y"].set_device_mesh(mesh).add_partial(DIDx)
+    plan = ed.optimize(fd, mesh)
+    assert all(c.mesh_axis == 0 for c in plan.collectives)
+    assert_simulates(plan, fd)
+
+
+# ---------------------------------------------------------------------- 7. nested uneven splits; empty shards
+
+MESH22 = ed.DeviceMesh([[0, 1], [2, 3]])
+
+
+@pytest.mark.parametrize("rows", [6, 7, 13])
+def test_an_axis_split_unevenly_over_two_mesh_axes_with_no_empty_rank_is_a_valid_pin(rows):
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((rows, 3), F64, name="x")
+        w = fd.define_tensor((5, 3), F64, name="w")
+        fd.add_output(fd.ops.relu(fd.ops.linear(x, w)), name="y")
+    x.set_device_mesh(MESH22).outer_split(0, 2).parallelize(0, DIDy)  # rows: ceil-halves, each halved again
+    x.outer_split(1, 2).parallelize(1, DIDx)
+    assert all(x.local_shape(r)[0] > 0 for r in MESH22.ranks)
+    plan = ed.optimize(fd, MESH22)
+    assert plan.layout_of("x") == ed.Layout.from_code("S0.S0")
+    assert plan.loop_domain("x") == x.loop_str()
+    assert_simulates(plan, fd)
+
+
+def test_a_pin_that_leaves_a_rank_empty_says_so_and_what_to_do():
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((5, 3), F64, name="acts")
+        fd.add_output(fd.ops.relu(x), name="y")
+    shard(x, MESH4, 0)  # torch.chunk's 2, 2, 1, 0
+    with pytest.raises(ed.PlanError) as info:
+        ed.optimize(fd, MESH4)
+    msg = str(info.value)
+    assert "acts" in msg and "rank 3 with none of the 5 elements of axis 0" in msg
+    assert "not an outer DID split" not in msg and "pad acts" in msg
