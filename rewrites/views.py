@@ -1,7 +1,10 @@
 """Propagation through views: permutes move the sharded axis; reshapes keep a shard where the DID split
-stays outermost in its group of merged or split axes and divides; otherwise no rule fires and the plan
+stays outermost in its group of merged or split axes and every rank's flat block is unchanged (any
+extent for an axis the reshape leaves alone); otherwise no rule fires and the plan
 reshards. Views are linear, so partials pass through."""
 from __future__ import annotations
+
+import math
 
 from . import P, S, rule
 
@@ -57,15 +60,20 @@ def reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[lis
 
 @rule("reshape")
 def reshape_sharded(e):
-    """reshape keeps a shard whose axis is outermost (after extent-1 axes) in its group on both sides,
-    when the mesh axis divides both extents: the flat block a rank holds is the same"""
+    """reshape keeps a shard whose axis is outermost (after extent-1 axes) in its group on both sides when
+    the flat block a rank holds is the same: ceil(n_in / d) * inner_in == ceil(n_out / d) * inner_out
+    (any extent when the group is the one axis unchanged, uneven included)"""
     x, out = e["x"], e.out
     if 0 in x.shape:
         return
     for ins, outs in reshape_groups(x.shape, out.shape):
         a = next((k for k in ins if x.shape[k] > 1), None)
         b = next((k for k in outs if out.shape[k] > 1), None)
-        if a is not None and b is not None and e.divides(x.shape[a]) and e.divides(out.shape[b]):
+        if a is None or b is None:
+            continue
+        inner_in = math.prod(x.shape[k] for k in ins if k > a)
+        inner_out = math.prod(out.shape[k] for k in outs if k > b)
+        if -(-x.shape[a] // e.d) * inner_in == -(-out.shape[b] // e.d) * inner_out:
             yield e.strategy(out=S(b), x=S(a))
 
 

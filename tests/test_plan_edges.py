@@ -129,3 +129,17 @@ def test_a_pin_that_leaves_a_rank_empty_says_so_and_what_to_do():
     msg = str(info.value)
     assert "acts" in msg and "rank 3 with none of the 5 elements of axis 0" in msg
     assert "not an outer DID split" not in msg and "pad acts" in msg
+
+
+# ---------------------------------------------------------------------- 3. reshapes of uneven shards
+
+@pytest.mark.parametrize("new_shape", [(10, 6), (10, 2, 3), (10, 3, 2, 1)], ids=["identity", "split-other", "unit"])
+def test_a_reshape_that_leaves_an_unevenly_sharded_axis_alone_needs_no_allgather(new_shape):
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((10, 6), F64, name="x")  # 10 rows over 4 ranks: 3, 3, 3, 1
+        fd.add_output(fd.ops.relu(fd.ops.reshape(x, new_shape)), name="y")
+    shard(x, MESH4, 0)
+    shard(fd["y"], MESH4, 0)
+    plan = ed.optimize(fd, MESH4)
+    assert plan.collectives == []
+    assert_simulates(plan, fd)

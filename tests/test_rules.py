@@ -197,6 +197,9 @@ RULE_CASES: dict[str, list[Case]] = {
         case("unit-axis", M3, {"x": (1, 6, 5)}, lambda o, x: o.reshape(x, (6, 5))),
         case("merge-rows", M2, {"x": (4, 3)}, lambda o, x: o.reshape(x, (2, 6))),
         case("mesh2x2", M22, {"x": (4, 6)}, lambda o, x: o.reshape(x, (2, 2, 6))),
+        case("identity-uneven", M3, {"x": (5, 4)}, lambda o, x: o.reshape(x, (5, 4))),
+        case("sharded-axis-left-alone-uneven", M3, {"x": (5, 6)}, lambda o, x: o.reshape(x, (5, 2, 3))),
+        case("merge-uneven-same-flat-blocks", (4,), {"x": (7, 2)}, lambda o, x: o.reshape(x, (14,))),
     ],
     "unsqueeze_sharded": [
         case("uneven", M3, {"x": (5, 3)}, lambda o, x: (o.unsqueeze(x, 1), o.unsqueeze(x, -1))),
