@@ -19,6 +19,7 @@ from .fusion import Expr, Fusion, Ops, as_fusion, replay
 from .ir import TensorView
 from .layout import Layout, canonical_layout, is_valid, layout_of, local_extents, valid_layouts
 from .mesh import DeviceMesh
+from .ops import canonical_dtype
 
 # Composites whose reduction may run over a sharded axis: the e-graph also holds their decomposition,
 # where rfactor rules apply to the primitive reductions.
@@ -104,8 +105,15 @@ def clone_fusion(src: Fusion) -> tuple[Fusion, Ops]:
     >>> dst, ops = clone_fusion(src)
     >>> [str(e) for e in dst.exprs] == [str(e) for e in src.exprs], dst["x"] is src["x"]
     (True, False)
+    >>> import egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     fd.add_output(fd.ops.cast(fd.define_tensor((2,), name="x"), "float64"), name="y")
+    >>> dict(clone_fusion(fd.fusion)[0].exprs[0].args)["dtype"]  # a dtype by name becomes a torch dtype
+    torch.float64
     """
     def same(ops, e, args):
+        if isinstance(args.get("dtype"), str):  # cast(x, "float64"): a dtype by name, made a torch dtype once
+            args = {**args, "dtype": canonical_dtype(args["dtype"])}
         outs = ops._fusion.emit(e.op.name, **args)
         outs = outs if isinstance(outs, tuple) else (outs,)
         for old, tv in zip(e.outputs, outs):  # keep the user's names

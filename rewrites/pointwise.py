@@ -44,7 +44,7 @@ def partial_scaled(e):
 @rule("neg", "cast")
 def partial_through_linear_unary(e):
     """-(sum_r x_r) = sum_r -x_r; an exact upcast commutes with the sum too"""
-    exact = e.op == "cast" and e["x"].dtype.itemsize <= e.attr("dtype").itemsize and e.attr("dtype").is_floating_point \
-        and e["x"].dtype.is_floating_point
+    src, dst = e["x"].dtype, e.out.dtype  # the output's dtype: the cast's target, a torch dtype however named
+    exact = e.op == "cast" and src.is_floating_point and dst.is_floating_point and src.itemsize <= dst.itemsize
     if e.op == "neg" or exact:
         yield e.strategy(out=P, x=P)

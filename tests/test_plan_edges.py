@@ -143,3 +143,24 @@ def test_a_reshape_that_leaves_an_unevenly_sharded_axis_alone_needs_no_allgather
     plan = ed.optimize(fd, MESH4)
     assert plan.collectives == []
     assert_simulates(plan, fd)
+
+
+# ---------------------------------------------------------------------- 6. a dtype given by name
+
+def test_cast_to_a_dtype_given_by_name_optimizes_and_runs_like_a_torch_dtype():
+    def build(dtype):
+        with ed.FusionDefinition() as fd:
+            x = fd.define_tensor((8, 16), torch.float32, name="x")
+            fd.add_output(fd.ops.cast(fd.ops.sum(x, 1), dtype), name="y")
+        shard(x, MESH4, 1)
+        fd["y"].set_device_mesh(MESH4)
+        return fd
+    by_name, by_dtype = build("float64"), build(F64)
+    plan = ed.optimize(by_name, MESH4)
+    assert summary(plan) == summary(ed.optimize(by_dtype, MESH4))
+    cast = next(s for s in plan.compute_steps if s.op == "cast")
+    assert dict(cast.args)["dtype"] is F64
+    X = torch.randint(-8, 8, (8, 16)).to(torch.float32)  # integers: every summation order is exact
+    for p in (plan, ed.Plan.from_json(plan.to_json())):
+        got = ed.simulate(p, {"x": X})["y"]
+        assert got.dtype == F64 and torch.equal(got, ed.evaluate(by_name, {"x": X})["y"])

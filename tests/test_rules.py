@@ -116,7 +116,7 @@ RULE_CASES: dict[str, list[Case]] = {
     ],
     "partial_through_linear_unary": [
         case("neg-cast", M2, {"x": (3, 4), "h": Spec((3, 4), F32)}, lambda o, x, h: (
-            o.neg(x), o.cast(h, F64), o.cast(x, F64))),
+            o.neg(x), o.cast(h, F64), o.cast(x, F64), o.cast(h, "float64"))),
         case("mesh2x2", M22, {"x": (2, 3)}, lambda o, x: o.neg(x)),
     ],
     # ---------------------------------------------------------------- reductions
