@@ -164,3 +164,23 @@ def test_cast_to_a_dtype_given_by_name_optimizes_and_runs_like_a_torch_dtype():
     for p in (plan, ed.Plan.from_json(plan.to_json())):
         got = ed.simulate(p, {"x": X})["y"]
         assert got.dtype == F64 and torch.equal(got, ed.evaluate(by_name, {"x": X})["y"])
+
+
+# ---------------------------------------------------------------------- 5. non-outermost DID splits
+
+def test_a_non_outermost_did_split_pinned_for_the_optimizer_is_refused_naming_the_tensor_and_what_to_do():
+    """A merged gate/up weight [2 * I, H] split as [2, DIDx{4}, I/4, H]: each rank holds a quarter of the
+    gate rows and a quarter of the up rows. shard_tensor handles it; the optimizer's layouts (R/P/S(axis)
+    per mesh axis) cannot express it, so optimize says so and how to pin it instead."""
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((4, 8), F64, name="x")
+        w = fd.define_tensor((2 * 16, 8), F64, name="w_gate_up")
+        fd.add_output(fd.ops.linear(x, w), name="y")
+    w.set_device_mesh(MESH4).outer_split(0, 2).outer_split(1, 4).parallelize(1, DIDx)
+    W = torch.arange(32 * 8, dtype=F64).reshape(32, 8)
+    assert torch.equal(ed.shard_tensor(W, w, 1), torch.cat([W[4:8], W[20:24]]))
+    with pytest.raises(ed.PlanError) as info:
+        ed.optimize(fd, MESH4)
+    msg = str(info.value)
+    assert msg.startswith("w_gate_up: ") and "non-outermost DID split" in msg
+    assert "separate tensors" in msg and "leave w_gate_up free" in msg
