@@ -204,8 +204,13 @@ def build_plan(problem: Problem, graph: PhysGraph, sel: Selection) -> Plan:
     for name in problem.fusion.outputs:
         cls = f"__out__:{name}"
         outputs[name] = value_of[choice[cls].children[0]]
+    pins = {}  # every pinned tensor (input, output or intermediate) -> the value holding it in its pin
+    for name, lay in problem.pins.items():
+        v = f"{canonical(graph, problem, name)}:{lay.code()}"
+        if v in values:
+            pins[name] = v
     plan = Plan(mesh, problem.cost_model, values, _explain_why(steps, values, outputs, problem), inputs, outputs,
-                memory=sel.memory, method=sel.method)
+                memory=sel.memory, method=sel.method, pins=pins)
     plan.validate()
     return plan
 
@@ -268,9 +273,11 @@ def _explain_why(steps, values, outputs, problem: Problem) -> list:
             elif isinstance(reader, Collective):
                 why = f"then {reader.kind} on {reader.mesh_axis_name}"
             else:
-                name = next((k for k, v in outputs.items() if v == s.dst), s.tensor)
-                pinned = " (pinned)" if name in problem.pins else ""
-                why = f"output {name} is delivered as {lay}{pinned}"
+                name = next((k for k, v in outputs.items() if v == s.dst), None)
+                if name is None:  # nothing reads it and it is no output: a pinned intermediate, materialized
+                    why = f"{s.tensor} is pinned to {lay}"
+                else:
+                    why = f"output {name} is delivered as {lay}{' (pinned)' if name in problem.pins else ''}"
             s = Collective(**{**s.__dict__, "why": why})
         out.append(s)
     return out

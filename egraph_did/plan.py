@@ -128,6 +128,7 @@ class Plan:
     memory: float = 0.0
     method: str = ""
     stats: dict[str, float] = field(default_factory=dict)
+    pins: dict[str, str] = field(default_factory=dict)  # pinned tensor -> the value holding it in its pin
 
     # ------------------------------------------------------------ queries
     @property
@@ -150,7 +151,9 @@ class Plan:
         return sum(1 for c in self.collectives if c.kind == kind)
 
     def layout_of(self, tensor: str) -> Layout:
-        """The layout a tensor is produced (or, for an output, delivered) in."""
+        """The layout a tensor is pinned to, or else produced (or, for an output, delivered) in."""
+        if tensor in self.pins:
+            return self.values[self.pins[tensor]].layout_obj
         if tensor in self.outputs:
             return self.values[self.outputs[tensor]].layout_obj
         if tensor in self.inputs:
@@ -266,7 +269,8 @@ class Plan:
             else:
                 fixed.append(dataclasses.replace(s, src=fix(s.src)))
         plan = Plan(self.mesh, self.cost_model, dict(self.values), fixed, self.inputs,
-                    {k: fix(v) for k, v in self.outputs.items()}, self.memory, self.method, dict(self.stats))
+                    {k: fix(v) for k, v in self.outputs.items()}, self.memory, self.method, dict(self.stats),
+                    {k: fix(v) for k, v in self.pins.items()})
         plan.validate()
         return plan
 
@@ -283,7 +287,8 @@ class Plan:
             if v.tensor in seen:
                 continue
             seen.add(v.tensor)
-            lines.append(f"  {v.tensor:<14} {self.loop_domain(v.tensor)}")
+            pinned = " (pinned)" if v.tensor in self.pins else ""
+            lines.append(f"  {v.tensor:<14} {self.loop_domain(v.tensor)}{pinned}")
         lines.append("")
         lines.append(f"{'#':>3}  {'step':<46}{'layout':<18}{'bytes':>12}{'time us':>10}  why / rule")
         for i, s in enumerate(self.steps):
@@ -329,7 +334,7 @@ class Plan:
             "format": FORMAT, "mesh": self.mesh.to_dict(), "cost_model": self.cost_model.to_dict(),
             "values": {k: {**asdict(v), "shape": list(v.shape), "axes": list(v.axes)} for k, v in self.values.items()},
             "steps": steps, "inputs": self.inputs, "outputs": self.outputs, "memory": self.memory,
-            "method": self.method, "stats": self.stats}, indent=1)
+            "method": self.method, "stats": self.stats, "pins": self.pins}, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -381,7 +386,10 @@ class Plan:
             steps.append(step)
         plan = cls(mesh, CostModel.from_dict(d["cost_model"]), values, steps,
                    {k: list(v) for k, v in d["inputs"].items()}, dict(d["outputs"]), d.get("memory", 0.0),
-                   d.get("method", ""), d.get("stats", {}))
+                   d.get("method", ""), d.get("stats", {}), dict(d.get("pins", {})))
+        for name, v in plan.pins.items():
+            if v not in values:
+                raise PlanError(f"plan JSON: pins[{name!r}] must name a value (a key of 'values'), got {v!r}")
         plan.validate()
         return plan
 

@@ -184,3 +184,34 @@ def test_a_non_outermost_did_split_pinned_for_the_optimizer_is_refused_naming_th
     msg = str(info.value)
     assert msg.startswith("w_gate_up: ") and "non-outermost DID split" in msg
     assert "separate tensors" in msg and "leave w_gate_up free" in msg
+
+
+# ---------------------------------------------------------------------- 4. pins on intermediates
+
+def pinned_intermediate_fusion():
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((16, 8), F64, name="x")
+        w = fd.define_tensor((12, 8), F64, name="w")
+        h = fd.ops.linear(x, w)
+        fd.add_output(fd.ops.relu(h), name="y")
+    shard(x, MESH4, 0)
+    shard(fd["y"], MESH4, 0)
+    return fd, h
+
+
+@pytest.mark.parametrize("pin", ["R", "S1"])
+def test_a_pinned_intermediate_is_reported_exactly_as_pinned(pin):
+    fd, h = pinned_intermediate_fusion()  # x and y row-sharded: h is cheapest row-sharded, pinned otherwise
+    h.set_device_mesh(MESH4)
+    if pin == "S1":
+        h.outer_split(1, 4).parallelize(1, DIDx)
+    plan = ed.optimize(fd, MESH4)
+    assert plan.loop_domain(h.name) == h.loop_str()
+    assert plan.layout_of(h.name) == ed.Layout.from_code(pin)
+    produced = {v for s in plan.steps for v in (s.outputs if isinstance(s, ed.ComputeStep) else [s.dst])}
+    assert plan.pins[h.name] == f"{h.name}:{pin}" and plan.pins[h.name] in produced
+    line = next(ln for ln in plan.explain().splitlines() if ln.strip().startswith(h.name + " "))
+    assert h.loop_str() in line and line.endswith("(pinned)")
+    again = ed.Plan.from_json(plan.to_json())
+    assert again.pins == plan.pins and again.loop_domain(h.name) == h.loop_str()
+    assert_simulates(plan, fd)
