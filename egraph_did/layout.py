@@ -183,7 +183,8 @@ def nested_chunks(extent: int, ways: Sequence[int]) -> tuple[int, int]:
 def empty_rank(layout: Layout, shape: Sequence[int], mesh: DeviceMesh) -> int | None:
     """The first tensor axis of which some rank would hold nothing under `layout`, or None.
 
-    >>> empty_rank(Layout((S(0),)), (5, 8), DeviceMesh.arange(4)), empty_rank(Layout((S(0),)), (7, 8), DeviceMesh.arange(4))
+    >>> mesh = DeviceMesh.arange(4)
+    >>> empty_rank(Layout((S(0),)), (5, 8), mesh), empty_rank(Layout((S(0),)), (7, 8), mesh)
     (0, None)
     """
     for a in range(len(shape)):
@@ -206,7 +207,8 @@ def is_valid(layout: Layout, shape: Sequence[int], mesh: DeviceMesh) -> bool:
     False
     >>> is_valid(Layout((S(0), S(0))), (6, 8), DeviceMesh([[0, 1], [2, 3]]))  # 3 | 3, then 2, 1 | 2, 1
     True
-    >>> is_valid(Layout((S(0), R)), (8,), DeviceMesh([[0], [1]])), is_valid(Layout((R, S(0))), (8,), DeviceMesh([[0], [1]]))
+    >>> tall = DeviceMesh([[0], [1]])  # its second axis has size 1
+    >>> is_valid(Layout((S(0), R)), (8,), tall), is_valid(Layout((R, S(0))), (8,), tall)
     (True, False)
     """
     if len(layout) != mesh.ndim:

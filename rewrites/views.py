@@ -60,9 +60,10 @@ def reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[lis
 
 @rule("reshape")
 def reshape_sharded(e):
-    """reshape keeps a shard whose axis is outermost (after extent-1 axes) in its group on both sides when
-    the flat block a rank holds is the same: ceil(n_in / d) * inner_in == ceil(n_out / d) * inner_out
-    (any extent when the group is the one axis unchanged, uneven included)"""
+    """reshape(x)[shard] = reshape(x[shard]) when a rank's flat block is unchanged by the reshape
+    (the sharded axis outermost, after extent-1 axes, in its group on both sides, and
+    ceil(n_in / d) * inner_in == ceil(n_out / d) * inner_out: any extent, uneven included, for an axis
+    the reshape leaves alone)"""
     x, out = e["x"], e.out
     if 0 in x.shape:
         return
