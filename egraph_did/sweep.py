@@ -336,7 +336,7 @@ def plan_family(plan: Plan) -> str:
         elif act_split or io_split:
             other = [c for c in colls if c.tensor not in weights and c.kind != "alltoall"
                      and c.tensor not in plan.outputs]
-            if "Ulysses" not in tags:
+            if not tags & {"Ulysses", "FSDP"}:  # FSDP is data parallel with weights gathered per use
                 tags.add("CP" if other else "DP")
         label = "+".join(t for t in FAMILY_ORDER if t in tags) or "-"
         out.append(label)
@@ -655,19 +655,18 @@ def plot_sweep(rows: list[dict], path: str, x: str | None = None, title: str = "
         for ax, key, scale in ((axes[0], "time_us", 1.0), (axes[1], "bytes_moved", 2**-20)):
             ys = [r[key] * scale for r in pts]
             ax.plot(xs, ys, "-", color="0.6", lw=1, zorder=1)
-            ax.scatter(xs, ys, c=[color[r["family"]] for r in pts], marker=mk, s=36, zorder=2,
-                       label=label or None)
+            ax.scatter(xs, ys, c=[color[r["family"]] for r in pts], marker=mk, s=36, zorder=2)
         axes[2].scatter(xs, [si] * len(xs), c=[color[r["family"]] for r in pts], marker="s", s=120)
+    row = {label: i for i, label in enumerate(series)}
     for c in crossovers(good, x):
-        if numeric:
-            a, b = float(c["x_before"]), float(c["x_after"])
-            xc = math.sqrt(a * b) if logx else (a + b) / 2
-        else:
+        if not numeric:
             continue
+        a, b = float(c["x_before"]), float(c["x_after"])
+        xc = math.sqrt(a * b) if logx else (a + b) / 2
         for ax in axes:
-            ax.axvline(xc, ls="--", color="0.3", lw=0.8)
-        axes[0].annotate(f"{c['before']} → {c['after']}", (xc, 1), xycoords=("data", "axes fraction"),
-                         rotation=90, va="top", ha="right", fontsize=7, color="0.2")
+            ax.axvline(xc, ls="--", color="0.45", lw=0.7)
+        axes[2].annotate(f"{c['before']} → {c['after']}", (xc, row[c["series"]] + 0.18), ha="center",
+                         va="bottom", fontsize=6, color="0.15")
     if logx:
         for ax in axes:
             ax.set_xscale("log", base=2)
@@ -681,7 +680,9 @@ def plot_sweep(rows: list[dict], path: str, x: str | None = None, title: str = "
     handles = [plt.Line2D([], [], marker="s", ls="", color=color[f], label=f) for f in families]
     axes[2].legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), title="family")
     if any(series):
-        axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), title="series (marker)")
+        axes[0].legend(handles=[plt.Line2D([], [], marker=markers[i % len(markers)], ls="-", color="0.4", label=s)
+                                for i, s in enumerate(series)],
+                       fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), title="series (marker)")
     fig.suptitle(title or f"egraph-did sweep over {x}", fontsize=11)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
