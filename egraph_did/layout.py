@@ -194,17 +194,21 @@ def empty_rank(layout: Layout, shape: Sequence[int], mesh: DeviceMesh) -> int | 
     return None
 
 
-def is_valid(layout: Layout, shape: Sequence[int], mesh: DeviceMesh) -> bool:
+def is_valid(layout: Layout, shape: Sequence[int], mesh: DeviceMesh, allow_empty: bool = False) -> bool:
     """Whether `layout` fits a tensor of `shape` on `mesh`: one placement per mesh axis, sharded axes
     that exist, no rank left with an empty shard (splits nest as the loop domain nests them: outer mesh
     axis first, each inner split of the ceil-sized loop extent), and only R on a mesh axis of size 1
     (a split or a partial over one device holds the same data as R: R is its canonical form).
+    allow_empty admits shards that hold nothing (5 rows over 4 ranks: 2, 2, 1, 0, as DTensor chunks):
+    a pin may say so, and the plan reshards it before computing; the optimizer never picks one itself.
 
     >>> mesh = DeviceMesh.arange(4)
     >>> is_valid(Layout((S(0),)), (7, 8), mesh)  # rows 2, 2, 2, 1
     True
     >>> is_valid(Layout((S(0),)), (5, 8), mesh)  # rows 2, 2, 1, 0: the last shard is empty
     False
+    >>> is_valid(Layout((S(0),)), (5, 8), mesh, allow_empty=True)  # fine for a pin
+    True
     >>> is_valid(Layout((S(0), S(0))), (6, 8), DeviceMesh([[0, 1], [2, 3]]))  # 3 | 3, then 2, 1 | 2, 1
     True
     >>> tall = DeviceMesh([[0], [1]])  # its second axis has size 1
@@ -217,7 +221,7 @@ def is_valid(layout: Layout, shape: Sequence[int], mesh: DeviceMesh) -> bool:
         return False
     if not all(not p.is_shard or p.axis < len(shape) for p in layout):
         return False
-    return empty_rank(layout, shape, mesh) is None
+    return allow_empty or empty_rank(layout, shape, mesh) is None
 
 
 def canonical_layout(layout: Layout, mesh: DeviceMesh) -> Layout:
@@ -240,7 +244,7 @@ def apply_layout(tv: TensorView, layout: Layout, mesh: DeviceMesh) -> TensorView
     >>> apply_layout(x, Layout((S(1), S(1))), mesh).loop_str()
     '[s, DIDy{2}, DIDx{3}, h/2/3]'
     """
-    if not is_valid(layout, tv.shape, mesh):
+    if not is_valid(layout, tv.shape, mesh, allow_empty=True):  # a pin may leave a rank empty, as DTensor's
         raise PlanError(f"{tv.name}: layout {layout} does not fit shape {tv.shape} on {mesh}")
     tv.reset_loop_domain().set_device_mesh(mesh)
     for a in reversed(range(tv.ndim)):  # right to left, so earlier positions stay put
@@ -285,16 +289,6 @@ def layout_of(tv: TensorView, mesh: DeviceMesh) -> Layout:
             ps[m] = (PMAX if d.index.reduce == "max" else P) if d.is_reduction else S(next(iter(d.logical_axes)))
     layout = canonical_layout(Layout(tuple(ps)), mesh)
     held = {r: local_indices(tv, r) for r in mesh.ranks}
-    for a, n in enumerate(tv.shape):
-        empty = [r for r in mesh.ranks if n and not len(held[r][a])]
-        if empty:
-            ways = math.prod(mesh.shape[m] for m, p in enumerate(layout) if p.is_shard and p.axis == a)
-            sizes = sorted({len(held[r][a]) for r in mesh.ranks}, reverse=True)
-            raise PlanError(
-                f"{tv.name}: the loop domain {tv.loop_str()} leaves rank {empty[0]} with none of the {n} "
-                f"elements of axis {a} (shards of {sizes} elements, torch.chunk style); shards that hold "
-                f"nothing are not supported: split axis {a} over fewer devices, shard another axis, pad "
-                f"{tv.name} to a multiple of {ways} along axis {a}, or leave it free")
     probe = TensorView(tv.name, tv.shape, tv.dtype, [d.name for d in tv.logical_domain], Fusion())
     try:
         apply_layout(probe, layout, mesh)

@@ -277,8 +277,10 @@ def build_problem(fd, mesh: DeviceMesh, cost_model: CostModel | None = None,
     for tv in work.all_tensors():
         problem.layouts[tv.name] = list(valid_layouts(tv.shape, mesh, partial=True))
     for name, lay in problem.pins.items():
-        if not is_valid(lay, work.tensors[name].shape, mesh):
+        if not is_valid(lay, work.tensors[name].shape, mesh, allow_empty=True):
             raise PlanError(f"{name}: pinned layout {lay} does not fit its shape {work.tensors[name].shape}")
+        if lay not in problem.layouts[name]:  # a pin whose shards leave a rank empty: held as given, and
+            problem.layouts[name].append(lay)  # resharded before any op reads it (ops take valid layouts)
     for e in work.exprs:
         key = e.outputs[0].name
         problem.exprs[key] = e

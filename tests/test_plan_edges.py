@@ -119,16 +119,51 @@ def test_an_axis_split_unevenly_over_two_mesh_axes_with_no_empty_rank_is_a_valid
     assert_simulates(plan, fd)
 
 
-def test_a_pin_that_leaves_a_rank_empty_says_so_and_what_to_do():
+def empty_rank_mlp(rows, mesh, pin_output):
+    """x [rows, 3] pinned row-sharded over every mesh axis (a rank holds no rows when rows is short)."""
     with ed.FusionDefinition() as fd:
-        x = fd.define_tensor((5, 3), F64, name="acts")
-        fd.add_output(fd.ops.relu(x), name="y")
-    shard(x, MESH4, 0)  # torch.chunk's 2, 2, 1, 0
-    with pytest.raises(ed.PlanError) as info:
-        ed.optimize(fd, MESH4)
-    msg = str(info.value)
-    assert "acts" in msg and "rank 3 with none of the 5 elements of axis 0" in msg
-    assert "not an outer DID split" not in msg and "pad acts" in msg
+        x = fd.define_tensor((rows, 3), F64, name="acts")
+        w = fd.define_tensor((4, 3), F64, name="w")
+        fd.add_output(fd.ops.relu(fd.ops.linear(x, w)), name="y")
+    x.set_device_mesh(mesh)
+    pos = 0
+    for m in range(mesh.ndim):  # outer mesh axis first, as DTensor's (Shard(0), Shard(0)) chunks
+        x.outer_split(pos, mesh.shape[m]).parallelize(pos, ParallelType.for_mesh_axis(mesh, m))
+        pos += 1
+    if pin_output:  # row-sharded like x on a 1-D mesh, replicated on a 2-D one
+        y = fd["y"].set_device_mesh(mesh)
+        if mesh.ndim == 1:
+            y.outer_split(0, mesh.size).parallelize(0, DIDx)
+    return fd, x
+
+
+@pytest.mark.parametrize("rows, mesh", [(5, MESH4), (3, MESH4), (1, MESH4), (5, MESH22)])
+@pytest.mark.parametrize("pin_output", [False, True])
+def test_a_pin_whose_shards_leave_a_rank_empty_is_honoured_and_runs(rows, mesh, pin_output):
+    """5 rows over 4 ranks is DTensor's 2, 2, 1, 0: the pin is held as given (the last rank holds none)
+    and the plan reshards it before computing; a pinned output with an empty shard is delivered so."""
+    fd, x = empty_rank_mlp(rows, mesh, pin_output)
+    assert any(x.local_shape(r)[0] == 0 for r in mesh.ranks)
+    plan = ed.optimize(fd, mesh)
+    assert plan.loop_domain("acts") == x.loop_str()
+    if pin_output:
+        assert plan.loop_domain("y") == fd["y"].loop_str()
+    assert_simulates(plan, fd)
+    assert_simulates(ed.Plan.from_json(plan.to_json()), fd)
+
+
+def _run_empty_rank_plan(rank, plan, inputs):
+    return plan.run(inputs, inputs="global", outputs="global")["y"]
+
+
+def test_a_pin_with_an_empty_shard_runs_on_gloo_processes():
+    fd, _ = empty_rank_mlp(5, MESH4, pin_output=True)
+    plan = ed.optimize(fd, MESH4)
+    inputs = {k: v.float() for k, v in random_inputs(fd).items()}
+    plan32 = ed.Plan.from_json(plan.to_json().replace('"float64"', '"float32"'))
+    want = ed.evaluate(fd, {k: v.double() for k, v in inputs.items()})["y"]
+    for got in ed.launch(_run_empty_rank_plan, nprocs=4, backend="gloo", args=(plan32, inputs), timeout=120):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------- 3. reshapes of uneven shards
