@@ -16,9 +16,12 @@ Compute: launch + max(flops / peak(dtype), bytes / hbm).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
+
+from .errors import CostModelError
 
 COLLECTIVES = ("allgather", "reduce_scatter", "allreduce", "alltoall", "broadcast", "send_recv")
 
@@ -36,6 +39,20 @@ class Link:
     alpha: float  # seconds per collective
     bandwidth: float  # bytes/s each rank moves (NCCL's bus bandwidth)
 
+    def __post_init__(self):
+        if not _number(self.alpha) or self.alpha < 0:
+            raise CostModelError(f"Link {self.name}: alpha must be a non-negative number of seconds per "
+                                 f"collective, got {self.alpha!r} (e.g. alpha=10e-6)")
+        if not _number(self.bandwidth, inf_ok=True) or self.bandwidth <= 0:
+            raise CostModelError(f"Link {self.name}: bandwidth must be a positive number of bytes/s per rank, "
+                                 f"got {self.bandwidth!r} (e.g. bandwidth=370e9 for NVLink)")
+
+
+def _number(v, inf_ok: bool = False) -> bool:
+    """A real number, not nan, finite unless inf_ok (bools excluded)."""
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+            and (inf_ok or math.isfinite(v)))
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -52,6 +69,26 @@ class CostModel:
     launch_overhead: float  # seconds per kernel
     links: tuple[Link, ...]  # per mesh axis, outermost first; one link serves every axis
     memory_limit: float | None = None  # bytes per device, or no bound
+
+    def __post_init__(self):
+        if self.memory_limit is not None and (not _number(self.memory_limit) or self.memory_limit <= 0):
+            raise CostModelError(f"CostModel {self.name}: memory_limit must be a positive number of bytes per "
+                                 f"device, or None for no bound; got {self.memory_limit!r} "
+                                 f"(e.g. memory_limit=80 * 2**30 for 80 GiB)")
+        if not isinstance(self.peak_flops, tuple) or not all(
+                isinstance(p, tuple) and len(p) == 2 and _number(p[1]) and p[1] > 0 for p in self.peak_flops):
+            raise CostModelError(f"CostModel {self.name}: peak_flops must be a tuple of (dtype name, FLOP/s) "
+                                 f"pairs with positive rates, got {self.peak_flops!r} "
+                                 f"(e.g. (('bfloat16', 679e12), ('float32', 60e12)))")
+        for field, v in (("hbm_bandwidth", self.hbm_bandwidth), ("launch_overhead", self.launch_overhead)):
+            if not _number(v) or v < 0 or (field == "hbm_bandwidth" and v == 0):
+                raise CostModelError(f"CostModel {self.name}: {field} must be a "
+                                     f"{'positive number of bytes/s' if field == 'hbm_bandwidth' else 'non-negative number of seconds'}"
+                                     f", got {v!r}")
+        if (not isinstance(self.links, tuple) or not self.links
+                or not all(isinstance(link, Link) for link in self.links)):
+            raise CostModelError(f"CostModel {self.name}: links must be a non-empty tuple of Link, one per "
+                                 f"mesh axis (outermost first) or one for every axis; got {self.links!r}")
 
     # -------------------------------------------------------------- presets
     @classmethod
@@ -76,8 +113,26 @@ class CostModel:
         if len(self.links) == 1:
             return self.links[0]
         if len(self.links) != mesh_ndim:
-            raise ValueError(f"cost model {self.name} has {len(self.links)} links for a {mesh_ndim}-D mesh")
+            raise CostModelError(f"cost model {self.name} has {len(self.links)} links "
+                                 f"({', '.join(link.name for link in self.links)}) for a {mesh_ndim}-D mesh; give "
+                                 f"one link per mesh axis, or one for every axis")
         return self.links[mesh_axis]
+
+    def check_mesh(self, mesh) -> None:
+        """CostModelError unless this model prices every axis of `mesh` (one link, or one per axis).
+
+        >>> import egraph_did as ed
+        >>> CostModel.h200_multinode().check_mesh(ed.DeviceMesh.arange(8))
+        Traceback (most recent call last):
+        ...
+        egraph_did.errors.CostModelError: cost model h200-multinode has 2 links (infiniband, nvlink), one per axis of a 2-D mesh, but the mesh DeviceMesh(x=8) is 1-D; use a 2-D mesh such as DeviceMesh(grid.reshape(nodes, gpus_per_node)), or CostModel.h200() for one node
+        """
+        if len(self.links) not in (1, mesh.ndim):
+            raise CostModelError(
+                f"cost model {self.name} has {len(self.links)} links "
+                f"({', '.join(link.name for link in self.links)}), one per axis of a {len(self.links)}-D mesh, but "
+                f"the mesh {mesh} is {mesh.ndim}-D; use a {len(self.links)}-D mesh such as "
+                f"DeviceMesh(grid.reshape(nodes, gpus_per_node)), or CostModel.h200() for one node")
 
     def collective_time(self, kind: str, nbytes: float, group_size: int, mesh_axis: int, mesh_ndim: int) -> float:
         """Seconds for one collective of `kind` over `group_size` ranks of a mesh axis."""
@@ -88,7 +143,7 @@ class CostModel:
         factor = {"allgather": (p - 1) / p, "reduce_scatter": (p - 1) / p, "alltoall": (p - 1) / p,
                   "allreduce": 2 * (p - 1) / p, "broadcast": 1.0, "send_recv": 1.0}.get(kind)
         if factor is None:
-            raise ValueError(f"unknown collective {kind!r}; known: {COLLECTIVES}")
+            raise CostModelError(f"unknown collective {kind!r}; known: {COLLECTIVES}")
         phases = 2 if kind == "allreduce" else 1
         return phases * link.alpha + factor * nbytes / link.bandwidth
 
@@ -111,6 +166,52 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
-        """Inverse of to_dict()."""
+        """Inverse of to_dict().
+
+        >>> CostModel.from_dict({"name": "mine"})
+        Traceback (most recent call last):
+        ...
+        egraph_did.errors.CostModelError: cost model dict 'mine' lacks the field 'peak_flops'; write it with CostModel.to_dict()
+        """
+        if not isinstance(d, dict):
+            raise CostModelError(f"a cost model dict is a dict (CostModel.to_dict()), got {type(d).__name__}")
+        label = d.get("name", "?")
+        for key, kind in (("name", str), ("peak_flops", dict), ("hbm_bandwidth", (int, float)),
+                          ("launch_overhead", (int, float)), ("links", list)):
+            if key not in d:
+                raise CostModelError(f"cost model dict {label!r} lacks the field {key!r}; write it with "
+                                     f"CostModel.to_dict()")
+            if not isinstance(d[key], kind):
+                raise CostModelError(f"cost model dict {label!r}: field {key!r} must be a "
+                                     f"{getattr(kind, '__name__', 'number')}, got {type(d[key]).__name__}")
+        links = []
+        for i, link in enumerate(d["links"]):
+            if not isinstance(link, dict) or set(link) != {"name", "alpha", "bandwidth"}:
+                raise CostModelError(f"cost model dict {label!r}: links[{i}] must have exactly the fields name, "
+                                     f"alpha, bandwidth; got {link!r}")
+            links.append(Link(**link))
         return cls(d["name"], tuple(d["peak_flops"].items()), d["hbm_bandwidth"], d["launch_overhead"],
-                   tuple(Link(**link) for link in d["links"]), d.get("memory_limit"))
+                   tuple(links), d.get("memory_limit"))
+
+
+METHODS = ("collective_time", "compute_time", "to_dict")
+
+
+def check_cost_model(cost_model, mesh) -> None:
+    """CostModelError unless `cost_model` can price plans on `mesh`: a CostModel (or an object with its
+    methods and a memory_limit) whose links cover the mesh's axes.
+
+    >>> import egraph_did as ed
+    >>> check_cost_model("h200", ed.DeviceMesh.arange(4))
+    Traceback (most recent call last):
+    ...
+    egraph_did.errors.CostModelError: optimize: cost_model must be a CostModel (e.g. ed.CostModel.h200() or ed.CostModel.h200_multinode()) or an object with its methods (collective_time, compute_time, to_dict) and a memory_limit; got the str 'h200'
+    """
+    missing = [m for m in METHODS if not callable(getattr(cost_model, m, None))]
+    if missing or not hasattr(cost_model, "memory_limit"):
+        raise CostModelError(f"optimize: cost_model must be a CostModel (e.g. ed.CostModel.h200() or "
+                             f"ed.CostModel.h200_multinode()) or an object with its methods "
+                             f"({', '.join(METHODS)}) and a memory_limit; got the "
+                             f"{type(cost_model).__name__} {cost_model!r:.60}")
+    if isinstance(cost_model, CostModel):
+        cost_model.check_mesh(mesh)

@@ -14,7 +14,9 @@ class EgraphDidError(Exception):
 
 
 class ShapeError(EgraphDidError, ValueError):
-    """An op got operands whose shapes, dtypes or axes do not fit (raised at the op that is wrong).
+    """An op got operands whose shapes, dtypes or axes do not fit (raised at the op that is wrong); or a
+    tensor handed to evaluate, simulate or run does not fit the input it is bound to (missing, unknown,
+    not a tensor, on the meta device, the wrong shape, or indices outside the table they index).
 
     >>> import egraph_did as ed
     >>> fd = ed.FusionDefinition()
@@ -61,6 +63,18 @@ class PlanError(EgraphDidError, ValueError):
     """
 
 
+class CostModelError(PlanError):
+    """A cost model that cannot price a plan: a bad field (memory_limit, a link's bandwidth), an object
+    without CostModel's methods, or links that do not match the mesh. A PlanError too.
+
+    >>> import egraph_did as ed
+    >>> ed.CostModel.h200(memory_limit=0)
+    Traceback (most recent call last):
+    ...
+    egraph_did.errors.CostModelError: CostModel h200-nvlink: memory_limit must be a positive number of bytes per device, or None for no bound; got 0 (e.g. memory_limit=80 * 2**30 for 80 GiB)
+    """
+
+
 class DtypeError(ShapeError):
     """A dtype that is unknown, or not allowed for the op it was given to. A ShapeError too.
 
@@ -70,3 +84,19 @@ class DtypeError(ShapeError):
     ...
     egraph_did.errors.DtypeError: define_tensor(z): unknown or unsupported dtype 'complex64'; use one of float32, ...
     """
+
+
+class UnknownNameError(ShapeError, KeyError, AttributeError):
+    """A name that is not there: an op `fd.ops` lacks, a tensor `fd[name]` lacks. Also a KeyError and an
+    AttributeError, so `hasattr`, `getattr(..., default)` and `except KeyError` behave as for any mapping.
+
+    >>> import egraph_did as ed
+    >>> fd = ed.FusionDefinition()
+    >>> fd.ops.gelo  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    egraph_did.errors.UnknownNameError: fd.ops has no op 'gelo' (did you mean 'gelu'?); known ops: ...
+    """
+
+    def __str__(self) -> str:  # KeyError would show the message quoted
+        return str(self.args[0]) if self.args else ""

@@ -7,9 +7,10 @@ from typing import Mapping
 
 import torch
 
-from .errors import ShapeError
+from .errors import DtypeError, ShapeError
 from .fusion import Fusion, FusionDefinition, as_fusion, replay
 from .ir import TensorView
+from .ops import check_indices
 
 
 def check_inputs(fusion: Fusion, inputs: Mapping[str, torch.Tensor]) -> None:
@@ -21,22 +22,27 @@ def check_inputs(fusion: Fusion, inputs: Mapping[str, torch.Tensor]) -> None:
     >>> check_inputs(row_sum(2, 3).fusion, {"x": torch.zeros(3, 2)})
     Traceback (most recent call last):
     ...
-    egraph_did.errors.ShapeError: input 'x': declared shape (2, 3), got (3, 2)
+    egraph_did.errors.ShapeError: input 'x': declared shape (2, 3), got (3, 2); pass a tensor of the declared shape (or declare define_tensor((3, 2), ...))
     """
     names = [t.name for t in fusion.inputs]
-    unknown = sorted(set(inputs) - set(names))
+    if not isinstance(inputs, Mapping):
+        raise ShapeError(f"inputs must be a dict {{input name: tensor}} over {names}, got a {type(inputs).__name__}")
+    unknown = sorted((k for k in inputs if k not in names), key=str)
     if unknown:
-        raise ShapeError(f"unknown input(s) {unknown}; the fusion's inputs are {names}")
+        raise ShapeError(f"unknown input(s) {unknown}; the fusion's inputs are {names}; drop the extra key(s) or "
+                         f"fix their names")
     for tv in fusion.inputs:
         if tv.name not in inputs:
-            raise ShapeError(f"missing input {tv.name!r} of shape {tv.shape}")
+            raise ShapeError(f"missing input {tv.name!r} of shape {tv.shape}; the fusion's inputs are {names}")
         val = inputs[tv.name]
         if not isinstance(val, torch.Tensor):
-            raise ShapeError(f"input {tv.name!r}: expected a torch.Tensor, got {type(val).__name__}")
+            raise ShapeError(f"input {tv.name!r}: expected a torch.Tensor, got {type(val).__name__}; convert it "
+                             f"(torch.as_tensor(value, dtype={tv.dtype}))")
         if tuple(val.shape) != tv.shape:
-            raise ShapeError(f"input {tv.name!r}: declared shape {tv.shape}, got {tuple(val.shape)}")
+            raise ShapeError(f"input {tv.name!r}: declared shape {tv.shape}, got {tuple(val.shape)}; pass a tensor "
+                             f"of the declared shape (or declare define_tensor({tuple(val.shape)}, ...))")
         if val.dtype != tv.dtype:
-            raise ShapeError(f"input {tv.name!r}: declared dtype {tv.dtype}, got {val.dtype}; "
+            raise DtypeError(f"input {tv.name!r}: declared dtype {tv.dtype}, got {val.dtype}; "
                              f"cast it or declare define_tensor(..., dtype={val.dtype})")
 
 
@@ -50,6 +56,9 @@ def run_expr(expr, env: dict[int, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     (tensor([3., 3.]),)
     """
     kwargs = {k: env[id(v)] if isinstance(v, TensorView) else v for k, v in expr.args}
+    tensors = {k: v for k, v in expr.args if isinstance(v, TensorView)}
+    check_indices(expr.op.name, kwargs, {k: v.name for k, v in tensors.items()},
+                  {k: v.shape for k, v in tensors.items()})
     out = expr.op.reference(**kwargs)
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
@@ -65,7 +74,7 @@ def evaluate(fd: FusionDefinition | Fusion, inputs: Mapping[str, torch.Tensor],
     >>> ed.evaluate(fd, {"x": torch.tensor([1., 2.])})["y"]
     tensor([3., 6.])
     """
-    fusion = as_fusion(fd)
+    fusion = as_fusion(fd, "evaluate")
     if not fusion.outputs:
         raise ShapeError("the fusion has no outputs; call fd.add_output(tensor, name=...)")
     check_inputs(fusion, inputs)

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .errors import ShapeError
+from .errors import PlanError, ShapeError, UnknownNameError
 from .ir import TensorView
 from .ops import OPS, OpDef, TensorSpec, canonical_dtype
 
@@ -117,7 +117,8 @@ class Fusion:
             if not isinstance(e, int) or isinstance(e, bool) or e < 0:
                 raise ShapeError(f"define_tensor({label}): axis {i} has extent {e!r}; extents are non-negative ints")
         if axis_names is not None and len(axis_names) != len(shape):
-            raise ShapeError(f"define_tensor({label}): {len(axis_names)} axis names for {len(shape)} axes")
+            raise ShapeError(f"define_tensor({label}): {len(axis_names)} axis names for {len(shape)} axes; give "
+                             f"one name per axis")
         if name is not None and (not isinstance(name, str) or not name):
             raise ShapeError(f"define_tensor: name must be a non-empty string, got {name!r}")
         try:
@@ -132,7 +133,8 @@ class Fusion:
         """Apply a registered op; returns its output TensorView (or a tuple for several outputs)."""
         opdef = OPS.get(op_name)
         if opdef is None:
-            raise ShapeError(f"unknown op {op_name!r}; known ops: {', '.join(sorted(OPS))}")
+            raise UnknownNameError(f"unknown op {op_name!r}{_did_you_mean(op_name, OPS)}; known ops: "
+                                   f"{', '.join(sorted(OPS))}")
         try:
             bound = opdef.signature.bind(*args, **kwargs)
         except TypeError as e:
@@ -163,7 +165,7 @@ class Fusion:
                 raise ShapeError(f"add_output: {tv.name} is already the output {other!r}; "
                                  f"output a copy (fd.ops.cast(t, t.dtype)) under a second name")
         if name in self.outputs:
-            raise ShapeError(f"add_output: an output named {name!r} already exists")
+            raise ShapeError(f"add_output: an output named {name!r} already exists; pick another name")
         if name != tv.name:
             if tv in self.inputs:
                 raise ShapeError(f"add_output: {tv.name} is an input; it is output under its own name only")
@@ -190,7 +192,8 @@ class Fusion:
 
     def __getitem__(self, name: str) -> TensorView:
         if name not in self.tensors:
-            raise KeyError(f"no tensor named {name!r}; tensors are {', '.join(self.tensors)}")
+            raise UnknownNameError(f"no tensor named {name!r}{_did_you_mean(name, self.tensors)}; tensors are "
+                                   f"{', '.join(self.tensors)}")
         return self.tensors[name]
 
     def __str__(self) -> str:
@@ -198,6 +201,13 @@ class Fusion:
         lines += [f"  {e}" for e in self.exprs]
         lines.append(f"outputs: {', '.join(self.outputs)}")
         return "\n".join(lines)
+
+
+def _did_you_mean(name, known) -> str:
+    """' (did you mean 'x'?)' for the closest known name, or ''."""
+    import difflib
+    close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 class Ops:
@@ -217,7 +227,10 @@ class Ops:
     def __getattr__(self, name: str):
         opdef = OPS.get(name)
         if opdef is None:
-            raise AttributeError(f"fd.ops has no op {name!r}; known ops: {', '.join(sorted(OPS))}")
+            if name.startswith("__"):  # copy, pickle and friends probe for dunders: plain AttributeError
+                raise AttributeError(name)
+            raise UnknownNameError(f"fd.ops has no op {name!r}{_did_you_mean(name, OPS)}; known ops: "
+                                   f"{', '.join(sorted(OPS))}")
         fusion = self._fusion
 
         def apply(*args, **kwargs):
@@ -289,15 +302,22 @@ def replay(src: Fusion, apply) -> tuple[Fusion, Ops, dict[int, TensorView]]:
     return dst, ops, new
 
 
-def as_fusion(f) -> Fusion:
-    """A Fusion from a Fusion or a FusionDefinition.
+def as_fusion(f, where: str = "") -> Fusion:
+    """A Fusion from a Fusion or a FusionDefinition; PlanError for anything else, `where` naming the call.
 
     >>> fd = FusionDefinition()
     >>> as_fusion(fd) is fd.fusion, as_fusion(fd.fusion) is fd.fusion
     (True, True)
+    >>> as_fusion("fd", "evaluate")
+    Traceback (most recent call last):
+    ...
+    egraph_did.errors.PlanError: evaluate: expected a FusionDefinition (or Fusion), got the str 'fd'; build one with `with ed.FusionDefinition() as fd: ...`
     """
     if isinstance(f, FusionDefinition):
         return f.fusion
     if isinstance(f, Fusion):
         return f
-    raise TypeError(f"expected a FusionDefinition or Fusion, got {type(f).__name__}")
+    hint = ("; a Plan runs with ed.simulate(plan, inputs) or plan.run(inputs)" if type(f).__name__ == "Plan"
+            else "; build one with `with ed.FusionDefinition() as fd: ...`")
+    raise PlanError(f"{where + ': ' if where else ''}expected a FusionDefinition (or Fusion), got the "
+                    f"{type(f).__name__} {f!r:.40}{hint}")

@@ -9,8 +9,10 @@ reached (from egraph_did.runtime's progress records). No child outlives launch()
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import os
+import pickle
 import queue
 import shutil
 import socket
@@ -136,6 +138,7 @@ def _progress(workdir: str, nprocs: int, done: set[int], now: float) -> dict[int
 
 
 def _stop(procs) -> None:
+    procs = [p for p in procs if p.pid is not None]  # a process that never started has nothing to stop
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -146,6 +149,57 @@ def _stop(procs) -> None:
         if p.is_alive():
             p.kill()
             p.join(5.0)
+
+
+class _Probe(pickle.Pickler):
+    """Pickles to nowhere, tensors as stubs: whether something can reach a spawned process, without
+    copying tensor data (spawn pickles the real thing once, at start)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor):
+            return tuple, ()
+        return NotImplemented
+
+
+def _probe(obj) -> None:
+    _Probe(io.BytesIO()).dump(obj)
+
+
+def _check_args(fn, nprocs, backend, args, timeout) -> None:
+    """LaunchError naming the argument and the fix, before any process starts.
+
+    >>> _check_args(lambda rank: rank, 2, "gloo", (), 60.0)
+    Traceback (most recent call last):
+    ...
+    egraph_did.launcher.LaunchError: launch: fn <lambda> cannot be sent to the spawned processes (a lambda or a function defined inside another cannot be pickled); define fn at module level, in a file the ranks can import (def work(rank, ...): ...)
+    """
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise LaunchError(f"launch: nprocs must be a positive int (one process per rank), got {nprocs!r}")
+    if backend not in BACKENDS:
+        raise LaunchError(f"launch: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise LaunchError("launch: backend='nccl' needs CUDA GPUs; use backend='gloo' on CPU")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise LaunchError(f"launch: timeout must be a positive number of seconds for the whole run, got {timeout!r}")
+    if not callable(fn):
+        raise LaunchError(f"launch: fn must be a function fn(rank, *args), got the {type(fn).__name__} {fn!r:.40}")
+    if not isinstance(args, (tuple, list)):
+        raise LaunchError(f"launch: args must be a tuple of fn's arguments after rank, got the "
+                          f"{type(args).__name__} {args!r:.40}; write args=({args!r:.40},) for one argument")
+    name = getattr(fn, "__qualname__", repr(fn))
+    try:
+        _probe(fn)
+    except Exception as e:  # noqa: BLE001 - pickling raises many types
+        raise LaunchError(f"launch: fn {name} cannot be sent to the spawned processes (a lambda or a function "
+                          f"defined inside another cannot be pickled); define fn at module level, in a file the "
+                          f"ranks can import (def work(rank, ...): ...)") from e
+    for i, a in enumerate(args):
+        try:
+            _probe(a)
+        except Exception as e:  # noqa: BLE001
+            raise LaunchError(f"launch: args[{i}] (a {type(a).__name__}) cannot be pickled to the spawned processes "
+                              f"({type(e).__name__}: {e}); pass plain data, tensors, or a Plan (or plan.to_json())"
+                              ) from e
 
 
 def launch(fn: Callable, nprocs: int, backend: str = "gloo", args: tuple = (), timeout: float = 120.0) -> list[Any]:
@@ -163,12 +217,7 @@ def launch(fn: Callable, nprocs: int, backend: str = "gloo", args: tuple = (), t
     >>> launch(operator.add, nprocs=2, args=(10,))
     [10, 11]
     """
-    if not isinstance(nprocs, int) or nprocs < 1:
-        raise LaunchError(f"launch: nprocs must be a positive int, got {nprocs!r}")
-    if backend not in BACKENDS:
-        raise LaunchError(f"launch: backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise LaunchError("launch: backend='nccl' needs CUDA GPUs; use backend='gloo' on CPU")
+    _check_args(fn, nprocs, backend, args, timeout)
     ctx = mp.get_context("spawn")
     workdir = tempfile.mkdtemp(prefix="egraph-did-launch-")
     events, release = ctx.Queue(), ctx.Event()

@@ -14,15 +14,28 @@ from .errors import MeshError
 DEFAULT_AXIS_NAMES = {1: ("x",), 2: ("y", "x"), 3: ("z", "y", "x")}
 
 
+def _rank(r) -> int:
+    """An int rank; a float, bool or string is an error, never silently truncated."""
+    if isinstance(r, bool) or not isinstance(r, int):
+        if hasattr(r, "__index__") and not isinstance(r, bool):  # numpy integers
+            return int(r.__index__())
+        raise MeshError(f"DeviceMesh: ranks are ints, got {r!r} ({type(r).__name__}); pass a grid of ints such "
+                        f"as [[0, 1], [2, 3]] or torch.arange(4).reshape(2, 2)")
+    return r
+
+
 def _flatten(devices) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(flat ranks, shape) of a torch tensor, numpy array or nested sequence of ints."""
     if hasattr(devices, "tolist") and hasattr(devices, "shape"):
         shape = tuple(int(s) for s in devices.shape)
         flat = devices.reshape(-1).tolist() if len(shape) else [devices.tolist()]
-        return tuple(int(r) for r in flat), shape
+        return tuple(_rank(r) for r in flat), shape
     if isinstance(devices, int):
         raise MeshError(f"DeviceMesh needs a sequence or tensor of ranks, got the int {devices}; "
                         f"use DeviceMesh.arange({devices}) for ranks 0..{devices - 1}")
+    if not isinstance(devices, (list, tuple)):
+        raise MeshError(f"DeviceMesh needs a (nested) list or tensor of int ranks, got the "
+                        f"{type(devices).__name__} {devices!r:.40}; e.g. DeviceMesh([0, 1, 2, 3]) or DeviceMesh.arange(4)")
     shape: list[int] = []
     level: Sequence = devices
     while isinstance(level, (list, tuple)):
@@ -36,7 +49,7 @@ def _flatten(devices) -> tuple[tuple[int, ...], tuple[int, ...]]:
         if depth == len(shape):
             if isinstance(node, (list, tuple)):
                 raise MeshError(f"DeviceMesh: ragged nesting, expected a grid of shape {tuple(shape)}")
-            flat.append(int(node))
+            flat.append(_rank(node))
             return
         if not isinstance(node, (list, tuple)) or len(node) != shape[depth]:
             raise MeshError(f"DeviceMesh: ragged nesting, expected a grid of shape {tuple(shape)}")
@@ -74,7 +87,13 @@ class DeviceMesh:
         if len(set(ranks)) != len(ranks):
             dup = sorted({r for r in ranks if ranks.count(r) > 1})
             raise MeshError(f"DeviceMesh: rank(s) {dup} appear more than once; every rank holds one place")
+        if isinstance(axis_names, str):
+            raise MeshError(f"DeviceMesh: axis_names must be a sequence of names, one per mesh axis, got the "
+                            f"string {axis_names!r}; write axis_names=({axis_names!r},)")
         names = tuple(axis_names) if axis_names is not None else DEFAULT_AXIS_NAMES[len(shape)]
+        bad = [n for n in names if not isinstance(n, str) or not n]
+        if bad:
+            raise MeshError(f"DeviceMesh: axis names must be non-empty strings, got {bad} in {names}")
         if len(names) != len(shape):
             raise MeshError(f"DeviceMesh: {len(names)} axis names {names} for a {len(shape)}-D mesh of shape {shape}")
         if len(set(names)) != len(names):
@@ -173,7 +192,23 @@ class DeviceMesh:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DeviceMesh":
+        """Inverse of to_dict().
+
+        >>> DeviceMesh.from_dict({"ranks": [0, 1]})
+        Traceback (most recent call last):
+        ...
+        egraph_did.errors.MeshError: mesh dict lacks the field 'shape'; write it with DeviceMesh.to_dict()
+        """
+        if not isinstance(d, dict):
+            raise MeshError(f"a mesh dict is a dict (DeviceMesh.to_dict()), got {type(d).__name__}")
+        for key in ("ranks", "shape", "axis_names"):
+            if key not in d:
+                raise MeshError(f"mesh dict lacks the field {key!r}; write it with DeviceMesh.to_dict()")
+            if not isinstance(d[key], list):
+                raise MeshError(f"mesh dict: field {key!r} must be a list, got {type(d[key]).__name__}")
         ranks, shape = d["ranks"], d["shape"]
+        if not shape or any(isinstance(e, bool) or not isinstance(e, int) or e <= 0 for e in shape):
+            raise MeshError(f"mesh dict: shape {shape} must list positive ints, one per mesh axis")
         if math.prod(shape) != len(ranks):
             raise MeshError(f"mesh dict: shape {shape} does not hold {len(ranks)} ranks")
         grid: list = list(ranks)
@@ -181,8 +216,27 @@ class DeviceMesh:
             grid = [grid[i:i + extent] for i in range(0, len(grid), extent)]
         return cls(grid, axis_names=d["axis_names"])
 
+    def same_shape(self, other: "DeviceMesh") -> bool:
+        """Whether `other` has this mesh's shape and axis names (rank ids may differ)."""
+        return self.shape == other.shape and self.axis_names == other.axis_names
+
     def __str__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
         return f"DeviceMesh({axes})"
 
     __repr__ = __str__
+
+
+def check_mesh(mesh, where: str = "optimize") -> "DeviceMesh":
+    """MeshError unless `mesh` is a DeviceMesh; returns it.
+
+    >>> check_mesh(4)
+    Traceback (most recent call last):
+    ...
+    egraph_did.errors.MeshError: optimize: mesh must be an ed.DeviceMesh, got the int 4; use ed.DeviceMesh.arange(4) for 4 ranks
+    """
+    if isinstance(mesh, DeviceMesh):
+        return mesh
+    hint = (f"use ed.DeviceMesh.arange({mesh}) for {mesh} ranks" if isinstance(mesh, int) and not isinstance(mesh, bool)
+            else "build one with ed.DeviceMesh.arange(n) or ed.DeviceMesh(grid, axis_names=...)")
+    raise MeshError(f"{where}: mesh must be an ed.DeviceMesh, got the {type(mesh).__name__} {mesh!r:.40}; {hint}")

@@ -118,10 +118,11 @@ def norm_axis(op_name: str, v: TensorSpec, axis: int, ndim: int | None = None) -
     """A non-negative axis of v (ndim overrides v.ndim for ops that add an axis)."""
     n = v.ndim if ndim is None else ndim
     if not isinstance(axis, int) or isinstance(axis, bool):
-        raise ShapeError(f"{op_name}({v.name}): axis must be an int, got {axis!r}")
+        raise ShapeError(f"{op_name}({v.name}): axis must be an int (a position; negative counts from the end), "
+                         f"got {axis!r}")
     if not -n <= axis < n:
         raise ShapeError(f"{op_name}({v.name}): axis {axis} out of range; {v.name} has {n} axes "
-                         f"(shape {v.shape})")
+                         f"(shape {v.shape}): pass an axis in [{-n}, {n})")
     return axis % n
 
 
@@ -271,7 +272,11 @@ def silu(x):
 def cast(x, dtype):
     """Convert x to dtype."""
     x = _need_tensor("cast", "x", x)
-    return [OutSpec(x.shape, canonical_dtype(dtype), x.axes)]
+    try:
+        dt = canonical_dtype(dtype)
+    except DtypeError as e:
+        raise DtypeError(f"cast({x.name}): {e}") from None
+    return [OutSpec(x.shape, dt, x.axes)]
 
 
 def _causal_mask_ref(x, offset=0):
@@ -444,20 +449,32 @@ def softmax(x, dim: int = -1):
 
 
 def _norm_shape(op_name, x: TensorSpec, normalized_shape, weight, bias) -> tuple[int, ...]:
-    if normalized_shape is None:
+    given = normalized_shape is not None
+    if not given:
         normalized_shape = weight.shape if _is_tensor(weight) else (x.shape[-1],)
+    elif not isinstance(normalized_shape, int) and not (
+            isinstance(normalized_shape, (tuple, list)) and all(isinstance(e, int) for e in normalized_shape)):
+        raise ShapeError(f"{op_name}({x.name}): normalized_shape must be an int or a tuple of ints (the trailing "
+                         f"extents of {x.name} to normalize over), got {normalized_shape!r}")
     normalized_shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     k = len(normalized_shape)
     if k == 0 or k > x.ndim or tuple(x.shape[x.ndim - k:]) != normalized_shape:
+        if not given:  # the user passed a weight, not normalized_shape: blame the weight
+            w = weight
+            raise ShapeError(f"{op_name}({x.name}): weight {w.name} has shape {w.shape}, which must match the "
+                             f"trailing axes of {x.name} {x.shape} it normalizes over; pass a weight of shape "
+                             f"{x.shape[max(x.ndim - w.ndim, 0):]} (normalized_shape, not given, is taken from "
+                             f"the weight)")
         raise ShapeError(f"{op_name}({x.name}): normalized_shape {normalized_shape} must match the trailing "
-                         f"axes of {x.name}, whose shape is {x.shape}")
+                         f"axes of {x.name}, whose shape is {x.shape}; pass normalized_shape={x.shape[-1:]} to "
+                         f"normalize over the last axis")
     for arg, p in (("weight", weight), ("bias", bias)):
         if p is None:
             continue
         p = _need_tensor(op_name, arg, p)
         if p.shape != normalized_shape:
             raise ShapeError(f"{op_name}({x.name}): {arg} {p.name} has shape {p.shape} but normalizes "
-                             f"{x.name}'s trailing axes {normalized_shape}")
+                             f"{x.name}'s trailing axes {normalized_shape}; pass a {arg} of shape {normalized_shape}")
     return normalized_shape
 
 
@@ -667,7 +684,8 @@ def _resolve_shape(op_name: str, x: TensorSpec, shape) -> tuple[int, ...]:
             raise ShapeError(f"{op_name}({x.name}): cannot infer -1 in {shape} for {total} elements")
         shape = tuple(total // known if e == -1 else e for e in shape)
     if any(e < 0 for e in shape) or math.prod(shape) != total:
-        raise ShapeError(f"{op_name}({x.name}): cannot view shape {x.shape} ({total} elements) as {shape}")
+        raise ShapeError(f"{op_name}({x.name}): cannot view shape {x.shape} ({total} elements) as {shape}; the "
+                         f"new shape must hold the same {total} elements")
     return shape
 
 
@@ -699,7 +717,8 @@ def permute(x, dims):
     x = _need_tensor("permute", "x", x)
     dims = tuple(norm_axis("permute", x, d) for d in dims)
     if sorted(dims) != list(range(x.ndim)):
-        raise ShapeError(f"permute({x.name}): {dims} is not a permutation of {x.ndim} axes")
+        raise ShapeError(f"permute({x.name}): {dims} is not a permutation of {x.ndim} axes; list each axis "
+                         f"0..{x.ndim - 1} once")
     return [OutSpec(tuple(x.shape[d] for d in dims), x.dtype, tuple(x.axes[d] for d in dims))]
 
 
@@ -763,9 +782,57 @@ def broadcast_in_dim(x, shape, broadcast_dims):
     return [OutSpec(shape, x.dtype, tuple(names))]
 
 
+# ------------------------------------------------------------------ index ranges (checked on data)
+
+# op -> (index parameter, indexed parameter, its axis: an int or the parameter holding it, what it counts)
+INDEX_ARGS = {
+    "embedding": ("indices", "weight", 0, "rows"),
+    "take_along_axis": ("index", "x", "dim", "entries along axis"),
+    "cross_entropy": ("target", "logits", 1, "classes"),
+}
+
+
+def check_indices(op_name: str, args: dict, names: dict, shapes: dict, where: str = "") -> None:
+    """ShapeError if the index tensor of an indexing op (embedding, take_along_axis, cross_entropy) holds
+    a value outside [0, n) of the axis it indexes, instead of torch's IndexError that names no tensor.
+    args: parameter -> tensor or literal (tensors may be one rank's shards: indices are global ids);
+    names: parameter -> tensor name; shapes: parameter -> the global shape.
+
+    >>> import torch
+    >>> check_indices("embedding", {"indices": torch.tensor([0, 7]), "weight": torch.zeros(5, 2)},
+    ...               {"indices": "ids", "weight": "wte"}, {"weight": (5, 2)})
+    Traceback (most recent call last):
+    ...
+    egraph_did.errors.ShapeError: embedding(ids, wte): ids holds 7 (at [1]), but wte has 5 rows (axis 0); every index must lie in [0, 5): fix ids, or give wte more rows
+    """
+    spec = INDEX_ARGS.get(op_name)
+    if spec is None:
+        return
+    ip, tp, axis, what = spec
+    idx = args.get(ip)
+    if not isinstance(idx, torch.Tensor) or idx.numel() == 0 or idx.device.type == "meta":
+        return
+    shape = shapes[tp]
+    d = args[axis] if isinstance(axis, str) else axis
+    d = d % len(shape)
+    n = shape[d]
+    bad = (idx < 0) | (idx >= n)
+    if not bool(bad.any()):
+        return
+    pos = [int(i) for i in bad.nonzero()[0]]
+    val = int(idx[tuple(pos)])
+    fix = {"embedding": f"fix {names[ip]}, or give {names[tp]} more rows",
+           "cross_entropy": f"fix {names[ip]} (ignore_index is not supported: drop those rows first)"
+           }.get(op_name, f"fix {names[ip]}")
+    what = f"{what} {d}" if what.endswith("axis") else f"{what} (axis {d})"
+    order = ", ".join(names[p] for p in OPS[op_name].signature.parameters if p in names)
+    raise ShapeError(f"{op_name}({order}): {names[ip]} holds {val} (at {pos}{where}), but {names[tp]} has {n} "
+                     f"{what}; every index must lie in [0, {n}): {fix}")
+
+
 def op_names() -> list[str]:
     """Every registered op."""
     return sorted(OPS)
 
 
-__all__ = ["OPS", "OpDef", "TensorSpec", "OutSpec", "op", "canonical_dtype", "op_names"]
+__all__ = ["OPS", "OpDef", "TensorSpec", "OutSpec", "op", "canonical_dtype", "op_names", "check_indices"]

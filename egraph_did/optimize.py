@@ -80,6 +80,8 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     >>> [c.kind for c in plan.collectives]
     ['allreduce']
     """
+    from .plan import check_optimize_args  # argument checks: each error names the argument and the fix
+    check_optimize_args(fd, mesh, cost_model, extractor, like)
     t0 = time.perf_counter()
     cm = cost_model or CostModel.h200()
     pins = None if like is None else {name: like.values[v].layout_obj for name, v in like.outputs.items()}

@@ -10,16 +10,16 @@ import dataclasses
 import functools
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
-from .cost import CostModel
-from .errors import DtypeError, PlanError
-from .fusion import Fusion
+from .cost import CostModel, check_cost_model
+from .errors import DtypeError, EgraphDidError, PlanError, ShapeError
+from .fusion import Fusion, as_fusion
 from .ir import TensorView
 from .layout import Layout, apply_layout
-from .mesh import DeviceMesh
+from .mesh import DeviceMesh, check_mesh
 from .ops import OPS, canonical_dtype
 
 FORMAT = "egraph-did-plan/1"
@@ -183,6 +183,44 @@ class Plan:
         if got != want:
             raise DtypeError(f"{where}: input {name!r} is {got}, the plan expects {want}; cast it")
 
+    def check_inputs(self, values, where: str = "run", dtensors: bool = False) -> None:
+        """ShapeError (DtypeError for a dtype) unless `values` binds every input of the plan and nothing
+        else, each to a torch.Tensor that holds data (not on the meta device) of the dtype the plan was
+        optimized for. With dtensors=True a torch DTensor is taken too. Shapes are checked where the
+        inputs are bound (global or local shards).
+
+        >>> import torch, egraph_did as ed
+        >>> from egraph_did.models import row_sum
+        >>> plan = ed.optimize(row_sum(8, 64), ed.DeviceMesh.arange(2))
+        >>> plan.check_inputs({"x": torch.zeros(8, 64), "y": torch.zeros(8)}, "simulate")
+        Traceback (most recent call last):
+        ...
+        egraph_did.errors.ShapeError: simulate: unknown input(s) ['y']; the plan takes ['x'] (the names given to fd.define_tensor); drop the extra key(s) or fix their names
+        """
+        takes = sorted(self.inputs)
+        if not isinstance(values, Mapping):
+            raise ShapeError(f"{where}: inputs must be a dict {{input name: tensor}} over {takes}, got a "
+                             f"{type(values).__name__}")
+        unknown = sorted((k for k in values if k not in self.inputs), key=str)
+        if unknown:
+            raise ShapeError(f"{where}: unknown input(s) {unknown}; the plan takes {takes} (the names given to "
+                             f"fd.define_tensor); drop the extra key(s) or fix their names")
+        missing = [k for k in takes if k not in values]
+        if missing:
+            raise ShapeError(f"{where}: missing input(s) {missing}; the plan takes {takes}")
+        for name in takes:
+            t = values[name]
+            if dtensors and _is_dtensor(t):
+                self.check_input_dtype(name, t, where)
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise ShapeError(f"{where}: input {name!r} must be a torch.Tensor, got a {type(t).__name__}; "
+                                 f"convert it (torch.as_tensor(value, dtype=torch.{self.values[self.inputs[name][0]].dtype}))")
+            if t.device.type == "meta":
+                raise ShapeError(f"{where}: input {name!r} is on the meta device: it has a shape but no data, so "
+                                 f"the outputs would be meta too; pass a tensor with data (on the CPU or a GPU)")
+            self.check_input_dtype(name, t, where)
+
     def value_view(self, value: str) -> TensorView:
         """A TensorView with the value's loop domain (for shard_tensor and loop-domain strings)."""
         v = self.values[value]
@@ -327,8 +365,8 @@ class Plan:
                      "tensor_params": list(s.tensor_params), "outputs": list(s.outputs),
                      "flags": [[f, list(m)] for f, m in s.flags], "rules": list(s.rules), "time": s.time,
                      "key": s.key}
-            else:
-                d = {"step": "collective", **asdict(s)}
+            else:  # group_size: the ranks the collective was priced for; a swapped mesh is caught on load
+                d = {"step": "collective", **asdict(s), "group_size": self.mesh.shape[s.mesh_axis]}
             steps.append(d)
         return json.dumps({
             "format": FORMAT, "mesh": self.mesh.to_dict(), "cost_model": self.cost_model.to_dict(),
@@ -338,16 +376,30 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        """Load and validate a plan written by to_json()."""
+        """Load and validate a plan written by to_json(): every field present with its type, every value a
+        step, an input or an output names exists, every layout fits the mesh, every collective priced for
+        the mesh's group size; errors name the field (hand-edited plans are welcome, broken ones are not).
+
+        >>> import json, egraph_did as ed
+        >>> from egraph_did.models import row_sum
+        >>> d = json.loads(ed.optimize(row_sum(8, 64), ed.DeviceMesh.arange(2)).to_json())
+        >>> del d["steps"][0]["op"]
+        >>> ed.Plan.from_json(json.dumps(d))
+        Traceback (most recent call last):
+        ...
+        egraph_did.errors.PlanError: plan JSON: steps[0] (compute) lacks the field 'op' (a str); write the plan with plan.to_json(), or add the field
+        """
+        if not isinstance(text, (str, bytes, bytearray)):
+            hint = " (a dict: pass json.dumps(d))" if isinstance(text, dict) else ""
+            raise PlanError(f"Plan.from_json takes the JSON text (a str, as plan.to_json() writes it), got a "
+                            f"{type(text).__name__}{hint}")
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise PlanError(f"plan JSON does not parse: {e}") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise PlanError(f"not an egraph-did plan (expected format {FORMAT!r})")
-        for key in ("mesh", "cost_model", "values", "steps", "inputs", "outputs"):
-            if key not in d:
-                raise PlanError(f"plan JSON lacks {key!r}")
+        _fields(d, "", _PLAN_FIELDS)
 
         def dec(v):
             if isinstance(v, dict) and set(v) == {"dtype"}:
@@ -355,36 +407,83 @@ class Plan:
             if isinstance(v, list):
                 return tuple(dec(x) for x in v)
             return v
-        mesh = DeviceMesh.from_dict(d["mesh"])
+        try:
+            mesh = DeviceMesh.from_dict(d["mesh"])
+            cost_model = CostModel.from_dict(d["cost_model"])
+        except EgraphDidError as e:
+            raise PlanError(f"plan JSON: {e}") from None
         values = {}
         for k, v in d["values"].items():
-            values[k] = Value(v["name"], v["tensor"], tuple(v["shape"]), v["dtype"], v["layout"], tuple(v["axes"]))
+            where = f"values[{k!r}]"
+            _fields(v, where, _VALUE_FIELDS)
+            if v["name"] != k:
+                raise PlanError(f"plan JSON: {where} has name {v['name']!r}; a value's name is its key")
+            if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in v["shape"]):
+                raise PlanError(f"plan JSON: {where}.shape must list non-negative ints, got {v['shape']}")
+            try:
+                canonical_dtype(v["dtype"])
+            except DtypeError as e:
+                raise PlanError(f"plan JSON: {where}.dtype: {e}") from None
+            axes = v.get("axes", [])
+            if not isinstance(axes, list) or (axes and len(axes) != len(v["shape"])):
+                raise PlanError(f"plan JSON: {where}.axes must list one name per axis of shape {v['shape']}")
+            values[k] = Value(v["name"], v["tensor"], tuple(v["shape"]), v["dtype"], v["layout"], tuple(axes))
             try:
                 lay = Layout.from_code(v["layout"])
-            except (ValueError, KeyError):
-                raise PlanError(f"value {k}: bad layout {v['layout']!r}") from None
+            except (ValueError, KeyError, IndexError, AssertionError, EgraphDidError):
+                lay = None
+            if lay is None or lay.code() != v["layout"] or any(p.is_shard and p.axis >= len(v["shape"]) for p in lay):
+                raise PlanError(f"plan JSON: value {k}: bad layout {v['layout']!r} for a {len(v['shape'])}-D tensor; "
+                                f"a layout lists one placement per mesh axis, joined by '.': R, S<tensor axis>, P "
+                                f"(pending sum) or M (pending max), e.g. 'S0' or 'R.S1'")
             if len(lay) != mesh.ndim:
                 raise PlanError(f"value {k}: layout {v['layout']} does not match the {mesh.ndim}-D mesh")
         steps: list[Step] = []
         for i, s in enumerate(d["steps"]):
+            if not isinstance(s, dict):
+                raise PlanError(f"plan JSON: steps[{i}] must be an object, got {type(s).__name__} {s!r:.40}")
             if s.get("step") == "compute":
+                where = f"steps[{i}] (compute)"
+                _fields(s, where, _COMPUTE_FIELDS)
                 if s["op"] not in OPS:
                     raise PlanError(f"step {i}: unknown op {s['op']!r}")
+                if not all(isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) for a in s["args"]):
+                    raise PlanError(f"plan JSON: {where}.args must list [parameter, value] pairs")
+                if not all(isinstance(f, list) and len(f) == 2 and isinstance(f[1], list) for f in s["flags"]):
+                    raise PlanError(f"plan JSON: {where}.flags must list [flag, [mesh axes]] pairs")
                 step = ComputeStep(s["op"], tuple((k, dec(v)) for k, v in s["args"]), tuple(s["tensor_params"]),
                                    tuple(s["outputs"]), tuple((f, tuple(m)) for f, m in s["flags"]),
                                    tuple(s["rules"]), s["time"], s.get("key", ""))
                 refs = [v for k, v in step.args if k in step.tensor_params] + list(step.outputs)
+                if not all(isinstance(r, str) for r in refs):
+                    raise PlanError(f"plan JSON: {where}: tensor arguments and outputs are value names (str)")
             elif s.get("step") == "collective":
-                fields = {k: v for k, v in s.items() if k != "step"}
+                where = f"steps[{i}] (collective)"
+                _fields(s, where, _COLLECTIVE_FIELDS)
+                known = {f.name for f in dataclasses.fields(Collective)} | {"step", "group_size"}
+                extra = sorted(set(s) - known)
+                if extra:
+                    raise PlanError(f"plan JSON: {where} has unknown field(s) {extra}; a collective has "
+                                    f"{sorted(known - {'step'})}")
+                fields = {k: v for k, v in s.items() if k not in ("step", "group_size")}
                 step = Collective(**fields)
+                _check_collective_mesh(i, step, s.get("group_size"), mesh)
                 refs = [step.src, step.dst]
             else:
-                raise PlanError(f"step {i}: unknown step type {s.get('step')!r}")
+                raise PlanError(f"step {i}: unknown step type {s.get('step')!r} (expected 'compute' or "
+                                f"'collective')")
             missing = [r for r in refs if r not in values]
             if missing:
                 raise PlanError(f"step {i} refers to unknown value(s) {missing}")
             steps.append(step)
-        plan = cls(mesh, CostModel.from_dict(d["cost_model"]), values, steps,
+        for name, vals in d["inputs"].items():
+            if not isinstance(vals, list) or not vals or any(v not in values for v in vals):
+                raise PlanError(f"plan JSON: inputs[{name!r}] must list the values loaded from input {name!r} "
+                                f"(keys of 'values'), got {vals!r}")
+        for name, v in d["outputs"].items():
+            if not isinstance(v, str) or v not in values:
+                raise PlanError(f"plan JSON: outputs[{name!r}] must name a value (a key of 'values'), got {v!r}")
+        plan = cls(mesh, cost_model, values, steps,
                    {k: list(v) for k, v in d["inputs"].items()}, dict(d["outputs"]), d.get("memory", 0.0),
                    d.get("method", ""), d.get("stats", {}), dict(d.get("pins", {})))
         for name, v in plan.pins.items():
@@ -392,6 +491,37 @@ class Plan:
                 raise PlanError(f"plan JSON: pins[{name!r}] must name a value (a key of 'values'), got {v!r}")
         plan.validate()
         return plan
+
+    def check_like(self, fd, mesh: DeviceMesh) -> None:
+        """PlanError unless this plan can serve as `like=` for optimizing `fd` on `mesh`: a plan of the same
+        fusion (the same input and output names, each input of the same rank; shapes and dtypes may differ)
+        on a mesh of the same shape and axis names.
+
+        >>> import egraph_did as ed
+        >>> from egraph_did.models import mlp, row_sum
+        >>> plan = ed.optimize(row_sum(8, 64), ed.DeviceMesh.arange(2))
+        >>> plan.check_like(row_sum(4, 6), ed.DeviceMesh.arange(2))  # same fusion at other shapes: fine
+        >>> plan.check_like(row_sum(4, 6), ed.DeviceMesh.arange(4))
+        Traceback (most recent call last):
+        ...
+        egraph_did.errors.PlanError: optimize(like=plan): the like plan was optimized for DeviceMesh(x=2), this call is for DeviceMesh(x=4); its layouts are for its own mesh: pass a plan of a mesh shaped like this one, or optimize without like=
+        """
+        fusion = as_fusion(fd)
+        if not mesh.same_shape(self.mesh):
+            raise PlanError(f"optimize(like=plan): the like plan was optimized for {self.mesh}, this call is for "
+                            f"{mesh}; its layouts are for its own mesh: pass a plan of a mesh shaped like this one, "
+                            f"or optimize without like=")
+        ins, outs = sorted(t.name for t in fusion.inputs), sorted(fusion.outputs)
+        if ins != sorted(self.inputs) or outs != sorted(self.outputs):
+            raise PlanError(f"optimize(like=plan): the like plan is of another fusion: it takes inputs "
+                            f"{sorted(self.inputs)} and gives outputs {sorted(self.outputs)}, this fusion takes "
+                            f"{ins} and gives {outs}; pass a plan of this fusion (at any shapes)")
+        for tv in fusion.inputs:
+            theirs = self.values[self.inputs[tv.name][0]].shape
+            if len(theirs) != len(tv.shape):
+                raise PlanError(f"optimize(like=plan): input {tv.name} has {len(tv.shape)} axes {tv.shape} here but "
+                                f"{len(theirs)} {theirs} in the like plan; it is of another fusion: pass a plan of "
+                                f"this fusion (at any shapes)")
 
     def validate(self) -> None:
         """Every value a step reads is loaded or produced before it."""
@@ -405,3 +535,82 @@ class Plan:
         for name, v in self.outputs.items():
             if v not in ready:
                 raise PlanError(f"output {name} ({v}) is never produced")
+
+
+# ---------------------------------------------------------------------------- JSON fields
+
+_NUM = (int, float)
+_PLAN_FIELDS = {"mesh": dict, "cost_model": dict, "values": dict, "steps": list, "inputs": dict, "outputs": dict}
+_VALUE_FIELDS = {"name": str, "tensor": str, "shape": list, "dtype": str, "layout": str}
+_COMPUTE_FIELDS = {"op": str, "args": list, "tensor_params": list, "outputs": list, "flags": list, "rules": list,
+                   "time": _NUM}
+_COLLECTIVE_FIELDS = {"kind": str, "tensor": str, "src": str, "dst": str, "mesh_axis": int, "mesh_axis_name": str,
+                      "bytes": _NUM, "time": _NUM}
+
+
+def _fields(d, where: str, want: dict) -> None:
+    """PlanError naming the first field of `want` that `d` lacks or holds with the wrong type."""
+    at = f"plan JSON: {where}" if where else "plan JSON"
+    if not isinstance(d, dict):
+        raise PlanError(f"{at} must be an object, got {type(d).__name__} {d!r:.40}")
+    for key, kind in want.items():
+        name = "number" if kind is _NUM else kind.__name__
+        if key not in d:
+            raise PlanError(f"{at} lacks the field {key!r} (a {name}); write the plan with plan.to_json(), or add "
+                            f"the field")
+        v = d[key]
+        if not isinstance(v, kind) or (isinstance(v, bool) and kind is not bool):
+            raise PlanError(f"{at}: field {key!r} must be a {name}, got {type(v).__name__} {v!r:.40}")
+
+
+def _check_collective_mesh(i: int, c: Collective, group_size, mesh: DeviceMesh) -> None:
+    """A collective names a mesh axis of this mesh, by index and by name, of the size it was priced for."""
+    if not 0 <= c.mesh_axis < mesh.ndim:
+        raise PlanError(f"plan JSON: steps[{i}] ({c.kind} of {c.tensor}) runs on mesh axis {c.mesh_axis}, but the "
+                        f"mesh {mesh} has {mesh.ndim} axis(es); the mesh was edited: re-optimize for it")
+    if c.mesh_axis_name != mesh.axis_names[c.mesh_axis]:
+        raise PlanError(f"plan JSON: steps[{i}] ({c.kind} of {c.tensor}) runs on mesh axis {c.mesh_axis_name!r}, "
+                        f"but axis {c.mesh_axis} of the mesh {mesh} is {mesh.axis_names[c.mesh_axis]!r}; the mesh "
+                        f"was swapped after optimizing: re-optimize for this mesh (ed.optimize(fd, mesh))")
+    if group_size is not None and group_size != mesh.shape[c.mesh_axis]:
+        raise PlanError(f"plan JSON: steps[{i}] ({c.kind} of {c.tensor}) was planned for {group_size} ranks on mesh "
+                        f"axis {c.mesh_axis_name!r}, but the mesh {mesh} has {mesh.shape[c.mesh_axis]} there; the "
+                        f"mesh was swapped after optimizing: re-optimize for this mesh (ed.optimize(fd, mesh))")
+
+
+def _is_dtensor(x) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(x, DTensor)
+
+
+EXTRACTORS = ("greedy", "exact")
+
+
+def check_optimize_args(fd, mesh, cost_model, extractor, like) -> None:
+    """The argument checks of optimize(): a fusion with outputs, a DeviceMesh, a cost model that prices
+    that mesh, a known extractor, and a like= plan of the same fusion on a mesh of the same shape.
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import row_sum
+    >>> check_optimize_args(row_sum(4, 6), ed.DeviceMesh.arange(2), None, "best", None)
+    Traceback (most recent call last):
+    ...
+    egraph_did.errors.PlanError: optimize: unknown extractor 'best'; use 'greedy' (greedy-DAG, the default) or 'exact' (0/1 program over HiGHS)
+    """
+    fusion = as_fusion(fd, "optimize")
+    if not fusion.outputs:
+        raise PlanError("optimize: the fusion has no outputs; call fd.add_output(tensor, name=...)")
+    check_mesh(mesh, "optimize")
+    if cost_model is not None:
+        check_cost_model(cost_model, mesh)
+    if not isinstance(extractor, str) or extractor not in EXTRACTORS:
+        raise PlanError(f"optimize: unknown extractor {extractor!r}; use 'greedy' (greedy-DAG, the default) or "
+                        f"'exact' (0/1 program over HiGHS)")
+    if like is not None:
+        if not isinstance(like, Plan):
+            raise PlanError(f"optimize: like= takes a Plan (of this fusion, at other shapes), got the "
+                            f"{type(like).__name__} {like!r:.40}; load a saved one with ed.Plan.from_json(text)")
+        like.check_like(fusion, mesh)

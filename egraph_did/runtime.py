@@ -28,6 +28,7 @@ from .lowering.communication import (check_world, world_key, ensure_groups, gath
 from .mesh import DeviceMesh
 from .plan import Collective, ComputeStep, Plan, Step
 from .sharding import shard_tensor, unshard_tensor
+from .simulate import check_step_indices
 
 INPUT_KINDS = ("global", "local", "dtensor")
 OUTPUT_KINDS = ("global", "local", "dtensor")
@@ -218,9 +219,6 @@ def _device() -> torch.device | None:
 
 
 def _bind_inputs(plan: Plan, inputs: Mapping[str, Any], kind: str, rank: int, device, timeout) -> dict:
-    missing = sorted(set(plan.inputs) - set(inputs))
-    if missing:
-        raise ShapeError(f"run_plan: missing input(s) {missing}; the plan's inputs are {sorted(plan.inputs)}")
     env: dict[str, torch.Tensor] = {}
     for name, vals in plan.inputs.items():
         given = inputs[name]
@@ -309,6 +307,7 @@ def run_plan(plan: Plan, inputs: Mapping[str, Any], *, inputs_kind: str = "globa
     elif rank != me:
         raise PlanError(f"run_plan: rank={rank} was passed, but this process is rank {me} of the process group "
                         f"(mesh ranks are process-group ranks; leave rank=None)")
+    plan.check_inputs(inputs, f"run_plan on rank {rank}", dtensors=True)  # before any collective
     _runs += 1
     total = len(plan.steps)
     device = _device()
@@ -337,6 +336,8 @@ def run_plan(plan: Plan, inputs: Mapping[str, Any], *, inputs_kind: str = "globa
     keep = set(plan.outputs.values())
     for i, seg in enumerate(segments):
         what = describe(plan, seg.steps[0]) if seg.kind == "comm" else seg.describe()
+        for step in seg.steps:  # a bad index names its tensor, not torch's IndexError deep in a kernel
+            check_step_indices(plan, step, env, rank)
         env.update(phase(i, what, lambda: run_segment(plan, seg, env, rank, _collective)))
         for v in frees[i]:
             if v not in keep:

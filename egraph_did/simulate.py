@@ -9,6 +9,7 @@ import torch
 
 from .errors import PlanError, ShapeError
 from .local import Operand, RankContext, run_local
+from .ops import INDEX_ARGS, check_indices
 from .plan import Collective, ComputeStep, Plan
 from .sharding import shard_tensor, unshard_tensor
 
@@ -70,12 +71,56 @@ def compute_on_rank(plan: Plan, step: ComputeStep, env: Mapping[str, torch.Tenso
     >>> compute_on_rank(plan, plan.steps[0], {"x:S0": torch.ones(2, 3)}, rank=1)
     {'y:S0': tensor([3., 3.])}
     """
+    check_step_indices(plan, step, env, rank)
     operands = {k: Operand(plan.values[v].shape, plan.values[v].layout_obj)
                 for k, v in step.args if k in step.tensor_params}
     outputs = [Operand(plan.values[o].shape, plan.values[o].layout_obj) for o in step.outputs]
     args = {k: env[v] if k in step.tensor_params else v for k, v in step.args}
     outs = run_local(step.op, args, operands, outputs, dict(step.flags), RankContext(plan.mesh, rank))
     return dict(zip(step.outputs, outs))
+
+
+VIEW_OPS = ("unsqueeze", "reshape", "permute", "transpose", "expand", "broadcast_in_dim", "cast")
+
+
+def source_tensor(plan: Plan, value: str) -> str:
+    """The tensor a value is a view of: follows views and casts back to an input where there is one (the
+    index of cross_entropy's take_along_axis is unsqueeze(target): this says 'target').
+
+    >>> import torch, egraph_did as ed
+    >>> from egraph_did.models import row_sum
+    >>> plan = ed.optimize(row_sum(4, 3), ed.DeviceMesh.arange(2))
+    >>> source_tensor(plan, plan.outputs["y"])
+    'y'
+    """
+    producer = {o: s for s in plan.compute_steps for o in s.outputs}
+    while value in producer and producer[value].op in VIEW_OPS and len(producer[value].reads) == 1:
+        value = producer[value].reads[0]
+    return plan.values[value].tensor
+
+
+def check_step_indices(plan: Plan, step, env: Mapping[str, torch.Tensor], rank: int) -> None:
+    """ShapeError naming the tensor if an indexing step (embedding, take_along_axis, cross_entropy) would
+    read outside the table it indexes; env holds this rank's shards (indices are global ids).
+
+    >>> import torch, egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     ids = fd.define_tensor((3,), torch.int64, name="ids")
+    ...     wte = fd.define_tensor((5, 4), name="wte")
+    ...     fd.add_output(fd.ops.embedding(ids, wte), name="y")
+    >>> plan = ed.optimize(fd, ed.DeviceMesh.arange(2))
+    >>> env = {plan.inputs["ids"][0]: torch.tensor([0, 9, 1]), plan.inputs["wte"][0]: torch.zeros(5, 2)}
+    >>> check_step_indices(plan, plan.steps[0], env, rank=0)
+    Traceback (most recent call last):
+    ...
+    egraph_did.errors.ShapeError: embedding(ids, wte): ids holds 9 (at [1] on rank 0), but wte has 5 rows (axis 0); every index must lie in [0, 5): fix ids, or give wte more rows
+    """
+    if not isinstance(step, ComputeStep) or step.op not in INDEX_ARGS:
+        return
+    args = {k: (env.get(v) if k in step.tensor_params else v) for k, v in step.args}
+    tensors = {k: v for k, v in step.args if k in step.tensor_params}
+    check_indices(step.op, args, {k: source_tensor(plan, v) for k, v in tensors.items()},
+                  {k: plan.values[v].shape for k, v in tensors.items()}, f" on rank {rank}")
 
 
 def bind_inputs(plan: Plan, inputs: Mapping[str, torch.Tensor]) -> dict[str, dict[int, torch.Tensor]]:
@@ -88,16 +133,15 @@ def bind_inputs(plan: Plan, inputs: Mapping[str, torch.Tensor]) -> dict[str, dic
     tensor([[ 6.,  7.,  8.],
             [ 9., 10., 11.]])
     """
-    missing = sorted(set(plan.inputs) - set(inputs))
-    if missing:
-        raise ShapeError(f"missing input(s) {missing}")
+    plan.check_inputs(inputs, "simulate")
     env: dict[str, dict[int, torch.Tensor]] = {}
     for name, vals in plan.inputs.items():
-        plan.check_input_dtype(name, inputs[name], "simulate")
         for v in vals:
             val = plan.values[v]
             if tuple(inputs[name].shape) != val.shape:
-                raise ShapeError(f"input {name} has shape {tuple(inputs[name].shape)}, the plan expects {val.shape}")
+                raise ShapeError(f"simulate: input {name!r} has shape {tuple(inputs[name].shape)}, the plan expects "
+                                 f"{val.shape}; simulate takes whole (global) tensors, of the shapes the plan was "
+                                 f"optimized for (optimize the fusion at these shapes, with like=plan)")
             view = plan.value_view(v)
             env[v] = {r: shard_tensor(inputs[name], view, r) for r in plan.mesh.ranks}
     return env
@@ -118,6 +162,11 @@ def simulate(plan: Plan, inputs: Mapping[str, torch.Tensor], lowered: bool = Tru
     >>> torch.allclose(ed.simulate(ed.optimize(fd, mesh), {"x": X})["y"], X.sum(1), atol=1e-6)
     True
     """
+    if not isinstance(plan, Plan):
+        hint = ("; for the single-device reference of a fusion use ed.evaluate(fd, inputs), or optimize it "
+                "first: ed.simulate(ed.optimize(fd, mesh), inputs)" if type(plan).__name__ in ("FusionDefinition", "Fusion")
+                else "; ed.optimize(fd, mesh) makes one, ed.Plan.from_json(text) loads one")
+        raise PlanError(f"simulate: expected a Plan, got the {type(plan).__name__} {plan!r:.40}{hint}")
     mesh = plan.mesh
     env = bind_inputs(plan, inputs)
     if lowered:
@@ -129,6 +178,8 @@ def simulate(plan: Plan, inputs: Mapping[str, torch.Tensor], lowered: bool = Tru
                 continue
             for r in mesh.ranks:
                 local = {v: env[v][r] for v in env if r in env[v]}
+                for step in seg.steps:
+                    check_step_indices(plan, step, local, r)
                 outs = (run_fused(plan, seg, local, r) if seg.kind == "fused"
                         else compute_on_rank(plan, seg.steps[0], local, r))
                 for v, t in outs.items():
@@ -146,4 +197,4 @@ def simulate(plan: Plan, inputs: Mapping[str, torch.Tensor], lowered: bool = Tru
             for name, v in plan.outputs.items()}
 
 
-__all__ = ["simulate", "collective", "compute_on_rank", "bind_inputs"]
+__all__ = ["simulate", "collective", "compute_on_rank", "bind_inputs", "check_step_indices", "source_tensor"]
