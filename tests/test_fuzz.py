@@ -1,0 +1,240 @@
+"""The differential fuzzer (bench/fuzz.py): a seeded slice of random cases runs in CI and must pass, and
+the fuzzer itself is tested: every op of the op table is generated, cases are valid and reproducible, a
+deliberately wrong result or crash is caught, classified and minimized to a small runnable repro, and a
+hanging or dying case ends only that case.
+
+The long run is `.venv/bin/python bench/fuzz.py --cases N --seed S` (see its docstring).
+
+What the CI slice (test_seeded_slice_passes) leaves out, and why (the failure classes are the fuzzer's;
+see issue 12 and the fuzzer's report for the minimized repros). Each is a known bug or missing feature
+that others are fixing; put it back in the slice when its class is fixed:
+
+- mesh axes of size 1 (meshes (4, 1), (1, 4), (2, 1, 2), ...) and the mesh of one rank: a pin that splits
+  an axis over a size-1 mesh axis is reported without that split (`pins-reported-differently`), and a
+  size-1 axis may get collectives (`collective-on-size-1-mesh-axis`).
+- pins other than outer DID splits: non-outermost splits (a merged gate/up weight) and nested splits
+  with the inner mesh axis outside are refused (refusals, not failures, but they end the case early),
+  and splits that leave a rank empty (5 rows over 4 ranks) are refused.
+- partial pins (P, Pmax): `replicate -> partial` is missing, so most are refused; where accepted they
+  are checked in the long run.
+- the h200_multinode cost model (on meshes that are not 2-D it is refused, which ends the case), and
+  memory bounds (`exact-refuses-where-greedy-plans`,
+  `greedy-refuses-where-exact-plans`: the Lagrangian bisection of greedy and the exact program disagree
+  on feasibility; the bound's message prints 0.00 GiB for both sides).
+- welford_blocks / welford_merge (`simulate-eager-crash: ShardingError in sharding.py:unshard_tensor`:
+  a nan in a replicated output, as welford_merge makes of an empty block, is "different data" to
+  unshard_tensor's replica check, whose torch.equal is not nan-safe) and cast to a dtype given by name
+  (issue 12: `cast(x, "float64")` crashes optimize).
+- the exact extractor is run (exact <= greedy is checked), but gloo processes are not (the long run
+  samples them with --gloo-every).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # `python -m pytest` from the root has it; a bare `pytest` may not
+    sys.path.insert(0, ROOT)
+
+import egraph_did as ed  # noqa: E402
+from bench import fuzz  # noqa: E402
+
+# op families the CI slice draws from: every op but those the docstring excludes
+CI_EXCLUDED_OPS = {"welford_blocks", "welford_merge", "cast"}
+CI_OPS = sorted(set(ed.op_names()) - CI_EXCLUDED_OPS)
+CI_MESHES = [[2], [3], [4], [5], [2, 2], [2, 3], [3, 2], [2, 4], [2, 2, 2]]
+CI_PROFILE = dict(meshes=CI_MESHES, pin_styles=("outer",), partial_pins=False, empty_shards=False,
+                  memory_bounds=False, multinode=False)
+CI_SEED, CI_CASES = 2024, 40
+
+
+# ------------------------------------------------------------------------------ the generator
+
+@pytest.mark.parametrize("op", ed.op_names())
+def test_every_op_of_the_op_table_is_generated(op):
+    found = [i for i in range(12) if any(o["op"] == op for o in fuzz.generate_case(3, i, ops=[op])["ops"])]
+    assert found, f"the fuzzer never generates {op}: add a g_{op} builder to bench/fuzz.py's _Gen"
+
+
+def test_cases_are_reproducible_and_valid():
+    for i in range(60):
+        spec = fuzz.generate_case(5, i)
+        assert spec == fuzz.generate_case(5, i)
+        shapes = fuzz.infer_shapes(spec)
+        assert shapes is not None, f"case {i} is not a valid fusion"
+        assert spec["ops"] and spec["outputs"]
+        assert all(o in shapes for o in spec["outputs"])
+        assert set(spec["pins"]) <= set(shapes)
+
+
+def test_the_generator_covers_meshes_pins_and_cost_models():
+    specs = [fuzz.generate_case(9, i) for i in range(200)]
+    assert {len(s["mesh"]) for s in specs} == {1, 2, 3}
+    assert any(math_prod(s["mesh"]) % 2 and math_prod(s["mesh"]) > 1 for s in specs)  # 3 or 5 ranks
+    styles = {p["style"] for s in specs for p in s["pins"].values()}
+    assert styles == {"outer", "nonouter", "inner-first"}
+    placements = {pl[0] for s in specs for p in s["pins"].values() for pl in p["pl"]}
+    assert placements == {"R", "S", "P", "M"}
+    assert {s["cost"]["preset"] for s in specs} == {"h200", "h200_multinode"}
+    assert any(s["cost"]["memory_frac"] for s in specs)
+    extents = {e for s in specs for i in s["inputs"].values() for e in i["shape"]}
+    assert 1 in extents and 7 in extents  # size-1 and uneven extents
+    assert {s["dtype"] for s in specs} == {"float32", "float64"}
+
+
+def math_prod(xs):
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def test_case_source_is_the_case():
+    spec = fuzz.generate_case(1, 2, ops=["linear", "gelu", "sum"])
+    ns: dict = {}
+    exec(fuzz.case_source(spec), ns)
+    fd = ns["fd"]
+    assert list(fd.fusion.outputs) == spec["outputs"]
+    assert [e.op.name for e in fd.fusion.exprs] == [o["op"] for o in spec["ops"]]
+    assert set(ns["inputs"]) == set(spec["inputs"])
+
+
+def test_pin_source_pins_through_the_loop_domain_api():
+    mesh = ed.DeviceMesh(torch.arange(4).reshape(2, 2))
+    ns = {"mesh": mesh, "DIDx": ed.ParallelType.DIDx, "DIDy": ed.ParallelType.DIDy}
+    with ed.FusionDefinition() as fd:
+        ns["w"] = fd.define_tensor((8, 6), name="w")
+    exec(fuzz.pin_source("w", {"pl": ["S0", "S0"], "style": "inner-first"}, [2, 2]), ns)
+    assert ns["w"].loop_str() == "[DIDx{2}, DIDy{2}, 8/2/2, 6]"
+    with ed.FusionDefinition() as fd:
+        ns["w"] = fd.define_tensor((8, 6), name="w")
+    exec(fuzz.pin_source("w", {"pl": ["P", "S1"], "style": "nonouter"}, [2, 2]), ns)
+    assert ns["w"].loop_str() == "[8, 2, DIDx{2}, 6/2/2, rDIDy{2}]"
+
+
+# ------------------------------------------------------------------------------ the checks
+
+def test_compare_tolerates_rounding_and_catches_errors():
+    x = torch.randn(4, 5, dtype=torch.float64)
+    assert fuzz.compare(x + 1e-12, x, 1e-6) is None
+    assert "max abs error" in fuzz.compare(x + 1e-3, x, 1e-6)
+    assert "shape" in fuzz.compare(x[:3], x, 1e-6)
+    nan = x.clone()
+    nan[0, 0] = float("nan")
+    assert fuzz.compare(nan, nan.clone(), 1e-6) is None
+    assert "nan" in fuzz.compare(nan, x, 1e-6)
+    assert fuzz.compare(torch.tensor([1, 2]), torch.tensor([1, 3]), 1e-6).startswith("integer")
+
+
+def _wrong_exp(monkeypatch):
+    """ed.simulate returns exp(x) + 1 wherever the plan computes an exp: a planted bug."""
+    real = ed.simulate
+
+    def simulate(plan, inputs, lowered=True):
+        out = real(plan, inputs, lowered=lowered)
+        if any(s.op == "exp" for s in plan.compute_steps):
+            out = {k: v + 1 if v.is_floating_point() else v for k, v in out.items()}
+        return out
+    monkeypatch.setattr(ed, "simulate", simulate)
+
+
+def test_a_wrong_result_is_caught_and_minimized_to_the_op_that_is_wrong(monkeypatch):
+    _wrong_exp(monkeypatch)
+    camp = fuzz.Campaign(seed=4, ops=["exp", "add", "relu", "sum", "linear"], minimize_per_class=1, exact=False,
+                         in_process=True, minimize_budget=120, meshes=[[2], [2, 2]], memory_bounds=False,
+                         pin_styles=("outer",), partial_pins=False, empty_shards=False)
+    camp.run(range(12))
+    assert "simulate-eager-mismatch" in camp.failures, camp.summary()
+    assert "simulate-lowered-mismatch" not in camp.failures  # the plan is wrong already: not counted twice
+    (m,) = camp.minimized["simulate-eager-mismatch"]
+    assert [o["op"] for o in m["spec"]["ops"]] == ["exp"], m["repro"]
+    assert m["spec"]["mesh"] in ([1], [2]) and not m["spec"]["pins"]
+    assert m["size_after"] <= m["size_before"]
+    # the repro is a script that fails the same way where simulate is wrong
+    ns: dict = {}
+    with pytest.raises(AssertionError):
+        exec(m["repro"], ns)
+    assert "fd.ops.exp(" in m["repro"] and "ed.simulate(plan, inputs, lowered=False)" in m["repro"]
+    assert "simulate-eager-mismatch" in camp.summary()
+
+
+def test_a_crash_in_optimize_is_classified_by_exception_and_place_and_minimized(monkeypatch):
+    real = ed.optimize
+
+    def optimize(fd, mesh, *args, **kw):
+        if any(e.op.name == "softmax" for e in fd.fusion.exprs):
+            raise KeyError("planted")
+        return real(fd, mesh, *args, **kw)
+    monkeypatch.setattr(ed, "optimize", optimize)
+    camp = fuzz.Campaign(seed=6, ops=["softmax", "mul", "neg"], minimize_per_class=1, exact=False,
+                         in_process=True, minimize_budget=120, meshes=[[2], [3]], memory_bounds=False,
+                         multinode=False)
+    camp.run(range(10))
+    (cls,) = camp.failures
+    assert cls.startswith("optimize-crash: KeyError"), cls
+    (m,) = camp.minimized[cls]
+    assert [o["op"] for o in m["spec"]["ops"]] == ["softmax"]
+    assert 'extractor="greedy")  # optimize-crash: KeyError' in m["repro"]
+
+
+def test_an_error_that_names_no_tensor_is_a_failure_and_one_that_does_is_a_refusal(monkeypatch):
+    real = ed.optimize
+    calls = {"n": 0}
+
+    def optimize(fd, mesh, *args, **kw):
+        calls["n"] += 1
+        if calls["n"] % 2:
+            raise ed.PlanError("something went wrong")
+        raise ed.PlanError(f"{fd.fusion.inputs[0].name}: cannot be honoured")
+    monkeypatch.setattr(ed, "optimize", optimize)
+    spec = fuzz.generate_case(0, 1, ops=["relu"], exact=False, memory_bounds=False, multinode=False)
+    first, second = fuzz.run_case(spec), fuzz.run_case(spec)
+    assert [f["cls"] for f in first["failures"]] == ["optimize-error-unnamed: PlanError"]
+    assert second["failures"] == [] and "cannot be honoured" in second["refusal"]
+
+
+def test_a_hanging_or_dying_case_ends_only_that_case():
+    spec = fuzz.generate_case(0, 0, ops=["neg"], exact=False)
+    with fuzz.Runner(timeout=60) as runner:
+        hung = runner.run({**spec, "_inject": "hang"}, timeout=5)
+        assert [f["cls"] for f in hung["failures"]] == ["timeout in build"]
+        died = runner.run({**spec, "_inject": "die"})
+        assert [f["cls"] for f in died["failures"]] == ["worker-died in build"]
+        assert runner.run(spec)["failures"] == []  # a fresh worker takes the next case
+
+
+def test_the_minimizer_shrinks_the_mesh_extents_and_pins():
+    spec = fuzz.generate_case(8, 3, ops=["add", "mul", "exp", "sum", "tanh"], meshes=[[2, 3]])
+    spec["pins"] = {n: {"pl": ["S0", "R"], "style": "outer"} for n in list(spec["inputs"])[:1]}
+    big = fuzz.case_size(spec)
+
+    def has_exp(s, checks, cls):  # a "failure" that needs an exp and nothing else
+        return {"failures": [{"cls": "x"}] if any(o["op"] == "exp" for o in s["ops"]) else []}
+    small, _, runs = fuzz.minimize(spec, "x", has_exp)
+    assert [o["op"] for o in small["ops"]] == ["exp"] and small["outputs"] and not small["pins"]
+    assert small["mesh"] == [1] or len(small["mesh"]) == 1
+    assert all(e == 1 for i in small["inputs"].values() for e in i["shape"])
+    assert fuzz.case_size(small) < big and runs > 0
+
+
+# ------------------------------------------------------------------------------ the CI slice
+
+def test_seeded_slice_passes():
+    """CI_CASES cases of seed CI_SEED over the families correct today (see the module docstring); any
+    failure prints its class and a minimized repro."""
+    lines: list[str] = []
+    camp = fuzz.Campaign(seed=CI_SEED, ops=CI_OPS, minimize_per_class=1, minimize_budget=60, timeout=120,
+                         log=lines.append, **CI_PROFILE)
+    try:
+        camp.run(range(CI_CASES))
+    finally:
+        camp.close()
+    report = camp.summary() + "\n\n" + "\n\n".join(m["repro"] for ms in camp.minimized.values() for m in ms)
+    assert not camp.failures, report
+    assert camp.n_cases == CI_CASES
+    planned = CI_CASES - sum(camp.refusals.values())
+    assert planned >= CI_CASES * 0.7, camp.summary()  # the slice checks plans, it is not all refusals
