@@ -27,8 +27,8 @@ while the same failure class persists, and printed as a runnable script.
 Library use (what tests/test_fuzz.py does):
 
 >>> spec = generate_case(seed=0, index=3)
->>> sorted(spec)[:4]
-['cost', 'dtype', 'extractors', 'gloo']
+>>> [k for k in ("mesh", "inputs", "ops", "outputs", "pins", "cost") if k in spec]
+['mesh', 'inputs', 'ops', 'outputs', 'pins', 'cost']
 >>> "fd.add_output(" in case_source(spec)
 True
 """
@@ -1108,6 +1108,11 @@ def _run_checks(spec, checks, res, fail, timed, stage, torch, ed):
             about_args = re.search(r"\b(mesh|cost model|memory bound)\b", msg, re.I) is not None
             if "optimize" in checks and not (_names_a_tensor(msg, names) or about_args):
                 fail(f"optimize-error-unnamed: {type(e).__name__}", msg, ex)
+            if "optimize" in checks and len(re.findall(r"\b0\.00 GiB", msg)) >= 2:
+                fail("optimize-error-unreadable: both sizes print as 0.00 GiB", msg, ex)
+            if "memory" in checks and frac is not None and frac >= 1 and res["memory_limit"] and "memory" in msg:
+                fail("memory-bound-refused-though-the-unbounded-plan-fits",
+                     f"bound {res['memory_limit']:.0f} B = the unbounded greedy plan's memory; {msg}", ex)
         except Exception as e:  # noqa: BLE001
             errors[ex] = e
             if "optimize" in checks:
@@ -1124,7 +1129,8 @@ def _run_checks(spec, checks, res, fail, timed, stage, torch, ed):
             fail("exact-worse-than-greedy", f"exact {x * 1e6:.3f} us > greedy {g * 1e6:.3f} us "
                                             f"({x / g - 1:+.1%}); method {res['methods'].get('exact')!r}", "exact")
     for a, b in (("greedy", "exact"), ("exact", "greedy")):
-        if a in plans and b in errors and isinstance(errors[b], ed.EgraphDidError) and "exact" in checks:
+        fits = a in plans and (cm.memory_limit is None or plans[a].memory <= cm.memory_limit * (1 + 1e-9))
+        if fits and b in errors and isinstance(errors[b], ed.EgraphDidError) and "exact" in checks:
             fail(f"{b}-refuses-where-{a}-plans", f"{type(errors[b]).__name__}: {errors[b]}", b)
     res["plans"] = {ex: p.to_json() for ex, p in plans.items()}
     seen_steps = {}
@@ -1163,7 +1169,8 @@ def _run_checks(spec, checks, res, fail, timed, stage, torch, ed):
                 out = timed(f"simulate_{mode}", lambda: ed.simulate(plan, inputs, lowered=mode == "lowered"))
             except Exception as e:  # noqa: BLE001
                 if mode in checks and not (mode == "lowered" and eager_failed):
-                    fail(_crash_class(f"simulate-{mode}", e), f"{type(e).__name__}: {e}\n{_short_tb(e)}", ex)
+                    fail(_crash_class(f"simulate-{mode}", e), f"{type(e).__name__}: {e}\n{_short_tb(e)}"
+                         f"{_nonfinite_note(ref)}", ex)
                 eager_failed = eager_failed or mode == "eager"
                 continue
             if mode == "lowered":
@@ -1203,6 +1210,13 @@ def _run_checks(spec, checks, res, fail, timed, stage, torch, ed):
                 break
 
 
+def _nonfinite_note(ref: dict) -> str:
+    """A note for triage when the reference itself holds nan or inf."""
+    import torch
+    bad = [k for k, v in ref.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    return f"\n(the reference outputs {bad} hold nan or inf)" if bad else ""
+
+
 def _bit_equal(a, b) -> bool:
     import torch
     if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
@@ -1220,7 +1234,9 @@ def _same_sharding(plan, tv, mesh) -> bool:
         layout = plan.layout_of(name)
         view = next(plan.value_view(v.name) for v in plan.values.values()
                     if v.tensor == name and v.layout == layout.code())
-        if partial_mesh_axes(view) != partial_mesh_axes(tv):
+        def pending(t):  # a pending reduction over one rank is no reduction
+            return [m for m in partial_mesh_axes(t) if mesh.shape[m] > 1]
+        if pending(view) != pending(tv):
             return False
         return all([i.tolist() for i in local_indices(view, r)] == [i.tolist() for i in local_indices(tv, r)]
                    for r in mesh.ranks)
@@ -1246,8 +1262,12 @@ def _worker_main(conn) -> None:
     import torch
     torch.set_num_threads(1)
     import egraph_did  # noqa: F401 - import once, before the first case's clock
+    parent = os.getppid()
     while True:
         try:
+            while not conn.poll(2.0):
+                if os.getppid() != parent:  # the campaign is gone: so is this worker
+                    return
             msg = conn.recv()
         except EOFError:
             return
@@ -1277,7 +1297,9 @@ class Runner:
         self.conn = None
 
     def _start(self) -> None:
+        import atexit
         import multiprocessing as mp
+        atexit.register(self._kill)
         if ROOT not in sys.path:
             sys.path.insert(0, ROOT)
         ctx = mp.get_context("spawn")

@@ -116,6 +116,12 @@ def test_pin_source_pins_through_the_loop_domain_api():
     assert ns["w"].loop_str() == "[8, 2, DIDx{2}, 6/2/2, rDIDy{2}]"
 
 
+def test_the_fuzzers_docstring_examples_run():
+    import doctest
+    result = doctest.testmod(fuzz, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted >= 20
+
+
 # ------------------------------------------------------------------------------ the checks
 
 def test_compare_tolerates_rounding_and_catches_errors():
