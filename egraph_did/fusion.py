@@ -19,7 +19,7 @@ import torch
 
 from .errors import PlanError, ShapeError, UnknownNameError
 from .ir import TensorView
-from .ops import OPS, OpDef, TensorSpec, canonical_dtype
+from .ops import OPS, OpDef, TensorSpec, canonical_dtype, check_literals
 
 # Every TensorView ever built, so a test can check that no logical domain carries a device axis.
 ALL_TENSORS: "weakref.WeakSet[TensorView]" = weakref.WeakSet()
@@ -140,6 +140,7 @@ class Fusion:
         except TypeError as e:
             raise ShapeError(f"{op_name}: {e}") from None
         bound.apply_defaults()
+        check_literals(opdef, bound.arguments)
         for k, v in bound.arguments.items():
             if isinstance(v, TensorView) and v.fusion is not self:
                 raise ShapeError(f"{op_name}: argument {k} ({v.name}) belongs to another fusion")

@@ -782,6 +782,33 @@ def broadcast_in_dim(x, shape, broadcast_dims):
     return [OutSpec(shape, x.dtype, tuple(names))]
 
 
+# ------------------------------------------------------------------ literal arguments
+
+_LITERALS = {"bool": ((bool,), "a bool (True or False)"), "int": ((int,), "an int"),
+             "float": ((int, float), "a number"), "float | None": ((int, float, type(None)), "a number or None"),
+             "str": ((str,), "a string")}
+
+
+def check_literals(opdef: OpDef, arguments: dict) -> None:
+    """ShapeError unless every non-tensor argument with a declared type (keepdim: bool, eps: float, ...)
+    has it: keepdim="yes" would otherwise read as True, eps="1e-5" fail deep in a kernel.
+
+    >>> check_literals(OPS["sum"], {"x": None, "dims": 1, "keepdim": "yes"})
+    Traceback (most recent call last):
+    ...
+    egraph_did.errors.ShapeError: sum: keepdim must be a bool (True or False), got the str 'yes'
+    """
+    for name, p in opdef.signature.parameters.items():
+        spec = _LITERALS.get(p.annotation) if isinstance(p.annotation, str) else None
+        if spec is None or name not in arguments:
+            continue
+        v, (types, what) = arguments[name], spec
+        if types == (int,) and hasattr(v, "__index__") and not isinstance(v, bool):
+            continue  # numpy integers
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            raise ShapeError(f"{opdef.name}: {name} must be {what}, got the {type(v).__name__} {v!r:.40}")
+
+
 # ------------------------------------------------------------------ index ranges (checked on data)
 
 # op -> (index parameter, indexed parameter, its axis: an int or the parameter holding it, what it counts)
@@ -835,4 +862,5 @@ def op_names() -> list[str]:
     return sorted(OPS)
 
 
-__all__ = ["OPS", "OpDef", "TensorSpec", "OutSpec", "op", "canonical_dtype", "op_names", "check_indices"]
+__all__ = ["OPS", "OpDef", "TensorSpec", "OutSpec", "op", "canonical_dtype", "op_names", "check_indices",
+           "check_literals"]

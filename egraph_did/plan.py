@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .cost import CostModel, check_cost_model
+from .cost import COLLECTIVES, CostModel, check_cost_model
 from .errors import DtypeError, EgraphDidError, PlanError, ShapeError
 from .fusion import Fusion, as_fusion
 from .ir import TensorView
@@ -147,7 +147,18 @@ class Plan:
         return sum(s.time for s in self.steps)
 
     def count(self, kind: str) -> int:
-        """How many collectives of `kind` (e.g. 'allreduce') the plan runs."""
+        """How many collectives of `kind` (e.g. 'allreduce') the plan runs; PlanError for a kind that does
+        not exist (a typo would otherwise count 0).
+
+        >>> import egraph_did as ed
+        >>> from egraph_did.models import row_sum
+        >>> ed.optimize(row_sum(4, 6), ed.DeviceMesh.arange(2)).count("all_reduce")
+        Traceback (most recent call last):
+        ...
+        egraph_did.errors.PlanError: count: unknown collective kind 'all_reduce'; kinds are allgather, reduce_scatter, allreduce, alltoall, broadcast, send_recv
+        """
+        if kind not in COLLECTIVES:
+            raise PlanError(f"count: unknown collective kind {kind!r}; kinds are {', '.join(COLLECTIVES)}")
         return sum(1 for c in self.collectives if c.kind == kind)
 
     def layout_of(self, tensor: str) -> Layout:
@@ -398,7 +409,8 @@ class Plan:
         except json.JSONDecodeError as e:
             raise PlanError(f"plan JSON does not parse: {e}") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise PlanError(f"not an egraph-did plan (expected format {FORMAT!r})")
+            got = f"; it says format {d.get('format')!r}" if isinstance(d, dict) and "format" in d else ""
+            raise PlanError(f"not an egraph-did plan (expected format {FORMAT!r}){got}")
         _fields(d, "", _PLAN_FIELDS)
 
         def dec(v):

@@ -449,6 +449,46 @@ def _():
     return fd.ops.rms_norm(x, normalized_shape=6, weight=fd.define_tensor((4, 6), name="w"))
 
 
+@bad("keepdim as a string", ShapeError, "sum: keepdim must be a bool", "'yes'")
+def _():
+    fd, x = fusion_x()
+    return fd.ops.sum(x, 1, keepdim="yes")
+
+
+@bad("eps as a string", ShapeError, "layer_norm: eps must be a number", "'1e-5'")
+def _():
+    fd, x = fusion_x()
+    return fd.ops.layer_norm(x, eps="1e-5")
+
+
+@bad("is_causal as an int", ShapeError, "sdpa: is_causal must be a bool", "1")
+def _():
+    fd = ed.FusionDefinition()
+    q = fd.define_tensor((1, 2, 4, 8), name="q")
+    return fd.ops.sdpa(q, q, q, is_causal=1)
+
+
+@bad("normalized_shape as a string", ShapeError, "rms_norm(x)", "normalized_shape must be an int or a tuple of ints",
+     "'6'")
+def _():
+    fd, x = fusion_x()
+    return fd.ops.rms_norm(x, normalized_shape="6")
+
+
+@bad("take_along_axis with int32 index", DtypeError, "take_along_axis(x, ix)", "index must be int64", "int32")
+def _():
+    fd, x = fusion_x()
+    return fd.ops.take_along_axis(x, fd.define_tensor((4, 1), torch.int32, name="ix"), 1)
+
+
+@bad("cross_entropy target of the wrong length", ShapeError, "cross_entropy(logits, t)", "target has shape (3,)",
+     "expected (2,)")
+def _():
+    fd = ed.FusionDefinition()
+    return fd.ops.cross_entropy(fd.define_tensor((2, 5), name="logits"),
+                                fd.define_tensor((3,), torch.int64, name="t"))
+
+
 # ------------------------------------------------------------------ pins and shards
 
 @bad("split of an axis out of range", ShardingError, "x", "loop axis 5 out of range", "2 axes")
@@ -625,6 +665,23 @@ def _():
 @bad("cost model without links", CostModelError, "CostModel mine", "links must be a non-empty tuple of Link")
 def _():
     return ed.CostModel("mine", (("float32", 1e12),), 1e12, 1e-6, ())
+
+
+@bad("peak_flops as a dict", CostModelError, "CostModel mine", "peak_flops must be a tuple of (dtype name, FLOP/s)",
+     "('float32', 60e12)")
+def _():
+    return ed.CostModel("mine", {"float32": 1e12}, 1e12, 1e-6, (ed.Link("l", 1e-6, 1e9),))
+
+
+@bad("cost model without CostModel's methods", CostModelError, "cost_model must be a CostModel", "collective_time",
+     "the object")
+def _():
+    return ed.optimize(row_sum(4, 6), MESH2, cost_model=object())
+
+
+@bad("a collective kind misspelled", PlanError, "unknown collective kind 'all_reduce'", "allreduce")
+def _():
+    return plan_row_sum().count("all_reduce")
 
 
 @bad("cost model dict without a field", CostModelError, "cost model dict 'mine'", "lacks the field 'peak_flops'",
@@ -968,6 +1025,28 @@ def _():
     return load(d)
 
 
+@bad("plan JSON: an unknown dtype", PlanError, "values['x:S0'].dtype", "'complex64'", "use one of float32")
+def _():
+    d = plan_json()
+    d["values"]["x:S0"]["dtype"] = "complex64"
+    return load(d)
+
+
+@bad("plan JSON: a negative extent", PlanError, "values['x:S0'].shape must list non-negative ints", "[4, -6]")
+def _():
+    d = plan_json()
+    d["values"]["x:S0"]["shape"] = [4, -6]
+    return load(d)
+
+
+@bad("plan JSON of another format version", PlanError, "expected format 'egraph-did-plan/1'",
+     "it says format 'egraph-did-plan/2'")
+def _():
+    d = plan_json()
+    d["format"] = "egraph-did-plan/2"
+    return load(d)
+
+
 @bad("plan JSON given as a dict", PlanError, "takes the JSON text", "json.dumps(d)")
 def _():
     return ed.Plan.from_json(plan_json())
@@ -1024,6 +1103,12 @@ def _():
 @bad("launch with a negative timeout", ed.LaunchError, "timeout must be a positive number of seconds", "-1")
 def _():
     return ed.launch(_work, nprocs=2, timeout=-1)
+
+
+if not torch.cuda.is_available():
+    @bad("launch on NCCL without GPUs", ed.LaunchError, "backend='nccl' needs CUDA GPUs", "backend='gloo'")
+    def _():
+        return ed.launch(_work, nprocs=2, backend="nccl")
 
 
 # ------------------------------------------------------------------ the test
