@@ -300,6 +300,12 @@ def run_plan(plan: Plan, inputs: Mapping[str, Any], *, inputs_kind: str = "globa
         raise PlanError(f"run_plan: inputs_kind must be one of {INPUT_KINDS}, got {inputs_kind!r}")
     if outputs_kind not in OUTPUT_KINDS:
         raise PlanError(f"run_plan: outputs_kind must be one of {OUTPUT_KINDS}, got {outputs_kind!r}")
+    if not isinstance(lowered, bool):
+        raise PlanError(f"run_plan: lowered must be True (Triton kernels) or False (torch eager), got {lowered!r}")
+    if step_timeout is not None and (isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float))
+                                     or not step_timeout > 0):
+        raise PlanError(f"run_plan: step_timeout must be a positive number of seconds, or None for the process "
+                        f"group's timeout; got {step_timeout!r}")
     check_world(plan.mesh)
     me = dist.get_rank()
     if rank is None:

@@ -167,6 +167,9 @@ def simulate(plan: Plan, inputs: Mapping[str, torch.Tensor], lowered: bool = Tru
                 "first: ed.simulate(ed.optimize(fd, mesh), inputs)" if type(plan).__name__ in ("FusionDefinition", "Fusion")
                 else "; ed.optimize(fd, mesh) makes one, ed.Plan.from_json(text) loads one")
         raise PlanError(f"simulate: expected a Plan, got the {type(plan).__name__} {plan!r:.40}{hint}")
+    if not isinstance(lowered, bool):
+        raise PlanError(f"simulate: lowered must be True (the lowered program: Triton kernels) or False (torch "
+                        f"eager per step), got the {type(lowered).__name__} {lowered!r:.40}")
     mesh = plan.mesh
     env = bind_inputs(plan, inputs)
     if lowered:

@@ -196,6 +196,11 @@ def _():
     return ed.DeviceMesh.from_dict({"ranks": [0, 1], "axis_names": ["x"]})
 
 
+@bad("axis names that are not strings", MeshError, "axis names must be non-empty strings", "[0, 1]")
+def _():
+    return ed.DeviceMesh([[0, 1], [2, 3]], axis_names=(0, 1))
+
+
 # ------------------------------------------------------------------ building a fusion
 
 @bad("negative extent", ShapeError, "define_tensor(a)", "axis 0", "extent -1", "non-negative ints")
@@ -731,6 +736,11 @@ def _():
     return ed.simulate(row_sum(4, 6), {"x": X})
 
 
+@bad("simulate: lowered as a string", PlanError, "simulate: lowered must be True", "or False", "'no'")
+def _():
+    return ed.simulate(plan_row_sum(), {"x": X}, lowered="no")
+
+
 @bad("simulate: inputs as a list", ShapeError, "inputs must be a dict", "['x']", "list")
 def _():
     return ed.simulate(plan_row_sum(), [X])
@@ -895,6 +905,11 @@ def _():
     return plan_row_sum().run({"x": X}, outputs="tensor")
 
 
+@bad("run: a step timeout of 0", PlanError, "step_timeout must be a positive number of seconds", "got 0")
+def _():
+    return plan_row_sum().run({"x": X}, step_timeout=0)
+
+
 @bad("run outside a process group", PlanError, "no default process group", "init_process_group", "launch")
 def _():
     return plan_row_sum().run({"x": X})
@@ -1044,6 +1059,21 @@ def _():
 def _():
     d = plan_json()
     d["format"] = "egraph-did-plan/2"
+    return load(d)
+
+
+@bad("plan JSON: a value under another name", PlanError, "values['x:S0'] has name 'x:R'", "its key")
+def _():
+    d = plan_json()
+    d["values"]["x:S0"]["name"] = "x:R"
+    return load(d)
+
+
+@bad("plan JSON: a collective on a mesh axis the mesh lacks", PlanError, "runs on mesh axis 1",
+     "has 1 axis(es)", "re-optimize")
+def _():
+    d = plan_json(plan_collective())
+    next(s for s in d["steps"] if s["step"] == "collective")["mesh_axis"] = 1
     return load(d)
 
 
