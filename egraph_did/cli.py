@@ -320,7 +320,7 @@ def cmd_sweep(args) -> int:
             written.append(plot_sweep(rows, os.path.join(args.out_dir, f"sweep.{args.plot_format}"), x, args.title))
         except ImportError:  # pragma: no cover
             raise UserError("plots need matplotlib: pip install 'egraph-did[plots]' (or pass --no-plot)") from None
-    keys = varying(rows) or [x]
+    keys = [k for k in varying(rows) if k == x or all(r.get(k) is not None for r in rows)] or [x]
     print("  ".join(f"{k:>12}" for k in keys) + f"  {'time us':>10}  {'MiB moved':>10}  family / error")
     for r in rows:
         vals = "  ".join(f"{str(r.get(k)):>12}" for k in keys)

@@ -587,7 +587,8 @@ def crossovers(rows: list[dict], x: str) -> list[dict]:
 
 
 def _series(rows: list[dict], x: str) -> dict[str, list[dict]]:
-    others = [k for k in varying(rows) if k != x]
+    # keys only some models take (None or absent elsewhere) follow from the model: they name no series
+    others = [k for k in varying(rows) if k != x and all(r.get(k) is not None for r in rows)]
     groups: dict[str, list[dict]] = {}
     for r in rows:
         label = ", ".join(f"{k}={r.get(k)}" for k in others)
