@@ -1127,6 +1127,10 @@ def _run_checks(spec, checks, res, fail, timed, stage, torch, ed):
     if "greedy" in plans and "exact" in plans and fits(plans["greedy"]) and fits(plans["exact"]):
         g, x = plans["greedy"].predicted_time, plans["exact"].predicted_time
         res["gap"] = g / x - 1 if x > 0 else 0.0
+        limit = spec.get("gap_limit")
+        if "exact" in checks and limit is not None and res["gap"] > limit:
+            fail(f"greedy-over-{limit:.0%}-worse-than-exact", f"greedy {g * 1e6:.3f} us vs exact {x * 1e6:.3f} us "
+                 f"({res['gap']:+.1%})", "greedy")
         if "exact" in checks and x > g * (1 + 1e-9) + 1e-15:
             fail("exact-worse-than-greedy", f"exact {x * 1e6:.3f} us > greedy {g * 1e6:.3f} us "
                                             f"({x / g - 1:+.1%}); method {res['methods'].get('exact')!r}", "exact")
@@ -1567,8 +1571,10 @@ def repro(spec: dict, failure: dict, memory_limit: float | None = None) -> str:
     elif cls.startswith(("exact", "greedy")):
         tail = ('greedy = ed.optimize(fd, mesh, cost_model=cost_model, extractor="greedy")\n'
                 'exact = ed.optimize(fd, mesh, cost_model=cost_model, extractor="exact")\n'
+                'print(greedy.explain())\nprint(exact.explain())\n'
                 'print(greedy.predicted_time, exact.predicted_time, exact.method)\n'
-                'assert exact.predicted_time <= greedy.predicted_time * (1 + 1e-9)')
+                + ('assert greedy.predicted_time <= exact.predicted_time * 1.01' if "worse-than-exact" in cls else
+                   'assert exact.predicted_time <= greedy.predicted_time * (1 + 1e-9)'))
     elif cls.startswith("memory"):
         tail = f"{opt}\nassert plan.memory <= cost_model.memory_limit, (plan.memory, cost_model.memory_limit)"
     elif cls.startswith("collective-on-size-1"):
@@ -1598,12 +1604,13 @@ class Campaign:
     def __init__(self, seed: int, ops: Iterable[str] | None = None, gloo_every: int = 0, timeout: float = 120.0,
                  minimize_per_class: int = 1, minimize_budget: float = 300.0, exact: bool = True,
                  max_ops: int = 6, mesh_ndims: Iterable[int] = (1, 2, 3), log: Callable[[str], None] | None = None,
-                 report: str | None = None, in_process: bool = False, **profile):
+                 report: str | None = None, in_process: bool = False, gap_limit: float | None = None,
+                 **profile):
         self.seed, self.ops, self.gloo_every = seed, ops, gloo_every
         self.exact, self.max_ops, self.mesh_ndims = exact, max_ops, tuple(mesh_ndims)
         self.minimize_per_class, self.minimize_budget = minimize_per_class, minimize_budget
         self.runner = Runner(timeout)
-        self.in_process, self.profile = in_process, profile
+        self.in_process, self.profile, self.gap_limit = in_process, profile, gap_limit
         self.log = log or (lambda s: None)
         self.report_path = report
         self.n_cases = 0
@@ -1618,8 +1625,11 @@ class Campaign:
 
     def case(self, index: int) -> dict:
         gloo = bool(self.gloo_every) and index % self.gloo_every == self.gloo_every - 1
-        return generate_case(self.seed, index, self.ops, gloo=gloo, max_ops=self.max_ops,
+        spec = generate_case(self.seed, index, self.ops, gloo=gloo, max_ops=self.max_ops,
                              mesh_ndims=self.mesh_ndims, exact=self.exact, **self.profile)
+        if self.gap_limit is not None:
+            spec["gap_limit"] = self.gap_limit  # greedy worse than exact by more: a failure class
+        return spec
 
     def _run(self, spec: dict, **kw) -> dict:
         """One case: in the worker process (a timeout and a crash end only the case), or here."""
@@ -1743,6 +1753,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds per case")
     ap.add_argument("--minimize-per-class", type=int, default=1)
     ap.add_argument("--minimize-budget", type=float, default=300.0, help="seconds per minimization")
+    ap.add_argument("--gap-limit", type=float, default=None,
+                    help="also fail cases where greedy is worse than exact by more than this (e.g. 0.01)")
     ap.add_argument("--report", default=None, help="write failures, minimized repros and the summary (markdown)")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
@@ -1751,7 +1763,8 @@ def main(argv: list[str] | None = None) -> int:
     camp = Campaign(args.seed, ops, args.gloo_every, args.timeout, args.minimize_per_class, args.minimize_budget,
                     exact=not args.no_exact, max_ops=args.max_ops,
                     mesh_ndims=[int(x) for x in args.mesh_ndims.split(",")],
-                    log=None if args.quiet else (lambda s: print(s, flush=True)), report=args.report)
+                    log=None if args.quiet else (lambda s: print(s, flush=True)), report=args.report,
+                    gap_limit=args.gap_limit)
     if args.case is not None:
         spec = camp.case(args.case)
         if args.show:

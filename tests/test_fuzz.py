@@ -10,23 +10,25 @@ see issue 12 and the fuzzer's report for the minimized repros). Each is a known 
 that others are fixing; put it back in the slice when its class is fixed:
 
 - mesh axes of size 1 (meshes (4, 1), (1, 4), (2, 1, 2), ...) and the mesh of one rank: a pin that splits
-  an axis over a size-1 mesh axis is reported without that split (`pins-reported-differently`), and a
-  size-1 axis may get collectives (`collective-on-size-1-mesh-axis`).
+  an axis over a size-1 mesh axis is reported without that split (`pins-reported-differently`; and before
+  commit 2857e24's neighbours, `collective-on-size-1-mesh-axis`).
+- nothing else of the op table: `expand` of a 0-D tensor to shape () passes the shape rule and crashes
+  ed.evaluate (`evaluate-crash: TypeError in ops.py:<lambda>`), rare enough that the slice's seed misses it.
 - pins other than outer DID splits: non-outermost splits (a merged gate/up weight) and nested splits
   with the inner mesh axis outside are refused (refusals, not failures, but they end the case early),
   and splits that leave a rank empty (5 rows over 4 ranks) are refused.
 - partial pins (P, Pmax): `replicate -> partial` is missing, so most are refused; where accepted they
   are checked in the long run.
 - the h200_multinode cost model (on meshes that are not 2-D it is refused, which ends the case), and
-  memory bounds (`exact-refuses-where-greedy-plans`,
-  `greedy-refuses-where-exact-plans`: the Lagrangian bisection of greedy and the exact program disagree
-  on feasibility; the bound's message prints 0.00 GiB for both sides).
+  memory bounds: the exact extractor returns plans over the bound (`memory-bound-exceeded`), greedy
+  refuses bounds that exact meets (`greedy-refuses-where-exact-plans`), and the refusal prints both
+  sizes as 0.00 GiB (`optimize-error-unreadable: both sizes print as 0.00 GiB`).
 - welford_blocks / welford_merge (`simulate-eager-crash: ShardingError in sharding.py:unshard_tensor`:
   a nan in a replicated output, as welford_merge makes of an empty block, is "different data" to
-  unshard_tensor's replica check, whose torch.equal is not nan-safe) and cast to a dtype given by name
-  (issue 12: `cast(x, "float64")` crashes optimize).
-- the exact extractor is run (exact <= greedy is checked), but gloo processes are not (the long run
-  samples them with --gloo-every).
+  unshard_tensor's replica check, whose torch.equal is not nan-safe).
+- the exact extractor is run (exact <= greedy is checked, and the gap is measured but not bounded: greedy
+  is more than 1% worse than exact on about 8% of random cases, `greedy-over-1%-worse-than-exact` with
+  --gap-limit 0.01), and gloo processes are not (the long run samples them with --gloo-every).
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ import egraph_did as ed  # noqa: E402
 from bench import fuzz  # noqa: E402
 
 # op families the CI slice draws from: every op but those the docstring excludes
-CI_EXCLUDED_OPS = {"welford_blocks", "welford_merge", "cast"}
+CI_EXCLUDED_OPS = {"welford_blocks", "welford_merge"}
 CI_OPS = sorted(set(ed.op_names()) - CI_EXCLUDED_OPS)
 CI_MESHES = [[2], [3], [4], [5], [2, 2], [2, 3], [3, 2], [2, 4], [2, 2, 2]]
 CI_PROFILE = dict(meshes=CI_MESHES, pin_styles=("outer",), partial_pins=False, empty_shards=False,
