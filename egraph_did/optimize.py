@@ -115,6 +115,7 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     t3 = time.perf_counter()
     plan = build_plan(problem, graph, sel)
     plan.stats.update(graph.stats)
+    plan.stats.update(sel.stats, extract_method=sel.method, extract_cost=sel.cost)  # exact: proven or not
     plan.stats.update(build_s=t1 - t0, egraph_s=t2 - t1, extract_s=t3 - t2, total_s=time.perf_counter() - t0,
                       classes=len(graph.classes), nodes=graph.n_nodes)
     return plan
