@@ -19,6 +19,7 @@ import hashlib
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -524,7 +525,9 @@ def run_sweep(points: list[dict], jobs: int | None = None, cache_dir: str | None
         for i in todo:
             done(i, run_point(points[i]))
     else:
-        with cf.ProcessPoolExecutor(max_workers=min(jobs, len(todo))) as pool:
+        # spawn, not fork: a forked worker inherits torch's and egglog's threads mid-lock and can hang
+        with cf.ProcessPoolExecutor(max_workers=min(jobs, len(todo)),
+                                    mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = {pool.submit(run_point, points[i]): i for i in todo}
             for fut in cf.as_completed(futures):
                 done(futures[fut], fut.result())
