@@ -475,12 +475,20 @@ class TensorView:
         self.mesh = mesh
         return self
 
+    def _mesh_axis(self, ptype: ParallelType, mesh: DeviceMesh) -> int:
+        """ptype's mesh axis on mesh; the MeshError names this tensor."""
+        try:
+            return ptype.mesh_axis(mesh)
+        except MeshError as e:
+            raise MeshError(f"{self.name}: {e}; bind a parallel type the mesh has (DIDx is its last axis)") from None
+
     def _check_binding(self, d: IterDomain, ptype: ParallelType, mesh: DeviceMesh) -> None:
-        size = mesh.shape[ptype.mesh_axis(mesh)]
+        m = self._mesh_axis(ptype, mesh)
+        size = mesh.shape[m]
         if d.extent != size:
             raise ShardingError(
                 f"{self.name}: loop axis {d.name} has extent {d.extent} but {ptype.name} binds mesh axis "
-                f"'{mesh.axis_names[ptype.mesh_axis(mesh)]}' of size {size}; use outer_split(axis, {size})")
+                f"'{mesh.axis_names[m]}' of size {size}; use outer_split(axis, {size})")
 
     def parallelize(self, axis: int, ptype: ParallelType) -> "TensorView":
         """Bind loop axis `axis` to a mesh axis (DIDx/DIDy/DIDz) or back to Serial.
@@ -532,7 +540,7 @@ class TensorView:
         for d in self._loop:
             if d.parallel_type is ptype:
                 raise ShardingError(f"{self.name}: {ptype.name} is already bound to loop axis {d}")
-        size = self.mesh.shape[ptype.mesh_axis(self.mesh)]
+        size = self.mesh.shape[self._mesh_axis(ptype, self.mesh)]
         self._loop.append(IterDomain(f"p{ptype.name}", size, IterType.Reduction, ptype, PendingSum(reduce)))
         return self
 

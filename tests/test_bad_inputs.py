@@ -528,8 +528,7 @@ def _():
 
 
 # issue 12: DIDy/DIDz on a mesh without that axis names no tensor (the message is built in ir.py)
-@bad("DIDy on a 1-D mesh", MeshError, "x: ", "DIDy needs a mesh of at least 2 dimensions",
-     xfail="ir.py's ParallelType.mesh_axis names no tensor; the call sites in TensorView should add it")
+@bad("DIDy on a 1-D mesh", MeshError, "x: ", "DIDy needs a mesh of at least 2 dimensions")
 def _():
     _, x = fusion_x()
     return x.set_device_mesh(MESH2).outer_split(0, 2).axis(0).parallelize(P.DIDy)
