@@ -9,7 +9,7 @@ from .errors import PlanError
 from .extract import ROOT, Selection, exact, greedy_dag, with_roots
 from .layout import Layout
 from .mesh import DeviceMesh
-from .plan import Collective, ComputeStep, Plan, Value
+from .plan import Collective, ComputeStep, Plan, Value, check_optimize_args
 from .problem import Problem, build_problem
 
 
@@ -80,7 +80,6 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     >>> [c.kind for c in plan.collectives]
     ['allreduce']
     """
-    from .plan import check_optimize_args  # argument checks: each error names the argument and the fix
     check_optimize_args(fd, mesh, cost_model, extractor, like)
     t0 = time.perf_counter()
     cm = cost_model or CostModel.h200()

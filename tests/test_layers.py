@@ -62,7 +62,6 @@ KNOWN: set[tuple[str, str, str]] = {
     ('egraph_did.lowering.segment', 'egraph_did.lowering.schedulers', 'function-level import of a project module'),
     ('egraph_did.lowering.segment', 'egraph_did.simulate', 'function-level import of a project module'),
     ('egraph_did.optimize', 'egraph_did.egraph', 'function-level import of a project module'),
-    ('egraph_did.optimize', 'egraph_did.plan', 'function-level import of a project module'),
     ('egraph_did.plan', 'egraph_did.rewrites.resharding', 'function-level import of a project module'),
     ('egraph_did.plan', 'egraph_did.runtime', 'function-level import of a project module'),
     ('egraph_did.rewrites', 'egraph_did.rewrites.aten', 'function-level import of a project module'),
