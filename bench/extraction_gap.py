@@ -19,7 +19,8 @@ import time
 import torch
 
 import egraph_did as ed
-from egraph_did.layout import Layout, P, R, S, apply_layout
+from egraph_did.layout import Layout, P, R, S
+from egraph_did.pins import apply_layout
 
 EXTENTS = (64, 512, 4096)
 MESHES = ((2,), (4,), (2, 2), (2, 4), (2, 2, 2))

@@ -35,7 +35,8 @@ MEMORY_PER_LAYER = 1.0 * 2**30
 
 def gpt_fusion(ndev: int, sp: bool, batch, seq, hidden, heads, dtype=torch.bfloat16):
     from egraph_did import models
-    from egraph_did.layout import Layout, S, apply_layout
+    from egraph_did.layout import Layout, S
+    from egraph_did.pins import apply_layout
     mesh = ed.DeviceMesh.arange(ndev)
     fd = models.gpt_layer(batch, seq, hidden, heads, dtype)
     for name in ("x", "y"):
@@ -73,7 +74,7 @@ def load_plan(ndev: int, sp: bool):
 def per_device_compute(plan, device, iters: int = 20) -> tuple[float, float]:
     """Median ms of rank 0's local program with collectives replaced by stand-ins; and the cost model's
     prediction of the collectives it skipped."""
-    from egraph_did.local import Operand, RankContext
+    from egraph_did.shards import Operand, RankContext
     from egraph_did.lowering.execute import run_rank
     from egraph_did.lowering.segment import lower
     mesh, rank = plan.mesh, plan.mesh.ranks[0]

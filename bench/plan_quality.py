@@ -32,7 +32,8 @@ import torch
 
 import egraph_did as ed
 from egraph_did import models
-from egraph_did.layout import Layout, P, R, S, apply_layout, is_valid
+from egraph_did.layout import Layout, P, R, S, is_valid
+from egraph_did.pins import apply_layout
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

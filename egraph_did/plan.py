@@ -18,7 +18,8 @@ from .cost import COLLECTIVES, CostModel, check_cost_model
 from .errors import DtypeError, EgraphDidError, PlanError, ShapeError
 from .fusion import Fusion, as_fusion
 from .ir import TensorView
-from .layout import Layout, apply_layout
+from .layout import Layout
+from .pins import apply_layout
 from .mesh import DeviceMesh, check_mesh
 from .ops import OPS, canonical_dtype
 

@@ -33,7 +33,8 @@ def plan_graph(plan: Plan) -> nx.DiGraph:
 
     >>> import egraph_did as ed
     >>> from egraph_did.models import row_sum
-    >>> from egraph_did.layout import Layout, apply_layout
+    >>> from egraph_did.layout import Layout
+    >>> from egraph_did.pins import apply_layout
     >>> fd, mesh = row_sum(8, 64), ed.DeviceMesh.arange(4)
     >>> _ = apply_layout(fd["x"], Layout.from_code("S1"), mesh)
     >>> g = plan_graph(ed.optimize(fd, mesh))

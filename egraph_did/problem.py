@@ -17,7 +17,9 @@ from .cost import CostModel
 from .errors import PlanError
 from .fusion import Expr, Fusion, Ops, as_fusion, replay
 from .ir import TensorView
-from .layout import Layout, canonical_layout, is_valid, layout_of, local_extents, valid_layouts
+from .layout import Layout, canonical_layout, is_valid, valid_layouts
+from .pins import layout_of
+from .shards import local_extents
 from .mesh import DeviceMesh
 from .ops import canonical_dtype
 

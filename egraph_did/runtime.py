@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .errors import EgraphDidError, PlanError, ShapeError
 from .layout import Layout
-from .local import RankContext
+from .shards import RankContext
 from .lowering.execute import run_segment
 from .lowering.segment import eager_segments, lowered_plan
 from .lowering.communication import (check_world, world_key, ensure_groups, gather_to_all, local_shape,

@@ -8,7 +8,8 @@ from typing import Mapping
 import torch
 
 from .errors import PlanError, ShapeError
-from .local import Operand, RankContext, run_local
+from .shards import Operand, RankContext
+from .local import run_local
 from .ops import INDEX_ARGS, check_indices
 from .plan import Collective, ComputeStep, Plan
 from .sharding import shard_tensor, unshard_tensor

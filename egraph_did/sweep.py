@@ -32,7 +32,8 @@ from . import models
 from .cost import CostModel, Link
 from .errors import EgraphDidError, MeshError, PlanError
 from .fusion import FusionDefinition
-from .layout import Layout, Placement, apply_layout, is_valid
+from .layout import Layout, Placement, is_valid
+from .pins import apply_layout
 from .mesh import DeviceMesh
 from .plan import Plan
 

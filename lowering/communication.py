@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from egraph_did.errors import PlanError, ShapeError
-from egraph_did.local import Operand, RankContext
+from egraph_did.shards import Operand, RankContext
 from egraph_did.mesh import DeviceMesh
 from egraph_did.plan import Collective, Plan
 

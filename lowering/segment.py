@@ -18,7 +18,7 @@ import torch
 from egraph_did.evaluate import decompose
 from egraph_did.fusion import Fusion
 from egraph_did.ir import TensorView
-from egraph_did.local import Operand, RankContext
+from egraph_did.shards import Operand, RankContext
 from egraph_did.plan import Collective, ComputeStep, Plan
 
 from .kernel_spec import KERNEL_OPS, KernelOp, KernelSpec

@@ -12,7 +12,8 @@ import egraph_did as ed
 from egraph_did.physgraph import Node, PhysGraph
 from egraph_did import extract, models
 from egraph_did.extract import exact, greedy_dag, with_roots
-from egraph_did.layout import Layout, P, R, S, apply_layout
+from egraph_did.layout import Layout, P, R, S
+from egraph_did.pins import apply_layout
 
 EXTENTS = (64, 512, 4096)
 

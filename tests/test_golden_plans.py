@@ -11,7 +11,8 @@ import torch
 
 import egraph_did as ed
 from egraph_did import models
-from egraph_did.layout import Layout, R, S, apply_layout
+from egraph_did.layout import Layout, R, S
+from egraph_did.pins import apply_layout
 
 BF16 = torch.bfloat16
 F64 = torch.float64

@@ -3,7 +3,8 @@ import torch
 
 import egraph_did as ed
 from egraph_did.layout import Layout, R, S
-from egraph_did.local import Operand, RankContext, run_local
+from egraph_did.shards import Operand, RankContext
+from egraph_did.local import run_local
 
 MESH = ed.DeviceMesh.arange(2)
 

@@ -419,7 +419,8 @@ def test_repr_shows_loop_dtype_and_mesh():
 
 
 def test_a_pending_max_reads_back_as_pmax_and_unshards_by_maximum():
-    from egraph_did.layout import PMAX, Layout, S, apply_layout, layout_of
+    from egraph_did.layout import PMAX, Layout, S
+    from egraph_did.pins import apply_layout, layout_of
     mesh = ed.DeviceMesh([[0, 1], [2, 3]])
     with ed.FusionDefinition() as fd:
         x = fd.define_tensor((5, 3), name="x")

@@ -6,7 +6,8 @@ import torch
 
 import egraph_did as ed
 from egraph_did import models
-from egraph_did.layout import Layout, S, apply_layout
+from egraph_did.layout import Layout, S
+from egraph_did.pins import apply_layout
 
 MESH = ed.DeviceMesh.arange(4)
 

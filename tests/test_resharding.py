@@ -25,8 +25,9 @@ from egraph_did.cost import CostModel
 from egraph_did.egraph import transitions
 from egraph_did.fusion import Fusion
 from egraph_did.ir import TensorView
-from egraph_did.layout import P, PMAX, Layout, R, S, apply_layout, is_valid, valid_layouts
-from egraph_did.local import RankContext
+from egraph_did.layout import P, PMAX, Layout, R, S, is_valid, valid_layouts
+from egraph_did.pins import apply_layout
+from egraph_did.shards import RankContext
 from egraph_did.plan import Collective, Plan, Value
 from egraph_did.rewrites.resharding import CANCELLATIONS, RESHARDS
 from egraph_did.sharding import local_indices, shard_tensor

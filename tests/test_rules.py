@@ -25,8 +25,10 @@ from egraph_did import DeviceMesh, FusionDefinition, evaluate
 from egraph_did.cost import CostModel
 from egraph_did.fusion import Fusion
 from egraph_did.ir import TensorView
-from egraph_did.layout import Layout, R, apply_layout
-from egraph_did.local import Operand, RankContext, run_local
+from egraph_did.layout import Layout, R
+from egraph_did.pins import apply_layout
+from egraph_did.shards import Operand, RankContext
+from egraph_did.local import run_local
 from egraph_did.problem import build_problem, expr_strategies
 from egraph_did.rewrites import ALL_RULES
 from egraph_did.sharding import local_indices, local_shape, shard_tensor

@@ -17,7 +17,8 @@ import egraph_did as ed
 from egraph_did import models
 from egraph_did.errors import PlanError, ShapeError
 from egraph_did.launcher import LaunchError, launch
-from egraph_did.layout import Layout, R, S, apply_layout
+from egraph_did.layout import Layout, R, S
+from egraph_did.pins import apply_layout
 from egraph_did.plan import Plan
 from egraph_did.runtime import StepError, run_plan, torch_device_mesh
 from egraph_did.sharding import shard_tensor, unshard_tensor
