@@ -6,12 +6,21 @@ shapes, and a tensor's shard and its reassembly.
 >>> ctx = RankContext(DeviceMesh.arange(4), rank=3)
 >>> ctx.shard_range(10, Layout.from_code("S0"), axis=0), local_extents((10, 8), Layout.from_code("S0"), ctx.mesh)
 ((9, 10), (3, 8))
+
+Partial layouts: under P every rank holds a summand, so `shard` gives the value to the ranks at
+coordinate 0 of the P mesh axes and zeros to the others, and `unshard` sums; under Pmax every rank
+holds a candidate maximum, so `shard` gives every rank the value and `unshard` takes the maximum.
+Replicated copies must agree on `unshard`. (sharding.shard_tensor/unshard_tensor say the same for a
+TensorView's loop domain, which may also hold non-outermost splits a Layout cannot name.)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
+import torch
+
+from .errors import ShapeError, ShardingError
 from .layout import Layout, R, S  # noqa: F401  (S: the doctests)
 from .mesh import DeviceMesh
 
@@ -91,3 +100,111 @@ class RankContext:
     def on_first(self, mesh_axes) -> bool:
         """Whether this rank sits at coordinate 0 of every given mesh axis."""
         return all(self.coords[m] == 0 for m in mesh_axes)
+
+
+def _slices(ctx: RankContext, shape: Sequence[int], layout: Layout) -> tuple[slice, ...]:
+    """The index of this rank's piece in the global tensor: one contiguous range per axis."""
+    return tuple(slice(*ctx.shard_range(e, layout, a)) for a, e in enumerate(shape))
+
+
+def _partial_axes(layout: Layout, reduce: str) -> list[int]:
+    return [m for m, p in enumerate(layout) if p.is_partial and p.reduce == reduce]
+
+
+def _check_layout(layout: Layout, shape: Sequence[int], mesh: DeviceMesh, where: str) -> None:
+    if len(layout) != mesh.ndim or any(p.is_shard and p.axis >= len(shape) for p in layout):
+        raise ShardingError(f"{where}: layout {layout} does not fit a tensor of shape {tuple(shape)} on {mesh} "
+                            f"(one placement per mesh axis, S(a) only for an axis the tensor has)")
+
+
+def shard(tensor: torch.Tensor, layout: Layout, mesh: DeviceMesh, rank: int, name: str = "tensor") -> torch.Tensor:
+    """The piece of the global `tensor` that `rank` holds under `layout` (a contiguous copy).
+
+    >>> t = torch.arange(10.)
+    >>> [shard(t, Layout.from_code("S0"), DeviceMesh.arange(4), r).tolist() for r in (0, 3)]  # ceil-sized
+    [[0.0, 1.0, 2.0], [9.0]]
+    >>> [shard(t[:2], Layout.from_code("P"), DeviceMesh.arange(2), r).tolist() for r in (0, 1)]  # summands
+    [[0.0, 1.0], [0.0, 0.0]]
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise ShapeError(f"shard: expected a torch.Tensor for {name}, got {type(tensor).__name__}")
+    _check_layout(layout, tensor.shape, mesh, f"shard({name})")
+    ctx = RankContext(mesh, rank)
+    piece = tensor[_slices(ctx, tensor.shape, layout)]
+    if not ctx.on_first(_partial_axes(layout, "sum")):
+        return torch.zeros_like(piece)  # a pending max needs no zeros: every copy is the value
+    return piece.clone(memory_format=torch.contiguous_format)  # a copy: writing it leaves the global alone
+
+
+def _by_rank(pieces, mesh: DeviceMesh, where: str) -> dict[int, torch.Tensor]:
+    """{rank: piece} from a list in ascending rank order or a dict; ShardingError if one is missing."""
+    ranks = sorted(mesh.ranks)
+    if isinstance(pieces, Mapping):
+        missing = [r for r in ranks if r not in pieces]
+        if missing:
+            raise ShardingError(f"{where}: no piece for rank(s) {missing} of {mesh}")
+        return dict(pieces)
+    pieces = list(pieces)
+    if len(pieces) != len(ranks):
+        raise ShardingError(f"{where}: got {len(pieces)} pieces for the {len(ranks)} ranks of {mesh} (pass one "
+                            f"per rank, in ascending rank order)")
+    return dict(zip(ranks, pieces))
+
+
+def _global_shape(by_rank: dict[int, torch.Tensor], layout: Layout, mesh: DeviceMesh) -> tuple[int, ...]:
+    """The global shape the pieces tile: along each axis, the sizes of the pieces held at every coordinate
+    of the mesh axes that split it (coordinate 0 elsewhere) add up to the extent (the ranges are disjoint
+    and cover it)."""
+    first = by_rank[mesh.rank_at([0] * mesh.ndim)]
+    shape = []
+    for a in range(first.dim()):
+        split = layout.sharding_axes(a)
+        shape.append(sum(p.shape[a] for r, p in by_rank.items()
+                         if all(c == 0 for m, c in enumerate(mesh.coords(r)) if m not in split)))
+    return tuple(shape)
+
+
+def unshard(pieces: Sequence[torch.Tensor] | Mapping[int, torch.Tensor], layout: Layout, mesh: DeviceMesh,
+            shape: Sequence[int] | None = None, name: str = "tensor") -> torch.Tensor:
+    """The global tensor from every rank's piece under `layout` (a list in ascending rank order, or
+    {rank: piece}): pieces placed at their ranges, P summed, Pmax maximized; replicated copies must
+    agree. `shape` (the global shape) is checked when given, else read off the pieces.
+
+    >>> mesh = DeviceMesh.arange(4)
+    >>> unshard([torch.tensor([0., 1., 2.]), torch.tensor([3., 4., 5.]), torch.tensor([6., 7., 8.]),
+    ...          torch.tensor([9.])], Layout.from_code("S0"), mesh).tolist()
+    [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]
+    >>> unshard([torch.tensor(float(r)) for r in range(4)], Layout.from_code("P"), mesh)  # a sum
+    tensor(6.)
+    """
+    where = f"unshard({name})"
+    by_rank = _by_rank(pieces, mesh, where)
+    shape = _global_shape(by_rank, layout, mesh) if shape is None else tuple(shape)
+    _check_layout(layout, shape, mesh, where)
+    if _partial_axes(layout, "sum") and _partial_axes(layout, "max"):
+        raise ShardingError(f"{where}: a pending sum and a pending max on one tensor do not commute; resolve "
+                            f"one first")
+    replicated = [m for m, p in enumerate(layout) if p.kind == "R"]
+    first = by_rank[min(by_rank)]
+    pending_max = bool(_partial_axes(layout, "max"))
+    out = torch.full(shape, -torch.inf if pending_max else 0, dtype=first.dtype, device=first.device)
+    for r in sorted(mesh.ranks):
+        ctx = RankContext(mesh, r)
+        idx = _slices(ctx, shape, layout)
+        piece = by_rank[r]
+        want = tuple(s.stop - s.start for s in idx)
+        if tuple(piece.shape) != want:
+            raise ShapeError(f"{where}: rank {r}'s piece has shape {tuple(piece.shape)}, but layout {layout} of "
+                             f"{shape} on {mesh} gives it {want}")
+        if not ctx.on_first(replicated):
+            twin = mesh.rank_at([0 if m in replicated else c for m, c in enumerate(ctx.coords)])
+            if not torch.equal(piece, by_rank[twin]):
+                axes = [mesh.axis_names[m] for m in replicated]
+                raise ShardingError(f"{where}: ranks {twin} and {r} hold different data although {name} is "
+                                    f"replicated on mesh axes {axes}")
+            continue
+        out[idx] = torch.maximum(out[idx], piece) if pending_max else out[idx] + piece
+    return out
+
+
+__all__ = ["RankContext", "Operand", "local_extents", "shard", "unshard"]

@@ -420,3 +420,57 @@ def test_sharded_tensor_without_a_mesh_cannot_be_sharded():
     tv.axis(0).parallelize(DIDx)
     with pytest.raises(ShardingError, match="set_device_mesh"):
         ed.shard_tensor(global_value((4,)), tv, 0)
+
+
+# ---------------------------------------------------------------------------- shards.shard / unshard
+
+from egraph_did import shards as shards_mod  # noqa: E402
+from egraph_did.layout import P, PMAX, R, S, is_valid  # noqa: E402
+from egraph_did.layout import Layout as Placements  # noqa: E402  (this file's Layout is the drawn loop domain)
+from egraph_did.pins import apply_layout  # noqa: E402
+
+
+@st.composite
+def canonical_layouts(draw):
+    """A mesh, a shape and a layout of it (uneven and empty shards, nested splits, P and Pmax included)."""
+    mesh = draw(st.sampled_from(MESHES))
+    shape = tuple(draw(st.integers(1, 13)) for _ in range(draw(st.integers(0, 3))))
+    choices = [R, P, PMAX] + [S(a) for a in range(len(shape))]
+    layout = Placements(tuple(draw(st.sampled_from(choices)) if n > 1 else R for n in mesh.shape))
+    if sum(p.is_partial for p in layout) > 1 and {p.reduce for p in layout if p.is_partial} == {"sum", "max"}:
+        layout = Placements(tuple(P if p.is_partial else p for p in layout))  # sum and max do not commute
+    assert is_valid(layout, shape, mesh, allow_empty=True)
+    return mesh, shape, layout
+
+
+@PROPERTY
+@given(canonical_layouts())
+def test_shards_agree_with_shard_tensor_on_the_canonical_loop_domain(case):
+    """shards.shard/unshard (ranges from a Layout) and shard_tensor/unshard_tensor (indices from a loop
+    domain) say the same where the loop domain is a layout's canonical one."""
+    mesh, shape, layout = case
+    X = global_value(shape)
+    tv = apply_layout(tensor(shape), layout, mesh)
+    ranks = sorted(mesh.ranks)
+    pieces = [shards_mod.shard(X, layout, mesh, r) for r in ranks]
+    for r, piece in zip(ranks, pieces):
+        assert torch.equal(piece, ed.shard_tensor(X, tv, r)), (r, str(layout))
+    assert torch.equal(shards_mod.unshard(pieces, layout, mesh), X)
+    assert torch.equal(shards_mod.unshard(pieces, layout, mesh), ed.unshard_tensor(pieces, tv))
+
+
+def test_shards_unshard_reads_the_global_shape_off_uneven_nested_pieces():
+    mesh = DeviceMesh(torch.arange(4).reshape(2, 2))
+    layout = Placements((S(0), S(0)))  # 5 rows: 3 | 2, each cut by ceil(3) = 2: 2, 1 | 2, 0
+    X = global_value((5, 2))
+    pieces = [shards_mod.shard(X, layout, mesh, r) for r in range(4)]
+    assert [p.shape[0] for p in pieces] == [2, 1, 2, 0]
+    assert torch.equal(shards_mod.unshard(pieces, layout, mesh), X)
+    with pytest.raises(ShapeError, match=r"rank 3's piece has shape \(0, 2\).* gives it \(1, 2\)"):
+        shards_mod.unshard(pieces, layout, mesh, shape=(6, 2))
+
+
+def test_shards_unshard_raises_when_replicas_disagree():
+    mesh = DeviceMesh.arange(2)
+    with pytest.raises(ShardingError, match="replicated on mesh axes"):
+        shards_mod.unshard([torch.zeros(3), torch.ones(3)], Placements((R,)), mesh, name="w")
