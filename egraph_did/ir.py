@@ -27,8 +27,8 @@ from .mesh import DeviceMesh
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-    from .fusion import Fusion
+    # Fusion is named in annotations as a string only: fusion imports ir, and ir importing fusion (even
+    # for type checkers) would make the program layer's module graph a cycle.
 
 
 class ParallelType(enum.Enum):
@@ -584,8 +584,42 @@ class TensorView:
         >>> [x.local_shape(r) for r in range(4)]  # 10 rows in ceil-sized pieces
         [(3, 6), (3, 6), (3, 6), (1, 6)]
         """
-        from .sharding import local_shape
-        return local_shape(self, rank)
+        return tuple(len(i) for i in self.local_indices(rank))
+
+    def local_indices(self, rank: int) -> list[np.ndarray]:
+        """Per logical axis, the sorted global indices `rank` holds: those whose coordinate on every DID
+        loop axis derived from that axis equals the rank's coordinate on the bound mesh axis (the local
+        order is the global order). The loop domain is the source of truth, so any split is exact.
+
+        >>> from egraph_did import FusionDefinition
+        >>> x = FusionDefinition().define_tensor((5,)).set_device_mesh(DeviceMesh.arange(2))
+        >>> [a.tolist() for a in x.outer_split(0, 2).parallelize(0, ParallelType.DIDx).local_indices(1)]
+        [[3, 4]]
+        """
+        mesh = self.device_mesh()
+        coords = mesh.coords(rank)
+        out = []
+        for a, extent in enumerate(self.shape):
+            idx = np.arange(extent, dtype=np.int64)
+            keep = np.ones(extent, dtype=bool)
+            for d in self._loop:
+                if d.is_device and not d.is_reduction and a in d.logical_axes:
+                    keep &= d.index.eval({a: idx}) == coords[d.parallel_type.mesh_axis(mesh)]
+            out.append(idx[keep])
+        return out
+
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh this tensor lives on; an unsharded tensor without one lives on one device.
+
+        >>> from egraph_did import FusionDefinition
+        >>> FusionDefinition().define_tensor((5,)).device_mesh()
+        DeviceMesh(x=1)
+        """
+        if self.mesh is None:
+            if self.is_sharded:
+                raise ShardingError(f"{self.name} has DID axes {self.loop_str()} but no mesh; call set_device_mesh")
+            return DeviceMesh([0])
+        return self.mesh
 
     def __repr__(self) -> str:
         mesh = f" on {self.mesh}" if self.mesh is not None else ""

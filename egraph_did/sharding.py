@@ -19,11 +19,7 @@ from .mesh import DeviceMesh
 
 
 def _mesh_of(tv: TensorView) -> DeviceMesh:
-    if tv.mesh is None:
-        if tv.is_sharded:
-            raise ShardingError(f"{tv.name} has DID axes {tv.loop_str()} but no mesh; call set_device_mesh")
-        return DeviceMesh([0])
-    return tv.mesh
+    return tv.device_mesh()
 
 
 def local_indices(tv: TensorView, rank: int) -> list[np.ndarray]:
@@ -36,17 +32,7 @@ def local_indices(tv: TensorView, rank: int) -> list[np.ndarray]:
     >>> [a.tolist() for a in local_indices(x, 1)]
     [[3, 4]]
     """
-    mesh = _mesh_of(tv)
-    coords = mesh.coords(rank)
-    out = []
-    for a, extent in enumerate(tv.shape):
-        idx = np.arange(extent, dtype=np.int64)
-        keep = np.ones(extent, dtype=bool)
-        for d in tv.loop_domain:
-            if d.is_device and not d.is_reduction and a in d.logical_axes:
-                keep &= d.index.eval({a: idx}) == coords[d.parallel_type.mesh_axis(mesh)]
-        out.append(idx[keep])
-    return out
+    return tv.local_indices(rank)
 
 
 def local_shape(tv: TensorView, rank: int) -> tuple[int, ...]:
