@@ -43,6 +43,7 @@ from .plan import Collective, ComputeStep, Plan  # noqa: E402
 
 __all__ += ["CostModel", "Link", "Layout", "Placement", "optimize", "Plan", "Collective", "ComputeStep"]
 from .simulate import simulate  # noqa: E402
+from . import runtime as _runtime  # noqa: E402,F401  (registers the runner plan.run() calls)
 
 __all__ += ["simulate"]
 

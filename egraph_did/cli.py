@@ -13,9 +13,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import runpy
 import sys
 
+from .calibrate import calibrated, fit_link, load_preset, measure_collectives, predicted, save_preset
+from .cost import CostModel
+from .demo import main as demo_main
 from .errors import EgraphDidError
+from .fusion import FusionDefinition
+from .launcher import launch
+from .mesh import DeviceMesh
+from .optimize import optimize
+from .plan import Plan
+from .plan_graph import draw
+from .sweep import (GRID_KEYS, MODELS, apply_io, apply_pins, build_model, choose_x, cost_model_for, crossovers,
+                    expand_grid, parse_bytes, parse_mesh, plan_family, plot_sweep, run_sweep, varying, write_tables)
 
 PROG = "egraph-did"
 
@@ -55,7 +67,6 @@ def _positive_int(text: str) -> int:
 
 
 def _bytes_spec(text: str) -> str:
-    from .sweep import parse_bytes
     try:
         parse_bytes(text)
     except EgraphDidError as e:
@@ -188,10 +199,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load_fusion_file(path: str):
     """(fd, mesh or None) from a Python file defining `fd` (a FusionDefinition) or `fusion()`."""
-    import runpy
-    from .fusion import FusionDefinition
-    from .mesh import DeviceMesh
-
     if not os.path.isfile(path):
         raise UserError(f"{path}: no such file")
     try:
@@ -216,9 +223,6 @@ def _load_fusion_file(path: str):
 
 
 def cmd_optimize(args) -> int:
-    from .optimize import optimize
-    from .sweep import (MODELS, apply_io, apply_pins, build_model, cost_model_for, parse_mesh, plan_family)
-
     file_mesh = None
     if args.model.endswith(".py") or os.path.sep in args.model:
         fd, file_mesh = _load_fusion_file(args.model)
@@ -264,16 +268,13 @@ def _draw(plan, args) -> None:
     for path in (args.png, args.svg):
         if path:
             try:
-                from .plan_graph import draw
+                drawn = draw(plan, path)
             except ImportError:  # pragma: no cover - matplotlib is in the test extra
                 raise UserError("drawing needs matplotlib: pip install 'egraph-did[plots]'") from None
-            print(f"plan drawn to {draw(plan, path)}")
+            print(f"plan drawn to {drawn}")
 
 
 def cmd_explain(args) -> int:
-    from .plan import Plan
-    from .sweep import plan_family
-
     try:
         with open(args.plan) as f:
             text = f.read()
@@ -289,8 +290,6 @@ def cmd_explain(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from .sweep import GRID_KEYS, crossovers, expand_grid, plot_sweep, run_sweep, write_tables
-
     grid = {}
     for key in GRID_KEYS:
         if key == "axis_names":
@@ -300,7 +299,6 @@ def cmd_sweep(args) -> int:
         v = getattr(args, key, None)
         if v is not None:
             grid[key] = v
-    from .sweep import MODELS
     for m in grid.get("model", []):
         if m not in MODELS:
             raise UserError(f"unknown model {m!r}; models are {', '.join(MODELS)}")
@@ -311,7 +309,6 @@ def cmd_sweep(args) -> int:
     cache = None if args.no_cache else (args.cache_dir or os.path.join(args.out_dir, "cache"))
     rows = run_sweep(points, jobs=args.jobs, cache_dir=cache, progress=not args.quiet, limit=args.limit)
     written = write_tables(rows, args.out_dir)
-    from .sweep import choose_x, varying
     x = args.x or choose_x([r for r in rows if r.get("family")] or rows)
     if x not in GRID_KEYS:
         raise UserError(f"--x {x!r}: not a sweep parameter; use one of {', '.join(varying(rows)) or 'the grid keys'}")
@@ -346,16 +343,10 @@ def cmd_sweep(args) -> int:
 
 def _measure_rank(rank, sizes, iters):
     """One rank of `egraph-did calibrate` (module level: launch pickles it)."""
-    from .calibrate import measure_collectives
     return measure_collectives(sizes=tuple(sizes), iters=iters)
 
 
 def cmd_calibrate(args) -> int:
-    from .calibrate import calibrated, fit_link, predicted, save_preset
-    from .launcher import launch
-    from .calibrate import load_preset
-    from .cost import CostModel
-
     if args.base in ("h200", "h200_multinode"):
         base = getattr(CostModel, args.base)()
     elif os.path.isfile(args.base):
@@ -392,7 +383,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.cmd == "demo":
-            from .demo import main as demo_main
             return demo_main(args.tokens, args.hidden, args.ndev, launch=not args.no_launch)
         return {"optimize": cmd_optimize, "explain": cmd_explain, "sweep": cmd_sweep,
                 "calibrate": cmd_calibrate}[args.cmd](args)

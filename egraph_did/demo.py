@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import DeviceMesh, evaluate, optimize, simulate
+from .launcher import launch as launch_ranks
 from .models import mlp
 
 
@@ -62,7 +63,6 @@ def main(tokens: int = 8, hidden: int = 16, ndev: int = 4, launch: bool = True) 
     ok = True
     runs = {"simulate (one process, all ranks)": lambda: simulate(small_plan, inputs)["y"]}
     if launch:
-        from .launcher import launch as launch_ranks
         runs[f"{ndev} gloo processes"] = lambda: launch_ranks(_run_rank, ndev, "gloo",
                                                               args=(small_plan, inputs))[0]
     print()

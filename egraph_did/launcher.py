@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.multiprocessing as mp
 
+from . import runtime
 from .errors import EgraphDidError
 
 BACKENDS = ("gloo", "nccl")
@@ -63,8 +64,6 @@ def _child(rank: int, nprocs: int, port: int, backend: str, fn: Callable, args: 
            events, release, timeout: float) -> None:
     """One rank: set up the process group, run fn, save its value, report, wait to be released."""
     import torch.distributed as dist
-
-    from . import runtime
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nprocs),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs))

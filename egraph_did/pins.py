@@ -5,7 +5,6 @@ reads a pinned tensor's layout back, exactly, by comparing what every rank holds
 from __future__ import annotations
 
 from .errors import PlanError
-from .fusion import Fusion
 from .ir import InnerOf, LogicalIndex, OuterOf, ParallelType, TensorView
 from .layout import P, PMAX, Layout, R, S, canonical_layout, is_valid
 from .mesh import DeviceMesh
@@ -36,6 +35,16 @@ def apply_layout(tv: TensorView, layout: Layout, mesh: DeviceMesh) -> TensorView
     return tv
 
 
+def layout_view(name: str, shape, dtype, layout: Layout, mesh: DeviceMesh, axis_names=None) -> TensorView:
+    """A free-standing TensorView (of no fusion) laid out as `layout`: the loop domain a plan's value has.
+
+    >>> import torch, egraph_did as ed
+    >>> layout_view("w1", (64, 16), torch.float32, Layout.from_code("S0"), ed.DeviceMesh.arange(4)).loop_str()
+    '[DIDx{4}, 64/4, 16]'
+    """
+    return apply_layout(TensorView(name, shape, dtype, axis_names or None), layout, mesh)
+
+
 def layout_of(tv: TensorView, mesh: DeviceMesh) -> Layout:
     """The layout a pinned tensor's loop domain expresses, canonical (R on mesh axes of size 1);
     PlanError naming the tensor, and saying what to do, when no layout expresses it exactly: a rank
@@ -64,9 +73,8 @@ def layout_of(tv: TensorView, mesh: DeviceMesh) -> Layout:
             ps[m] = (PMAX if d.index.reduce == "max" else P) if d.is_reduction else S(next(iter(d.logical_axes)))
     layout = canonical_layout(Layout(tuple(ps)), mesh)
     held = {r: local_indices(tv, r) for r in mesh.ranks}
-    probe = TensorView(tv.name, tv.shape, tv.dtype, [d.name for d in tv.logical_domain], Fusion())
     try:
-        apply_layout(probe, layout, mesh)
+        probe = layout_view(tv.name, tv.shape, tv.dtype, layout, mesh, [d.name for d in tv.logical_domain])
     except PlanError:
         probe = None
     if probe is None or any([i.tolist() for i in local_indices(probe, r)] != [i.tolist() for i in held[r]]
@@ -106,4 +114,4 @@ def _non_outermost(tv: TensorView):
     return None
 
 
-__all__ = ["apply_layout", "layout_of"]
+__all__ = ["apply_layout", "layout_of", "layout_view"]

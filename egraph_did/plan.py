@@ -10,16 +10,17 @@ import dataclasses
 import functools
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from .cost import COLLECTIVES, CostModel, check_cost_model
 from .errors import DtypeError, EgraphDidError, PlanError, ShapeError
-from .fusion import Fusion, as_fusion
+from .explain import explain_plan
+from .fusion import as_fusion
 from .ir import TensorView
 from .layout import Layout
-from .pins import apply_layout
+from .pins import apply_layout, layout_view
 from .mesh import DeviceMesh, check_mesh
 from .ops import OPS, canonical_dtype
 
@@ -71,8 +72,24 @@ class ComputeStep:
 
     @property
     def reads(self) -> list[str]:
-        """The values this step reads."""
+        """The values this step reads, in argument order."""
         return [v for k, v in self.args if k in self.tensor_params]
+
+    @property
+    def writes(self) -> list[str]:
+        """The values this step produces."""
+        return list(self.outputs)
+
+    def __str__(self) -> str:
+        """The step in one line, as explain, the runtime's progress and the lowering's segments name it:
+        values by name ('<tensor>:<layout code>'), literals other than None as param=value.
+
+        >>> print(ComputeStep("sum", (("x", "x:S1"), ("dims", 1)), ("x",), ("y:P",), (), ("r",), 0.0))
+        y:P = sum(x:S1, dims=1)
+        """
+        args = ", ".join(v if k in self.tensor_params else f"{k}={v}" for k, v in self.args
+                         if k in self.tensor_params or v is not None)
+        return f"{', '.join(self.outputs)} = {self.op}({args})"
 
 
 @dataclass(frozen=True)
@@ -81,8 +98,8 @@ class Collective:
     layout), moving `bytes` per rank in a predicted `time`; `why` names the step that needed it.
 
     >>> c = Collective("reduce_scatter", "y", "y:P", "y:S0", 0, "x", bytes=32.0, time=1e-5)
-    >>> f"{c.kind}[{c.mesh_axis_name}] {c.src} -> {c.dst}"
-    'reduce_scatter[x] y:P -> y:S0'
+    >>> str(c), c.reads, c.writes
+    ('reduce_scatter[x] y:P -> y:S0', ['y:P'], ['y:S0'])
     """
 
     kind: str  # allgather | reduce_scatter | allreduce | alltoall | slice
@@ -101,8 +118,36 @@ class Collective:
         """The value this collective reads."""
         return [self.src]
 
+    @property
+    def writes(self) -> list[str]:
+        """The value this collective produces."""
+        return [self.dst]
+
+    def __str__(self) -> str:
+        """The collective in one line, as explain, the runtime's progress and the lowering's segments name it.
+
+        >>> print(Collective("allreduce", "y", "y:P", "y:R", 0, "x", bytes=32.0, time=2e-5))
+        allreduce[x] y:P -> y:R
+        """
+        return f"{self.kind}[{self.mesh_axis_name}] {self.src} -> {self.dst}"
+
 
 Step = ComputeStep | Collective
+
+# What plan.run() calls: the execution layer's run_plan, which registers itself when egraph_did.runtime is
+# imported (as `import egraph_did` does). The plan layer never imports the runtime: the runtime sits below.
+_runner: Callable[..., dict] | None = None
+
+
+def register_runner(fn: Callable[..., dict]) -> None:
+    """Make `fn(plan, values, inputs_kind=..., outputs_kind=..., **options)` the function plan.run calls.
+
+    >>> import egraph_did.plan, egraph_did.runtime
+    >>> egraph_did.plan._runner is egraph_did.runtime.run_plan  # the runtime registered it on import
+    True
+    """
+    global _runner
+    _runner = fn
 
 
 @dataclass
@@ -234,10 +279,17 @@ class Plan:
             self.check_input_dtype(name, t, where)
 
     def value_view(self, value: str) -> TensorView:
-        """A TensorView with the value's loop domain (for shard_tensor and loop-domain strings)."""
+        """A free-standing TensorView with the value's loop domain (its loop string, local shapes); which
+        elements a rank holds, to shard or reassemble a value, is shards.shard/unshard of its layout.
+
+        >>> import egraph_did as ed
+        >>> from egraph_did.models import row_sum
+        >>> plan = ed.optimize(row_sum(8, 64), ed.DeviceMesh.arange(2))
+        >>> plan.value_view(plan.outputs["y"]).loop_str()
+        '[DIDx{2}, m/2]'
+        """
         v = self.values[value]
-        tv = TensorView(v.tensor, v.shape, canonical_dtype(v.dtype), v.axes or None, Fusion())
-        return apply_layout(tv, v.layout_obj, self.mesh)
+        return layout_view(v.tensor, v.shape, canonical_dtype(v.dtype), v.layout_obj, self.mesh, v.axes)
 
     def loop_domain(self, tensor: str) -> str:
         """The loop domain of a tensor as the plan lays it out, e.g. '[s, DIDx{4}, h/4]'."""
@@ -261,8 +313,10 @@ class Plan:
 
             shards = ed.launch(work, nprocs=4, args=(plan, X))  # rank r's piece of y, for each r
         """
-        from .runtime import run_plan
-        return run_plan(self, values, inputs_kind=inputs, outputs_kind=outputs, **options)
+        if _runner is None:
+            raise PlanError("plan.run: no runner is registered; import egraph_did (its runtime registers "
+                            "run_plan), or call egraph_did.runtime.run_plan(plan, values) directly")
+        return _runner(self, values, inputs_kind=inputs, outputs_kind=outputs, **options)
 
     # ------------------------------------------------------------ simplify
     def simplified(self) -> "Plan":
@@ -326,38 +380,15 @@ class Plan:
 
     # ------------------------------------------------------------ explain
     def explain(self) -> str:
-        """A readable account: every step with its rule, every collective with bytes, time and why."""
-        lines = [f"plan for {self.mesh} under cost model {self.cost_model.name} ({self.method}): "
-                 f"predicted {self.predicted_time * 1e6:.1f} us, {len(self.collectives)} collective(s), "
-                 f"{self.memory / 2**20:.1f} MiB per device"]
-        lines.append("")
-        lines.append("tensor layouts (loop domain):")
-        seen = set()
-        for v in self.values.values():
-            if v.tensor in seen:
-                continue
-            seen.add(v.tensor)
-            pinned = " (pinned)" if v.tensor in self.pins else ""
-            lines.append(f"  {v.tensor:<14} {self.loop_domain(v.tensor)}{pinned}")
-        lines.append("")
-        lines.append(f"{'#':>3}  {'step':<46}{'layout':<18}{'bytes':>12}{'time us':>10}  why / rule")
-        for i, s in enumerate(self.steps):
-            if isinstance(s, Collective):
-                what = f"{s.kind}[{s.mesh_axis_name}] {s.tensor}"
-                lines.append(f"{i:>3}  {what:<46}{self._arrow(s):<18}{s.bytes:>12.0f}{s.time * 1e6:>10.2f}  {s.why}")
-            else:
-                outs = ", ".join(self.values[o].tensor for o in s.outputs)
-                ins = ", ".join(self.values[v].tensor if k in s.tensor_params else f"{k}={v}"
-                                for k, v in s.args if k in s.tensor_params or v is not None)
-                what = f"{outs} = {s.op}({ins})"
-                lay = ",".join(self.values[o].layout for o in s.outputs)
-                flags = "".join(f" +{f}" for f, _ in s.flags)
-                lines.append(f"{i:>3}  {what[:45]:<46}{lay:<18}{'':>12}{s.time * 1e6:>10.2f}  "
-                             f"{'/'.join(s.rules)}{flags}")
-        return "\n".join(lines)
+        """A readable account: every tensor's loop domain, every step with its rule, every collective with
+        bytes, time and why (egraph_did/explain.py writes it).
 
-    def _arrow(self, c: Collective) -> str:
-        return f"{self.values[c.src].layout}->{self.values[c.dst].layout}"
+        >>> import egraph_did as ed
+        >>> from egraph_did.models import row_sum
+        >>> print(ed.optimize(row_sum(8, 64), ed.DeviceMesh.arange(2)).explain().splitlines()[-1])
+          0  y:S0 = sum(x:S0, dims=1, keepdim=False)                                       4.00  reduce_other_axis
+        """
+        return explain_plan(self)
 
     # ------------------------------------------------------------ JSON
     def to_json(self) -> str:
@@ -540,11 +571,10 @@ class Plan:
         """Every value a step reads is loaded or produced before it."""
         ready = {v for vs in self.inputs.values() for v in vs}
         for i, s in enumerate(self.steps):
-            reads = [v for k, v in s.args if k in s.tensor_params] if isinstance(s, ComputeStep) else [s.src]
-            late = [v for v in reads if v not in ready]
+            late = [v for v in s.reads if v not in ready]
             if late:
                 raise PlanError(f"step {i} reads {late} before any step produces it")
-            ready.update(s.outputs if isinstance(s, ComputeStep) else [s.dst])
+            ready.update(s.writes)
         for name, v in self.outputs.items():
             if v not in ready:
                 raise PlanError(f"output {name} ({v}) is never produced")

@@ -20,15 +20,14 @@ import torch.distributed as dist
 
 from .errors import EgraphDidError, PlanError, ShapeError
 from .layout import Layout
-from .shards import RankContext
-from .lowering.execute import run_segment
-from .lowering.segment import eager_segments, lowered_plan
 from .lowering.communication import (check_world, world_key, ensure_groups, gather_to_all, local_shape,
                                      run_collective)
+from .lowering.compute import check_step_indices
+from .lowering.execute import run_segment
+from .lowering.segment import eager_segments, lowered_plan
 from .mesh import DeviceMesh
-from .plan import Collective, ComputeStep, Plan, Step
-from .sharding import shard_tensor, unshard_tensor
-from .simulate import check_step_indices
+from .plan import Plan, register_runner
+from .shards import dtensor_chunks_agree, shard, unshard
 
 INPUT_KINDS = ("global", "local", "dtensor")
 OUTPUT_KINDS = ("global", "local", "dtensor")
@@ -89,43 +88,12 @@ def _record(rank: int, index: int, total: int, what: str, state: str = "running"
         fn(_last)
 
 
-def describe(plan: Plan, step: Step) -> str:
-    """One line naming a step as explain() does: 'allreduce[x] y P->R' or 'y = linear(gelu_1, w2)'."""
-    if isinstance(step, Collective):
-        return (f"{step.kind}[{step.mesh_axis_name}] {step.tensor} "
-                f"{plan.values[step.src].layout}->{plan.values[step.dst].layout}")
-    outs = ", ".join(plan.values[o].tensor for o in step.outputs)
-    ins = ", ".join(plan.values[v].tensor for k, v in step.args if k in step.tensor_params)
-    return f"{outs} = {step.op}({ins})"
-
-
-# ---------------------------------------------------------------------------- compute
-
 # ---------------------------------------------------------------------------- DTensor interop
 
 def _torch_placements(layout: Layout) -> tuple:
     from torch.distributed.tensor import Partial, Replicate, Shard
     return tuple(Shard(p.axis) if p.is_shard else Partial(p.reduce) if p.is_partial else Replicate()
                  for p in layout)
-
-
-def _dtensor_range(extent: int, layout: Layout, mesh: DeviceMesh, rank: int, axis: int) -> tuple[int, int]:
-    """[lo, hi) DTensor gives `rank` along `axis`: each Shard chunks the size left by the mesh dims
-    before it (where the loop domain chunks the allocated ceil size instead)."""
-    coords = mesh.coords(rank)
-    lo, size = 0, extent
-    for m in layout.sharding_axes(axis):
-        chunk = -(-size // mesh.shape[m])
-        start = min(chunk * coords[m], size)
-        lo, size = lo + start, min(size, start + chunk) - start
-    return lo, lo + size
-
-
-def _dtensor_agrees(shape, layout: Layout, mesh: DeviceMesh) -> bool:
-    """Whether DTensor's chunks are the loop domain's for every rank (they differ only for some nested
-    uneven splits)."""
-    return all(_dtensor_range(n, layout, mesh, r, a) == RankContext(mesh, r).shard_range(n, layout, a)
-               for r in mesh.ranks for a, n in enumerate(shape))
 
 
 def _grid(mesh: DeviceMesh) -> list:
@@ -163,7 +131,7 @@ def _local_of_dtensor(plan: Plan, name: str, value: str, dt, rank: int) -> torch
                          f"expects {val.shape}")
     placements = tuple(_normalized(p, len(val.shape)) for p in dt.placements)
     same = (dt.device_mesh.ndim == plan.mesh.ndim and dt.device_mesh.mesh.tolist() == _grid(plan.mesh)
-            and placements == _torch_placements(layout) and _dtensor_agrees(val.shape, layout, plan.mesh))
+            and placements == _torch_placements(layout) and dtensor_chunks_agree(val.shape, layout, plan.mesh))
     if same:
         local = dt.to_local()
         want = local_shape(plan, value, rank)
@@ -171,7 +139,7 @@ def _local_of_dtensor(plan: Plan, name: str, value: str, dt, rank: int) -> torch
             raise ShapeError(f"run_plan: input {name!r}: rank {rank}'s DTensor shard is {tuple(local.shape)}, "
                              f"its placements give {want}")
         return local.contiguous()
-    return shard_tensor(dt.full_tensor(), plan.value_view(value), rank)
+    return shard(dt.full_tensor(), layout, plan.mesh, rank, val.tensor)
 
 
 def _normalized(p, ndim: int):
@@ -186,16 +154,10 @@ def _to_dtensor(plan: Plan, value: str, local: torch.Tensor, rank: int, timeout:
     val = plan.values[value]
     layout = val.layout_obj
     tmesh = torch_device_mesh(plan.mesh, local.device.type)
-    if not _dtensor_agrees(val.shape, layout, plan.mesh):
+    if not dtensor_chunks_agree(val.shape, layout, plan.mesh):
         # DTensor cannot express these nested uneven chunks: deliver its own chunks of the same placements
         whole = _global_of(plan, value, local, timeout)
-        local = whole
-        for a, n in enumerate(val.shape):
-            lo, hi = _dtensor_range(n, layout, plan.mesh, rank, a)
-            local = local.narrow(a, lo, hi - lo)
-        coords = plan.mesh.coords(rank)
-        local = (torch.zeros_like(local) if any(coords[m] for m, p in enumerate(layout) if p.is_partial)
-                 else local.contiguous())
+        local = shard(whole, layout, plan.mesh, rank, val.tensor, chunks="dtensor")
     stride = torch.empty(val.shape, device="meta").stride()
     return DTensor.from_local(local, tmesh, _torch_placements(layout), run_check=False,
                               shape=torch.Size(val.shape), stride=stride)
@@ -205,8 +167,9 @@ def _global_of(plan: Plan, value: str, local: torch.Tensor, timeout: float | Non
     """The whole tensor of a value on every rank: every rank's shard gathered, partials summed."""
     if plan.values[value].layout_obj.is_replicated:
         return local
-    shards = gather_to_all(local, [local_shape(plan, value, r) for r in sorted(plan.mesh.ranks)], timeout)
-    return unshard_tensor(shards, plan.value_view(value))
+    pieces = gather_to_all(local, [local_shape(plan, value, r) for r in sorted(plan.mesh.ranks)], timeout)
+    val = plan.values[value]
+    return unshard(pieces, val.layout_obj, plan.mesh, val.shape, val.tensor)
 
 
 # ---------------------------------------------------------------------------- run
@@ -238,8 +201,8 @@ def _bind_inputs(plan: Plan, inputs: Mapping[str, Any], kind: str, rank: int, de
                 if tuple(given.shape) != val.shape:
                     raise ShapeError(f"run_plan: input {name!r} has shape {tuple(given.shape)}, the plan expects "
                                      f"the global shape {val.shape} (pass inputs_kind='local' for shards)")
-                shard = shard_tensor(given, plan.value_view(v), rank)  # cut first: only the shard moves
-                env[v] = shard if device is None else shard.to(device)
+                piece = shard(given, val.layout_obj, plan.mesh, rank, name)  # cut first: only the piece moves
+                env[v] = piece if device is None else piece.to(device)
             continue
         if device is not None:
             given = given.to(device)
@@ -256,7 +219,7 @@ def _bind_inputs(plan: Plan, inputs: Mapping[str, Any], kind: str, rank: int, de
         if len(vals) > 1:
             whole = _global_of(plan, first, env[first], timeout)
             for v in vals[1:]:
-                env[v] = shard_tensor(whole, plan.value_view(v), rank)
+                env[v] = shard(whole, plan.values[v].layout_obj, plan.mesh, rank, name)
     return env
 
 
@@ -265,7 +228,7 @@ def _frees(segments) -> list[list[str]]:
     last: dict[str, int] = {}
     for i, seg in enumerate(segments):
         for s in seg.steps:
-            for v in ([v for k, v in s.args if k in s.tensor_params] if isinstance(s, ComputeStep) else [s.src]):
+            for v in s.reads:
                 last[v] = i
     return [[v for v, j in last.items() if j == i] for i in range(len(segments))]
 
@@ -341,7 +304,7 @@ def run_plan(plan: Plan, inputs: Mapping[str, Any], *, inputs_kind: str = "globa
     frees = _frees(segments)
     keep = set(plan.outputs.values())
     for i, seg in enumerate(segments):
-        what = describe(plan, seg.steps[0]) if seg.kind == "comm" else seg.describe()
+        what = seg.describe()
         for step in seg.steps:  # a bad index names its tensor, not torch's IndexError deep in a kernel
             check_step_indices(plan, step, env, rank)
         env.update(phase(i, what, lambda: run_segment(plan, seg, env, rank, _collective)))
@@ -365,5 +328,7 @@ def run_plan(plan: Plan, inputs: Mapping[str, Any], *, inputs_kind: str = "globa
     return out
 
 
-__all__ = ["run_plan", "describe", "Progress", "StepError", "last_progress",
+register_runner(run_plan)  # plan.run() runs through this; `import egraph_did` imports this module
+
+__all__ = ["run_plan", "Progress", "StepError", "last_progress",
            "add_progress_hook", "torch_device_mesh"]

@@ -79,6 +79,22 @@ class RankContext:
             lo, hi, alloc = min(start, hi), min(start + step, hi), step
         return lo, hi
 
+    def dtensor_range(self, extent: int, layout: Layout, axis: int) -> tuple[int, int]:
+        """[start, stop) torch DTensor gives this rank along `axis`: each Shard chunks the size the mesh
+        axes before it left (shard_range cuts their allocated ceil extent instead; the two differ only
+        for some nested uneven splits, where DTensor interop must use DTensor's own chunks).
+
+        >>> ctx = RankContext(DeviceMesh([[0, 1], [2, 3]]), rank=2)  # 5 rows: 3 | 2, then DTensor: 1, 1; loop: 2, 0
+        >>> ctx.dtensor_range(5, Layout.from_code("S0.S0"), 0), ctx.shard_range(5, Layout.from_code("S0.S0"), 0)
+        ((3, 4), (3, 5))
+        """
+        lo, size = 0, extent
+        for m in layout.sharding_axes(axis):
+            chunk = -(-size // self.mesh.shape[m])
+            start = min(chunk * self.coords[m], size)
+            lo, size = lo + start, min(size, start + chunk) - start
+        return lo, lo + size
+
     def cut_range(self, shape, src: Layout, dst: Layout, m: int) -> tuple[int, int]:
         """[start, stop) along dst's split axis, relative to a tensor laid out as src with mesh axis m
         replicated: the piece a collective on m that ends in dst leaves this rank (reduce_scatter, slice,
@@ -102,9 +118,25 @@ class RankContext:
         return all(self.coords[m] == 0 for m in mesh_axes)
 
 
-def _slices(ctx: RankContext, shape: Sequence[int], layout: Layout) -> tuple[slice, ...]:
+CHUNKS = ("loop", "dtensor")
+
+
+def _slices(ctx: RankContext, shape: Sequence[int], layout: Layout, chunks: str = "loop") -> tuple[slice, ...]:
     """The index of this rank's piece in the global tensor: one contiguous range per axis."""
-    return tuple(slice(*ctx.shard_range(e, layout, a)) for a, e in enumerate(shape))
+    ranges = ctx.shard_range if chunks == "loop" else ctx.dtensor_range
+    return tuple(slice(*ranges(e, layout, a)) for a, e in enumerate(shape))
+
+
+def dtensor_chunks_agree(shape: Sequence[int], layout: Layout, mesh: DeviceMesh) -> bool:
+    """Whether torch DTensor's chunks are the loop domain's for every rank (they differ only for some
+    nested uneven splits).
+
+    >>> mesh = DeviceMesh([[0, 1], [2, 3]])
+    >>> dtensor_chunks_agree((5,), Layout.from_code("S0.S0"), mesh), dtensor_chunks_agree((8,), Layout.from_code("S0.S0"), mesh)
+    (False, True)
+    """
+    return all(RankContext(mesh, r).dtensor_range(n, layout, a) == RankContext(mesh, r).shard_range(n, layout, a)
+               for r in mesh.ranks for a, n in enumerate(shape))
 
 
 def _partial_axes(layout: Layout, reduce: str) -> list[int]:
@@ -117,8 +149,10 @@ def _check_layout(layout: Layout, shape: Sequence[int], mesh: DeviceMesh, where:
                             f"(one placement per mesh axis, S(a) only for an axis the tensor has)")
 
 
-def shard(tensor: torch.Tensor, layout: Layout, mesh: DeviceMesh, rank: int, name: str = "tensor") -> torch.Tensor:
-    """The piece of the global `tensor` that `rank` holds under `layout` (a contiguous copy).
+def shard(tensor: torch.Tensor, layout: Layout, mesh: DeviceMesh, rank: int, name: str = "tensor",
+          chunks: str = "loop") -> torch.Tensor:
+    """The piece of the global `tensor` that `rank` holds under `layout` (a contiguous copy); chunks=
+    "dtensor" cuts torch DTensor's chunks instead of the loop domain's (see dtensor_chunks_agree).
 
     >>> t = torch.arange(10.)
     >>> [shard(t, Layout.from_code("S0"), DeviceMesh.arange(4), r).tolist() for r in (0, 3)]  # ceil-sized
@@ -129,8 +163,9 @@ def shard(tensor: torch.Tensor, layout: Layout, mesh: DeviceMesh, rank: int, nam
     if not isinstance(tensor, torch.Tensor):
         raise ShapeError(f"shard: expected a torch.Tensor for {name}, got {type(tensor).__name__}")
     _check_layout(layout, tensor.shape, mesh, f"shard({name})")
+    assert chunks in CHUNKS, chunks
     ctx = RankContext(mesh, rank)
-    piece = tensor[_slices(ctx, tensor.shape, layout)]
+    piece = tensor[_slices(ctx, tensor.shape, layout, chunks)]
     if not ctx.on_first(_partial_axes(layout, "sum")):
         return torch.zeros_like(piece)  # a pending max needs no zeros: every copy is the value
     return piece.clone(memory_format=torch.contiguous_format)  # a copy: writing it leaves the global alone
@@ -207,4 +242,4 @@ def unshard(pieces: Sequence[torch.Tensor] | Mapping[int, torch.Tensor], layout:
     return out
 
 
-__all__ = ["RankContext", "Operand", "local_extents", "shard", "unshard"]
+__all__ = ["RankContext", "Operand", "local_extents", "shard", "unshard", "dtensor_chunks_agree"]

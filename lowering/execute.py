@@ -1,5 +1,5 @@
 """Execute a lowered plan on one rank: fused segments through their Triton kernels, ATen segments through
-torch, collectives through the function the caller gives (torch.distributed in the runtime, a stand-in
+torch (lowering/compute.py), collectives through the function the caller gives (torch.distributed in the runtime, a stand-in
 in single-device benchmarks). simulate() drives the same segments for every rank in one process."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Callable
 import torch
 
 from egraph_did.plan import Collective, Plan
-from egraph_did.simulate import compute_on_rank
 
+from .compute import compute_on_rank
 from .segment import LoweredPlan, Segment, lower, run_fused
 
 CollectiveFn = Callable[[Plan, Collective, torch.Tensor, int], torch.Tensor]

@@ -21,6 +21,8 @@ from egraph_did.ir import TensorView
 from egraph_did.shards import Operand, RankContext
 from egraph_did.plan import Collective, ComputeStep, Plan
 
+from . import schedulers
+from .compute import compute_on_rank
 from .kernel_spec import KERNEL_OPS, KernelOp, KernelSpec
 
 # Ops a fused segment may hold: kernel primitives plus composites that decompose into them.
@@ -34,7 +36,7 @@ class Segment:
 
     >>> c = Collective("allreduce", "y", "y:P", "y:R", 0, "x", bytes=32.0, time=2e-5)
     >>> Segment("comm", (c,)).describe()
-    'comm allreduce[x] y'
+    'comm allreduce[x] y:P -> y:R'
     """
 
     kind: str  # comm | aten | fused
@@ -44,12 +46,11 @@ class Segment:
     scheduler: str = ""  # fused: pointwise | reduction | persistent | transpose
 
     def describe(self) -> str:
-        """One line: the kind (and scheduler), then the collective or the ops."""
-        if self.kind == "comm":
-            c = self.steps[0]
-            return f"comm {c.kind}[{c.mesh_axis_name}] {c.tensor}"
-        ops = "+".join(s.op for s in self.steps)
-        return f"{self.kind}{'/' + self.scheduler if self.scheduler else ''} {ops}"
+        """One line: the kind, then its one step as the step describes itself (a collective, an ATen
+        step), or a fused kernel's scheduler and ops."""
+        if self.kind != "fused":
+            return f"{self.kind} {self.steps[0]}"
+        return f"fused/{self.scheduler} {'+'.join(s.op for s in self.steps)}"
 
 
 @dataclass
@@ -60,9 +61,9 @@ class LoweredPlan:
     >>> from egraph_did.models import mlp
     >>> plan = ed.optimize(mlp(tokens=8, hidden=16), ed.DeviceMesh.arange(2))
     >>> print(LoweredPlan(plan, eager_segments(plan)).summary())  # no kernels: every step through torch
-      0  aten linear
-      1  aten gelu
-      2  aten linear
+      0  aten linear_0:S0 = linear(x:S0, w1:R)
+      1  aten gelu_1:S0 = gelu(linear_0:S0, approximate=none)
+      2  aten y:S0 = linear(gelu_1:S0, w2:R)
     """
 
     plan: Plan
@@ -75,10 +76,6 @@ class LoweredPlan:
 
 def _fusible(step: ComputeStep) -> bool:
     return step.op in FUSIBLE and not step.flags
-
-
-def _reads(step) -> list[str]:
-    return [v for k, v in step.args if k in step.tensor_params]
 
 
 def kernel_spec(plan: Plan, steps: tuple[ComputeStep, ...], inputs: tuple[str, ...], outputs: tuple[str, ...],
@@ -142,10 +139,10 @@ def _segment_io(plan: Plan, steps: list[ComputeStep], later: list) -> tuple[tupl
     made = {v for s in steps for v in s.outputs}
     ins: list[str] = []
     for s in steps:
-        for v in _reads(s):
+        for v in s.reads:
             if v not in made and v not in ins:
                 ins.append(v)
-    needed = {v for s in later for v in (_reads(s) if isinstance(s, ComputeStep) else [s.src])}
+    needed = {v for s in later for v in s.reads}
     needed |= set(plan.outputs.values())
     outs = tuple(v for s in steps for v in s.outputs if v in needed)
     return tuple(ins), outs
@@ -157,12 +154,11 @@ def lower(plan: Plan, classify=None) -> LoweredPlan:
     >>> import egraph_did as ed
     >>> from egraph_did.models import mlp
     >>> print(lower(ed.optimize(mlp(tokens=8, hidden=16), ed.DeviceMesh.arange(2))).summary())
-      0  aten linear
+      0  aten linear_0:S0 = linear(x:S0, w1:R)
       1  fused/pointwise gelu
-      2  aten linear
+      2  aten y:S0 = linear(gelu_1:S0, w2:R)
     """
-    if classify is None:
-        from .schedulers import classify
+    classify = classify or schedulers.classify
     low = LoweredPlan(plan)
     steps = plan.steps
     group: list[ComputeStep] = []
@@ -223,8 +219,8 @@ def eager_segments(plan: Plan) -> list[Segment]:
     >>> import egraph_did as ed
     >>> from egraph_did.models import mlp
     >>> plan = ed.optimize(mlp(tokens=8, hidden=16), ed.DeviceMesh.arange(2))
-    >>> [seg.describe() for seg in eager_segments(plan)]
-    ['aten linear', 'aten gelu', 'aten linear']
+    >>> [seg.kind for seg in eager_segments(plan)]
+    ['aten', 'aten', 'aten']
     """
     return [Segment("comm" if isinstance(s, Collective) else "aten", (s,)) for s in plan.steps]
 
@@ -244,18 +240,15 @@ def run_fused(plan: Plan, seg: Segment, env: dict[str, torch.Tensor], rank: int)
     >>> run_fused(plan, seg, {"linear_0:S0": torch.zeros(4, 64)}, rank=0)["gelu_1:S0"].abs().max()
     tensor(0.)
     """
-    from .schedulers import compile_kernel
-    from .schedulers import Unsupported
     key = (seg, rank, plan.mesh, tuple(plan.values[v] for v in seg.inputs))
     if key not in _KERNELS:
         spec = kernel_spec(plan, seg.steps, seg.inputs, seg.outputs, rank)
         try:
-            _KERNELS[key] = (spec, compile_kernel(spec))
-        except Unsupported:  # this rank's (uneven) local shapes fit no scheduler: torch runs the steps
+            _KERNELS[key] = (spec, schedulers.compile_kernel(spec))
+        except schedulers.Unsupported:  # this rank's (uneven) local shapes fit no scheduler: torch runs the steps
             _KERNELS[key] = (spec, None)
     spec, kernel = _KERNELS[key]
     if kernel is None:
-        from egraph_did.simulate import compute_on_rank
         local = dict(env)
         for step in seg.steps:
             local.update(compute_on_rank(plan, step, local, rank))

@@ -227,7 +227,7 @@ def test_a_stalled_collective_ends_within_the_timeout_naming_the_step(cases):
     assert e.ranks == (0, 1, 2) and "did not finish within 15 s" in str(e)
     assert e.progress[3].startswith("returned (last finished run 1")
     for r in (0, 1, 2):
-        want = f"rank {r}: in step {step}/{len(plan.steps)} (run 2): allreduce[x] y P->R"
+        want = f"rank {r}: in step {step}/{len(plan.steps)} (run 2): comm allreduce[x] y:P -> y:R"
         assert want in str(e), str(e)
 
 
@@ -239,4 +239,4 @@ def test_a_step_timeout_names_the_step_on_the_waiting_ranks(cases, results):
     for rank in (0, 1, 2):
         msg, index, waited = results[rank]["step_timeout"]
         assert index == step and 0.9 < waited < 5
-        assert f"rank {rank}, segment {step} of " in msg and "(allreduce[x] y P->R)" in msg and "did not complete within 1 s" in msg
+        assert f"rank {rank}, segment {step} of " in msg and "(comm allreduce[x] y:P -> y:R)" in msg and "did not complete within 1 s" in msg

@@ -1,0 +1,95 @@
+"""Explain: a plan as text for people. Every explain-formatting lives here; a step's one-line
+description is the step's own (`str(step)`: 'y:P = linear(gelu_1:S1, w2:S1)', 'allreduce[x] y:P -> y:R'),
+and everything that names a step (this table, the runtime's progress, the lowering's segments, a
+collective's reason) uses it.
+
+Plan layer: plan.py imports this module, so this module takes a plan as it comes and never imports
+plan.py.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+STEP_WIDTH = 60  # the step column of the table; a longer step is cut with '…'
+
+
+def explain_plan(plan) -> str:
+    """The text of plan.explain(): a header, every tensor's loop domain, then one row per step.
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import row_sum
+    >>> print(explain_plan(ed.optimize(row_sum(8, 64), ed.DeviceMesh.arange(2))).splitlines()[2])
+    tensor layouts (loop domain):
+    """
+    return "\n".join([_header(plan), "", *_layouts(plan), "", *_table(plan)])
+
+
+def _header(plan) -> str:
+    return (f"plan for {plan.mesh} under cost model {plan.cost_model.name} ({plan.method}): "
+            f"predicted {plan.predicted_time * 1e6:.1f} us, {len(plan.collectives)} collective(s), "
+            f"{plan.memory / 2**20:.1f} MiB per device")
+
+
+def _layouts(plan) -> list[str]:
+    """Each tensor once, in the order the plan first holds it, with its loop domain."""
+    lines = ["tensor layouts (loop domain):"]
+    for tensor in dict.fromkeys(v.tensor for v in plan.values.values()):
+        pinned = " (pinned)" if tensor in plan.pins else ""
+        lines.append(f"  {tensor:<14} {plan.loop_domain(tensor)}{pinned}")
+    return lines
+
+
+def _table(plan) -> list[str]:
+    lines = [f"{'#':>3}  {'step':<{STEP_WIDTH}}{'bytes':>12}{'time us':>10}  why / rule"]
+    for i, s in enumerate(plan.steps):
+        lines.append(step_row(i, s))
+    return lines
+
+
+def step_row(i: int, step) -> str:
+    """One row of the table: number, the step's description, bytes moved (collectives), predicted
+    microseconds, and why (a collective: the step that needed it) or the rule (a compute step).
+
+    >>> from egraph_did.plan import Collective
+    >>> step_row(3, Collective("allreduce", "y", "y:P", "y:R", 0, "x", bytes=32.0, time=2e-5, why="output y"))[-30:]
+    '        32     20.00  output y'
+    """
+    if step.kind == "compute":
+        moved, reason = "", "/".join(step.rules) + "".join(f" +{f}" for f, _ in step.flags)
+    else:
+        moved, reason = f"{step.bytes:.0f}", step.why
+    return f"{i:>3}  {_fit(str(step)):<{STEP_WIDTH}}{moved:>12}{step.time * 1e6:>10.2f}  {reason}"
+
+
+def _fit(text: str, width: int = STEP_WIDTH - 1) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def why(steps: Sequence, i: int, layouts: Mapping[str, str], outputs: Mapping[str, str],
+        pinned: Sequence[str] = ()) -> str:
+    """Why collective steps[i] runs: the first later step that reads what it made, else the output it
+    delivers, else the pin it materializes. `layouts` maps value names to layout codes, `outputs` fusion
+    outputs to values, `pinned` the pinned tensors.
+
+    >>> from egraph_did.plan import Collective, ComputeStep
+    >>> c = Collective("allgather", "h", "h:S1", "h:R", 0, "x", bytes=64.0, time=1e-5)
+    >>> relu = ComputeStep("relu", (("x", "h:R"),), ("x",), ("y:R",), (), ("elementwise",), 1e-6)
+    >>> why([c, relu], 0, {"h:R": "R", "y:R": "R"}, {"y": "y:R"})
+    'y:R = relu(h:R) [elementwise] reads h:R'
+    >>> why([c], 0, {"h:R": "R"}, {"h": "h:R"}, pinned=["h"])
+    'output h is delivered as R (pinned)'
+    """
+    c = steps[i]
+    reader = next((s for s in steps[i + 1:] if c.dst in s.reads), None)
+    lay = layouts[c.dst]
+    if reader is not None and reader.kind == "compute":
+        return f"{reader} [{'/'.join(reader.rules)}] reads {c.dst}"
+    if reader is not None:
+        return f"then {reader.kind} on {reader.mesh_axis_name}"
+    name = next((k for k, v in outputs.items() if v == c.dst), None)
+    if name is None:  # nothing reads it and it is no output: a pinned intermediate, materialized
+        return f"{c.tensor} is pinned to {lay}"
+    return f"output {name} is delivered as {lay}{' (pinned)' if name in pinned else ''}"
+
+
+__all__ = ["explain_plan", "step_row", "why", "STEP_WIDTH"]
