@@ -1,29 +1,43 @@
-"""The op table: for every op, its shape and dtype rule, its reference evaluation and, for composites,
-its decomposition into primitives.
+"""The op table: every fact about an op, stated once in its entry, and the queries that read them.
 
-Adding an op means one `@op(...)` entry here (the shape rule is the decorated function; its signature
-is the op's signature in `fd.ops`), its sharding rules in one `rewrites/` module and its scheduler kind
-in `lowering/`. Shape rules raise ShapeError at the op that is wrong, naming the tensor and the axis.
+An entry is one `@op(...)` on the op's shape rule (its signature is the op's signature in `fd.ops`).
+Beside the shape rule it states:
+
+- kind: what the op computes: pointwise | mask | reduction | normalization | matmul | attention |
+  gather | view. Rules, the problem and the lowering select ops by kind (`ops_where(kind="view")`),
+  never by a list of names;
+- reference: its torch evaluation; decompose (composites): its expansion into other ops, rfactor: a
+  decomposition that splits the reduction in blocks;
+- the facts a later stage needs: arity (pointwise), template (the Triton form of a kernel primitive),
+  identity (a reduction's), fuses (a composite a Triton kernel runs through its decomposition),
+  metadata_only and permutation (views), local_attrs (attributes that are shapes, made local on a
+  rank), flops, indexes (the index operand of a gather) and local_kernels: the rank-local variants
+  sharding rules name (LocalKernel, declared beside the op they belong to).
+
+Adding a pointwise op is one line here: `_unary("sin", torch.sin, template="tl.sin({x})")`; its
+sharding rules, kernel support and fusion follow from its kind. Shape rules raise ShapeError at the op
+that is wrong, naming the tensor and the axis.
 
 Shape rules see TensorSpec values (name, shape, dtype, axis names); references see torch tensors bound
 to the same parameter names; decompositions see the TensorViews of a fusion being built and an `ops`
-namespace to emit primitives with.
+namespace to emit primitives with; local kernels see one rank's tensors (egraph_did.local.run_local).
 """
 from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-from .errors import DtypeError, ShapeError
+from .errors import DtypeError, PlanError, ShapeError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INT_DTYPES = (torch.int64, torch.int32)
 SUPPORTED_DTYPES = FLOAT_DTYPES + INT_DTYPES + (torch.bool,)
+KINDS = ("pointwise", "mask", "reduction", "normalization", "matmul", "attention", "gather", "view")
 
 
 @dataclass(frozen=True)
@@ -53,31 +67,149 @@ class OutSpec:
 
 
 @dataclass(frozen=True)
-class OpDef:
+class LocalKernel:
+    """A rank-local variant of an op: what one rank computes when the identity a sharding rule states
+    needs the rank's place in the mesh (a bias added on one rank only, a mean divided by the global
+    count, a lookup masked to the rows the rank holds). Declared beside its op and listed in the op's
+    entry; a rule passes the object (`e.strategy(out=P, x=S(a), local=MEAN_GLOBAL_COUNT)`), a plan
+    stores its `name`, and egraph_did.local.run_local calls `fn(args, operands, outputs, ctx, axes)`
+    instead of the op's reference: args are the rank's tensors and literals by parameter, operands and
+    outputs the global Operands (shape, layout), ctx the RankContext, axes the mesh axes the rule
+    applies it on. A variant computes the whole op, so a step runs one: the reference or one variant.
+
+    >>> MEAN_GLOBAL_COUNT.name, MEAN_GLOBAL_COUNT.doc.splitlines()[0]
+    ('global_count', 'mean over a sharded axis as one summand of a partial: the local sum over the global count')
+    """
+
     name: str
-    kind: str  # pointwise | reduction | normalization | aten | view | gather | composite
+    fn: Callable[..., Any]
+
+    @property
+    def doc(self) -> str:
+        """What the kernel computes (its function's docstring)."""
+        return inspect.getdoc(self.fn) or ""
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class Indexing:
+    """The index operand of an indexing op: `index` holds positions along `axis` (an int, or the
+    parameter holding it) of `table`, which counts `counts`; `fix` is the advice of an out-of-range
+    message ({index} and {table} name the tensors)."""
+
+    index: str
+    table: str
+    axis: int | str
+    counts: str
+    fix: str = "fix {index}"
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """One op's facts (see the module docstring); `ops_where` selects ops by them."""
+
+    name: str
+    kind: str
     infer: Callable[..., list[OutSpec]]
     reference: Callable[..., Any]
     decompose: Callable[..., Any] | None
     signature: inspect.Signature
-    rfactor: Callable[..., Any] | None = None  # decompose(ops, blocks, **args): the reduction split in blocks
+    rfactor: Callable[..., Any] | None = None  # rfactor(ops, blocks, **args): the reduction split in blocks
+    arity: int | None = None  # pointwise: how many operands (a tensor or a Python number each)
+    # The Triton form of a kernel primitive, over fp32 operand values by parameter name: "tl.exp({x})";
+    # for a reduction, how two partial results {a} and {b} combine, starting from `identity`.
+    template: str | None = None
+    identity: float | None = None
+    fuses: bool = False  # a composite whose decomposition is made of kernel primitives
+    metadata_only: bool = False  # a view whose local result needs no kernel: no time, no memory
+    permutation: Callable[[dict, int], tuple[int, ...]] | None = None  # (args, ndim) -> p: out axis i is in axis p[i]
+    local_attrs: Callable[[dict, list[tuple[int, ...]]], dict] | None = None  # (args, local out shapes) -> attrs
+    flops: Callable[[list, list, dict], float] | None = None  # (in shapes, out shapes, args); None: one per element
+    indexes: Indexing | None = None
+    local_kernels: tuple[LocalKernel, ...] = ()
+
+    def __post_init__(self):
+        assert self.kind in KINDS, f"op {self.name}: kind {self.kind!r} is none of {KINDS}"
+        names = [k.name for k in self.local_kernels]
+        assert len(set(names)) == len(names), f"op {self.name}: local kernels {names} share a name"
 
     @property
     def is_composite(self) -> bool:
         return self.decompose is not None
 
+    @property
+    def in_kernels(self) -> bool:
+        """A primitive a Triton kernel computes directly (pointwise, reduction or permutation)."""
+        return self.template is not None or self.permutation is not None
+
+    @property
+    def permutes(self) -> bool:
+        """A view that reorders axes (a Triton transpose moves its data)."""
+        return self.permutation is not None
+
+    @property
+    def fusible(self) -> bool:
+        """A fused segment may hold it: a kernel primitive, or a composite made of them."""
+        return self.in_kernels or self.fuses
+
+    @property
+    def reduces(self) -> bool:
+        """It reduces over an axis (so a sharded reduced axis leaves a partial)."""
+        return self.kind in ("reduction", "normalization")
+
+    def count_flops(self, ins: list[tuple[int, ...]], outs: list[tuple[int, ...]], args: dict) -> float:
+        """Floating-point work on these (local) shapes; by default one operation per element read or
+        written.
+
+        >>> OPS["linear"].count_flops([(8, 16), (64, 16)], [(8, 64)], {}), OPS["exp"].count_flops([(4,)], [(4,)], {})
+        (16384.0, 8.0)
+        """
+        if self.flops is not None:
+            return self.flops(ins, outs, args)
+        return float(sum(math.prod(s) for s in ins) + math.prod(outs[0]))
+
+    def local_kernel(self, name: str) -> LocalKernel:
+        """The rank-local variant called `name` (as a plan names it).
+
+        >>> OPS["linear"].local_kernel("bias_once") is LINEAR_BIAS_ONCE
+        True
+        """
+        for k in self.local_kernels:
+            if k.name == name:
+                return k
+        known = ", ".join(k.name for k in self.local_kernels) or "none"
+        raise PlanError(f"a step of {self.name} names the local kernel {name!r}, which {self.name} does not "
+                        f"declare (it has: {known}); the plan was made by another version of egraph-did")
+
 
 OPS: dict[str, OpDef] = {}
+_FACTS = {f.name for f in fields(OpDef)} - {"name", "kind", "infer", "reference", "decompose", "signature"}
 
 
-def op(name: str, kind: str, reference: Callable, decompose: Callable | None = None,
-       rfactor: Callable | None = None):
-    """Register an op whose shape rule is the decorated function."""
+def op(name: str, kind: str, reference: Callable, decompose: Callable | None = None, **facts):
+    """Register an op whose shape rule is the decorated function; `facts` are OpDef's optional fields."""
+    unknown = set(facts) - _FACTS
+    assert not unknown, f"op {name}: unknown facts {sorted(unknown)}; OpDef has {sorted(_FACTS)}"
+
     def register(infer):
         assert name not in OPS, f"op {name} registered twice"
-        OPS[name] = OpDef(name, kind, infer, reference, decompose, inspect.signature(infer), rfactor)
+        OPS[name] = OpDef(name, kind, infer, reference, decompose, inspect.signature(infer), **facts)
         return infer
     return register
+
+
+def ops_where(**facts) -> tuple[str, ...]:
+    """The ops whose facts (OpDef fields or properties) equal those given, in table order: every list
+    of ops is one of these queries.
+
+    >>> ops_where(kind="view", metadata_only=False)
+    ('permute', 'transpose')
+    >>> ops_where(kind="reduction", in_kernels=True)
+    ('sum', 'amax')
+    """
+    return tuple(n for n, d in OPS.items() if all(getattr(d, k) == v for k, v in facts.items()))
 
 
 # ------------------------------------------------------------------ helpers for shape rules
@@ -185,7 +317,7 @@ def _scalar_check(op_name: str, vals) -> None:
 
 # ------------------------------------------------------------------ pointwise
 
-def _binary(name: str, fn: Callable):
+def _binary(name: str, fn: Callable, template: str):
     def infer(a, b):
         _scalar_check(name, (a, b))
         if name in ("sub", "div", "pow") and any((v.dtype if _is_tensor(v) else type(v)) in (torch.bool, bool)
@@ -199,15 +331,16 @@ def _binary(name: str, fn: Callable):
         return [OutSpec(shape, dt, axes)]
     infer.__name__ = name
     infer.__doc__ = f"Elementwise {name}(a, b) with numpy broadcasting; either side may be a Python number."
-    op(name, "pointwise", fn)(infer)
+    op(name, "pointwise", fn, arity=2, template=template)(infer)
 
 
-_binary("add", lambda a, b: a + b)
-_binary("sub", lambda a, b: a - b)
-_binary("mul", lambda a, b: a * b)
-_binary("div", lambda a, b: a / b)
-_binary("maximum", lambda a, b: torch.maximum(*_as_tensors(a, b)))
-_binary("pow", lambda a, b: a ** b)
+_binary("add", lambda a, b: a + b, "{a} + {b}")
+_binary("sub", lambda a, b: a - b, "{a} - {b}")
+_binary("mul", lambda a, b: a * b, "{a} * {b}")
+_binary("div", lambda a, b: a / b, "{a} / {b}")
+_binary("maximum", lambda a, b: torch.maximum(*_as_tensors(a, b)),
+        "tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)")  # NaN wins, as torch.maximum
+_binary("pow", lambda a, b: a ** b, "_pow({a}, {b})")  # codegen specializes a scalar exponent
 
 
 def _as_tensors(a, b):
@@ -218,7 +351,7 @@ def _as_tensors(a, b):
                  for v in (a, b))
 
 
-def _unary(name: str, fn: Callable, float_only: bool = True, doc: str = ""):
+def _unary(name: str, fn: Callable, template: str | None = None, float_only: bool = True, doc: str = ""):
     def infer(x):
         x = _need_tensor(name, "x", x)
         if float_only:
@@ -228,19 +361,21 @@ def _unary(name: str, fn: Callable, float_only: bool = True, doc: str = ""):
         return [OutSpec(x.shape, x.dtype, x.axes)]
     infer.__name__ = name
     infer.__doc__ = doc or f"Elementwise {name}(x)."
-    op(name, "pointwise", fn)(infer)
+    op(name, "pointwise", fn, arity=1, template=template)(infer)
 
 
-_unary("neg", torch.neg, float_only=False)
-_unary("exp", torch.exp)
-_unary("log", torch.log)
-_unary("tanh", torch.tanh)
-_unary("sigmoid", torch.sigmoid)
-_unary("relu", torch.relu, float_only=False)
-_unary("rsqrt", torch.rsqrt)
-_unary("sqrt", torch.sqrt)
-_unary("erf", torch.erf)
-_unary("abs", torch.abs, float_only=False)
+# Templates compute on fp32 values (16-bit floats are loaded as fp32). libdevice is not used: the
+# interpreter does not run extern calls; _tanh is a helper of lowering/codegen.py.
+_unary("neg", torch.neg, "-({x})", float_only=False)
+_unary("exp", torch.exp, "tl.exp({x})")
+_unary("log", torch.log, "tl.log({x})")
+_unary("tanh", torch.tanh, "_tanh({x})")
+_unary("sigmoid", torch.sigmoid, "tl.sigmoid({x})")
+_unary("relu", torch.relu, "tl.where({x} < 0, 0, {x})", float_only=False)  # keeps NaN, as torch.relu
+_unary("rsqrt", torch.rsqrt, "tl.rsqrt({x})")
+_unary("sqrt", torch.sqrt, "tl.sqrt_rn({x})")
+_unary("erf", torch.erf, "tl.erf({x})")
+_unary("abs", torch.abs, "tl.abs({x})", float_only=False)
 
 
 def _decompose_gelu(ops, x, approximate="none"):
@@ -250,7 +385,8 @@ def _decompose_gelu(ops, x, approximate="none"):
     return ops.mul(ops.mul(x, 0.5), ops.add(ops.erf(ops.mul(x, 1.0 / math.sqrt(2.0))), 1.0))
 
 
-@op("gelu", "composite", lambda x, approximate="none": F.gelu(x, approximate=approximate), _decompose_gelu)
+@op("gelu", "pointwise", lambda x, approximate="none": F.gelu(x, approximate=approximate), _decompose_gelu,
+    arity=1, fuses=True)
 def gelu(x, approximate: str = "none"):
     """GELU, exact (erf) or approximate='tanh', as torch.nn.functional.gelu."""
     x = _need_tensor("gelu", "x", x)
@@ -260,7 +396,7 @@ def gelu(x, approximate: str = "none"):
     return [OutSpec(x.shape, x.dtype, x.axes)]
 
 
-@op("silu", "composite", lambda x: F.silu(x), lambda ops, x: ops.mul(x, ops.sigmoid(x)))
+@op("silu", "pointwise", lambda x: F.silu(x), lambda ops, x: ops.mul(x, ops.sigmoid(x)), arity=1, fuses=True)
 def silu(x):
     """SiLU: x * sigmoid(x)."""
     x = _need_tensor("silu", "x", x)
@@ -268,7 +404,9 @@ def silu(x):
     return [OutSpec(x.shape, x.dtype, x.axes)]
 
 
-@op("cast", "pointwise", lambda x, dtype: x.to(canonical_dtype(dtype)))
+# "{x}": every op's value is converted to its output's compute type; codegen also rounds through a
+# 16-bit destination and casts to bool as `!= 0`
+@op("cast", "pointwise", lambda x, dtype: x.to(canonical_dtype(dtype)), arity=1, template="{x}")
 def cast(x, dtype):
     """Convert x to dtype."""
     x = _need_tensor("cast", "x", x)
@@ -285,7 +423,7 @@ def _causal_mask_ref(x, offset=0):
     return x.masked_fill(~keep, float("-inf"))
 
 
-@op("causal_mask", "pointwise", _causal_mask_ref)
+@op("causal_mask", "mask", _causal_mask_ref)
 def causal_mask(x, offset: int = 0):
     """Fill x[..., i, j] with -inf where j > i + offset (the causal attention mask)."""
     x = _need_tensor("causal_mask", "x", x)
@@ -308,7 +446,8 @@ def _reduced(x: TensorSpec, axes: tuple[int, ...], keepdim: bool, dtype=None) ->
 
 
 @op("sum", "reduction", lambda x, dims=None, keepdim=False:
-    torch.sum(x, dim=tuple(range(x.ndim)) if dims is None else dims, keepdim=keepdim))
+    torch.sum(x, dim=tuple(range(x.ndim)) if dims is None else dims, keepdim=keepdim),
+    template="{a} + {b}", identity=0.0)
 def sum_(x, dims=None, keepdim: bool = False):
     """Sum over `dims` (an int, a tuple, or None for all axes)."""
     x = _need_tensor("sum", "x", x)
@@ -317,7 +456,8 @@ def sum_(x, dims=None, keepdim: bool = False):
 
 
 @op("amax", "reduction", lambda x, dims=None, keepdim=False:
-    torch.amax(x, dim=tuple(range(x.ndim)) if dims is None else dims, keepdim=keepdim))
+    torch.amax(x, dim=tuple(range(x.ndim)) if dims is None else dims, keepdim=keepdim),
+    template="tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)", identity=-math.inf)
 def amax(x, dims=None, keepdim: bool = False):
     """Maximum over `dims`."""
     x = _need_tensor("amax", "x", x)
@@ -333,8 +473,21 @@ def _decompose_mean(ops, x, dims=None, keepdim=False):
     return ops.div(ops.sum(x, dims, keepdim), float(_count(x, dims)))
 
 
-@op("mean", "composite", lambda x, dims=None, keepdim=False:
-    torch.mean(x, dim=tuple(range(x.ndim)) if dims is None else dims, keepdim=keepdim), _decompose_mean)
+def _mean_global_count(args, operands, outputs, ctx, axes):
+    """mean over a sharded axis as one summand of a partial: the local sum over the global count
+    (the ranks' summands add up to the mean; a local mean would weigh uneven shards wrongly)"""
+    x, dims = args["x"], args["dims"]
+    n = _count(operands["x"], dims)
+    dims = range(x.ndim) if dims is None else ((dims,) if isinstance(dims, int) else dims)
+    return torch.sum(x, dim=tuple(d % x.ndim for d in dims), keepdim=args["keepdim"]) / n
+
+
+MEAN_GLOBAL_COUNT = LocalKernel("global_count", _mean_global_count)
+
+
+@op("mean", "reduction", lambda x, dims=None, keepdim=False:
+    torch.mean(x, dim=tuple(range(x.ndim)) if dims is None else dims, keepdim=keepdim), _decompose_mean,
+    fuses=True, local_kernels=(MEAN_GLOBAL_COUNT,))
 def mean(x, dims=None, keepdim: bool = False):
     """Mean over `dims`."""
     x = _need_tensor("mean", "x", x)
@@ -378,7 +531,13 @@ def _welford_blocks_ref(x, dim, blocks):
     return torch.cat(stats, dim=dim)
 
 
-@op("welford_blocks", "reduction", _welford_blocks_ref)
+def _local_blocks(args, out_shapes):
+    """On a rank, `blocks` is the rank's extent of the blocks axis (one block per rank when it is sharded)."""
+    out = out_shapes[0]
+    return {"blocks": out[args["dim"] % (len(out) - 1)]}
+
+
+@op("welford_blocks", "reduction", _welford_blocks_ref, local_attrs=_local_blocks)
 def welford_blocks(x, dim: int, blocks: int):
     """Welford statistics (count, mean, M2) of `blocks` torch.chunk pieces of x along dim: x's shape with
     dim of extent `blocks`, plus a trailing axis of 3. The first half of an rfactor'ed var_mean."""
@@ -424,7 +583,7 @@ def _rfactor_var_mean(ops, blocks, x, dims=None, correction=1, keepdim=False):
     return ops.welford_merge(stats, dims[0], correction, keepdim)
 
 
-@op("var_mean", "composite", _var_mean_ref, _decompose_var_mean, rfactor=_rfactor_var_mean)
+@op("var_mean", "reduction", _var_mean_ref, _decompose_var_mean, rfactor=_rfactor_var_mean)
 def var_mean(x, dims=None, correction: int = 1, keepdim: bool = False):
     """(variance, mean) over `dims`, as torch.var_mean; correction=1 is Bessel's."""
     x = _need_tensor("var_mean", "x", x)
@@ -439,7 +598,7 @@ def _decompose_softmax(ops, x, dim=-1):
     return ops.div(e, ops.sum(e, dim, keepdim=True))
 
 
-@op("softmax", "composite", lambda x, dim=-1: torch.softmax(x, dim), _decompose_softmax)
+@op("softmax", "normalization", lambda x, dim=-1: torch.softmax(x, dim), _decompose_softmax, fuses=True)
 def softmax(x, dim: int = -1):
     """Softmax along `dim`."""
     x = _need_tensor("softmax", "x", x)
@@ -497,7 +656,7 @@ def _decompose_layer_norm(ops, x, normalized_shape=None, weight=None, bias=None,
     return y
 
 
-@op("layer_norm", "composite", _layer_norm_ref, _decompose_layer_norm)
+@op("layer_norm", "normalization", _layer_norm_ref, _decompose_layer_norm, fuses=True)
 def layer_norm(x, normalized_shape=None, weight=None, bias=None, eps: float = 1e-5):
     """Layer norm over the trailing axes (normalized_shape, or weight's shape, or the last axis)."""
     x = _need_tensor("layer_norm", "x", x)
@@ -520,7 +679,7 @@ def _decompose_rms_norm(ops, x, normalized_shape=None, weight=None, eps=1e-6):
     return ops.mul(y, weight) if weight is not None else y
 
 
-@op("rms_norm", "composite", _rms_norm_ref, _decompose_rms_norm)
+@op("rms_norm", "normalization", _rms_norm_ref, _decompose_rms_norm, fuses=True)
 def rms_norm(x, normalized_shape=None, weight=None, eps: float = 1e-6):
     """RMS norm over the trailing axes, as torch.nn.functional.rms_norm (eps given explicitly)."""
     x = _need_tensor("rms_norm", "x", x)
@@ -541,7 +700,23 @@ def _same_float(op_name, *vals):
                          f"dtypes {sorted(str(d).replace('torch.', '') for d in dts)}; cast them to one dtype")
 
 
-@op("linear", "aten", lambda x, weight, bias=None: F.linear(x, weight, bias))
+def _matmul_flops(ins, outs, args) -> float:
+    """2 m n k: a multiply and an add per term of each output's dot product."""
+    return 2.0 * math.prod(outs[0]) * ins[0][-1]
+
+
+def _linear_bias_once(args, operands, outputs, ctx, axes):
+    """linear whose output is one summand of a partial: the bias is added on the first rank of the mesh
+    axes only, so that the sum over ranks adds it once"""
+    bias = args.get("bias") if ctx.on_first(axes) else None
+    return F.linear(args["x"], args["weight"], bias)
+
+
+LINEAR_BIAS_ONCE = LocalKernel("bias_once", _linear_bias_once)
+
+
+@op("linear", "matmul", lambda x, weight, bias=None: F.linear(x, weight, bias), flops=_matmul_flops,
+    local_kernels=(LINEAR_BIAS_ONCE,))
 def linear(x, weight, bias=None):
     """x @ weight.T + bias; weight is [out, in] as in torch."""
     x, weight = _need_tensor("linear", "x", x), _need_tensor("linear", "weight", weight)
@@ -562,7 +737,7 @@ def linear(x, weight, bias=None):
     return [OutSpec(x.shape[:-1] + (weight.shape[0],), x.dtype, x.axes[:-1] + (weight.axes[0],))]
 
 
-@op("matmul", "aten", lambda a, b: torch.matmul(a, b))
+@op("matmul", "matmul", lambda a, b: torch.matmul(a, b), flops=_matmul_flops)
 def matmul(a, b):
     """torch.matmul: batched, with broadcasting of the batch axes (both operands at least 2-D)."""
     a, b = _need_tensor("matmul", "a", a), _need_tensor("matmul", "b", b)
@@ -591,7 +766,27 @@ def _decompose_sdpa(ops, q, k, v, is_causal=False, scale=None):
     return ops.matmul(ops.softmax(s, -1), v)
 
 
-@op("sdpa", "composite", _sdpa_ref, _decompose_sdpa)
+def _sdpa_flops(ins, outs, args) -> float:
+    """q k^T and p v (half of both under a causal mask), and the softmax's few operations per score."""
+    b, h, sq, d = ins[0]
+    sk = ins[1][2]
+    return (2.0 if args.get("is_causal") else 4.0) * b * h * sq * sk * d + 4.0 * b * h * sq * sk
+
+
+def _sdpa_query_offset(args, operands, outputs, ctx, axes):
+    """causal attention for the rank's shard of the queries: query i of the shard is global row
+    start + i, so it attends to keys 0..start + i"""
+    lo, _ = ctx.shard_range(operands["q"].shape[2], operands["q"].layout, 2)
+    q, k = args["q"], args["k"]
+    rows = torch.arange(q.shape[2], device=q.device).unsqueeze(1) + lo
+    keep = torch.arange(k.shape[2], device=q.device).unsqueeze(0) <= rows
+    return F.scaled_dot_product_attention(q, k, args["v"], attn_mask=keep, scale=args.get("scale"))
+
+
+SDPA_QUERY_OFFSET = LocalKernel("q_offset", _sdpa_query_offset)
+
+
+@op("sdpa", "attention", _sdpa_ref, _decompose_sdpa, flops=_sdpa_flops, local_kernels=(SDPA_QUERY_OFFSET,))
 def sdpa(q, k, v, is_causal: bool = False, scale: float | None = None):
     """Scaled dot-product attention on [batch, heads, seq, head_dim] operands (torch's sdpa)."""
     q, k, v = (_need_tensor("sdpa", n, t) for n, t in (("q", q), ("k", k), ("v", v)))
@@ -612,7 +807,29 @@ def sdpa(q, k, v, is_causal: bool = False, scale: float | None = None):
     return [OutSpec(q.shape[:3] + (v.shape[3],), q.dtype, q.axes[:3] + (v.axes[3],))]
 
 
-@op("embedding", "gather", lambda indices, weight: weight[indices])
+def _masked_take(table: torch.Tensor, index: torch.Tensor, lo: int, hi: int, take) -> torch.Tensor:
+    """take(table, index - lo) where index falls in [lo, hi), else 0 (a summand of a partial). Selected
+    with where, not multiplied: an inf or nan the clamped lookup lands on must not leak as 0 * inf."""
+    inside = (index >= lo) & (index < hi)
+    picked = take(table, (index - lo).clamp(0, max(hi - lo - 1, 0)))
+    mask = inside.unsqueeze(-1) if picked.ndim > inside.ndim else inside
+    return torch.where(mask, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
+
+
+def _embedding_vocab_parallel(args, operands, outputs, ctx, axes):
+    """embedding from the rank's rows of the table as one summand of a partial: the rows of ids the rank
+    holds, zeros for the others (ids are global)"""
+    w = operands["weight"]
+    lo, hi = ctx.shard_range(w.shape[0], w.layout, 0)
+    return _masked_take(args["weight"], args["indices"], lo, hi, lambda t, i: t[i])
+
+
+EMBEDDING_VOCAB_PARALLEL = LocalKernel("vocab_parallel", _embedding_vocab_parallel)
+
+
+@op("embedding", "gather", lambda indices, weight: weight[indices],
+    indexes=Indexing("indices", "weight", 0, "rows", "fix {index}, or give {table} more rows"),
+    local_kernels=(EMBEDDING_VOCAB_PARALLEL,))
 def embedding(indices, weight):
     """weight[indices]: rows of an embedding table [vocab, dim] picked by integer indices."""
     indices, weight = _need_tensor("embedding", "indices", indices), _need_tensor("embedding", "weight", weight)
@@ -625,7 +842,20 @@ def embedding(indices, weight):
     return [OutSpec(indices.shape + (weight.shape[1],), weight.dtype, indices.axes + (weight.axes[1],))]
 
 
-@op("take_along_axis", "gather", lambda x, index, dim: torch.take_along_dim(x, index, dim))
+def _take_along_masked(args, operands, outputs, ctx, axes):
+    """take_along_axis from the rank's part of x along dim as one summand of a partial: the entries
+    whose (global) index the rank holds, zeros for the others"""
+    x = operands["x"]
+    dim = args["dim"] % len(x.shape)
+    lo, hi = ctx.shard_range(x.shape[dim], x.layout, dim)
+    return _masked_take(args["x"], args["index"], lo, hi, lambda t, i: torch.take_along_dim(t, i, dim))
+
+
+TAKE_ALONG_MASKED = LocalKernel("masked_gather", _take_along_masked)
+
+
+@op("take_along_axis", "gather", lambda x, index, dim: torch.take_along_dim(x, index, dim),
+    indexes=Indexing("index", "x", "dim", "entries along axis"), local_kernels=(TAKE_ALONG_MASKED,))
 def take_along_axis(x, index, dim: int):
     """x gathered along `dim` at `index` (same rank as x, extent along dim free), as torch.take_along_dim."""
     x, index = _need_tensor("take_along_axis", "x", x), _need_tensor("take_along_axis", "index", index)
@@ -647,8 +877,21 @@ def _decompose_cross_entropy(ops, logits, target, reduction="mean"):
     return {"none": lambda: nll, "sum": lambda: ops.sum(nll), "mean": lambda: ops.mean(nll)}[reduction]()
 
 
-@op("cross_entropy", "composite", lambda logits, target, reduction="mean":
-    F.cross_entropy(logits, target, reduction=reduction), _decompose_cross_entropy)
+def _cross_entropy_global_count(args, operands, outputs, ctx, axes):
+    """mean cross entropy of the rank's rows as one summand of a partial: their summed loss over the
+    global row count"""
+    total = F.cross_entropy(args["logits"], args["target"], reduction="sum")
+    return total / operands["target"].shape[0]
+
+
+CROSS_ENTROPY_GLOBAL_COUNT = LocalKernel("global_count", _cross_entropy_global_count)
+
+
+@op("cross_entropy", "reduction", lambda logits, target, reduction="mean":
+    F.cross_entropy(logits, target, reduction=reduction), _decompose_cross_entropy,
+    indexes=Indexing("target", "logits", 1, "classes",
+                     "fix {index} (ignore_index is not supported: drop those rows first)"),
+    local_kernels=(CROSS_ENTROPY_GLOBAL_COUNT,))
 def cross_entropy(logits, target, reduction: str = "mean"):
     """Cross entropy of logits [N, C] against class indices [N] (reduction 'mean', 'sum' or 'none')."""
     logits = _need_tensor("cross_entropy", "logits", logits)
@@ -703,7 +946,12 @@ def _reshape_names(x: TensorSpec, shape: tuple[int, ...]) -> tuple[str, ...]:
     return tuple(names)
 
 
-@op("reshape", "view", lambda x, shape: x.reshape(shape))
+def _local_shape(args, out_shapes):
+    """On a rank, the target shape is the rank's local output shape."""
+    return {"shape": out_shapes[0]}
+
+
+@op("reshape", "view", lambda x, shape: x.reshape(shape), metadata_only=True, local_attrs=_local_shape)
 def reshape(x, shape):
     """View x with a new shape (one -1 allowed), as torch.reshape."""
     x = _need_tensor("reshape", "x", x)
@@ -711,7 +959,8 @@ def reshape(x, shape):
     return [OutSpec(new, x.dtype, _reshape_names(x, new))]
 
 
-@op("permute", "view", lambda x, dims: x.permute(*dims))
+@op("permute", "view", lambda x, dims: x.permute(*dims),
+    permutation=lambda args, ndim: tuple(d % ndim for d in args["dims"]))
 def permute(x, dims):
     """Reorder axes: output axis i is input axis dims[i]."""
     x = _need_tensor("permute", "x", x)
@@ -722,17 +971,22 @@ def permute(x, dims):
     return [OutSpec(tuple(x.shape[d] for d in dims), x.dtype, tuple(x.axes[d] for d in dims))]
 
 
-@op("transpose", "view", lambda x, dim0, dim1: x.transpose(dim0, dim1))
+def _swap(args, ndim) -> tuple[int, ...]:
+    perm = list(range(ndim))
+    a, b = args["dim0"] % ndim, args["dim1"] % ndim
+    perm[a], perm[b] = perm[b], perm[a]
+    return tuple(perm)
+
+
+@op("transpose", "view", lambda x, dim0, dim1: x.transpose(dim0, dim1), permutation=_swap)
 def transpose(x, dim0: int, dim1: int):
     """Swap two axes."""
     x = _need_tensor("transpose", "x", x)
-    a, b = norm_axis("transpose", x, dim0), norm_axis("transpose", x, dim1)
-    perm = list(range(x.ndim))
-    perm[a], perm[b] = perm[b], perm[a]
+    perm = _swap({"dim0": norm_axis("transpose", x, dim0), "dim1": norm_axis("transpose", x, dim1)}, x.ndim)
     return [OutSpec(tuple(x.shape[d] for d in perm), x.dtype, tuple(x.axes[d] for d in perm))]
 
 
-@op("unsqueeze", "view", lambda x, dim: x.unsqueeze(dim))
+@op("unsqueeze", "view", lambda x, dim: x.unsqueeze(dim), metadata_only=True)
 def unsqueeze(x, dim: int):
     """Insert a broadcast axis of extent 1 at `dim`."""
     x = _need_tensor("unsqueeze", "x", x)
@@ -740,7 +994,7 @@ def unsqueeze(x, dim: int):
     return [OutSpec(x.shape[:d] + (1,) + x.shape[d:], x.dtype, x.axes[:d] + ("1",) + x.axes[d:])]
 
 
-@op("expand", "view", lambda x, shape: x.expand(*shape))
+@op("expand", "view", lambda x, shape: x.expand(*shape), metadata_only=True, local_attrs=_local_shape)
 def expand(x, shape):
     """Broadcast axes of extent 1 to `shape` (-1 keeps an axis; new leading axes allowed), as torch.expand."""
     x = _need_tensor("expand", "x", x)
@@ -764,7 +1018,8 @@ def expand(x, shape):
 
 
 @op("broadcast_in_dim", "view", lambda x, shape, broadcast_dims:
-    x.reshape([x.shape[broadcast_dims.index(i)] if i in broadcast_dims else 1 for i in range(len(shape))]).expand(*shape))
+    x.reshape([x.shape[broadcast_dims.index(i)] if i in broadcast_dims else 1 for i in range(len(shape))]).expand(*shape),
+    metadata_only=True, local_attrs=_local_shape)
 def broadcast_in_dim(x, shape, broadcast_dims):
     """Place x's axis i at output axis broadcast_dims[i] and broadcast the rest to `shape` (as JAX/nvFuser)."""
     x = _need_tensor("broadcast_in_dim", "x", x)
@@ -811,14 +1066,6 @@ def check_literals(opdef: OpDef, arguments: dict) -> None:
 
 # ------------------------------------------------------------------ index ranges (checked on data)
 
-# op -> (index parameter, indexed parameter, its axis: an int or the parameter holding it, what it counts)
-INDEX_ARGS = {
-    "embedding": ("indices", "weight", 0, "rows"),
-    "take_along_axis": ("index", "x", "dim", "entries along axis"),
-    "cross_entropy": ("target", "logits", 1, "classes"),
-}
-
-
 def check_indices(op_name: str, args: dict, names: dict, shapes: dict, where: str = "") -> None:
     """ShapeError if the index tensor of an indexing op (embedding, take_along_axis, cross_entropy) holds
     a value outside [0, n) of the axis it indexes, instead of torch's IndexError that names no tensor.
@@ -832,10 +1079,11 @@ def check_indices(op_name: str, args: dict, names: dict, shapes: dict, where: st
     ...
     egraph_did.errors.ShapeError: embedding(ids, wte): ids holds 7 (at [1]), but wte has 5 rows (axis 0); every index must lie in [0, 5): fix ids, or give wte more rows
     """
-    spec = INDEX_ARGS.get(op_name)
+    opdef = OPS.get(op_name)
+    spec = opdef.indexes if opdef else None
     if spec is None:
         return
-    ip, tp, axis, what = spec
+    ip, tp, axis, what = spec.index, spec.table, spec.axis, spec.counts
     idx = args.get(ip)
     if not isinstance(idx, torch.Tensor) or idx.numel() == 0 or idx.device.type == "meta":
         return
@@ -848,9 +1096,7 @@ def check_indices(op_name: str, args: dict, names: dict, shapes: dict, where: st
         return
     pos = [int(i) for i in bad.nonzero()[0]]
     val = int(idx[tuple(pos)])
-    fix = {"embedding": f"fix {names[ip]}, or give {names[tp]} more rows",
-           "cross_entropy": f"fix {names[ip]} (ignore_index is not supported: drop those rows first)"
-           }.get(op_name, f"fix {names[ip]}")
+    fix = spec.fix.format(index=names[ip], table=names[tp])
     what = f"{what} {d}" if what.endswith("axis") else f"{what} (axis {d})"
     order = ", ".join(names[p] for p in OPS[op_name].signature.parameters if p in names)
     raise ShapeError(f"{op_name}({order}): {names[ip]} holds {val} (at {pos}{where}), but {names[tp]} has {n} "
@@ -862,5 +1108,8 @@ def op_names() -> list[str]:
     return sorted(OPS)
 
 
-__all__ = ["OPS", "OpDef", "TensorSpec", "OutSpec", "op", "canonical_dtype", "op_names", "check_indices",
-           "check_literals"]
+# The indexing ops by name (for callers that test membership; OPS[op].indexes is the fact).
+INDEX_ARGS = {n: d.indexes for n, d in OPS.items() if d.indexes is not None}
+
+__all__ = ["OPS", "OpDef", "LocalKernel", "Indexing", "TensorSpec", "OutSpec", "op", "ops_where", "canonical_dtype",
+           "op_names", "check_indices", "check_literals"]

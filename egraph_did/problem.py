@@ -21,13 +21,11 @@ from .layout import Layout, canonical_layout, is_valid, valid_layouts
 from .pins import layout_of
 from .shards import local_extents
 from .mesh import DeviceMesh
-from .ops import canonical_dtype
+from .ops import canonical_dtype, ops_where
 
 # Composites whose reduction may run over a sharded axis: the e-graph also holds their decomposition,
 # where rfactor rules apply to the primitive reductions.
-REDUCING_COMPOSITES = ("softmax", "layer_norm", "rms_norm", "var_mean", "mean", "cross_entropy")
-FREE_VIEWS = ("reshape", "unsqueeze", "expand", "broadcast_in_dim")  # metadata only, no kernel
-GATHERS = ("embedding", "take_along_axis")
+REDUCING_COMPOSITES = ops_where(is_composite=True, reduces=True)
 
 
 @dataclass(frozen=True)
@@ -133,7 +131,7 @@ def _add_decompositions(work: Fusion, ops: Ops, mesh: DeviceMesh, problem: Probl
     """Append, for each reducing composite, its decomposition (and its rfactor by each mesh axis size),
     recording that the decomposition's outputs equal the composite's."""
     blocks = sorted({s for s in mesh.shape if s > 1})
-    pending = [e for e in work.exprs if e.op.name in REDUCING_COMPOSITES]
+    pending = [e for e in work.exprs if e.op.is_composite and e.op.reduces]
     for _ in range(4):  # composites inside decompositions (layer_norm -> var_mean) expand in turn
         start = len(work.exprs)
         for e in pending:
@@ -152,7 +150,7 @@ def _add_decompositions(work: Fusion, ops: Ops, mesh: DeviceMesh, problem: Probl
                 for d in work.exprs[first:]:
                     for o in d.outputs:
                         problem.origin[o.name] = problem.origin.get(e.outputs[0].name, e.outputs[0].name)
-        pending = [e for e in work.exprs[start:] if e.op.name in REDUCING_COMPOSITES]
+        pending = [e for e in work.exprs[start:] if e.op.is_composite and e.op.reduces]
         if not pending:
             break
 
@@ -181,29 +179,18 @@ def local_flops(e: Expr, ins: list[tuple[int, ...]], outs: list[tuple[int, ...]]
     >>> local_flops(first, [(8, 16), (64, 16)], [(8, 64)])  # 2 * 8 * 64 * 16
     16384.0
     """
-    name = e.op.name
-    out_n = math.prod(outs[0])
-    if name == "linear":
-        return 2.0 * out_n * ins[0][-1]
-    if name == "matmul":
-        return 2.0 * out_n * ins[0][-1]
-    if name == "sdpa":
-        b, h, sq, d = ins[0]
-        sk = ins[1][2]
-        causal = dict(e.args).get("is_causal")
-        return (2.0 if causal else 4.0) * b * h * sq * sk * d + 4.0 * b * h * sq * sk
-    return float(sum(math.prod(s) for s in ins) + out_n)
+    return e.op.count_flops(ins, outs, dict(e.args))
 
 
-def _combination_ok(e: Expr, ins: tuple[Layout, ...], mesh: DeviceMesh) -> bool:
-    """Rules are stated per mesh axis; a few need care when two mesh axes split one tensor axis."""
-    if e.op.name not in ("reshape", "welford_blocks"):
-        return True
-    x = next(v for k, v in e.args if isinstance(v, TensorView))
-    for a in range(x.ndim):
-        axes = ins[0].sharding_axes(a)
-        if len(axes) > 1:
-            return False  # nested splits: each mesh axis's rule saw a different piece
+def _nesting_ok(combo: tuple[AxisStrategy, ...], ins: tuple[Layout, ...]) -> bool:
+    """Rules are stated per mesh axis; a rule that reasons about the whole extent of its split
+    (nestable=False) does not hold where another mesh axis splits the same tensor axis: each mesh
+    axis's rule saw a different piece."""
+    for s in combo:
+        if not s.nestable:
+            for lay, p in zip(ins, s.inputs):
+                if p.is_shard and len(lay.sharding_axes(p.axis)) > 1:
+                    return False
     return True
 
 
@@ -227,16 +214,16 @@ def expr_strategies(e: Expr, mesh: DeviceMesh, cm: CostModel, problem: Problem) 
         outs = tuple(Layout(tuple(c.outputs[i] for c in combo)) for i in range(len(e.outputs)))
         if not all(is_valid(lay, t.shape, mesh) for lay, t in zip(ins + outs, operands + list(e.outputs))):
             continue
-        if not _combination_ok(e, ins, mesh):
+        if not _nesting_ok(combo, ins):
             continue
         in_shapes = [local_extents(t.shape, lay, mesh) for t, lay in zip(operands, ins)]
         out_shapes = [local_extents(t.shape, lay, mesh) for t, lay in zip(e.outputs, outs)]
         in_bytes = sum(math.prod(s) * t.dtype.itemsize for s, t in zip(in_shapes, operands))
         out_bytes = sum(math.prod(s) * t.dtype.itemsize for s, t in zip(out_shapes, e.outputs))
-        if e.op.name in GATHERS:  # a gather reads its indices and the rows it picks, not the whole table
-            k = 0 if e.op.name == "embedding" else 1  # the index operand
+        if e.op.kind == "gather":  # a gather reads its indices and the rows it picks, not the whole table
+            k = [p for p, v in e.args if isinstance(v, TensorView)].index(e.op.indexes.index)
             in_bytes = math.prod(in_shapes[k]) * operands[k].dtype.itemsize + out_bytes
-        if e.op.name in FREE_VIEWS:
+        if e.op.metadata_only:
             time, mem = 0.0, 0.0
         else:
             dtype = operands[0].dtype if operands[0].dtype.is_floating_point else e.outputs[0].dtype

@@ -9,16 +9,20 @@ its element offset is then a sum over groups, `flat * stride` when it covers a g
 coordinates otherwise. The value of a tensor inside a kernel is a Triton block broadcasting over the
 tile dimensions of the groups it varies along, so numpy broadcasting of the spec falls out of Triton's.
 
-Adding a pointwise primitive means one entry in UNARY or BINARY below (and its name in kernel_spec.py).
+A pointwise primitive's Triton expression is its template in the op table (egraph_did/ops.py): adding
+one touches nothing here, unless it calls a helper of HELPERS below.
 """
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import dataclass
+from string import Formatter
 from typing import Any
 
 import torch
+
+from egraph_did.ops import OPS
 
 # Compute types: 16-bit floats are loaded into fp32 and stored back rounded once (as inductor does).
 COMPUTE_TYPE = {torch.float32: "tl.float32", torch.float16: "tl.float32", torch.bfloat16: "tl.float32",
@@ -27,8 +31,8 @@ STORAGE_TYPE = {torch.float32: "tl.float32", torch.float16: "tl.float16", torch.
                 torch.int32: "tl.int32", torch.int64: "tl.int64", torch.bool: "tl.int1"}
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
-# Helpers emitted into a kernel's module only when an op needs them. libdevice is not used: the
-# interpreter does not run extern calls, and these are exact enough in fp32 on both.
+# Helpers emitted into a kernel's module only when an expression calls them (`_tanh(...)`). libdevice is
+# not used: the interpreter does not run extern calls, and these are exact enough in fp32 on both.
 HELPERS = {
     "tanh": '''
 @triton.jit
@@ -56,29 +60,6 @@ def _pow(a, b):
 ''',
 }
 
-# Pointwise primitives: a template over operand expressions. Operands are fp32 for float tensors.
-UNARY = {
-    "neg": "-({x})",
-    "exp": "tl.exp({x})",
-    "log": "tl.log({x})",
-    "tanh": "_tanh({x})",
-    "sigmoid": "tl.sigmoid({x})",
-    "relu": "tl.where({x} < 0, 0, {x})",  # keeps NaN, as torch.relu
-    "rsqrt": "tl.rsqrt({x})",
-    "sqrt": "tl.sqrt_rn({x})",
-    "erf": "tl.erf({x})",
-    "abs": "tl.abs({x})",
-}
-BINARY = {
-    "add": "{a} + {b}",
-    "sub": "{a} - {b}",
-    "mul": "{a} * {b}",
-    "div": "{a} / {b}",
-    "maximum": "tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",  # NaN wins, as torch.maximum
-    # pow: see pow_expr (scalar exponents are specialized at generation time)
-}
-
-
 def literal(v: Any) -> str:
     """A Python number as Triton source (bools as 0/1; inf and nan through float())."""
     if isinstance(v, bool):
@@ -94,27 +75,40 @@ def literal(v: Any) -> str:
     raise TypeError(f"not a Python number: {v!r}")
 
 
-def pow_expr(a: str, b: str, a_scalar: Any = None, b_scalar: Any = None) -> tuple[str, set[str]]:
-    """torch.pow over fp32 operands; returns (expression, helpers it needs). Small integral and half
-    exponents become multiplications and square roots, as torch does."""
+def pow_expr(a: str, b: str, a_scalar: Any = None, b_scalar: Any = None) -> str:
+    """torch.pow over fp32 operands. Small integral and half exponents become multiplications and square
+    roots, as torch does; the rest calls the _pow helper.
+
+    >>> pow_expr("v", "2", b_scalar=2), pow_expr("v", "w")
+    ('((v) * (v))', '_pow(v, w)')
+    """
     if b_scalar is not None:
         e = float(b_scalar)
         if e == 0:
-            return f"tl.where({a} == {a}, 1.0, 1.0)", set()
+            return f"tl.where({a} == {a}, 1.0, 1.0)"
         if e.is_integer() and abs(e) <= 4:
             prod = " * ".join([f"({a})"] * int(abs(e)))
-            return (f"({prod})" if e > 0 else f"1.0 / ({prod})"), set()
+            return f"({prod})" if e > 0 else f"1.0 / ({prod})"
         if e == 0.5:
-            return f"tl.sqrt_rn({a})", set()
+            return f"tl.sqrt_rn({a})"
         if e == -0.5:
-            return f"1.0 / tl.sqrt_rn({a})", set()
+            return f"1.0 / tl.sqrt_rn({a})"
         r = f"tl.exp2({literal(e)} * tl.log2(tl.abs({a})))"
         if e.is_integer():
-            return (f"tl.where({a} < 0, -{r}, {r})" if int(e) % 2 else r), set()
-        return f"tl.where({a} < 0, float(\"nan\"), {r})", set()
+            return f"tl.where({a} < 0, -{r}, {r})" if int(e) % 2 else r
+        return f"tl.where({a} < 0, float(\"nan\"), {r})"
     if a_scalar is not None:
-        return f"_pow(tl.zeros_like({b}) + {literal(float(a_scalar))}, {b})", {"pow"}
-    return f"_pow({a}, {b})", {"pow"}
+        return f"_pow(tl.zeros_like({b}) + {literal(float(a_scalar))}, {b})"
+    return f"_pow({a}, {b})"
+
+
+def _cast(spec, args, val, out_dt) -> str:
+    return cast_expr(val(args["x"]), spec.dtype(args["x"]), out_dt)
+
+
+def _pow(spec, args, val, out_dt) -> str:
+    a, b = args["a"], args["b"]
+    return pow_expr(val(a), val(b), None if spec.is_tensor(a) else a, None if spec.is_tensor(b) else b)
 
 
 def cast_expr(x: str, src: torch.dtype, dst: torch.dtype) -> str:
@@ -127,6 +121,12 @@ def cast_expr(x: str, src: torch.dtype, dst: torch.dtype) -> str:
     if dst in (torch.float16, torch.bfloat16):
         return f"{x}.to({STORAGE_TYPE[dst]}).to(tl.float32)"
     return f"{x}.to({COMPUTE_TYPE[dst]})"
+
+
+# Ops whose Triton form depends on dtypes or on a literal operand; the op table's template is their
+# general form. cast rounds through a 16-bit destination (later ops see what torch would) and casts to
+# bool as `!= 0`; pow turns small integral and half exponents into products and square roots.
+SPECIALIZED = {"cast": _cast, "pow": _pow}
 
 
 def ident(name: str) -> str:
@@ -308,20 +308,13 @@ class Writer:
                 return vals[v]
             return literal(v)
 
-        if op.op == "cast":
-            x = args["x"]
-            expr = cast_expr(val(x), spec.dtype(x), out_dt)
-        elif op.op in UNARY:
-            if op.op == "tanh":
-                self.helpers.add("tanh")
-            expr = UNARY[op.op].format(x=val(args["x"]))
-        elif op.op == "pow":
-            a, b = args["a"], args["b"]
-            expr, helpers = pow_expr(val(a), val(b), None if spec.is_tensor(a) else a,
-                                     None if spec.is_tensor(b) else b)
-            self.helpers |= helpers
+        special = SPECIALIZED.get(op.op)
+        if special is not None:
+            expr = special(spec, args, val, out_dt)
         else:
-            expr = BINARY[op.op].format(a=val(args["a"]), b=val(args["b"]))
+            template = OPS[op.op].template
+            expr = template.format(**{k: val(args[k]) for _, k, _, _ in Formatter().parse(template) if k})
+        self.helpers |= {h for h in HELPERS if f"_{h}(" in expr}
         want = COMPUTE_TYPE[out_dt]
         if op.op != "cast" and any(COMPUTE_TYPE[spec.dtype(v)] != want for v in vals):
             expr = f"({expr}).to({want})"  # mixed operand types: land on the spec's result type

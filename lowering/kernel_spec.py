@@ -14,12 +14,14 @@ from typing import Any
 
 import torch
 
-# Primitive ops a kernel may hold (names of the op table, egraph_did/ops.py).
-POINTWISE_UNARY = ("neg", "exp", "log", "tanh", "sigmoid", "relu", "rsqrt", "sqrt", "erf", "abs", "cast")
-POINTWISE_BINARY = ("add", "sub", "mul", "div", "maximum", "pow")
-REDUCTIONS = ("sum", "amax")  # attrs: dims (tuple of ints), keepdim (bool)
-TRANSPOSES = ("permute", "transpose")
-KERNEL_OPS = POINTWISE_UNARY + POINTWISE_BINARY + REDUCTIONS + TRANSPOSES
+from egraph_did.ops import ops_where
+
+# Primitive ops a kernel may hold: the op table's kernel primitives (a template or a permutation).
+POINTWISE_UNARY = ops_where(kind="pointwise", arity=1, in_kernels=True)
+POINTWISE_BINARY = ops_where(kind="pointwise", arity=2, in_kernels=True)
+REDUCTIONS = ops_where(kind="reduction", in_kernels=True)  # attrs: dims (tuple of ints), keepdim (bool)
+TRANSPOSES = ops_where(permutes=True)
+KERNEL_OPS = ops_where(in_kernels=True)
 
 
 @dataclass(frozen=True)

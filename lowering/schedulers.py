@@ -32,7 +32,7 @@ import torch
 from egraph_did.errors import DtypeError, PlanError, ShapeError
 from egraph_did.ops import OPS
 
-from .codegen import COMPUTE_TYPE, FLOATS, Group, Phase, Writer, align_to, ident
+from .codegen import COMPUTE_TYPE, FLOATS, Group, Phase, Writer, align_to, ident, literal
 from .kernel_spec import (KERNEL_OPS, POINTWISE_BINARY, REDUCTIONS, TRANSPOSES, KernelOp,
                           KernelSpec)
 
@@ -128,12 +128,7 @@ def _reduced_axes(spec: KernelSpec, op: KernelOp, frame: tuple[int, ...]) -> tup
 def _perm(spec: KernelSpec, op: KernelOp) -> tuple[int, ...]:
     args = _args(op)
     n = len(spec.shape(args["x"]))
-    if op.op == "permute":
-        return tuple(d % n for d in args["dims"])
-    p = list(range(n))
-    a, b = args["dim0"] % n, args["dim1"] % n
-    p[a], p[b] = p[b], p[a]
-    return tuple(p)
+    return OPS[op.op].permutation(args, n)
 
 
 def _frames(spec: KernelSpec, s: Schedule) -> None:
@@ -488,7 +483,7 @@ def generate_source(spec: KernelSpec, s: Schedule | None = None) -> str:
                 w.emit(f"{var} = {v}  # {op.op} over extent-1 axes")
                 w.spans[var] = w.spans[v]
                 return var
-            fill = "0.0" if op.op == "sum" else 'float("-inf")'
+            fill = literal(OPS[op.op].identity)
             var = w.reduce(op.op, f"tl.where(cols_mask, {v}, {fill})", 1, True, op.out, f"  # {op.op} of {x}")
             w.spans[var] = w.spans[v] - {g_cols}
             return var
@@ -499,7 +494,7 @@ def generate_source(spec: KernelSpec, s: Schedule | None = None) -> str:
     elif s.kind == "reduction":
         r = s.pivot
         k = len(s.red_axes)
-        fill = "0.0" if r.op == "sum" else 'float("-inf")'
+        fill = literal(OPS[r.op].identity)
         if s.outer:
             consts = ["BLOCK_K", "BLOCK_N"]
             kk, cols = math.prod(L[:k]), math.prod(L[k:])
@@ -533,11 +528,7 @@ def generate_source(spec: KernelSpec, s: Schedule | None = None) -> str:
         _emit_ops(w, spec, s, before, pro, "pro", env, outs)
         x = _args(r)["x"]
         v = env[x] if x in env else w.load(x, s.op_frame[r.out], pro, "pro")
-        if r.op == "sum":
-            w.emit(f"acc = acc + tl.where(ks_mask, {v}, 0.0)")
-        else:
-            w.emit(f'acc = tl.maximum(acc, tl.where(ks_mask, {v}, float("-inf")), '
-                   f'propagate_nan=tl.PropagateNan.ALL)')
+        w.emit("acc = " + OPS[r.op].template.format(a="acc", b=f"tl.where(ks_mask, {v}, {fill})"))
         w.indent -= 1
         epi = Phase(L, [epi_group])
         w.emit(f"{epi_group.mask} = {epi_group.flat} < {math.prod(L[a] for a in epi_group.axes)}")

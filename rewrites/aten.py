@@ -2,36 +2,58 @@
 heads, embedding on the vocabulary, gathers on class-sharded logits."""
 from __future__ import annotations
 
-from . import P, R, S, rule
+from egraph_did.ops import EMBEDDING_VOCAB_PARALLEL, LINEAR_BIAS_ONCE, SDPA_QUERY_OFFSET, TAKE_ALONG_MASKED
+
+from .rules import P, R, S, Case, indices, rule
 
 
-@rule("linear")
+def _bias_once(e):
+    """A partial's summands add the bias on one rank of the axis only, so that it is added once."""
+    return LINEAR_BIAS_ONCE if e.has("bias") else None
+
+
+@rule("linear", cases=[
+    Case("bias", (2,), {"x": (3, 4), "w": (6, 4), "b": (6,)}, lambda o, x, w, b: o.linear(x, w, b)),
+    Case("uneven-bias", (3,), {"x": (2, 3, 4), "w": (5, 4), "b": (5,)}, lambda o, x, w, b: o.linear(x, w, b)),
+    Case("mesh2x2-bias", (2, 2), {"x": (2, 4), "w": (8, 4), "b": (8,)}, lambda o, x, w, b: o.linear(x, w, b)),
+    Case("mesh2x2-nested-uneven", (2, 2), {"x": (2, 3), "w": (13, 3)}, lambda o, x, w: o.linear(x, w)),
+])
 def linear_column_parallel(e):
     """x @ w[shard of out-features].T = (x @ w.T)[.., shard]: column-parallel, bias sharded alike"""
     yield e.strategy(out=S(e.out.ndim - 1), weight=S(0), **({"bias": S(0)} if e.has("bias") else {}))
 
 
-@rule("linear")
+@rule("linear", cases=[
+    Case("bias", (2,), {"x": (3, 6), "w": (4, 6), "b": (4,)}, lambda o, x, w, b: o.linear(x, w, b)),
+    Case("uneven-bias", (3,), {"x": (2, 7), "w": (3, 7), "b": (3,)}, lambda o, x, w, b: o.linear(x, w, b)),
+    Case("no-bias", (3,), {"x": (2, 6), "w": (3, 6)}, lambda o, x, w: o.linear(x, w)),
+    Case("mesh2x2-bias", (2, 2), {"x": (3, 8), "w": (5, 8), "b": (5,)}, lambda o, x, w, b: o.linear(x, w, b)),
+])
 def linear_row_parallel(e):
     """x @ w.T = sum_r x[.., shard r] @ w[:, shard r].T: row-parallel, a partial; the bias is added on
     one rank of the axis only, so it is added once"""
-    flags = ("bias_once",) if e.has("bias") else ()
-    yield e.strategy(out=P, x=S(e["x"].ndim - 1), weight=S(1), flags=flags)
+    yield e.strategy(out=P, x=S(e["x"].ndim - 1), weight=S(1), local=_bias_once(e))
 
 
-@rule("linear")
+@rule("linear", cases=[
+    Case("uneven-bias", (3,), {"x": (5, 3, 4), "w": (2, 4), "b": (2,)}, lambda o, x, w, b: o.linear(x, w, b)),
+    Case("mesh2x2", (2, 2), {"x": (4, 6, 3), "w": (5, 3)}, lambda o, x, w: o.linear(x, w)),
+])
 def linear_batch_parallel(e):
     """linear acts on the last axis only: a shard of any leading (batch or sequence) axis stays local"""
     for a in range(e["x"].ndim - 1):
         yield e.strategy(out=S(a), x=S(a))
 
 
-@rule("linear")
+@rule("linear", cases=[
+    Case("bias", (2,), {"x": (3, 4), "w": (5, 4), "b": (5,)}, lambda o, x, w, b: o.linear(x, w, b)),
+    Case("uneven", (3,), {"x": (5, 4), "w": (7, 4)}, lambda o, x, w: o.linear(x, w)),
+    Case("mesh2x2-bias", (2, 2), {"x": (2, 3), "w": (4, 3), "b": (4,)}, lambda o, x, w, b: o.linear(x, w, b)),
+])
 def linear_of_partial(e):
     """(sum_r x_r) @ w.T = sum_r x_r @ w.T and x @ (sum_r w_r).T alike; a bias is added once"""
-    flags = ("bias_once",) if e.has("bias") else ()
-    yield e.strategy(out=P, x=P, flags=flags)
-    yield e.strategy(out=P, weight=P, flags=flags)
+    yield e.strategy(out=P, x=P, local=_bias_once(e))
+    yield e.strategy(out=P, weight=P, local=_bias_once(e))
 
 
 def _batch_sources(e, out_axis):
@@ -44,7 +66,11 @@ def _batch_sources(e, out_axis):
     return res
 
 
-@rule("matmul")
+@rule("matmul", cases=[
+    Case("batched-uneven", (3,), {"a": (3, 5, 4), "b": (4, 7)}, lambda o, a, b: o.matmul(a, b)),
+    Case("broadcast-batch", (3,), {"a": (2, 1, 5, 4), "b": (3, 4, 7)}, lambda o, a, b: o.matmul(a, b)),
+    Case("mesh2x2", (2, 2), {"a": (4, 6, 3), "b": (3, 8)}, lambda o, a, b: o.matmul(a, b)),
+])
 def matmul_sharded(e):
     """a @ b on a shard of a batch axis, of a's rows or of b's columns is local to the shard"""
     out = e.out
@@ -54,41 +80,70 @@ def matmul_sharded(e):
     yield e.strategy(out=S(out.ndim - 1), b=S(e["b"].ndim - 1))
 
 
-@rule("matmul")
+@rule("matmul", cases=[
+    Case("uneven", (3,), {"a": (3, 7), "b": (7, 2)}, lambda o, a, b: o.matmul(a, b)),
+    Case("batched", (2,), {"a": (2, 3, 4), "b": (2, 4, 5)}, lambda o, a, b: o.matmul(a, b)),
+    Case("mesh2x2", (2, 2), {"a": (3, 8), "b": (8, 2)}, lambda o, a, b: o.matmul(a, b)),
+    Case("mesh2x2-nested-uneven", (2, 2), {"a": (2, 13), "b": (13, 3)}, lambda o, a, b: o.matmul(a, b)),
+])
 def matmul_contraction_sharded(e):
     """a @ b = sum_r a[.., shard r] @ b[shard r, ..]: a shard of the contracted axis gives a partial"""
     yield e.strategy(out=P, a=S(e["a"].ndim - 1), b=S(e["b"].ndim - 2))
 
 
-@rule("matmul")
+@rule("matmul", cases=[
+    Case("2d", (2,), {"a": (3, 4), "b": (4, 5)}, lambda o, a, b: o.matmul(a, b)),
+    Case("mesh2x2", (2, 2), {"a": (2, 3), "b": (3, 2)}, lambda o, a, b: o.matmul(a, b)),
+])
 def matmul_of_partial(e):
     """(sum_r a_r) @ b = sum_r a_r @ b, and a @ (sum_r b_r) alike"""
     yield e.strategy(out=P, a=P)
     yield e.strategy(out=P, b=P)
 
 
-@rule("sdpa")
+@rule("sdpa", cases=[
+    Case("heads-uneven", (2,), {"q": (2, 3, 4, 5), "k": (2, 3, 6, 5), "v": (2, 3, 6, 3)},
+         lambda o, q, k, v: o.sdpa(q, k, v)),
+    Case("causal", (3,), {"q": (3, 5, 4, 2), "k": (3, 5, 4, 2), "v": (3, 5, 4, 3)},
+         lambda o, q, k, v: o.sdpa(q, k, v, is_causal=True)),
+])
 def sdpa_batch_or_heads(e):
     """attention is independent per batch element and per head: q, k, v sharded alike on either"""
     for a in (0, 1):
         yield e.strategy(out=S(a), q=S(a), k=S(a), v=S(a))
 
 
-@rule("sdpa")
+@rule("sdpa", cases=[
+    Case("causal-uneven", (3,), {"q": (1, 2, 5, 4), "k": (1, 2, 5, 4), "v": (1, 2, 5, 3)},
+         lambda o, q, k, v: o.sdpa(q, k, v, is_causal=True)),
+    Case("noncausal-scale", (2,), {"q": (1, 2, 5, 4), "k": (1, 2, 6, 4), "v": (1, 2, 6, 3)},
+         lambda o, q, k, v: o.sdpa(q, k, v, scale=0.3)),
+    Case("causal-mesh2x2", (2, 2), {"q": (1, 1, 7, 2), "k": (1, 1, 7, 2), "v": (1, 1, 7, 2)},
+         lambda o, q, k, v: o.sdpa(q, k, v, is_causal=True)),
+    Case("causal-mesh2x2-nested-uneven", (2, 2), {"q": (1, 1, 13, 2), "k": (1, 1, 13, 2), "v": (1, 1, 13, 2)},
+         lambda o, q, k, v: o.sdpa(q, k, v, is_causal=True)),
+])
 def sdpa_query_sequence(e):
     """each query row attends to all keys: a shard of the queries with k, v replicated is local
     (causal masks are offset by the shard's first position)"""
-    flags = ("q_offset",) if e.attr("is_causal") else ()
-    yield e.strategy(out=S(2), q=S(2), flags=flags)
+    yield e.strategy(out=S(2), q=S(2), local=SDPA_QUERY_OFFSET if e.attr("is_causal") else None)
 
 
-@rule("sdpa")
+@rule("sdpa", cases=[
+    Case("causal", (2,), {"q": (1, 2, 3, 4), "k": (1, 2, 3, 4), "v": (1, 2, 3, 5)},
+         lambda o, q, k, v: o.sdpa(q, k, v, is_causal=True)),
+    Case("uneven", (3,), {"q": (1, 1, 2, 4), "k": (1, 1, 3, 4), "v": (1, 1, 3, 7)},
+         lambda o, q, k, v: o.sdpa(q, k, v)),
+])
 def sdpa_value_dim(e):
     """attention weights do not depend on v's head_dim: a shard of it passes through"""
     yield e.strategy(out=S(3), v=S(3))
 
 
-@rule("embedding")
+@rule("embedding", cases=[
+    Case("uneven", (3,), {"idx": indices((3, 5), 10), "w": (10, 7)}, lambda o, idx, w: o.embedding(idx, w)),
+    Case("mesh2x2", (2, 2), {"idx": indices((2, 4), 6), "w": (6, 4)}, lambda o, idx, w: o.embedding(idx, w)),
+])
 def embedding_sharded(e):
     """weight[idx[shard]] = weight[idx][shard]; weight[:, cols][idx] = weight[idx][.., cols]"""
     for a in range(e["indices"].ndim):
@@ -96,14 +151,23 @@ def embedding_sharded(e):
     yield e.strategy(out=S(e.out.ndim - 1), weight=S(1))
 
 
-@rule("embedding")
+@rule("embedding", cases=[
+    Case("uneven", (3,), {"idx": indices((2, 6), 7), "w": (7, 3)}, lambda o, idx, w: o.embedding(idx, w)),
+    Case("even", (2,), {"idx": indices((2, 3), 8), "w": (8, 3)}, lambda o, idx, w: o.embedding(idx, w)),
+    Case("mesh2x2-nested-uneven", (2, 2), {"idx": indices((20,), 13), "w": (13, 2)},
+         lambda o, idx, w: o.embedding(idx, w)),
+])
 def embedding_vocab_parallel(e):
     """weight[idx] = sum_r (weight_r[idx - start_r] where idx in rank r's rows, else 0): vocab-parallel,
     a partial"""
-    yield e.strategy(out=P, weight=S(0), flags=("vocab_parallel",))
+    yield e.strategy(out=P, weight=S(0), local=EMBEDDING_VOCAB_PARALLEL)
 
 
-@rule("take_along_axis")
+@rule("take_along_axis", cases=[
+    Case("dim1", (2,), {"x": (4, 6), "i": indices((4, 3), 6)}, lambda o, x, i: o.take_along_axis(x, i, 1)),
+    Case("dim0-uneven", (3,), {"x": (4, 5), "i": indices((2, 5), 4)}, lambda o, x, i: o.take_along_axis(x, i, 0)),
+    Case("mesh2x2", (2, 2), {"x": (4, 6), "i": indices((4, 3), 6)}, lambda o, x, i: o.take_along_axis(x, i, -1)),
+])
 def take_along_other_axis(e):
     """gathering along one axis keeps a shard of another, index sharded alike"""
     x, dim = e["x"], e.attr("dim") % e["x"].ndim
@@ -113,9 +177,15 @@ def take_along_other_axis(e):
             yield e.strategy(out=S(a), x=S(a), index=idx)
 
 
-@rule("take_along_axis")
+@rule("take_along_axis", cases=[
+    Case("uneven", (3,), {"x": (3, 7), "i": indices((3, 4), 7)}, lambda o, x, i: o.take_along_axis(x, i, 1)),
+    Case("dim0", (2,), {"x": (5, 3), "i": indices((4, 3), 5)}, lambda o, x, i: o.take_along_axis(x, i, 0)),
+    Case("mesh2x2", (2, 2), {"x": (2, 8), "i": indices((2, 6), 8)}, lambda o, x, i: o.take_along_axis(x, i, 1)),
+    Case("mesh2x2-nested-uneven", (2, 2), {"x": (2, 13), "i": indices((2, 20), 13)},
+         lambda o, x, i: o.take_along_axis(x, i, 1)),
+])
 def take_along_sharded_axis(e):
     """x[.., idx] = sum_r (x_r[.., idx - start_r] where idx in rank r's part, else 0): a partial
     (cross entropy on class-sharded logits picks the target logit this way)"""
     dim = e.attr("dim") % e["x"].ndim
-    yield e.strategy(out=P, x=S(dim), flags=("masked_gather",))
+    yield e.strategy(out=P, x=S(dim), local=TAKE_ALONG_MASKED)

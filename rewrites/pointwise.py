@@ -1,24 +1,52 @@
-"""Pointwise rules: elementwise ops carry shardings through; linear ones carry partials."""
+"""Pointwise rules: elementwise ops carry shardings through; linear ones carry partials. The elementwise
+rule applies to every op of kind pointwise in the op table, so a new pointwise op needs no rule here."""
 from __future__ import annotations
 
-from . import P, R, S, rule
+import torch
 
-UNARY = ("neg", "exp", "log", "tanh", "sigmoid", "relu", "rsqrt", "sqrt", "erf", "abs", "cast", "gelu", "silu")
-BINARY = ("add", "sub", "mul", "div", "maximum", "pow")
+from egraph_did.ops import OPS, ops_where
+
+from .rules import P, R, S, Case, Input, rule
+
+F32 = torch.float32
 
 
-@rule("*")
+def _every_unary_op(o, x):
+    """Every one-operand pointwise op of the op table with no other required argument, on positive
+    values (inside every op's domain)."""
+    positive = o.exp(x)
+    return tuple(getattr(o, name)(positive) for name in ops_where(kind="pointwise", arity=1)
+                 if sum(p.default is p.empty for p in OPS[name].signature.parameters.values()) == 1)
+
+
+@rule("*", cases=[
+    Case("exp", (2,), {"x": (3, 4)}, lambda o, x: o.exp(x)),
+    Case("var_mean-two-outputs", (3,), {"x": (5, 4)}, lambda o, x: o.var_mean(x, 1)),
+    Case("linear-mesh2x2", (2, 2), {"x": (3, 4), "w": (5, 4)}, lambda o, x, w: o.linear(x, w)),
+])
 def replicated(e):
     """f(x) with every operand replicated is f computed redundantly: replicated"""
     yield e.strategy(out=R)
 
 
-@rule(*UNARY, *BINARY, "causal_mask")
+@rule(*ops_where(kind="pointwise"), cases=[
+    Case("add-broadcast-uneven", (3,), {"a": (4, 5), "b": (5,)}, lambda o, a, b: o.add(a, b)),
+    Case("every-unary-op-uneven", (3,), {"x": (5, 7)}, _every_unary_op),
+    Case("unary-on-all-reals", (3,), {"x": (5, 7)}, lambda o, x: (
+        o.neg(x), o.tanh(x), o.sigmoid(x), o.relu(x), o.erf(x), o.abs(x), o.cast(x, F32), o.gelu(x),
+        o.gelu(x, approximate="tanh"), o.silu(x))),
+    Case("binary", (2,), {"a": (3, 4), "b": (3, 4)}, lambda o, a, b: (
+        o.sub(a, b), o.mul(a, b), o.div(a, o.exp(b)), o.maximum(a, b), o.pow(o.exp(a), b))),
+    Case("with-numbers", (2,), {"x": (3, 5)}, lambda o, x: (
+        o.mul(x, 2.0), o.add(1.5, x), o.sub(x, 1.0), o.div(x, 4.0), o.maximum(x, 0.25))),
+    Case("mesh2x2", (2, 2), {"a": (4, 6), "b": (4, 1), "c": (7,), "d": (3, 7)}, lambda o, a, b, c, d: (
+        o.add(a, b), o.mul(d, c))),
+    Case("mesh2x2-nested-uneven", (2, 2), {"a": (13, 3), "b": (13, 3)}, lambda o, a, b: o.mul(a, b)),
+])
 def elementwise_sharded(e):
     """f(x)[shard] = f(x[shard]) for elementwise f; an operand broadcast along the axis stays replicated"""
     out = e.out
-    last = out.ndim - 2 if e.op == "causal_mask" else out.ndim  # the mask reads positions of its last 2 axes
-    for a in range(last):
+    for a in range(out.ndim):
         ins = {}
         for o in e.operands:
             k = a - (out.ndim - o.ndim)  # numpy broadcasting aligns from the right
@@ -26,14 +54,33 @@ def elementwise_sharded(e):
         yield e.strategy(out=S(a), **ins)
 
 
-@rule("add", "sub")
+@rule(*ops_where(kind="mask"), cases=[
+    Case("causal_mask", (2,), {"x": (2, 3, 4, 4)}, lambda o, x: o.causal_mask(x)),
+    Case("causal_mask-offset-uneven", (3,), {"x": (5, 3, 3)}, lambda o, x: o.causal_mask(x, 1)),
+])
+def mask_leading_axis(e):
+    """a mask depends on positions in the last two axes only: mask(x)[shard of a leading axis] =
+    mask(x[shard])"""
+    for a in range(e.out.ndim - 2):
+        yield e.strategy(out=S(a), x=S(a))
+
+
+@rule("add", "sub", cases=[
+    Case("add-sub", (2,), {"a": (3, 5), "b": (3, 5)}, lambda o, a, b: (o.add(a, b), o.sub(a, b))),
+    Case("broadcast", (3,), {"a": (4, 5), "b": (5,)}, lambda o, a, b: o.add(a, b)),
+    Case("mesh2x2", (2, 2), {"a": (2, 3), "b": (2, 3)}, lambda o, a, b: o.sub(a, b)),
+])
 def sum_of_partials(e):
     """sum_r a_r + sum_r b_r = sum_r (a_r + b_r): partial + partial is partial"""
     if len(e.operands) == 2:
         yield e.strategy(out=P, a=P, b=P)
 
 
-@rule("mul", "div")
+@rule("mul", "div", cases=[
+    Case("mul-div", (3,), {"a": (4, 5), "b": (4, 5), "c": (5,)}, lambda o, a, b, c: (
+        o.mul(a, b), o.mul(a, 3.0), o.mul(2.0, a), o.div(a, o.exp(c)), o.div(a, 4.0))),
+    Case("mesh2x2", (2, 2), {"a": (2, 3), "b": (2, 3)}, lambda o, a, b: o.mul(a, b)),
+])
 def partial_scaled(e):
     """(sum_r a_r) * b = sum_r (a_r * b) for replicated b (a number included); likewise a / b"""
     params = [o.param for o in e.operands]
@@ -41,7 +88,11 @@ def partial_scaled(e):
         yield e.strategy(out=P, **{p: P})
 
 
-@rule("neg", "cast")
+@rule("neg", "cast", cases=[
+    Case("neg-cast", (2,), {"x": (3, 4), "h": Input((3, 4), F32)}, lambda o, x, h: (
+        o.neg(x), o.cast(h, torch.float64), o.cast(x, torch.float64), o.cast(h, "float64"))),
+    Case("mesh2x2", (2, 2), {"x": (2, 3)}, lambda o, x: o.neg(x)),
+])
 def partial_through_linear_unary(e):
     """-(sum_r x_r) = sum_r -x_r; an exact upcast commutes with the sum too"""
     src, dst = e["x"].dtype, e.out.dtype  # the output's dtype: the cast's target, a torch dtype however named

@@ -8,7 +8,9 @@ for sum, amax, mean and the Welford pair apply: that is nvFuser's rfactor of a D
 """
 from __future__ import annotations
 
-from . import P, PMAX, S, rule
+from egraph_did.ops import CROSS_ENTROPY_GLOBAL_COUNT, MEAN_GLOBAL_COUNT
+
+from .rules import P, PMAX, S, Case, indices, rule
 
 
 def _dims(e, param="x"):
@@ -25,7 +27,13 @@ def _kept(e, a: int, dims) -> int:
     return a if e.attr("keepdim") else a - sum(d < a for d in dims)
 
 
-@rule("sum", "mean", "amax", "var_mean")
+@rule("sum", "mean", "amax", "var_mean", cases=[
+    Case("sum-mean-amax-uneven", (3,), {"x": (5, 4), "y": (4, 5)}, lambda o, x, y: (
+        o.sum(x, 1), o.mean(x, 1, keepdim=True), o.amax(y, 0))),
+    Case("var_mean", (2,), {"x": (5, 6)}, lambda o, x: o.var_mean(x, 1)),
+    Case("var_mean-keepdim", (3,), {"x": (5, 6)}, lambda o, x: o.var_mean(x, 1, correction=0, keepdim=True)),
+    Case("mesh2x2", (2, 2), {"x": (4, 6, 3)}, lambda o, x: o.sum(x, 2)),
+])
 def reduce_other_axis(e):
     """reducing axes other than the sharded one keeps the shard: sum(x, d)[shard] = sum(x[shard], d)"""
     dims = _dims(e)
@@ -34,27 +42,44 @@ def reduce_other_axis(e):
             yield e.strategy(out=S(_kept(e, a, dims)), x=S(a))
 
 
-@rule("sum")
+@rule("sum", cases=[
+    Case("uneven", (3,), {"x": (3, 7)}, lambda o, x: o.sum(x, 1)),
+    Case("all-axes", (3,), {"x": (5, 4)}, lambda o, x: o.sum(x)),
+    Case("mesh2x2", (2, 2), {"x": (4, 6)}, lambda o, x: o.sum(x, (0, 1), keepdim=True)),
+    Case("mesh2x2-nested-uneven", (2, 2), {"x": (2, 13)}, lambda o, x: o.sum(x, 1)),
+])
 def sum_over_sharded_axis(e):
     """sum over a sharded axis is a local sum, then a partial: sum(x) = sum_r sum(x_r)"""
     for a in _dims(e):
         yield e.strategy(out=P, x=S(a))
 
 
-@rule("mean")
+@rule("mean", cases=[
+    Case("uneven", (3,), {"x": (3, 7)}, lambda o, x: o.mean(x, 1)),
+    Case("all-axes-keepdim", (3,), {"x": (5, 4)}, lambda o, x: o.mean(x, None, keepdim=True)),
+    Case("mesh2x2", (2, 2), {"x": (4, 6)}, lambda o, x: o.mean(x, (0, 1))),
+    Case("mesh2x2-nested-uneven", (2, 2), {"x": (2, 13)}, lambda o, x: o.mean(x, 1)),
+])
 def mean_over_sharded_axis(e):
     """mean over a sharded axis: sum_r (sum(x_r) / n), a partial (the local kernel divides by the global n)"""
     for a in _dims(e):
-        yield e.strategy(out=P, x=S(a), flags=("global_count",))
+        yield e.strategy(out=P, x=S(a), local=MEAN_GLOBAL_COUNT)
 
 
-@rule("sum", "mean")
+@rule("sum", "mean", cases=[
+    Case("sum-mean", (2,), {"x": (3, 4)}, lambda o, x: (o.sum(x, 0), o.mean(x, 1))),
+    Case("mesh2x2", (2, 2), {"x": (2, 3)}, lambda o, x: o.sum(x)),
+])
 def reduce_partial(e):
     """sum(sum_r x_r) = sum_r sum(x_r): a sum of a partial is a partial"""
     yield e.strategy(out=P, x=P)
 
 
-@rule("amax")
+@rule("amax", cases=[
+    Case("uneven", (3,), {"x": (3, 7)}, lambda o, x: o.amax(x, 1)),
+    Case("all-axes", (3,), {"x": (5, 4)}, lambda o, x: o.amax(x)),
+    Case("mesh2x2-keepdim", (2, 2), {"x": (4, 6)}, lambda o, x: o.amax(x, (0, 1), keepdim=True)),
+])
 def amax_over_sharded_axis(e):
     """max over a sharded axis is a local max, then a pending max: amax(x) = max_r amax(x_r)"""
     for a in _dims(e):
@@ -62,7 +87,12 @@ def amax_over_sharded_axis(e):
     yield e.strategy(out=PMAX, x=PMAX)
 
 
-@rule("welford_blocks")
+@rule("welford_blocks", nestable=False, cases=[
+    Case("dim-uneven", (2,), {"x": (4, 5)}, lambda o, x: o.welford_blocks(x, 1, 2)),
+    Case("dim-uneven-3", (3,), {"x": (2, 7)}, lambda o, x: o.welford_blocks(x, -1, 3)),
+    Case("other-axis", (3,), {"x": (5, 6)}, lambda o, x: o.welford_blocks(x, 1, 2)),
+    Case("mesh2x2", (2, 2), {"x": (4, 6)}, lambda o, x: o.welford_blocks(x, 1, 2)),
+])
 def welford_blocks_sharded(e):
     """Welford statistics of one block per rank need no data from other ranks: blocks sharded as x was"""
     x, dim = e["x"], e.attr("dim") % e["x"].ndim
@@ -73,7 +103,14 @@ def welford_blocks_sharded(e):
             yield e.strategy(out=S(a), x=S(a))
 
 
-@rule("welford_merge")
+@rule("welford_merge", cases=[
+    Case("uneven", (3,), {"x": (5, 6)}, lambda o, x: o.welford_merge(o.welford_blocks(x, 1, 2), 1)),
+    Case("keepdim", (2,), {"x": (4, 3, 6)}, lambda o, x: o.welford_merge(
+        o.welford_blocks(x, 2, 2), 2, correction=0, keepdim=True)),
+    Case("negative-dim", (3,), {"x": (6, 5)}, lambda o, x: o.welford_merge(o.welford_blocks(x, -2, 3), -2)),
+    Case("negative-dim-keepdim", (2,), {"x": (3, 4, 6)}, lambda o, x: o.welford_merge(
+        o.welford_blocks(x, -1, 2), -1, keepdim=True)),
+])
 def welford_merge_other_axis(e):
     """merging Welford blocks along one axis keeps a shard on another"""
     rank = e["stats"].ndim - 1  # the trailing axis holds (count, mean, M2); dim counts without it
@@ -83,7 +120,10 @@ def welford_merge_other_axis(e):
             yield e.strategy(out=S(a if keep or a < dim else a - 1), stats=S(a))
 
 
-@rule("softmax")
+@rule("softmax", cases=[
+    Case("uneven", (3,), {"x": (5, 4)}, lambda o, x: o.softmax(x, 1)),
+    Case("dim0", (2,), {"x": (3, 5, 4)}, lambda o, x: o.softmax(x, 0)),
+])
 def softmax_other_axis(e):
     """softmax along an unsharded axis is local: softmax(x, d)[shard] = softmax(x[shard], d)"""
     dim = e.attr("dim") % e["x"].ndim
@@ -92,7 +132,13 @@ def softmax_other_axis(e):
             yield e.strategy(out=S(a), x=S(a))
 
 
-@rule("layer_norm", "rms_norm")
+@rule("layer_norm", "rms_norm", cases=[
+    Case("layer_norm-uneven", (3,), {"x": (5, 3, 4), "w": (4,), "b": (4,)},
+         lambda o, x, w, b: o.layer_norm(x, weight=w, bias=b)),
+    Case("rms_norm-2d-weight", (2,), {"x": (3, 4, 6), "w": (4, 6)}, lambda o, x, w: o.rms_norm(x, weight=w)),
+    Case("layer_norm-normalized_shape", (2,), {"x": (3, 4, 6)}, lambda o, x: o.layer_norm(x, (4, 6))),
+    Case("mesh2x2", (2, 2), {"x": (4, 6, 5)}, lambda o, x: o.rms_norm(x, 5)),
+])
 def norm_batch_axis(e):
     """normalizing the trailing axes is local to a shard of a leading axis; weight and bias replicated"""
     x = e["x"]
@@ -102,10 +148,14 @@ def norm_batch_axis(e):
         yield e.strategy(out=S(a), x=S(a))
 
 
-@rule("cross_entropy")
+@rule("cross_entropy", cases=[
+    Case("uneven", (3,), {"logits": (5, 4), "t": indices((5,), 4)}, lambda o, logits, t: (
+        o.cross_entropy(logits, t, "none"), o.cross_entropy(logits, t, "sum"), o.cross_entropy(logits, t))),
+    Case("mesh2x2", (2, 2), {"logits": (7, 3), "t": indices((7,), 3)}, lambda o, logits, t: o.cross_entropy(logits, t)),
+])
 def cross_entropy_batch_sharded(e):
     """cross entropy of a shard of rows: per-row losses sharded, their sum or mean a partial"""
     red = e.attr("reduction")
     out = S(0) if red == "none" else P
-    flags = ("global_count",) if red == "mean" else ()
-    yield e.strategy(out=out, logits=S(0), target=S(0), flags=flags)
+    local = CROSS_ENTROPY_GLOBAL_COUNT if red == "mean" else None
+    yield e.strategy(out=out, logits=S(0), target=S(0), local=local)

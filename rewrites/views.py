@@ -6,27 +6,30 @@ from __future__ import annotations
 
 import math
 
-from . import P, S, rule
+from egraph_did.ops import OPS, ops_where
 
-VIEWS = ("reshape", "permute", "transpose", "unsqueeze", "expand", "broadcast_in_dim")
+from .rules import P, S, Case, rule
 
 
-@rule(*VIEWS)
+@rule(*ops_where(kind="view"), cases=[
+    Case("every-view", (2,), {"a": (2, 6), "b": (2, 3, 4), "c": (3, 1), "d": (3,)}, lambda o, a, b, c, d: (
+        o.reshape(a, (3, 4)), o.permute(b, (2, 0, 1)), o.transpose(b, 0, 2), o.unsqueeze(d, 0),
+        o.expand(c, (3, 4)), o.broadcast_in_dim(d, (2, 3), (1,)))),
+    Case("mesh2x2", (2, 2), {"a": (2, 6)}, lambda o, a: (o.reshape(a, (4, 3)), o.unsqueeze(a, 1))),
+])
 def view_of_partial(e):
     """view(sum_r x_r) = sum_r view(x_r): a view of a partial is a partial"""
     yield e.strategy(out=P, x=P)
 
 
-@rule("permute", "transpose")
+@rule(*ops_where(permutes=True), cases=[
+    Case("permute-uneven", (3,), {"x": (2, 3, 5)}, lambda o, x: o.permute(x, (2, 0, 1))),
+    Case("transpose", (2,), {"x": (5, 3, 4)}, lambda o, x: o.transpose(x, 0, -1)),
+    Case("mesh2x2", (2, 2), {"x": (4, 6)}, lambda o, x: o.permute(x, (1, 0))),
+])
 def permute_sharded(e):
     """permute(x)[.., shard on axis i, ..] = permute(x[shard on axis dims[i]])"""
-    x = e["x"]
-    if e.op == "permute":
-        dims = [d % x.ndim for d in e.attr("dims")]
-    else:
-        dims = list(range(x.ndim))
-        a, b = e.attr("dim0") % x.ndim, e.attr("dim1") % x.ndim
-        dims[a], dims[b] = dims[b], dims[a]
+    dims = OPS[e.op].permutation(dict(e.attrs), e["x"].ndim)
     for out_axis, in_axis in enumerate(dims):
         yield e.strategy(out=S(out_axis), x=S(in_axis))
 
@@ -58,7 +61,16 @@ def reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[lis
     return groups
 
 
-@rule("reshape")
+@rule("reshape", nestable=False, cases=[
+    Case("split-merge", (2,), {"x": (2, 6, 4)}, lambda o, x: o.reshape(x, (12, 2, 2))),
+    Case("split", (3,), {"x": (6, 4)}, lambda o, x: o.reshape(x, (3, 2, 4))),
+    Case("unit-axis", (3,), {"x": (1, 6, 5)}, lambda o, x: o.reshape(x, (6, 5))),
+    Case("merge-rows", (2,), {"x": (4, 3)}, lambda o, x: o.reshape(x, (2, 6))),
+    Case("mesh2x2", (2, 2), {"x": (4, 6)}, lambda o, x: o.reshape(x, (2, 2, 6))),
+    Case("identity-uneven", (3,), {"x": (5, 4)}, lambda o, x: o.reshape(x, (5, 4))),
+    Case("sharded-axis-left-alone-uneven", (3,), {"x": (5, 6)}, lambda o, x: o.reshape(x, (5, 2, 3))),
+    Case("merge-uneven-same-flat-blocks", (4,), {"x": (7, 2)}, lambda o, x: o.reshape(x, (14,))),
+])
 def reshape_sharded(e):
     """reshape(x)[shard] = reshape(x[shard]) when a rank's flat block is unchanged by the reshape
     (the sharded axis outermost, after extent-1 axes, in its group on both sides, and
@@ -78,7 +90,10 @@ def reshape_sharded(e):
             yield e.strategy(out=S(b), x=S(a))
 
 
-@rule("unsqueeze")
+@rule("unsqueeze", cases=[
+    Case("uneven", (3,), {"x": (5, 3)}, lambda o, x: (o.unsqueeze(x, 1), o.unsqueeze(x, -1))),
+    Case("front", (2,), {"x": (3, 4)}, lambda o, x: o.unsqueeze(x, 0)),
+])
 def unsqueeze_sharded(e):
     """unsqueeze moves axes at or after the new one by one place"""
     d = e.attr("dim") % e.out.ndim
@@ -86,7 +101,12 @@ def unsqueeze_sharded(e):
         yield e.strategy(out=S(a if a < d else a + 1), x=S(a))
 
 
-@rule("expand", "broadcast_in_dim")
+@rule("expand", "broadcast_in_dim", cases=[
+    Case("expand-uneven", (3,), {"x": (5, 1), "y": (3,)}, lambda o, x, y: (o.expand(x, (5, 4)), o.expand(y, (2, 3)))),
+    Case("broadcast_in_dim-uneven", (3,), {"x": (5,)}, lambda o, x: o.broadcast_in_dim(x, (5, 4), (0,))),
+    Case("mesh2x2", (2, 2), {"x": (4, 1)}, lambda o, x: o.expand(x, (4, 6))),
+    Case("mesh2x2-nested-uneven", (2, 2), {"x": (13, 1)}, lambda o, x: o.expand(x, (13, 2))),
+])
 def broadcast_sharded(e):
     """broadcasting leaves an axis that is not broadcast sharded as it was"""
     x, out = e["x"], e.out

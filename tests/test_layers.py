@@ -44,11 +44,6 @@ ORDER = list(LAYERS)
 KNOWN: set[tuple[str, str, str]] = {
     ('egraph_did.optimize', 'egraph_did.egraph', 'function-level import of a project module'),
     ('egraph_did.plan', 'egraph_did.rewrites.resharding', 'function-level import of a project module'),
-    ('egraph_did.rewrites', 'egraph_did.rewrites.aten', 'function-level import of a project module'),
-    ('egraph_did.rewrites', 'egraph_did.rewrites.pointwise', 'function-level import of a project module'),
-    ('egraph_did.rewrites', 'egraph_did.rewrites.reduction', 'function-level import of a project module'),
-    ('egraph_did.rewrites', 'egraph_did.rewrites.resharding', 'function-level import of a project module'),
-    ('egraph_did.rewrites', 'egraph_did.rewrites.views', 'function-level import of a project module'),
     ('egraph_did.simulate', 'egraph_did.lowering.segment', 'function-level import of a project module'),
     ('egraph_did.sweep', 'egraph_did.calibrate', 'function-level import of a project module'),
     ('egraph_did.sweep', 'egraph_did.optimize', 'function-level import of a project module'),

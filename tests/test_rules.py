@@ -1,22 +1,21 @@
 """Every sharding rule states an identity; here each one is evaluated on random data, both sides.
 
-For every case in RULE_CASES (a small fusion on a small mesh) and every user expr in it, each full-mesh
-strategy the optimizer would offer (egraph_did.problem.build_problem -> problem.strategies) whose per-axis
-rules include the rule under test is run the way a plan runs it: every operand's global random value is
-laid out in the strategy's input layout (shards from the loop domain; a partial as random summands per
-rank whose sum, or max, is the value), egraph_did.local.run_local computes every rank's part with the
-strategy's flags, and the outputs are assembled back (S: placed by the loop domain, P: summed, Pmax: maxed,
-R: every replica equal) and compared with egraph_did.evaluate on float64 inputs.
+Every rule of egraph_did.rewrites.ALL_RULES is declared with its numeric cases (`@rule(..., cases=[...])`
+beside the rule: a small fusion on a small mesh each). For every case and every user expr in it, each
+full-mesh strategy the optimizer would offer (egraph_did.problem.build_problem -> problem.strategies)
+whose per-axis rules include the rule under test is run the way a plan runs it: every operand's global
+random value is laid out in the strategy's input layout (shards from the loop domain; a partial as
+random summands per rank whose sum, or max, is the value), egraph_did.local.run_local computes every
+rank's part with the local kernel the strategy names, and the outputs are assembled back (S: placed by
+the loop domain, P: summed, Pmax: maxed, R: every replica equal) and compared with egraph_did.evaluate
+on float64 inputs.
 
-The registry test fails when a rule of egraph_did.rewrites.ALL_RULES has no case here, or when its cases
-never produce a strategy naming it.
+`rule` refuses a rule without cases; a test fails when a rule's cases never produce a strategy naming it.
 """
 from __future__ import annotations
 
 import itertools
 import zlib
-from dataclasses import dataclass, field
-from typing import Callable
 
 import pytest
 import torch
@@ -30,7 +29,7 @@ from egraph_did.pins import apply_layout
 from egraph_did.shards import Operand, RankContext
 from egraph_did.local import run_local
 from egraph_did.problem import build_problem, expr_strategies
-from egraph_did.rewrites import ALL_RULES
+from egraph_did.rewrites import ALL_RULES, Case, rule
 from egraph_did.sharding import local_indices, local_shape, shard_tensor
 
 # float64 inputs; a local kernel differs from the global one only in summation order (partials, local
@@ -38,264 +37,17 @@ from egraph_did.sharding import local_indices, local_shape, shard_tensor
 TOL = 1e-10
 
 F64, F32, I64 = torch.float64, torch.float32, torch.int64
-M2, M3, M22 = (2,), (3,), (2, 2)
+RULE_BY_NAME = {r.name: r for r in ALL_RULES}
 
 
-# ---------------------------------------------------------------------- cases
-
-@dataclass(frozen=True)
-class Spec:
-    """An input: shape, dtype and, for an integer input, the exclusive upper bound of its values."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype = F64
-    high: int = 0
-
-
-def I(shape, high):  # noqa: E743  (an index input)
-    return Spec(tuple(shape), I64, high)
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    mesh: tuple[int, ...]
-    inputs: dict
-    body: Callable  # body(ops, **inputs) -> output TensorView or tuple of them
-    marks: tuple = field(default=())
-
-    def build(self) -> FusionDefinition:
-        with FusionDefinition() as fd:
-            ts = {}
-            for n, s in self.inputs.items():
-                s = s if isinstance(s, Spec) else Spec(tuple(s))
-                ts[n] = fd.define_tensor(s.shape, s.dtype, n)
-            outs = self.body(fd.ops, **ts)
-            for i, o in enumerate(outs if isinstance(outs, tuple) else (outs,)):
-                fd.add_output(o, name=f"out{i}")
-        return fd
-
-    def specs(self) -> dict[str, Spec]:
-        return {n: s if isinstance(s, Spec) else Spec(tuple(s)) for n, s in self.inputs.items()}
-
-
-def case(name, mesh, inputs, body, *marks) -> Case:
-    return Case(name, mesh, inputs, body, marks)
-
-
-RULE_CASES: dict[str, list[Case]] = {
-    # ---------------------------------------------------------------- pointwise
-    "replicated": [
-        case("exp", M2, {"x": (3, 4)}, lambda o, x: o.exp(x)),
-        case("var_mean-two-outputs", M3, {"x": (5, 4)}, lambda o, x: o.var_mean(x, 1)),
-        case("linear-mesh2x2", M22, {"x": (3, 4), "w": (5, 4)}, lambda o, x, w: o.linear(x, w)),
-    ],
-    "elementwise_sharded": [
-        case("add-broadcast-uneven", M3, {"a": (4, 5), "b": (5,)}, lambda o, a, b: o.add(a, b)),
-        case("unary-chain-uneven", M3, {"x": (5, 7)}, lambda o, x: (
-            o.neg(x), o.log(o.exp(x)), o.tanh(x), o.sigmoid(x), o.relu(x), o.rsqrt(o.exp(x)),
-            o.sqrt(o.exp(x)), o.erf(x), o.abs(x), o.cast(x, F32), o.gelu(x), o.gelu(x, approximate="tanh"),
-            o.silu(x))),
-        case("binary", M2, {"a": (3, 4), "b": (3, 4)}, lambda o, a, b: (
-            o.sub(a, b), o.mul(a, b), o.div(a, o.exp(b)), o.maximum(a, b), o.pow(o.exp(a), b))),
-        case("with-numbers", M2, {"x": (3, 5)}, lambda o, x: (
-            o.mul(x, 2.0), o.add(1.5, x), o.sub(x, 1.0), o.div(x, 4.0), o.maximum(x, 0.25))),
-        case("causal_mask", M2, {"x": (2, 3, 4, 4)}, lambda o, x: o.causal_mask(x)),
-        case("causal_mask-offset-uneven", M3, {"x": (5, 3, 3)}, lambda o, x: o.causal_mask(x, 1)),
-        case("mesh2x2", M22, {"a": (4, 6), "b": (4, 1), "c": (7,), "d": (3, 7)}, lambda o, a, b, c, d: (
-            o.add(a, b), o.mul(d, c))),
-        case("mesh2x2-nested-uneven", M22, {"a": (13, 3), "b": (13, 3)}, lambda o, a, b: o.mul(a, b)),
-    ],
-    "sum_of_partials": [
-        case("add-sub", M2, {"a": (3, 5), "b": (3, 5)}, lambda o, a, b: (o.add(a, b), o.sub(a, b))),
-        case("broadcast", M3, {"a": (4, 5), "b": (5,)}, lambda o, a, b: o.add(a, b)),
-        case("mesh2x2", M22, {"a": (2, 3), "b": (2, 3)}, lambda o, a, b: o.sub(a, b)),
-    ],
-    "partial_scaled": [
-        case("mul-div", M3, {"a": (4, 5), "b": (4, 5), "c": (5,)}, lambda o, a, b, c: (
-            o.mul(a, b), o.mul(a, 3.0), o.mul(2.0, a), o.div(a, o.exp(c)), o.div(a, 4.0))),
-        case("mesh2x2", M22, {"a": (2, 3), "b": (2, 3)}, lambda o, a, b: o.mul(a, b)),
-    ],
-    "partial_through_linear_unary": [
-        case("neg-cast", M2, {"x": (3, 4), "h": Spec((3, 4), F32)}, lambda o, x, h: (
-            o.neg(x), o.cast(h, F64), o.cast(x, F64), o.cast(h, "float64"))),
-        case("mesh2x2", M22, {"x": (2, 3)}, lambda o, x: o.neg(x)),
-    ],
-    # ---------------------------------------------------------------- reductions
-    "reduce_other_axis": [
-        case("sum-mean-amax-uneven", M3, {"x": (5, 4), "y": (4, 5)}, lambda o, x, y: (
-            o.sum(x, 1), o.mean(x, 1, keepdim=True), o.amax(y, 0))),
-        case("var_mean", M2, {"x": (5, 6)}, lambda o, x: o.var_mean(x, 1)),
-        case("var_mean-keepdim", M3, {"x": (5, 6)}, lambda o, x: o.var_mean(x, 1, correction=0, keepdim=True)),
-        case("mesh2x2", M22, {"x": (4, 6, 3)}, lambda o, x: o.sum(x, 2)),
-    ],
-    "sum_over_sharded_axis": [
-        case("uneven", M3, {"x": (3, 7)}, lambda o, x: o.sum(x, 1)),
-        case("all-axes", M3, {"x": (5, 4)}, lambda o, x: o.sum(x)),
-        case("mesh2x2", M22, {"x": (4, 6)}, lambda o, x: o.sum(x, (0, 1), keepdim=True)),
-        case("mesh2x2-nested-uneven", M22, {"x": (2, 13)}, lambda o, x: o.sum(x, 1)),
-    ],
-    "mean_over_sharded_axis": [
-        case("uneven", M3, {"x": (3, 7)}, lambda o, x: o.mean(x, 1)),
-        case("all-axes-keepdim", M3, {"x": (5, 4)}, lambda o, x: o.mean(x, None, keepdim=True)),
-        case("mesh2x2", M22, {"x": (4, 6)}, lambda o, x: o.mean(x, (0, 1))),
-        case("mesh2x2-nested-uneven", M22, {"x": (2, 13)}, lambda o, x: o.mean(x, 1)),
-    ],
-    "reduce_partial": [
-        case("sum-mean", M2, {"x": (3, 4)}, lambda o, x: (o.sum(x, 0), o.mean(x, 1))),
-        case("mesh2x2", M22, {"x": (2, 3)}, lambda o, x: o.sum(x)),
-    ],
-    "amax_over_sharded_axis": [
-        case("uneven", M3, {"x": (3, 7)}, lambda o, x: o.amax(x, 1)),
-        case("all-axes", M3, {"x": (5, 4)}, lambda o, x: o.amax(x)),
-        case("mesh2x2-keepdim", M22, {"x": (4, 6)}, lambda o, x: o.amax(x, (0, 1), keepdim=True)),
-    ],
-    "welford_blocks_sharded": [
-        case("dim-uneven", M2, {"x": (4, 5)}, lambda o, x: o.welford_blocks(x, 1, 2)),
-        case("dim-uneven-3", M3, {"x": (2, 7)}, lambda o, x: o.welford_blocks(x, -1, 3)),
-        case("other-axis", M3, {"x": (5, 6)}, lambda o, x: o.welford_blocks(x, 1, 2)),
-        case("mesh2x2", M22, {"x": (4, 6)}, lambda o, x: o.welford_blocks(x, 1, 2)),
-    ],
-    "welford_merge_other_axis": [
-        case("uneven", M3, {"x": (5, 6)}, lambda o, x: o.welford_merge(o.welford_blocks(x, 1, 2), 1)),
-        case("keepdim", M2, {"x": (4, 3, 6)}, lambda o, x: o.welford_merge(
-            o.welford_blocks(x, 2, 2), 2, correction=0, keepdim=True)),
-        case("negative-dim", M3, {"x": (6, 5)}, lambda o, x: o.welford_merge(o.welford_blocks(x, -2, 3), -2)),
-        case("negative-dim-keepdim", M2, {"x": (3, 4, 6)}, lambda o, x: o.welford_merge(
-            o.welford_blocks(x, -1, 2), -1, keepdim=True)),
-    ],
-    "softmax_other_axis": [
-        case("uneven", M3, {"x": (5, 4)}, lambda o, x: o.softmax(x, 1)),
-        case("dim0", M2, {"x": (3, 5, 4)}, lambda o, x: o.softmax(x, 0)),
-    ],
-    "norm_batch_axis": [
-        case("layer_norm-uneven", M3, {"x": (5, 3, 4), "w": (4,), "b": (4,)},
-             lambda o, x, w, b: o.layer_norm(x, weight=w, bias=b)),
-        case("rms_norm-2d-weight", M2, {"x": (3, 4, 6), "w": (4, 6)}, lambda o, x, w: o.rms_norm(x, weight=w)),
-        case("layer_norm-normalized_shape", M2, {"x": (3, 4, 6)}, lambda o, x: o.layer_norm(x, (4, 6))),
-        case("mesh2x2", M22, {"x": (4, 6, 5)}, lambda o, x: o.rms_norm(x, 5)),
-    ],
-    "cross_entropy_batch_sharded": [
-        case("uneven", M3, {"logits": (5, 4), "t": I((5,), 4)}, lambda o, logits, t: (
-            o.cross_entropy(logits, t, "none"), o.cross_entropy(logits, t, "sum"), o.cross_entropy(logits, t))),
-        case("mesh2x2", M22, {"logits": (7, 3), "t": I((7,), 3)}, lambda o, logits, t: o.cross_entropy(logits, t)),
-    ],
-    # ---------------------------------------------------------------- views
-    "view_of_partial": [
-        case("every-view", M2, {"a": (2, 6), "b": (2, 3, 4), "c": (3, 1), "d": (3,)},
-             lambda o, a, b, c, d: (
-                 o.reshape(a, (3, 4)), o.permute(b, (2, 0, 1)), o.transpose(b, 0, 2), o.unsqueeze(d, 0),
-                 o.expand(c, (3, 4)), o.broadcast_in_dim(d, (2, 3), (1,)))),
-        case("mesh2x2", M22, {"a": (2, 6)}, lambda o, a: (o.reshape(a, (4, 3)), o.unsqueeze(a, 1))),
-    ],
-    "permute_sharded": [
-        case("permute-uneven", M3, {"x": (2, 3, 5)}, lambda o, x: o.permute(x, (2, 0, 1))),
-        case("transpose", M2, {"x": (5, 3, 4)}, lambda o, x: o.transpose(x, 0, -1)),
-        case("mesh2x2", M22, {"x": (4, 6)}, lambda o, x: o.permute(x, (1, 0))),
-    ],
-    "reshape_sharded": [
-        case("split-merge", M2, {"x": (2, 6, 4)}, lambda o, x: o.reshape(x, (12, 2, 2))),
-        case("split", M3, {"x": (6, 4)}, lambda o, x: o.reshape(x, (3, 2, 4))),
-        case("unit-axis", M3, {"x": (1, 6, 5)}, lambda o, x: o.reshape(x, (6, 5))),
-        case("merge-rows", M2, {"x": (4, 3)}, lambda o, x: o.reshape(x, (2, 6))),
-        case("mesh2x2", M22, {"x": (4, 6)}, lambda o, x: o.reshape(x, (2, 2, 6))),
-        case("identity-uneven", M3, {"x": (5, 4)}, lambda o, x: o.reshape(x, (5, 4))),
-        case("sharded-axis-left-alone-uneven", M3, {"x": (5, 6)}, lambda o, x: o.reshape(x, (5, 2, 3))),
-        case("merge-uneven-same-flat-blocks", (4,), {"x": (7, 2)}, lambda o, x: o.reshape(x, (14,))),
-    ],
-    "unsqueeze_sharded": [
-        case("uneven", M3, {"x": (5, 3)}, lambda o, x: (o.unsqueeze(x, 1), o.unsqueeze(x, -1))),
-        case("front", M2, {"x": (3, 4)}, lambda o, x: o.unsqueeze(x, 0)),
-    ],
-    "broadcast_sharded": [
-        case("expand-uneven", M3, {"x": (5, 1), "y": (3,)}, lambda o, x, y: (
-            o.expand(x, (5, 4)), o.expand(y, (2, 3)))),
-        case("broadcast_in_dim-uneven", M3, {"x": (5,)}, lambda o, x: o.broadcast_in_dim(x, (5, 4), (0,))),
-        case("mesh2x2", M22, {"x": (4, 1)}, lambda o, x: o.expand(x, (4, 6))),
-        case("mesh2x2-nested-uneven", M22, {"x": (13, 1)}, lambda o, x: o.expand(x, (13, 2))),
-    ],
-    # ---------------------------------------------------------------- aten
-    "linear_column_parallel": [
-        case("bias", M2, {"x": (3, 4), "w": (6, 4), "b": (6,)}, lambda o, x, w, b: o.linear(x, w, b)),
-        case("uneven-bias", M3, {"x": (2, 3, 4), "w": (5, 4), "b": (5,)}, lambda o, x, w, b: o.linear(x, w, b)),
-        case("mesh2x2-bias", M22, {"x": (2, 4), "w": (8, 4), "b": (8,)}, lambda o, x, w, b: o.linear(x, w, b)),
-        case("mesh2x2-nested-uneven", M22, {"x": (2, 3), "w": (13, 3)}, lambda o, x, w: o.linear(x, w)),
-    ],
-    "linear_row_parallel": [
-        case("bias", M2, {"x": (3, 6), "w": (4, 6), "b": (4,)}, lambda o, x, w, b: o.linear(x, w, b)),
-        case("uneven-bias", M3, {"x": (2, 7), "w": (3, 7), "b": (3,)}, lambda o, x, w, b: o.linear(x, w, b)),
-        case("no-bias", M3, {"x": (2, 6), "w": (3, 6)}, lambda o, x, w: o.linear(x, w)),
-        case("mesh2x2-bias", M22, {"x": (3, 8), "w": (5, 8), "b": (5,)}, lambda o, x, w, b: o.linear(x, w, b)),
-    ],
-    "linear_batch_parallel": [
-        case("uneven-bias", M3, {"x": (5, 3, 4), "w": (2, 4), "b": (2,)}, lambda o, x, w, b: o.linear(x, w, b)),
-        case("mesh2x2", M22, {"x": (4, 6, 3), "w": (5, 3)}, lambda o, x, w: o.linear(x, w)),
-    ],
-    "linear_of_partial": [
-        case("bias", M2, {"x": (3, 4), "w": (5, 4), "b": (5,)}, lambda o, x, w, b: o.linear(x, w, b)),
-        case("uneven", M3, {"x": (5, 4), "w": (7, 4)}, lambda o, x, w: o.linear(x, w)),
-        case("mesh2x2-bias", M22, {"x": (2, 3), "w": (4, 3), "b": (4,)}, lambda o, x, w, b: o.linear(x, w, b)),
-    ],
-    "matmul_sharded": [
-        case("batched-uneven", M3, {"a": (3, 5, 4), "b": (4, 7)}, lambda o, a, b: o.matmul(a, b)),
-        case("broadcast-batch", M3, {"a": (2, 1, 5, 4), "b": (3, 4, 7)}, lambda o, a, b: o.matmul(a, b)),
-        case("mesh2x2", M22, {"a": (4, 6, 3), "b": (3, 8)}, lambda o, a, b: o.matmul(a, b)),
-    ],
-    "matmul_contraction_sharded": [
-        case("uneven", M3, {"a": (3, 7), "b": (7, 2)}, lambda o, a, b: o.matmul(a, b)),
-        case("batched", M2, {"a": (2, 3, 4), "b": (2, 4, 5)}, lambda o, a, b: o.matmul(a, b)),
-        case("mesh2x2", M22, {"a": (3, 8), "b": (8, 2)}, lambda o, a, b: o.matmul(a, b)),
-        case("mesh2x2-nested-uneven", M22, {"a": (2, 13), "b": (13, 3)}, lambda o, a, b: o.matmul(a, b)),
-    ],
-    "matmul_of_partial": [
-        case("2d", M2, {"a": (3, 4), "b": (4, 5)}, lambda o, a, b: o.matmul(a, b)),
-        case("mesh2x2", M22, {"a": (2, 3), "b": (3, 2)}, lambda o, a, b: o.matmul(a, b)),
-    ],
-    "sdpa_batch_or_heads": [
-        case("heads-uneven", M2, {"q": (2, 3, 4, 5), "k": (2, 3, 6, 5), "v": (2, 3, 6, 3)},
-             lambda o, q, k, v: o.sdpa(q, k, v)),
-        case("causal", M3, {"q": (3, 5, 4, 2), "k": (3, 5, 4, 2), "v": (3, 5, 4, 3)},
-             lambda o, q, k, v: o.sdpa(q, k, v, is_causal=True)),
-    ],
-    "sdpa_query_sequence": [
-        case("causal-uneven", M3, {"q": (1, 2, 5, 4), "k": (1, 2, 5, 4), "v": (1, 2, 5, 3)},
-             lambda o, q, k, v: o.sdpa(q, k, v, is_causal=True)),
-        case("noncausal-scale", M2, {"q": (1, 2, 5, 4), "k": (1, 2, 6, 4), "v": (1, 2, 6, 3)},
-             lambda o, q, k, v: o.sdpa(q, k, v, scale=0.3)),
-        case("causal-mesh2x2", M22, {"q": (1, 1, 7, 2), "k": (1, 1, 7, 2), "v": (1, 1, 7, 2)},
-             lambda o, q, k, v: o.sdpa(q, k, v, is_causal=True)),
-        case("causal-mesh2x2-nested-uneven", M22, {"q": (1, 1, 13, 2), "k": (1, 1, 13, 2), "v": (1, 1, 13, 2)},
-             lambda o, q, k, v: o.sdpa(q, k, v, is_causal=True)),
-    ],
-    "sdpa_value_dim": [
-        case("causal", M2, {"q": (1, 2, 3, 4), "k": (1, 2, 3, 4), "v": (1, 2, 3, 5)},
-             lambda o, q, k, v: o.sdpa(q, k, v, is_causal=True)),
-        case("uneven", M3, {"q": (1, 1, 2, 4), "k": (1, 1, 3, 4), "v": (1, 1, 3, 7)},
-             lambda o, q, k, v: o.sdpa(q, k, v)),
-    ],
-    "embedding_sharded": [
-        case("uneven", M3, {"idx": I((3, 5), 10), "w": (10, 7)}, lambda o, idx, w: o.embedding(idx, w)),
-        case("mesh2x2", M22, {"idx": I((2, 4), 6), "w": (6, 4)}, lambda o, idx, w: o.embedding(idx, w)),
-    ],
-    "embedding_vocab_parallel": [
-        case("uneven", M3, {"idx": I((2, 6), 7), "w": (7, 3)}, lambda o, idx, w: o.embedding(idx, w)),
-        case("even", M2, {"idx": I((2, 3), 8), "w": (8, 3)}, lambda o, idx, w: o.embedding(idx, w)),
-        case("mesh2x2-nested-uneven", M22, {"idx": I((20,), 13), "w": (13, 2)},
-             lambda o, idx, w: o.embedding(idx, w)),
-    ],
-    "take_along_other_axis": [
-        case("dim1", M2, {"x": (4, 6), "i": I((4, 3), 6)}, lambda o, x, i: o.take_along_axis(x, i, 1)),
-        case("dim0-uneven", M3, {"x": (4, 5), "i": I((2, 5), 4)}, lambda o, x, i: o.take_along_axis(x, i, 0)),
-        case("mesh2x2", M22, {"x": (4, 6), "i": I((4, 3), 6)}, lambda o, x, i: o.take_along_axis(x, i, -1)),
-    ],
-    "take_along_sharded_axis": [
-        case("uneven", M3, {"x": (3, 7), "i": I((3, 4), 7)}, lambda o, x, i: o.take_along_axis(x, i, 1)),
-        case("dim0", M2, {"x": (5, 3), "i": I((4, 3), 5)}, lambda o, x, i: o.take_along_axis(x, i, 0)),
-        case("mesh2x2", M22, {"x": (2, 8), "i": I((2, 6), 8)}, lambda o, x, i: o.take_along_axis(x, i, 1)),
-        case("mesh2x2-nested-uneven", M22, {"x": (2, 13), "i": I((2, 20), 13)},
-             lambda o, x, i: o.take_along_axis(x, i, 1)),
-    ],
-}
+def build(c: Case) -> FusionDefinition:
+    """The case's fusion: its inputs, its body, every result an output."""
+    with FusionDefinition() as fd:
+        ts = {n: fd.define_tensor(s.shape, s.dtype, n) for n, s in c.specs().items()}
+        outs = c.body(fd.ops, **ts)
+        for i, o in enumerate(outs if isinstance(outs, tuple) else (outs,)):
+            fd.add_output(o, name=f"out{i}")
+    return fd
 
 
 # ---------------------------------------------------------------------- shard, run, assemble
@@ -432,7 +184,7 @@ def flag_axes(strategy) -> dict[str, list[int]]:
 
 def user_strategies(c: Case):
     """(problem, mesh, [(expr, strategy)]) for every user expr of the case and every strategy."""
-    fd = c.build()
+    fd = build(c)
     expose_every_tensor(fd)
     mesh = mesh_of(c.mesh)
     problem = build_problem(fd, mesh)
@@ -468,9 +220,9 @@ def check_strategy(e, s, env, mesh: DeviceMesh, g: torch.Generator) -> None:
 
 
 def _params():
-    for rule_name, cases in RULE_CASES.items():
-        for c in cases:
-            yield pytest.param(rule_name, c, id=f"{rule_name}-{c.name}", marks=c.marks)
+    for r in ALL_RULES:
+        for c in r.cases:
+            yield pytest.param(r.name, c, id=f"{r.name}-{c.name}")
 
 
 # ---------------------------------------------------------------------- tests
@@ -490,12 +242,19 @@ def test_rule_identity_holds_on_random_data(rule_name, c):
     assert checked, f"case {c.name} offers no strategy by rule {rule_name}"
 
 
-def test_every_rule_has_a_numeric_case():
-    names = [r.name for r in ALL_RULES]
-    missing = sorted(set(names) - set(RULE_CASES))
-    assert not missing, f"rules without a numeric case in tests/test_rules.py RULE_CASES: {missing}"
-    stale = sorted(set(RULE_CASES) - set(names))
-    assert not stale, f"RULE_CASES names rules that no longer exist: {stale}"
+def test_a_rule_without_a_numeric_case_is_refused():
+    with pytest.raises(AssertionError, match="needs at least one numeric case"):
+        @rule("exp", cases=[])
+        def exp_without_cases(e):
+            """exp(x) = exp(x)"""
+            yield e.strategy(out=R)
+    assert "exp_without_cases" not in RULE_BY_NAME and all(r.cases for r in ALL_RULES)
+
+
+def test_case_names_are_unique_per_rule():
+    for r in ALL_RULES:
+        names = [c.name for c in r.cases]
+        assert len(names) == len(set(names)), f"rule {r.name} repeats a case name: {names}"
 
 
 def test_every_rule_is_exercised_by_its_cases():
@@ -504,7 +263,7 @@ def test_every_rule_is_exercised_by_its_cases():
     idle = []
     for r in ALL_RULES:
         hits = 0
-        for c in RULE_CASES.get(r.name, []):
+        for c in r.cases:
             _, _, _, pairs = user_strategies(c)
             hits += sum(r.name in s.rules for _, s in pairs)
         if not hits:
@@ -519,7 +278,7 @@ def test_rule_states_its_identity(r):
 
 def test_problem_strategies_are_expr_strategies():
     """The strategies checked above are exactly those expr_strategies prices for the optimizer."""
-    c = RULE_CASES["linear_row_parallel"][0]
+    c = RULE_BY_NAME["linear_row_parallel"].cases[0]
     _, problem, mesh, _ = user_strategies(c)
     key = next(k for k, e in problem.exprs.items() if e.op.name == "linear")
     again = expr_strategies(problem.exprs[key], mesh, CostModel.h200(), problem)
