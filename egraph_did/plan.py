@@ -24,7 +24,12 @@ from .pins import apply_layout, layout_view
 from .mesh import DeviceMesh, check_mesh
 from .ops import OPS, canonical_dtype
 
-FORMAT = "egraph-did-plan/1"
+# A plan file says which format it is written in: "egraph-did-plan/<version>". Version 1 is every file
+# written so far; a file without the field is read as version 1 (a hand-written plan). Bump the version
+# when a field changes meaning, and teach from_json to read the older ones.
+FORMAT_NAME = "egraph-did-plan"
+FORMAT_VERSION = 1
+FORMAT = f"{FORMAT_NAME}/{FORMAT_VERSION}"
 
 
 @dataclass(frozen=True)
@@ -392,7 +397,13 @@ class Plan:
 
     # ------------------------------------------------------------ JSON
     def to_json(self) -> str:
-        """Plain JSON (no pickle)."""
+        """Plain JSON (no pickle), format version FORMAT_VERSION ("format": "egraph-did-plan/1").
+
+        >>> import json, egraph_did as ed
+        >>> from egraph_did.models import row_sum
+        >>> json.loads(ed.optimize(row_sum(8, 64), ed.DeviceMesh.arange(2)).to_json())["format"]
+        'egraph-did-plan/1'
+        """
         def enc(v):
             if isinstance(v, torch.dtype):
                 return {"dtype": str(v).replace("torch.", "")}
@@ -422,6 +433,8 @@ class Plan:
         """Load and validate a plan written by to_json(): every field present with its type, every value a
         step, an input or an output names exists, every layout fits the mesh, every collective priced for
         the mesh's group size; errors name the field (hand-edited plans are welcome, broken ones are not).
+        Reads format versions up to FORMAT_VERSION (a plan without "format" is version 1, as every plan
+        written so far); a newer version is a PlanError saying so.
 
         >>> import json, egraph_did as ed
         >>> from egraph_did.models import row_sum
@@ -440,9 +453,7 @@ class Plan:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise PlanError(f"plan JSON does not parse: {e}") from None
-        if not isinstance(d, dict) or d.get("format") != FORMAT:
-            got = f"; it says format {d.get('format')!r}" if isinstance(d, dict) and "format" in d else ""
-            raise PlanError(f"not an egraph-did plan (expected format {FORMAT!r}){got}")
+        _check_format(d)
         _fields(d, "", _PLAN_FIELDS)
 
         def dec(v):
@@ -589,6 +600,37 @@ _COMPUTE_FIELDS = {"op": str, "args": list, "tensor_params": list, "outputs": li
                    "time": _NUM}
 _COLLECTIVE_FIELDS = {"kind": str, "tensor": str, "src": str, "dst": str, "mesh_axis": int, "mesh_axis_name": str,
                       "bytes": _NUM, "time": _NUM}
+
+
+def format_version(d) -> int:
+    """The format version of a parsed plan file: N of its "format": "egraph-did-plan/N", 1 for a plan
+    without the field (hand-written, before plans said so); PlanError for JSON that is no plan.
+
+    >>> format_version({"format": "egraph-did-plan/1"}), format_version({"values": {}, "steps": []})
+    (1, 1)
+    >>> format_version({"format": "other"})
+    Traceback (most recent call last):
+    ...
+    egraph_did.errors.PlanError: not an egraph-did plan (expected format 'egraph-did-plan/1'); it says format 'other'
+    """
+    if isinstance(d, dict) and "format" not in d and {"values", "steps"} <= set(d):
+        return 1
+    fmt = d.get("format") if isinstance(d, dict) else None
+    name, _, version = fmt.partition("/") if isinstance(fmt, str) else ("", "", "")
+    if name != FORMAT_NAME or not version.isdigit() or int(version) < 1:
+        got = f"; it says format {fmt!r}" if isinstance(d, dict) and "format" in d else ""
+        raise PlanError(f"not an egraph-did plan (expected format {FORMAT!r}){got}")
+    return int(version)
+
+
+def _check_format(d) -> None:
+    """PlanError unless this egraph-did reads the plan's format version (every version up to its own)."""
+    version = format_version(d)
+    if version > FORMAT_VERSION:
+        raise PlanError(f"plan JSON of format version {version}: this egraph-did reads versions up to "
+                        f"{FORMAT_VERSION} (expected format {FORMAT!r}; it says format {d['format']!r}); the plan "
+                        f"was written by a newer egraph-did: upgrade egraph-did, or re-optimize the fusion with "
+                        f"this one (ed.optimize(fd, mesh)) and save that plan")
 
 
 def _fields(d, where: str, want: dict) -> None:

@@ -1,13 +1,19 @@
-"""Plans: pins on intermediate tensors are materialized exactly, and plan JSON is validated on load."""
+"""Plans: pins on intermediate tensors are materialized exactly, plan JSON is validated on load and says its
+format version, and every step describes itself once."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 import egraph_did as ed
-from egraph_did import models
+from egraph_did import models, runtime
+from egraph_did import plan as plan_module
+from egraph_did.explain import STEP_WIDTH, step_row
 from egraph_did.layout import Layout, S
+from egraph_did.lowering.segment import eager_segments
 from egraph_did.pins import apply_layout
+from egraph_did.plan import FORMAT_VERSION
 
 MESH = ed.DeviceMesh.arange(4)
 
@@ -115,3 +121,74 @@ def test_simplified_removes_cancelling_collectives_and_fuses_reduce_scatter_allg
     ref = ed.evaluate(small, inputs)["y"]
     for p in (detour, clean):
         torch.testing.assert_close(ed.simulate(p, inputs)["y"], ref)
+
+
+# ---------------------------------------------------------------------------- format version
+
+BENCH_PLANS = sorted((Path(__file__).resolve().parents[1] / "bench" / "plans").glob("*.json"))
+
+
+def test_plan_files_say_format_version_1_and_a_file_without_the_field_reads_as_version_1():
+    d = json.loads(ed.optimize(models.row_sum(8, 64), MESH).to_json())
+    assert d["format"] == f"egraph-did-plan/{FORMAT_VERSION}" == "egraph-did-plan/1"
+    del d["format"]  # a hand-written plan from before files said their version
+    again = ed.Plan.from_json(json.dumps(d))
+    assert [str(s) for s in again.steps] == [str(s) for s in ed.optimize(models.row_sum(8, 64), MESH).steps]
+
+
+def test_a_plan_of_a_newer_format_version_is_refused_naming_the_version_and_what_to_do():
+    d = json.loads(ed.optimize(models.row_sum(8, 64), MESH).to_json())
+    d["format"] = f"egraph-did-plan/{FORMAT_VERSION + 1}"
+    with pytest.raises(ed.PlanError, match=rf"format version {FORMAT_VERSION + 1}: this egraph-did reads versions "
+                                           rf"up to {FORMAT_VERSION}.*upgrade egraph-did, or re-optimize"):
+        ed.Plan.from_json(json.dumps(d))
+    for other in ("egraph-did-plan/0", "egraph-did-plan/x", 1, None):
+        with pytest.raises(ed.PlanError, match="not an egraph-did plan"):
+            ed.Plan.from_json(json.dumps({**d, "format": other}))
+
+
+@pytest.mark.parametrize("path", BENCH_PLANS, ids=lambda p: p.name)
+def test_the_benchmark_plans_load_and_explain(path):
+    plan = ed.Plan.from_json(path.read_text())
+    assert plan.collectives, "a tensor-parallel GPT layer communicates"
+    rows = plan.explain().splitlines()[-len(plan.steps):]
+    assert [r.split()[0] for r in rows] == [str(i) for i in range(len(plan.steps))]
+
+
+def test_there_are_benchmark_plans_to_load():
+    assert len(BENCH_PLANS) >= 6
+
+
+# ---------------------------------------------------------------------------- steps describe themselves
+
+def test_a_step_describes_itself_once_and_every_describer_uses_that():
+    plan = ed.optimize(pinned_mlp(), MESH)
+    (ar,) = plan.collectives
+    assert str(ar) == f"allreduce[x] {ar.src} -> {ar.dst}" and ar.reads == [ar.src] and ar.writes == [ar.dst]
+    first = plan.compute_steps[0]
+    assert str(first) == f"{first.writes[0]} = linear({first.reads[0]}, {first.reads[1]})"
+    rows = plan.explain().splitlines()
+    for i, s in enumerate(plan.steps):
+        assert rows[-len(plan.steps) + i].startswith(f"{i:>3}  {s}")
+    assert [seg.describe() for seg in eager_segments(plan)] == [
+        f"{'comm' if isinstance(s, ed.Collective) else 'aten'} {s}" for s in plan.steps]
+
+
+def test_a_long_step_is_cut_in_the_table_and_its_row_keeps_the_columns():
+    long = ed.ComputeStep("sdpa", tuple((f"q{i}", f"query_{i}:S1") for i in range(8)), tuple(f"q{i}" for i in range(8)),
+                          ("out:S1",), (), ("sdpa_heads",), 1e-6)
+    row = step_row(7, long)
+    assert len(str(long)) > STEP_WIDTH and "…" in row and row.endswith("1.00  sdpa_heads")
+    assert row.index("1.00") == step_row(7, ed.ComputeStep("relu", (("x", "x:S1"),), ("x",), ("y:S1",), (), ("r",),
+                                                            1e-6)).index("1.00")
+
+
+def test_plan_run_without_a_registered_runner_says_what_to_do(monkeypatch):
+    monkeypatch.setattr(plan_module, "_runner", None)
+    plan = ed.optimize(models.row_sum(8, 64), MESH)
+    with pytest.raises(ed.PlanError, match="no runner is registered; import egraph_did"):
+        plan.run({"x": torch.zeros(8, 64)})
+
+
+def test_importing_egraph_did_registers_the_runtime_as_the_runner():
+    assert plan_module._runner is runtime.run_plan
