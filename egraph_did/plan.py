@@ -76,14 +76,29 @@ class ComputeStep:
     kind = "compute"
 
     @property
+    def operands(self) -> dict[str, str]:
+        """The tensor arguments: {parameter: value name}, in argument order."""
+        return {k: v for k, v in self.args if k in self.tensor_params}
+
+    @property
     def reads(self) -> list[str]:
         """The values this step reads, in argument order."""
-        return [v for k, v in self.args if k in self.tensor_params]
+        return list(self.operands.values())
 
     @property
     def writes(self) -> list[str]:
         """The values this step produces."""
         return list(self.outputs)
+
+    def bind(self, value_of: Callable[[str], Any]) -> dict[str, Any]:
+        """The op's arguments by parameter: each tensor argument's value name mapped through value_of
+        (a rank's shard, an operand's shape), literals as they are.
+
+        >>> step = ComputeStep("sum", (("x", "x:S1"), ("dims", 1)), ("x",), ("y:P",), (), ("r",), 0.0)
+        >>> step.bind(str.upper)
+        {'x': 'X:S1', 'dims': 1}
+        """
+        return {k: value_of(v) if k in self.tensor_params else v for k, v in self.args}
 
     def __str__(self) -> str:
         """The step in one line, as explain, the runtime's progress and the lowering's segments name it:
@@ -509,7 +524,7 @@ class Plan:
                 step = ComputeStep(s["op"], tuple((k, dec(v)) for k, v in s["args"]), tuple(s["tensor_params"]),
                                    tuple(s["outputs"]), tuple((f, tuple(m)) for f, m in s["flags"]),
                                    tuple(s["rules"]), s["time"], s.get("key", ""))
-                refs = [v for k, v in step.args if k in step.tensor_params] + list(step.outputs)
+                refs = step.reads + step.writes
                 if not all(isinstance(r, str) for r in refs):
                     raise PlanError(f"plan JSON: {where}: tensor arguments and outputs are value names (str)")
             elif s.get("step") == "collective":
@@ -523,7 +538,7 @@ class Plan:
                 fields = {k: v for k, v in s.items() if k not in ("step", "group_size")}
                 step = Collective(**fields)
                 _check_collective_mesh(i, step, s.get("group_size"), mesh)
-                refs = [step.src, step.dst]
+                refs = step.reads + step.writes
             else:
                 raise PlanError(f"step {i}: unknown step type {s.get('step')!r} (expected 'compute' or "
                                 f"'collective')")

@@ -28,9 +28,9 @@ def compute_on_rank(plan: Plan, step: ComputeStep, env: Mapping[str, torch.Tenso
     {'y:S0': tensor([3., 3.])}
     """
     check_step_indices(plan, step, env, rank)
-    operands = {k: _operand(plan, v) for k, v in step.args if k in step.tensor_params}
+    operands = {k: _operand(plan, v) for k, v in step.operands.items()}
     outputs = [_operand(plan, o) for o in step.writes]
-    args = {k: env[v] if k in step.tensor_params else v for k, v in step.args}
+    args = step.bind(env.__getitem__)
     outs = run_local(step.op, args, operands, outputs, dict(step.flags), RankContext(plan.mesh, rank))
     return dict(zip(step.writes, outs))
 
@@ -74,8 +74,8 @@ def check_step_indices(plan: Plan, step, env: Mapping[str, torch.Tensor], rank: 
     """
     if not isinstance(step, ComputeStep) or step.op not in INDEX_ARGS:
         return
-    args = {k: (env.get(v) if k in step.tensor_params else v) for k, v in step.args}
-    tensors = {k: v for k, v in step.args if k in step.tensor_params}
+    args = step.bind(env.get)
+    tensors = step.operands
     check_indices(step.op, args, {k: source_tensor(plan, v) for k, v in tensors.items()},
                   {k: plan.values[v].shape for k, v in tensors.items()}, f" on rank {rank}")
 

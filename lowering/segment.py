@@ -98,7 +98,7 @@ def kernel_spec(plan: Plan, steps: tuple[ComputeStep, ...], inputs: tuple[str, .
         local = ctx.local_shape(Operand(val.shape, val.layout_obj))
         tv[v] = fusion.define_tensor(local, val.dtype, name=f"in{len(tv)}")
     for step in steps:
-        args = {k: tv[v] if k in step.tensor_params else v for k, v in step.args}
+        args = step.bind(tv.__getitem__)
         outs = fusion.emit(step.op, **args)
         for v, t in zip(step.outputs, outs if isinstance(outs, tuple) else (outs,)):
             tv[v] = t

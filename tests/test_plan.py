@@ -30,7 +30,7 @@ def test_a_pinned_intermediate_is_materialized_in_its_pin():
     apply_layout(fd["gelu_1"], Layout((S(0),)), MESH)  # the hidden activation, pinned token-sharded
     plan = ed.optimize(fd, MESH)
     assert "gelu_1:S0" in plan.values
-    produced = {v for s in plan.steps for v in (s.outputs if isinstance(s, ed.ComputeStep) else [s.dst])}
+    produced = {v for s in plan.steps for v in s.writes}
     assert "gelu_1:S0" in produced
     assert plan.predicted_time > ed.optimize(pinned_mlp(), MESH).predicted_time  # the pin costs something
 

@@ -243,7 +243,7 @@ def test_a_pinned_intermediate_is_reported_exactly_as_pinned(pin):
     plan = ed.optimize(fd, MESH4)
     assert plan.loop_domain(h.name) == h.loop_str()
     assert plan.layout_of(h.name) == ed.Layout.from_code(pin)
-    produced = {v for s in plan.steps for v in (s.outputs if isinstance(s, ed.ComputeStep) else [s.dst])}
+    produced = {v for s in plan.steps for v in s.writes}
     assert plan.pins[h.name] == f"{h.name}:{pin}" and plan.pins[h.name] in produced
     line = next(ln for ln in plan.explain().splitlines() if ln.strip().startswith(h.name + " "))
     assert h.loop_str() in line and line.endswith("(pinned)")
