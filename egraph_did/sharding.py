@@ -15,11 +15,7 @@ import torch
 
 from .errors import ShapeError, ShardingError
 from .ir import ParallelType, TensorView
-from .mesh import DeviceMesh
-
-
-def _mesh_of(tv: TensorView) -> DeviceMesh:
-    return tv.device_mesh()
+from .shards import assemble, by_rank_of
 
 
 def local_indices(tv: TensorView, rank: int) -> list[np.ndarray]:
@@ -49,7 +45,7 @@ def local_shape(tv: TensorView, rank: int) -> tuple[int, ...]:
 
 
 def _pending(tv: TensorView, reduce: str) -> list[int]:
-    mesh = _mesh_of(tv)
+    mesh = tv.device_mesh()
     return [d.parallel_type.mesh_axis(mesh) for d in tv.loop_domain
             if d.is_device and d.is_reduction and d.index.reduce == reduce]
 
@@ -63,7 +59,7 @@ def partial_mesh_axes(tv: TensorView) -> list[int]:
     >>> partial_mesh_axes(y.set_device_mesh(DeviceMesh([[0, 1], [2, 3]])).add_partial(ParallelType.DIDy))
     [0]
     """
-    mesh = _mesh_of(tv)
+    mesh = tv.device_mesh()
     return [d.parallel_type.mesh_axis(mesh) for d in tv.loop_domain if d.is_device and d.is_reduction]
 
 
@@ -77,7 +73,7 @@ def replicated_mesh_axes(tv: TensorView) -> list[int]:
     >>> replicated_mesh_axes(x)  # DIDx binds mesh axis 1; axis 0 holds copies
     [0]
     """
-    mesh = _mesh_of(tv)
+    mesh = tv.device_mesh()
     bound = {d.parallel_type.mesh_axis(mesh) for d in tv.loop_domain if d.is_device}
     return [a for a in range(mesh.ndim) if a not in bound]
 
@@ -110,7 +106,7 @@ def shard_tensor(tensor: torch.Tensor, tv: TensorView, rank: int) -> torch.Tenso
             [6., 7.]])
     """
     _check_global(tensor, tv, "shard_tensor")
-    mesh = _mesh_of(tv)
+    mesh = tv.device_mesh()
     coords = mesh.coords(rank)
     indices = local_indices(tv, rank)
     local = tensor[_index_tuple(indices)] if tv.ndim else tensor.clone()
@@ -131,50 +127,17 @@ def unshard_tensor(shards: Sequence[torch.Tensor] | Mapping[int, torch.Tensor], 
     >>> unshard_tensor([torch.tensor([0., 1., 2.]), torch.tensor([3., 4.])], x)
     tensor([0., 1., 2., 3., 4.])
     """
-    mesh = _mesh_of(tv)
-    ranks = sorted(mesh.ranks)
-    if isinstance(shards, Mapping):
-        missing = [r for r in ranks if r not in shards]
-        if missing:
-            raise ShardingError(f"unshard_tensor({tv.name}): no shard for rank(s) {missing} of {mesh}")
-        by_rank = dict(shards)
-    else:
-        shards = list(shards)
-        if len(shards) != len(ranks):
-            raise ShardingError(f"unshard_tensor({tv.name}): got {len(shards)} shards for the {len(ranks)} "
-                                f"ranks of {mesh} (pass one per rank, in ascending rank order)")
-        by_rank = dict(zip(ranks, shards))
-    for r in ranks:
+    mesh = tv.device_mesh()
+    where = f"unshard_tensor({tv.name})"
+    by_rank = by_rank_of(shards, mesh, where, "shard")
+    index = {r: _index_tuple(local_indices(tv, r)) if tv.ndim else () for r in mesh.ranks}
+    for r in mesh.ranks:
         want = local_shape(tv, r)
         if tuple(by_rank[r].shape) != want:
-            raise ShapeError(f"unshard_tensor({tv.name}): rank {r}'s shard has shape {tuple(by_rank[r].shape)}, "
-                             f"but its loop domain {tv.loop_str()} gives it {want}")
-    replicated = replicated_mesh_axes(tv)
-    first = by_rank[ranks[0]]
-    pending_max = bool(_pending(tv, "max"))
-    if pending_max and _pending(tv, "sum"):
-        raise ShardingError(f"unshard_tensor({tv.name}): a pending sum and a pending max on one tensor "
-                            f"do not commute; resolve one first")
-    out = (torch.full(tv.shape, -torch.inf, dtype=first.dtype, device=first.device) if pending_max
-           else torch.zeros(tv.shape, dtype=first.dtype, device=first.device))
-    for r in ranks:
-        coords = mesh.coords(r)
-        if any(coords[a] != 0 for a in replicated):
-            # a replica: it must equal the copy held at coordinate 0 of the replicated axes
-            twin = mesh.rank_at([0 if a in replicated else c for a, c in enumerate(coords)])
-            if not torch.equal(by_rank[r], by_rank[twin]):
-                axes = [mesh.axis_names[a] for a in replicated]
-                raise ShardingError(f"unshard_tensor({tv.name}): ranks {twin} and {r} hold different data "
-                                    f"although {tv.name} is replicated on mesh axes {axes}")
-            continue
-        if pending_max:
-            idx = _index_tuple(local_indices(tv, r)) if tv.ndim else ()
-            out[idx] = torch.maximum(out[idx], by_rank[r])
-        elif tv.ndim == 0:
-            out += by_rank[r]
-        else:
-            out.index_put_(_index_tuple(local_indices(tv, r)), by_rank[r], accumulate=True)
-    return out
+            raise ShapeError(f"{where}: rank {r}'s shard has shape {tuple(by_rank[r].shape)}, but its loop domain "
+                             f"{tv.loop_str()} gives it {want}")
+    reduce = {d.index.reduce for d in tv.loop_domain if d.is_device and d.is_reduction}
+    return assemble(by_rank, tv.shape, mesh, index, replicated_mesh_axes(tv), reduce, where, tv.name)
 
 
 def placements(tv: TensorView) -> tuple[str, ...]:
@@ -189,7 +152,7 @@ def placements(tv: TensorView) -> tuple[str, ...]:
     >>> placements(x.add_partial(ParallelType.DIDy))
     ('P', 'S(1)')
     """
-    mesh = _mesh_of(tv)
+    mesh = tv.device_mesh()
     out = ["R"] * mesh.ndim
     for d in tv.loop_domain:
         if d.is_device:

@@ -16,7 +16,7 @@ TensorView's loop domain, which may also hold non-outermost splits a Layout cann
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -171,17 +171,23 @@ def shard(tensor: torch.Tensor, layout: Layout, mesh: DeviceMesh, rank: int, nam
     return piece.clone(memory_format=torch.contiguous_format)  # a copy: writing it leaves the global alone
 
 
-def _by_rank(pieces, mesh: DeviceMesh, where: str) -> dict[int, torch.Tensor]:
-    """{rank: piece} from a list in ascending rank order or a dict; ShardingError if one is missing."""
+def by_rank_of(pieces, mesh: DeviceMesh, where: str, what: str = "piece") -> dict[int, torch.Tensor]:
+    """{rank: piece} from a list in ascending rank order or a dict; ShardingError if one is missing.
+
+    >>> by_rank_of([torch.zeros(1)], DeviceMesh.arange(2), "unshard(y)")
+    Traceback (most recent call last):
+    ...
+    egraph_did.errors.ShardingError: unshard(y): got 1 pieces for the 2 ranks of DeviceMesh(x=2) (pass one per rank, in ascending rank order)
+    """
     ranks = sorted(mesh.ranks)
     if isinstance(pieces, Mapping):
         missing = [r for r in ranks if r not in pieces]
         if missing:
-            raise ShardingError(f"{where}: no piece for rank(s) {missing} of {mesh}")
+            raise ShardingError(f"{where}: no {what} for rank(s) {missing} of {mesh}")
         return dict(pieces)
     pieces = list(pieces)
     if len(pieces) != len(ranks):
-        raise ShardingError(f"{where}: got {len(pieces)} pieces for the {len(ranks)} ranks of {mesh} (pass one "
+        raise ShardingError(f"{where}: got {len(pieces)} {what}s for the {len(ranks)} ranks of {mesh} (pass one "
                             f"per rank, in ascending rank order)")
     return dict(zip(ranks, pieces))
 
@@ -213,33 +219,51 @@ def unshard(pieces: Sequence[torch.Tensor] | Mapping[int, torch.Tensor], layout:
     tensor(6.)
     """
     where = f"unshard({name})"
-    by_rank = _by_rank(pieces, mesh, where)
+    by_rank = by_rank_of(pieces, mesh, where)
     shape = _global_shape(by_rank, layout, mesh) if shape is None else tuple(shape)
     _check_layout(layout, shape, mesh, where)
-    if _partial_axes(layout, "sum") and _partial_axes(layout, "max"):
+    index = {r: _slices(RankContext(mesh, r), shape, layout) for r in mesh.ranks}
+    for r, idx in index.items():
+        want = tuple(s.stop - s.start for s in idx)
+        if tuple(by_rank[r].shape) != want:
+            raise ShapeError(f"{where}: rank {r}'s piece has shape {tuple(by_rank[r].shape)}, but layout {layout} "
+                             f"of {shape} on {mesh} gives it {want}")
+    replicated = [m for m, p in enumerate(layout) if p.kind == "R"]
+    reduce = {p.reduce for p in layout if p.is_partial}
+    return assemble(by_rank, shape, mesh, index, replicated, reduce, where, name)
+
+
+def assemble(by_rank: Mapping[int, torch.Tensor], shape: Sequence[int], mesh: DeviceMesh, index: Mapping[int, Any],
+             replicated: Sequence[int], reduce: set[str], where: str, name: str) -> torch.Tensor:
+    """The global tensor of `shape` from every rank's piece, piece r at index[r] (slices, or index
+    tensors for a general loop domain): ranks that differ only on the `replicated` mesh axes hold copies
+    that must agree; the others add up (shards fill disjoint places; P summands sum) or, under a pending
+    max (reduce == {"max"}), take the maximum. The one reassembly rule, shared by unshard (a Layout) and
+    sharding.unshard_tensor (a loop domain).
+
+    >>> mesh = DeviceMesh.arange(2)
+    >>> assemble({0: torch.tensor([1., 5.]), 1: torch.tensor([3., 2.])}, (2,), mesh, {0: (), 1: ()}, [], {"max"}, "u", "t")
+    tensor([3., 5.])
+    """
+    if len(reduce) > 1:
         raise ShardingError(f"{where}: a pending sum and a pending max on one tensor do not commute; resolve "
                             f"one first")
-    replicated = [m for m, p in enumerate(layout) if p.kind == "R"]
     first = by_rank[min(by_rank)]
-    pending_max = bool(_partial_axes(layout, "max"))
-    out = torch.full(shape, -torch.inf if pending_max else 0, dtype=first.dtype, device=first.device)
+    pending_max = reduce == {"max"}
+    out = torch.full(tuple(shape), -torch.inf if pending_max else 0, dtype=first.dtype, device=first.device)
     for r in sorted(mesh.ranks):
-        ctx = RankContext(mesh, r)
-        idx = _slices(ctx, shape, layout)
-        piece = by_rank[r]
-        want = tuple(s.stop - s.start for s in idx)
-        if tuple(piece.shape) != want:
-            raise ShapeError(f"{where}: rank {r}'s piece has shape {tuple(piece.shape)}, but layout {layout} of "
-                             f"{shape} on {mesh} gives it {want}")
-        if not ctx.on_first(replicated):
-            twin = mesh.rank_at([0 if m in replicated else c for m, c in enumerate(ctx.coords)])
-            if not torch.equal(piece, by_rank[twin]):
+        coords = mesh.coords(r)
+        if any(coords[m] for m in replicated):  # a replica: it must equal the copy at coordinate 0
+            twin = mesh.rank_at([0 if m in replicated else c for m, c in enumerate(coords)])
+            if not torch.equal(by_rank[r], by_rank[twin]):
                 axes = [mesh.axis_names[m] for m in replicated]
                 raise ShardingError(f"{where}: ranks {twin} and {r} hold different data although {name} is "
                                     f"replicated on mesh axes {axes}")
             continue
-        out[idx] = torch.maximum(out[idx], piece) if pending_max else out[idx] + piece
+        idx = index[r]
+        out[idx] = torch.maximum(out[idx], by_rank[r]) if pending_max else out[idx] + by_rank[r]
     return out
 
 
-__all__ = ["RankContext", "Operand", "local_extents", "shard", "unshard", "dtensor_chunks_agree"]
+__all__ = ["RankContext", "Operand", "local_extents", "shard", "unshard", "assemble", "by_rank_of",
+           "dtensor_chunks_agree"]
