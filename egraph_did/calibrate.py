@@ -1,10 +1,10 @@
 """Calibrate the cost model's links from measured collectives.
 
-Inside a process group, `measure_collectives` times allgather, reduce_scatter, allreduce and alltoall
-over a range of sizes; `fit_link` fits the alpha-beta model the cost model uses,
-    t = phases * alpha + factor(kind, p) * n / bandwidth      (phases 2 for allreduce, else 1)
-by non-negative least squares; `calibrated` returns a CostModel with the fitted link, which
-`save_preset` / `load_preset` keep as JSON.
+Inside a process group, `measure_collectives` times every communicating collective of the registry
+(collectives.KINDS: allgather, reduce_scatter, allreduce, alltoall) through its own `run`, the call the
+runtime makes, over a range of sizes; `fit_link` fits the link of the cost model's alpha-beta model
+(cost.Link.time, with each kind's phases and factor from its entry) by non-negative least squares;
+`calibrated` returns a CostModel with the fitted link, which `save_preset` / `load_preset` keep as JSON.
 """
 from __future__ import annotations
 
@@ -16,10 +16,17 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from . import collectives
+from .collectives import AxisGroup, Move
 from .cost import CostModel, Link
+from .errors import PlanError
+from .layout import Layout
+from .mesh import DeviceMesh
+from .shards import Operand, RankContext
 
-KINDS = ("allgather", "reduce_scatter", "allreduce", "alltoall")
+KINDS = collectives.communicating()
 
 
 @dataclass(frozen=True)
@@ -32,20 +39,30 @@ class Measurement:
     """
 
     kind: str
-    nbytes: float  # the full (gathered / pre-scatter) bytes per rank, as the cost model counts them
+    nbytes: float  # the bytes the cost model charges (the kind's registry entry says which)
     group_size: int
     seconds: float  # median
 
 
-def _factor(kind: str, p: int) -> tuple[int, float]:
-    """(latency phases, bandwidth factor) of the cost model's formula."""
-    return (2, 2 * (p - 1) / p) if kind == "allreduce" else (1, (p - 1) / p)
+def sample_move(kind: str, mesh: DeviceMesh, nbytes: float, itemsize: int) -> Move:
+    """A collective of `kind` over the 1-D `mesh` between its registry example's placements, on a
+    [p, p * k] tensor with k chosen so that it moves about `nbytes` as the cost model counts them.
+
+    >>> move = sample_move("allgather", DeviceMesh.arange(4), 1 << 20, 4)
+    >>> move.shape, str(move.src), str(move.dst)
+    ((4, 65536), '[S(0)]', '[R]')
+    """
+    entry, p = collectives.KINDS[kind], mesh.size
+    src, dst = (Layout((x,)) for x in entry.example)
+    unit = entry.moved(Move(mesh, (p, p), src, dst, 0), itemsize)  # what it moves is linear in k
+    return Move(mesh, (p, p * max(1, round(nbytes / unit))), src, dst, 0)
 
 
 def measure_collectives(sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 23), kinds=KINDS, iters: int = 10,
                         group=None, device=None, dtype=torch.float32) -> list[Measurement]:
-    """Median seconds of each collective at each size (bytes per rank of the full tensor). Call on every
-    rank of an initialized process group; every rank returns the same list (rank 0's timings).
+    """Median seconds of each collective at each size (the bytes the cost model charges), run by its
+    registry entry. Call on every rank of an initialized process group (of at least two ranks); every
+    rank returns the same list (rank 0's timings).
 
     Example::
 
@@ -55,41 +72,40 @@ def measure_collectives(sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 23), kinds=KINDS,
         ms = ed.launch(work, nprocs=2)[0]  # a Measurement per kind and size
         model = calibrated(ed.CostModel.h200(), [fit_link(ms, "gloo-loopback")])
     """
-    import torch.distributed as dist
-
-    # torch 2.13 names these *_single (the old names warn); torch 2.11 has only the old ones
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-    p = dist.get_world_size(group)
+    silent = [k for k in kinds if not collectives.get(k, "measure_collectives").communicates]
+    if silent:
+        raise PlanError(f"measure_collectives: {', '.join(silent)} moves nothing between ranks; there is no link "
+                        f"to time (measure any of {', '.join(KINDS)})")
+    members = tuple(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
+    axis = AxisGroup(members, members.index(dist.get_rank()), group or dist.group.WORLD)
+    mesh = DeviceMesh(list(members))
     device = device or (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
                         else torch.device("cpu"))
     item = torch.tensor([], dtype=dtype).element_size()
     out = []
     for nbytes in sizes:
-        n = max(p, int(nbytes // item) // p * p)
-        full = torch.randn(n, device=device, dtype=dtype)
-        part = torch.randn(n // p, device=device, dtype=dtype)
-        ops = {
-            "allgather": lambda: all_gather(torch.empty_like(full), part, group=group),
-            "reduce_scatter": lambda: reduce_scatter(torch.empty_like(part), full, group=group),
-            "allreduce": lambda: dist.all_reduce(full, group=group),
-            "alltoall": lambda: dist.all_to_all_single(torch.empty_like(full), full, group=group),
-        }
         for kind in kinds:
+            entry = collectives.KINDS[kind]
+            move = sample_move(kind, mesh, nbytes, item)
+            local = torch.randn(_local_shape(move, axis.rank), device=device, dtype=dtype)
             times = []
             for i in range(iters + 2):
                 _sync(device)
                 dist.barrier(group=group)
                 t0 = time.perf_counter()
-                ops[kind]()
+                entry.run(move, local, axis)
                 _sync(device)
                 if i >= 2:  # warm-up
                     times.append(time.perf_counter() - t0)
             t = torch.tensor([statistics.median(times)], dtype=torch.float64)
-            dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-            out.append(Measurement(kind, float(n * item), p, float(t.item())))
+            dist.broadcast(t, src=members[0], group=group)  # every rank reports rank 0's timing
+            out.append(Measurement(kind, float(entry.moved(move, item)), axis.size, float(t.item())))
     return out
+
+
+def _local_shape(move: Move, rank: int) -> tuple[int, ...]:
+    """The shape of `rank`'s piece of the tensor `move` starts from."""
+    return RankContext(move.mesh, rank).local_shape(Operand(move.shape, move.src))
 
 
 def _sync(device) -> None:
@@ -98,20 +114,23 @@ def _sync(device) -> None:
 
 
 def fit_link(measurements: list[Measurement], name: str = "calibrated") -> Link:
-    """Non-negative least squares of the alpha-beta model over all measurements.
+    """Non-negative least squares of the cost model's alpha-beta model over all measurements. The model
+    is linear in alpha and 1/bandwidth, so its two columns are what the cost model predicts on a link of
+    alpha 1 and infinite bandwidth, and on one of alpha 0 and bandwidth 1.
 
-    >>> ms = [Measurement(k, n, 4, _factor(k, 4)[0] * 5e-6 + _factor(k, 4)[1] * n / 1e11)
-    ...       for k in KINDS for n in (1e4, 1e6, 1e8)]
-    >>> link = fit_link(ms)
+    >>> truth = calibrated(CostModel.h200(), [Link("truth", alpha=5e-6, bandwidth=1e11)])
+    >>> ms = [Measurement(k, n, 4, 0.0) for k in KINDS for n in (1e4, 1e6, 1e8)]
+    >>> link = fit_link([dataclasses.replace(m, seconds=predicted(truth, m)) for m in ms])
     >>> round(link.alpha * 1e6, 3), round(link.bandwidth / 1e9, 1)
     (5.0, 100.0)
     """
     from scipy.optimize import nnls
 
+    units = [calibrated(CostModel.h200(), [Link("latency", alpha=1.0, bandwidth=float("inf"))]),
+             calibrated(CostModel.h200(), [Link("volume", alpha=0.0, bandwidth=1.0)])]
     rows, ys, w = [], [], []
     for m in measurements:
-        phases, factor = _factor(m.kind, m.group_size)
-        rows.append([phases, factor * m.nbytes])
+        rows.append([predicted(unit, m) for unit in units])
         ys.append(m.seconds)
         w.append(1.0 / max(m.seconds, 1e-9))  # relative error: small and large messages weigh alike
     a = np.array(rows) * np.array(w)[:, None]

@@ -2,12 +2,12 @@
 
 Replaceable: `optimize(..., cost_model=MyModel())` takes any object with the methods of CostModel.
 
-Communication on a mesh axis of p ranks moving n bytes (n = the bytes of the tensor unsplit on that
-axis that one rank ends with (allgather) or starts with (reduce_scatter, allreduce); for alltoall, the
-shard a rank holds, of which it sends (p-1)/p):
+Communication on a mesh axis of p ranks: a collective is `phases` latency-bound passes, each sending
+factor(p) of n bytes (its registry entry in collectives.py says which n, how many phases and what
+factor), over the axis's link:
+  t = phases * alpha + phases * factor(p) * n / bw                          (Link.time)
   allgather, reduce_scatter, alltoall:  alpha + (p-1)/p * n / bw
   allreduce:                            2 alpha + 2(p-1)/p * n / bw
-  broadcast, send/recv:                 alpha + n / bw
 An allreduce pays two latencies: NCCL's ring allreduce is a reduce-scatter phase then an allgather
 phase, so it costs exactly what the two cost apart. With one alpha it would look cheaper than the
 reduce-scatter + allgather pair of sequence parallelism for no physical reason.
@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .collectives import KINDS
 from .errors import CostModelError
-
-COLLECTIVES = ("allgather", "reduce_scatter", "allreduce", "alltoall", "broadcast", "send_recv")
 
 
 @dataclass(frozen=True)
@@ -46,6 +45,15 @@ class Link:
         if not _number(self.bandwidth, inf_ok=True) or self.bandwidth <= 0:
             raise CostModelError(f"Link {self.name}: bandwidth must be a positive number of bytes/s per rank, "
                                  f"got {self.bandwidth!r} (e.g. bandwidth=370e9 for NVLink)")
+
+    def time(self, phases: int, factor: float, nbytes: float) -> float:
+        """Seconds for `phases` passes over this link, each sending factor * nbytes: the alpha-beta model.
+        It is linear in alpha and 1/bandwidth, which calibrate's fit relies on.
+
+        >>> Link("nvlink", alpha=10e-6, bandwidth=370e9).time(2, 0.75, 370e9) * 1e6  # an allreduce of 4
+        1500020.0
+        """
+        return phases * self.alpha + phases * factor * nbytes / self.bandwidth
 
 
 def _number(v, inf_ok: bool = False) -> bool:
@@ -135,17 +143,20 @@ class CostModel:
                 f"DeviceMesh(grid.reshape(nodes, gpus_per_node)), or CostModel.h200() for one node")
 
     def collective_time(self, kind: str, nbytes: float, group_size: int, mesh_axis: int, mesh_ndim: int) -> float:
-        """Seconds for one collective of `kind` over `group_size` ranks of a mesh axis."""
+        """Seconds for one collective of `kind` over `group_size` ranks of a mesh axis, moving `nbytes`
+        as its registry entry counts them (collectives.KINDS: phases and factor).
+
+        >>> CostModel.h200().collective_time("broadcast", 1024, 4, 0, 1)
+        Traceback (most recent call last):
+        ...
+        egraph_did.errors.CostModelError: unknown collective 'broadcast'; known: allgather, reduce_scatter, allreduce, alltoall, slice
+        """
+        entry = KINDS.get(kind)
+        if entry is None:
+            raise CostModelError(f"unknown collective {kind!r}; known: {', '.join(KINDS)}")
         if group_size <= 1:
             return 0.0
-        link = self.link(mesh_axis, mesh_ndim)
-        p = group_size
-        factor = {"allgather": (p - 1) / p, "reduce_scatter": (p - 1) / p, "alltoall": (p - 1) / p,
-                  "allreduce": 2 * (p - 1) / p, "broadcast": 1.0, "send_recv": 1.0}.get(kind)
-        if factor is None:
-            raise CostModelError(f"unknown collective {kind!r}; known: {COLLECTIVES}")
-        phases = 2 if kind == "allreduce" else 1
-        return phases * link.alpha + factor * nbytes / link.bandwidth
+        return self.link(mesh_axis, mesh_ndim).time(entry.phases, entry.factor(group_size), nbytes)
 
     def peak(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for `dtype` (float32's for a dtype the table lacks)."""

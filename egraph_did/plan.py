@@ -14,7 +14,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .cost import COLLECTIVES, CostModel, check_cost_model
+from .collectives import KINDS, Move, cancellation, communicating, is_local
+from .cost import CostModel, check_cost_model
 from .errors import DtypeError, EgraphDidError, PlanError, ShapeError
 from .explain import explain_plan
 from .fusion import as_fusion
@@ -200,7 +201,7 @@ class Plan:
     @property
     def collectives(self) -> list[Collective]:
         """Every communicating collective, in execution order (local slices excluded)."""
-        return [s for s in self.steps if isinstance(s, Collective) and s.kind != "slice"]
+        return [s for s in self.steps if isinstance(s, Collective) and not is_local(s.kind)]
 
     @property
     def compute_steps(self) -> list[ComputeStep]:
@@ -221,10 +222,10 @@ class Plan:
         >>> ed.optimize(row_sum(4, 6), ed.DeviceMesh.arange(2)).count("all_reduce")
         Traceback (most recent call last):
         ...
-        egraph_did.errors.PlanError: count: unknown collective kind 'all_reduce'; kinds are allgather, reduce_scatter, allreduce, alltoall, broadcast, send_recv
+        egraph_did.errors.PlanError: count: unknown collective kind 'all_reduce'; kinds are allgather, reduce_scatter, allreduce, alltoall
         """
-        if kind not in COLLECTIVES:
-            raise PlanError(f"count: unknown collective kind {kind!r}; kinds are {', '.join(COLLECTIVES)}")
+        if kind not in communicating():
+            raise PlanError(f"count: unknown collective kind {kind!r}; kinds are {', '.join(communicating())}")
         return sum(1 for c in self.collectives if c.kind == kind)
 
     def layout_of(self, tensor: str) -> Layout:
@@ -340,7 +341,7 @@ class Plan:
 
     # ------------------------------------------------------------ simplify
     def simplified(self) -> "Plan":
-        """A copy with back-to-back collectives that cancel removed (rewrites/resharding.CANCELLATIONS):
+        """A copy with back-to-back collectives that cancel removed (collectives.CANCELLATIONS):
         allgather then slice, slice then allgather, alltoall there and back: readers of the second's
         result read the first's input; reduce_scatter then allgather becomes one allreduce. The extractor
         never picks such pairs (the direct class is cheaper); hand-written or edited plans may hold them.
@@ -351,8 +352,6 @@ class Plan:
         >>> len(plan.simplified().steps) == len(plan.steps)
         True
         """
-        from egraph_did.rewrites.resharding import CANCELLATIONS
-        pairs = {(a, b) for a, b, _ in CANCELLATIONS}
         steps = list(self.steps)
         rename: dict[str, str] = {}
         out: list[Step] = []
@@ -364,18 +363,21 @@ class Plan:
         dropped: set[int] = set()
         for s in steps:
             first = producer.get(s.src) if isinstance(s, Collective) else None
-            if (first is not None and id(first) not in dropped and (first.kind, s.kind) in pairs
-                    and first.mesh_axis == s.mesh_axis and readers.get(first.dst) == 1
-                    and first.dst not in self.outputs.values()):
-                if self.values[s.dst].layout == self.values[first.src].layout:
+            pair = cancellation(first.kind, s.kind) if first is not None else None
+            if (pair is not None and id(first) not in dropped and first.mesh_axis == s.mesh_axis
+                    and readers.get(first.dst) == 1 and first.dst not in self.outputs.values()):
+                src, dst = self.values[first.src], self.values[s.dst]
+                if pair.becomes is None and dst.layout == src.layout:
                     rename[s.dst] = first.src  # the pair is the identity
                     dropped.update((id(first), id(s)))
                     continue
-                if (first.kind, s.kind) == ("reduce_scatter", "allgather"):
+                if pair.becomes is not None:  # one collective does what the pair did
+                    move = Move(self.mesh, src.shape, src.layout_obj, dst.layout_obj, s.mesh_axis)
+                    nbytes = KINDS[pair.becomes].moved(move, canonical_dtype(src.dtype).itemsize)
                     dropped.add(id(first))
-                    out.append(dataclasses.replace(s, kind="allreduce", src=first.src, bytes=first.bytes,
-                                                   time=self.cost_model.collective_time(
-                                                       "allreduce", first.bytes, self.mesh.shape[s.mesh_axis],
+                    out.append(dataclasses.replace(s, kind=pair.becomes, src=first.src, bytes=nbytes,
+                                                   reduce=first.reduce, time=self.cost_model.collective_time(
+                                                       pair.becomes, nbytes, self.mesh.shape[s.mesh_axis],
                                                        s.mesh_axis, self.mesh.ndim)))
                     continue
             out.append(s)

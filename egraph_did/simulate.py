@@ -7,17 +7,17 @@ from typing import Mapping
 
 import torch
 
+from . import collectives
 from .errors import PlanError, ShapeError
-from .shards import Operand, RankContext
 from .local import run_local
 from .ops import INDEX_ARGS, check_indices
 from .plan import Collective, ComputeStep, Plan
-from .sharding import shard_tensor, unshard_tensor
+from .shards import Operand, RankContext, shard, unshard
 
 
 def collective(plan: Plan, c: Collective, local: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Every rank's result of one collective, given every rank's input. Cuts follow the destination
-    layout's loop domain (RankContext.shard_range), so uneven and nested splits are exact.
+    """Every rank's result of one collective, given every rank's input: its registry entry's simulate
+    (collectives.KINDS) on each group of the collective's mesh axis.
 
     >>> import torch, egraph_did as ed
     >>> from egraph_did.models import row_sum
@@ -28,38 +28,11 @@ def collective(plan: Plan, c: Collective, local: dict[int, torch.Tensor]) -> dic
     >>> c.kind, collective(plan, c, {r: torch.ones(8) for r in mesh.ranks})[3]
     ('reduce_scatter', tensor([4., 4.]))
     """
-    mesh, m = plan.mesh, c.mesh_axis
-    src_val, dst_val = plan.values[c.src], plan.values[c.dst]
-    src, dst = src_val.layout_obj, dst_val.layout_obj
-    out = {}
-    for rank in mesh.ranks:
-        ctx = RankContext(mesh, rank)
-        parts = [local[r] for r in mesh.ranks_along(m, rank)]
-
-        def cut(t: torch.Tensor) -> torch.Tensor:
-            """Narrow t, laid out as src minus its split on mesh axis m, to what dst gives this rank."""
-            lo, hi = ctx.cut_range(dst_val.shape, src, dst, m)
-            return t.narrow(dst[m].axis, lo, hi - lo)
-
-        if c.kind == "allreduce":
-            res = parts[0].clone()
-            for x in parts[1:]:
-                res = torch.maximum(res, x) if c.reduce == "max" else res + x
-        elif c.kind == "reduce_scatter":
-            res = parts[0].clone()
-            for x in parts[1:]:
-                res = res + x
-            res = cut(res)
-        elif c.kind == "allgather":
-            res = torch.cat(parts, dim=src[m].axis)
-        elif c.kind == "alltoall":
-            res = cut(torch.cat(parts, dim=src[m].axis))
-        elif c.kind == "slice":
-            res = cut(local[rank])
-        else:
-            raise PlanError(f"unknown collective {c.kind!r}")
-        out[rank] = res.contiguous()
-    return out
+    entry = collectives.get(c.kind, f"simulate: {c.kind}[{c.mesh_axis_name}] {c.tensor}")
+    src, dst = plan.values[c.src], plan.values[c.dst]
+    move = collectives.Move(plan.mesh, src.shape, src.layout_obj, dst.layout_obj, c.mesh_axis, c.reduce)
+    return {r: entry.simulate(move, [local[q] for q in plan.mesh.ranks_along(c.mesh_axis, r)], r).contiguous()
+            for r in plan.mesh.ranks}
 
 
 def compute_on_rank(plan: Plan, step: ComputeStep, env: Mapping[str, torch.Tensor], rank: int
@@ -143,8 +116,7 @@ def bind_inputs(plan: Plan, inputs: Mapping[str, torch.Tensor]) -> dict[str, dic
                 raise ShapeError(f"simulate: input {name!r} has shape {tuple(inputs[name].shape)}, the plan expects "
                                  f"{val.shape}; simulate takes whole (global) tensors, of the shapes the plan was "
                                  f"optimized for (optimize the fusion at these shapes, with like=plan)")
-            view = plan.value_view(v)
-            env[v] = {r: shard_tensor(inputs[name], view, r) for r in plan.mesh.ranks}
+            env[v] = {r: shard(inputs[name], val.layout_obj, plan.mesh, r, name) for r in plan.mesh.ranks}
     return env
 
 
@@ -197,7 +169,7 @@ def simulate(plan: Plan, inputs: Mapping[str, torch.Tensor], lowered: bool = Tru
                 outs = compute_on_rank(plan, step, {v: env[v][r] for v in env if r in env[v]}, r)
                 for v, t in outs.items():
                     env.setdefault(v, {})[r] = t
-    return {name: unshard_tensor([env[v][r] for r in sorted(mesh.ranks)], plan.value_view(v))
+    return {name: unshard(env[v], plan.values[v].layout_obj, mesh, plan.values[v].shape, name)
             for name, v in plan.outputs.items()}
 
 

@@ -1,5 +1,6 @@
 """Communication lowering on real processes: every collective the e-graph offers, run over gloo by four
-processes, gives each rank exactly what egraph_did.simulate.collective gives it on the same data.
+processes (its registry entry's `run`), gives each rank exactly what egraph_did.simulate.collective (the
+entry's `simulate`) gives it on the same data.
 
 Shapes are chosen to be uneven (7 over 4 is 2, 2, 2, 1; 13 on 2x2 nests 7 | 6 then 4, 3 | 4, 2) and
 3-D, so sharded axes are inner as often as outer. Values are small integers in float32: the backend's
@@ -11,7 +12,6 @@ from __future__ import annotations
 import itertools
 import zlib
 
-import pytest
 import torch
 
 from egraph_did import DeviceMesh
@@ -19,8 +19,8 @@ from egraph_did.cost import CostModel
 from egraph_did.launcher import launch
 from egraph_did.layout import Layout, valid_layouts
 from egraph_did.lowering import communication as comm
+from egraph_did.collectives import KINDS, connecting
 from egraph_did.plan import Collective, Plan, Value
-from egraph_did.rewrites.resharding import reshards
 from egraph_did.simulate import collective
 
 # The 2x2 meshes list their ranks out of order on purpose: the backend orders a group by rank, the
@@ -41,7 +41,7 @@ SHAPES = {
 
 def cases():
     """(mesh name, shape, src, dst, kind, mesh axis) for every collective the e-graph offers: one mesh
-    axis changes, as a Reshard allows, and no inner mesh axis splits the tensor axis it moves (the rule
+    axis changes, as a registry entry connects, and no inner mesh axis splits the tensor axis it moves (the rule
     of egraph_did.egraph.transitions, restated here so that this test needs no egglog)."""
     for mname, mesh in MESHES.items():
         for shape in SHAPES[mname]:
@@ -53,8 +53,8 @@ def cases():
                 m = diff[0]
                 if any(p.is_shard and p in src.placements[m + 1:] for p in (src[m], dst[m])):
                     continue
-                for r in reshards(src[m], dst[m]):
-                    yield mname, shape, src.code(), dst.code(), r.kind, m
+                for k in connecting(src[m], dst[m]):
+                    yield mname, shape, src.code(), dst.code(), k.name, m
 
 
 def plan_for(mesh: DeviceMesh, shape, src: str, dst: str, dtype: str = "float32") -> Plan:
@@ -116,52 +116,12 @@ def every_collective(rank: int) -> tuple[int, list[str], set]:
     return n, failures, seen
 
 
-def point_to_point(rank: int) -> dict:
-    """broadcast from rank 2 over the world and over a mesh-axis group; a ring of send/recv."""
-    mesh = DeviceMesh([[0, 1], [2, 3]])
-    mine = torch.arange(6.).reshape(2, 3) + 10 * rank
-    world = comm.broadcast(mine, src=2)
-    group = comm.axis_group(mesh, 0, rank)  # columns: (0, 2) and (1, 3)
-    column = comm.broadcast(mine, src=group.members[1], group=group)
-    nxt, prev = (rank + 1) % 4, (rank - 1) % 4
-    if rank % 2 == 0:  # even ranks send first, odd ranks receive first: no cycle of blocking sends
-        comm.send(mine, nxt)
-        got = comm.recv((2, 3), torch.float32, prev)
-    else:
-        got = comm.recv((2, 3), torch.float32, prev)
-        comm.send(mine, nxt)
-    flags = comm.broadcast(torch.tensor([rank % 2 == 0, True]), src=1)
-    return {"world": world, "column": column, "ring": got, "flags": flags, "mine": mine}
-
-
-def work(rank: int):
-    return every_collective(rank), point_to_point(rank)
-
-
-@pytest.fixture(scope="module")
-def results():
-    """One launch of four gloo processes for every test below."""
-    return launch(work, nprocs=4, backend="gloo", timeout=180)
-
-
-def test_every_collective_matches_simulate_exactly_on_gloo(results):
+def test_every_collective_matches_simulate_exactly_on_gloo():
+    results = launch(every_collective, nprocs=4, backend="gloo", timeout=180)
     n_cases = len(list(cases()))
     kinds = {kind for *_, kind, _ in cases()}
-    assert kinds == {"allgather", "reduce_scatter", "allreduce", "alltoall", "slice"}
-    for rank, ((n, failures, seen), _) in enumerate(results):
+    assert kinds == set(KINDS)  # every registry entry is offered somewhere, and run here
+    for rank, (n, failures, seen) in enumerate(results):
         assert not failures, "\n".join(failures[:20])
         assert n == n_cases + 11
         assert {(mname, k) for mname in MESHES for k in kinds} == seen, f"rank {rank} skipped a case"
-
-
-def test_broadcast_reaches_the_world_and_one_mesh_axis_group(results):
-    for rank, (_, p2p) in enumerate(results):
-        assert torch.equal(p2p["world"], results[2][1]["mine"])
-        source = {0: 2, 2: 2, 1: 3, 3: 3}[rank]  # the second member of this rank's column
-        assert torch.equal(p2p["column"], results[source][1]["mine"])
-        assert torch.equal(p2p["flags"], torch.tensor([False, True]))
-
-
-def test_send_recv_ring_passes_each_tensor_to_the_next_rank(results):
-    for rank, (_, p2p) in enumerate(results):
-        assert torch.equal(p2p["ring"], results[(rank - 1) % 4][1]["mine"])

@@ -1,0 +1,507 @@
+"""Collectives: one registry entry per kind, the one place that says what a collective is.
+
+An entry states, for a tensor moving between placements on one mesh axis: the identity it implements
+(its docstring's first line), which placements it connects (the resharding rule the e-graph offers),
+which bytes it moves and in how many latency-bound phases (the cost model and calibration price
+these), what every rank ends up with (`simulate`, on every rank's tensor in one process) and the
+torch.distributed call that does it (`run`, on this rank's tensor).
+
+>>> for k in KINDS.values():
+...     print(f"{k.name:15}{k.identity}")
+allgather      S(a) -> R: every rank gets the concatenation of all shards along a
+reduce_scatter P -> S(a): rank r gets (sum_q x_q)[shard r]
+allreduce      P -> R: every rank gets sum_r x_r (max_r x_r for a pending max)
+alltoall       S(a) -> S(b): rank r sends piece q of its a-shard, cut along b, to rank q
+slice          R -> S(a): each rank keeps its own shard; no communication
+
+Adding a kind is one class here, registered with @register; the e-graph offers it wherever `connects`
+holds, and the cost model, simulate, the runtime and calibration read it from KINDS.
+
+Cuts follow the destination layout's loop domain (RankContext.cut_range), so uneven and nested splits
+are exact; `run` gives a rank exactly what `simulate` gives it. On the wire every member's piece is
+padded to the largest one (the backend moves equal pieces), a sharded axis that is not outermost moves
+to the front, and bool travels as uint8 (gloo has no bool). torch 2.13 renames all_gather_into_tensor
+/ reduce_scatter_tensor to all_gather_single / reduce_scatter_single (the old names warn); torch 2.11
+has only the old names: the newest present is used.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .errors import PlanError
+from .layout import P, Layout, Placement, R, S
+from .mesh import DeviceMesh
+from .shards import RankContext, local_extents
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+# ---------------------------------------------------------------------------- what an entry acts on
+
+@dataclass(frozen=True)
+class Move:
+    """A tensor of global `shape` going from layout src to dst by a collective on mesh axis m; reduce
+    says how a pending partial combines ('sum' or 'max').
+
+    >>> move = Move(DeviceMesh.arange(4), (10,), Layout((R,)), Layout((S(0),)), 0)
+    >>> [move.cut(r) for r in range(4)]  # what each rank keeps of the 10 it holds (ceil-sized pieces)
+    [(0, 3), (3, 6), (6, 9), (9, 10)]
+    >>> Move(DeviceMesh.arange(4), (10,), Layout((S(0),)), Layout((R,)), 0).held(3)
+    1
+    """
+
+    mesh: DeviceMesh
+    shape: tuple[int, ...]
+    src: Layout
+    dst: Layout
+    m: int
+    reduce: str = "sum"
+
+    def cut(self, rank: int) -> tuple[int, int]:
+        """[lo, hi) along dst's split axis that dst leaves `rank`, relative to src with axis m replicated."""
+        return RankContext(self.mesh, rank).cut_range(self.shape, self.src, self.dst, self.m)
+
+    def held(self, rank: int) -> int:
+        """How many elements of the axis that src splits on mesh axis m `rank` holds."""
+        a = self.src[self.m].axis
+        lo, hi = RankContext(self.mesh, rank).shard_range(self.shape[a], self.src, a)
+        return hi - lo
+
+    def nbytes(self, layout: Layout, itemsize: int) -> int:
+        """Bytes of the largest shard of the tensor under `layout` (what one rank holds)."""
+        return math.prod(local_extents(self.shape, layout, self.mesh)) * itemsize
+
+
+@dataclass(frozen=True)
+class AxisGroup:
+    """The ranks on one mesh axis through a rank, and the process group that connects them.
+
+    members is in mesh order (coordinate 0 first): the order simulate concatenates in. The backend
+    orders a group by ascending global rank, so `slot(i)` is where member i's piece sits in a backend
+    buffer. pg is None for a group of one (nothing to communicate).
+
+    >>> group = AxisGroup((3, 1), me=0, pg=None)  # a shuffled mesh axis: rank 3 comes first
+    >>> group.size, group.rank, group.slot(0)
+    (2, 3, 1)
+    """
+
+    members: tuple[int, ...]
+    me: int  # this rank's index in members
+    pg: object | None
+
+    @property
+    def size(self) -> int:
+        """How many ranks the group holds."""
+        return len(self.members)
+
+    @property
+    def rank(self) -> int:
+        """This rank's global rank."""
+        return self.members[self.me]
+
+    def slot(self, member_index: int) -> int:
+        """The backend position of members[member_index]."""
+        return sorted(self.members).index(self.members[member_index])
+
+
+# ---------------------------------------------------------------------------- the wire
+
+def wait(work, timeout: float | None, what: str) -> None:
+    """Wait for an async backend call; TimeoutError naming it after `timeout` seconds (None: the
+    process group's own timeout).
+
+    >>> wait(None, 1.0, "nothing")  # a call that moved no data returns no work
+    """
+    if work is None:
+        return
+    if timeout is None:
+        work.wait()
+        return
+    try:
+        ok = work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:
+        raise TimeoutError(f"{what} did not complete within {timeout:g} s ({e}); a rank of its group "
+                           f"has not reached it") from None
+    if ok is False:
+        raise TimeoutError(f"{what} did not complete within {timeout:g} s; a rank of its group has not "
+                           f"reached it")
+
+
+def to_wire(t: torch.Tensor) -> torch.Tensor:
+    """What the backend moves: bool travels as uint8 (gloo has no bool).
+
+    >>> to_wire(torch.tensor([True, False])), from_wire(torch.tensor([1, 0], dtype=torch.uint8), torch.bool)
+    (tensor([1, 0], dtype=torch.uint8), tensor([ True, False]))
+    """
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+def from_wire(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of to_wire for a tensor that was `dtype`."""
+    return t.view(torch.bool) if dtype == torch.bool else t
+
+
+def padded(t: torch.Tensor, size: int) -> torch.Tensor:
+    """t zero-padded along axis 0 to `size` (the backend moves equal pieces).
+
+    >>> padded(torch.ones(1, 2), 2)
+    tensor([[1., 1.],
+            [0., 0.]])
+    """
+    if t.shape[0] == size:
+        return t
+    out = t.new_zeros((size,) + tuple(t.shape[1:]))
+    out[: t.shape[0]] = t
+    return out
+
+
+def _front(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """t with `dim` moved to the front, contiguous (the backend cuts along the first axis)."""
+    return t.movedim(dim, 0).contiguous() if dim else t.contiguous()
+
+
+def _cut(t: torch.Tensor, move: Move, rank: int) -> torch.Tensor:
+    """What dst gives `rank` of t, laid out as src with axis m replicated."""
+    lo, hi = move.cut(rank)
+    return t.narrow(move.dst[move.m].axis, lo, hi - lo)
+
+
+def _sum(parts: Sequence[torch.Tensor], reduce: str) -> torch.Tensor:
+    """Left-to-right sum (or maximum) of the parts, in a new tensor."""
+    out = parts[0].clone()
+    for x in parts[1:]:
+        out = torch.maximum(out, x) if reduce == "max" else out + x
+    return out
+
+
+# ---------------------------------------------------------------------------- the registry
+
+@dataclass(frozen=True)
+class Kind:
+    """A collective kind. Subclasses state one identity (their docstring's first line) and override
+    what differs; `phases` latency-bound steps each send factor(p) of `nbytes` (the alpha-beta model:
+    t = phases * alpha + phases * factor(p) * nbytes / bandwidth, cost.Link.time).
+
+    >>> KINDS["allreduce"].phases, KINDS["allreduce"].factor(4), KINDS["slice"].phases
+    (2, 0.75, 0)
+    """
+
+    name: ClassVar[str]
+    phases: ClassVar[int] = 1  # a ring collective is one pass; allreduce two
+    example: ClassVar[tuple[Placement, Placement]]  # a (src, dst) it connects: tests and calibration
+
+    @property
+    def identity(self) -> str:
+        """The identity this collective implements, in one line."""
+        return type(self).__doc__.strip().splitlines()[0]
+
+    @property
+    def communicates(self) -> bool:
+        """Whether ranks exchange data (a local slice does not)."""
+        return self.phases > 0
+
+    def factor(self, p: int) -> float:
+        """The share of nbytes each of p ranks sends per phase: all but its own 1/p."""
+        return (p - 1) / p
+
+    def connects(self, src: Placement, dst: Placement) -> bool:  # pragma: no cover - every kind overrides
+        """Whether this collective takes a tensor from src to dst on one mesh axis."""
+        raise NotImplementedError
+
+    def nbytes(self, src_bytes: float, dst_bytes: float) -> float:
+        """The bytes the cost model charges, from what one rank holds before and after: the input."""
+        return src_bytes
+
+    def moved(self, move: Move, itemsize: int) -> float:
+        """nbytes for `move`, of elements of `itemsize` bytes (shards as the largest rank holds them).
+
+        >>> KINDS["allgather"].moved(Move(DeviceMesh.arange(4), (8, 8), Layout((S(0),)), Layout((R,)), 0), 4)
+        256
+        """
+        return self.nbytes(move.nbytes(move.src, itemsize), move.nbytes(move.dst, itemsize))
+
+    def simulate(self, move: Move, parts: Sequence[torch.Tensor], rank: int) -> torch.Tensor:  # pragma: no cover
+        """`rank`'s result, given every member's tensor of its group on axis m, in mesh order."""
+        raise NotImplementedError
+
+    def run(self, move: Move, t: torch.Tensor, group: AxisGroup, timeout: float | None = None
+            ) -> torch.Tensor:  # pragma: no cover - every kind overrides
+        """This rank's result over torch.distributed, given its own tensor: simulate's, for this rank."""
+        raise NotImplementedError
+
+
+KINDS: dict[str, Kind] = {}
+
+
+def register(cls: type[Kind]) -> type[Kind]:
+    """Register a collective kind under its name, as a frozen dataclass (a value: no state)."""
+    KINDS[cls.name] = dataclass(frozen=True)(cls)()
+    return cls
+
+
+@register
+class Allgather(Kind):
+    """S(a) -> R: every rank gets the concatenation of all shards along a
+
+    >>> move = Move(DeviceMesh.arange(2), (3,), Layout((S(0),)), Layout((R,)), 0)
+    >>> KINDS["allgather"].simulate(move, [torch.tensor([0., 1.]), torch.tensor([2.])], rank=1)
+    tensor([0., 1., 2.])
+    """
+
+    name = "allgather"
+    example = (S(0), R)
+
+    def connects(self, src, dst):
+        return src.is_shard and dst == R
+
+    def nbytes(self, src_bytes, dst_bytes):
+        return dst_bytes  # a rank ends with the whole, of which it received (p-1)/p
+
+    def simulate(self, move, parts, rank):
+        return torch.cat(list(parts), dim=move.src[move.m].axis)
+
+    def run(self, move, t, group, timeout=None):
+        if group.pg is None:
+            return self.simulate(move, [t], group.rank).contiguous()
+        dim = move.src[move.m].axis
+        sizes = [move.held(r) for r in group.members]
+        front = _front(t, dim)
+        chunk = max(sizes)
+        buf = to_wire(padded(front, chunk))
+        out = buf.new_empty((group.size * chunk,) + tuple(front.shape[1:]))
+        if out.numel():
+            wait(_all_gather_single(out, buf.contiguous(), group=group.pg, async_op=True), timeout,
+                 f"allgather over ranks {group.members}")
+        out = from_wire(out, t.dtype)
+        pieces = [out[group.slot(i) * chunk: group.slot(i) * chunk + n] for i, n in enumerate(sizes)]
+        return torch.cat(pieces, 0).movedim(0, dim).contiguous()
+
+
+@register
+class ReduceScatter(Kind):
+    """P -> S(a): rank r gets (sum_q x_q)[shard r]
+
+    >>> move = Move(DeviceMesh.arange(2), (3,), Layout((P,)), Layout((S(0),)), 0)
+    >>> KINDS["reduce_scatter"].simulate(move, [torch.ones(3), torch.ones(3)], rank=1)
+    tensor([2.])
+    """
+
+    name = "reduce_scatter"
+    example = (P, S(0))
+
+    def connects(self, src, dst):
+        return src == P and dst.is_shard
+
+    def simulate(self, move, parts, rank):
+        return _cut(_sum(parts, move.reduce), move, rank)
+
+    def run(self, move, t, group, timeout=None):
+        if group.pg is None:
+            return self.simulate(move, [t], group.rank).contiguous()
+        dim = move.dst[move.m].axis
+        bounds = [move.cut(r) for r in group.members]
+        front = _front(t, dim)
+        chunk = max(b - a for a, b in bounds)
+        rest = tuple(front.shape[1:])
+        buf = front.new_zeros((group.size * chunk,) + rest)
+        for i, (a, b) in enumerate(bounds):
+            s = group.slot(i) * chunk
+            buf[s: s + b - a] = front[a:b]
+        out = buf.new_empty((chunk,) + rest)
+        if out.numel():
+            wait(_reduce_scatter_single(out, buf, op=_REDUCE_OPS[move.reduce], group=group.pg, async_op=True),
+                 timeout, f"reduce_scatter over ranks {group.members}")
+        lo, hi = bounds[group.me]
+        return out[: hi - lo].movedim(0, dim).contiguous()
+
+
+@register
+class Allreduce(Kind):
+    """P -> R: every rank gets sum_r x_r (max_r x_r for a pending max)
+
+    >>> move = Move(DeviceMesh.arange(2), (2,), Layout((P,)), Layout((R,)), 0, reduce="max")
+    >>> KINDS["allreduce"].simulate(move, [torch.tensor([1., 5.]), torch.tensor([3., 2.])], rank=0)
+    tensor([3., 5.])
+    """
+
+    name = "allreduce"
+    phases = 2  # NCCL's ring allreduce is a reduce-scatter phase then an allgather phase
+    example = (P, R)
+
+    def connects(self, src, dst):
+        return src.is_partial and dst == R
+
+    def simulate(self, move, parts, rank):
+        return _sum(parts, move.reduce)
+
+    def run(self, move, t, group, timeout=None):
+        out = t.contiguous().clone()
+        if group.pg is None or not out.numel():
+            return out
+        if move.reduce not in _REDUCE_OPS:
+            raise PlanError(f"allreduce: unknown reduction {move.reduce!r} (sum or max)")
+        wait(dist.all_reduce(out, op=_REDUCE_OPS[move.reduce], group=group.pg, async_op=True), timeout,
+             f"allreduce({move.reduce}) over ranks {group.members}")
+        return out
+
+
+@register
+class Alltoall(Kind):
+    """S(a) -> S(b): rank r sends piece q of its a-shard, cut along b, to rank q
+
+    >>> move = Move(DeviceMesh.arange(2), (2, 2), Layout((S(0),)), Layout((S(1),)), 0)
+    >>> KINDS["alltoall"].simulate(move, [torch.tensor([[0., 1.]]), torch.tensor([[2., 3.]])], rank=1)
+    tensor([[1.],
+            [3.]])
+    """
+
+    name = "alltoall"
+    example = (S(0), S(1))
+
+    def connects(self, src, dst):
+        return src.is_shard and dst.is_shard and src.axis != dst.axis
+
+    def simulate(self, move, parts, rank):
+        return _cut(torch.cat(list(parts), dim=move.src[move.m].axis), move, rank)
+
+    def run(self, move, t, group, timeout=None):
+        if group.pg is None:
+            return self.simulate(move, [t], group.rank).contiguous()
+        src_dim, dst_dim = move.src[move.m].axis, move.dst[move.m].axis
+        sizes = [move.held(r) for r in group.members]
+        bounds = [move.cut(r) for r in group.members]
+        box = list(t.shape)
+        box[src_dim], box[dst_dim] = max(sizes), max(b - a for a, b in bounds)
+        send = t.new_zeros([group.size] + box)
+        for i, (a, b) in enumerate(bounds):
+            piece = t.narrow(dst_dim, a, b - a)
+            send[group.slot(i)][tuple(slice(0, n) for n in piece.shape)] = piece
+        send = to_wire(send)
+        recv = torch.empty_like(send)
+        if recv.numel():
+            wait(dist.all_to_all_single(recv, send, group=group.pg, async_op=True), timeout,
+                 f"alltoall over ranks {group.members}")
+        recv = from_wire(recv, t.dtype)
+        lo, hi = bounds[group.me]
+        pieces = []
+        for i, n in enumerate(sizes):
+            shape = list(t.shape)
+            shape[src_dim], shape[dst_dim] = n, hi - lo
+            pieces.append(recv[group.slot(i)][tuple(slice(0, k) for k in shape)])
+        return torch.cat(pieces, src_dim).contiguous()
+
+
+@register
+class Slice(Kind):
+    """R -> S(a): each rank keeps its own shard; no communication
+
+    >>> move = Move(DeviceMesh.arange(2), (3,), Layout((R,)), Layout((S(0),)), 0)
+    >>> KINDS["slice"].simulate(move, [torch.arange(3.), torch.arange(3.)], rank=1)
+    tensor([2.])
+    """
+
+    name = "slice"
+    phases = 0  # local: the optimizer prices it as a copy kernel
+    example = (R, S(0))
+
+    def connects(self, src, dst):
+        return src == R and dst.is_shard
+
+    def nbytes(self, src_bytes, dst_bytes):
+        return 0.0
+
+    def simulate(self, move, parts, rank):
+        return _cut(parts[move.mesh.coords(rank)[move.m]], move, rank)
+
+    def run(self, move, t, group, timeout=None):
+        return _cut(t, move, group.rank).contiguous()
+
+
+# ---------------------------------------------------------------------------- queries
+
+def get(name: str, where: str = "") -> Kind:
+    """The registry entry of collective `name`; PlanError naming the kinds for an unknown one.
+
+    >>> get("all_reduce", "simulate")
+    Traceback (most recent call last):
+    ...
+    egraph_did.errors.PlanError: simulate: unknown collective kind 'all_reduce'; kinds are allgather, reduce_scatter, allreduce, alltoall, slice
+    """
+    if name not in KINDS:
+        raise PlanError(f"{where + ': ' if where else ''}unknown collective kind {name!r}; kinds are "
+                        f"{', '.join(KINDS)}")
+    return KINDS[name]
+
+
+def communicating() -> tuple[str, ...]:
+    """The kinds that move data between ranks (what Plan.collectives lists and calibration measures).
+
+    >>> communicating()
+    ('allgather', 'reduce_scatter', 'allreduce', 'alltoall')
+    """
+    return tuple(name for name, k in KINDS.items() if k.communicates)
+
+
+def is_local(name: str) -> bool:
+    """Whether a collective of kind `name` moves nothing between ranks (a slice); an unknown kind is
+    taken to communicate, so that nothing is hidden from counts and pictures.
+
+    >>> is_local("slice"), is_local("allgather")
+    (True, False)
+    """
+    return name in KINDS and not KINDS[name].communicates
+
+
+def connecting(src: Placement, dst: Placement) -> list[Kind]:
+    """The kinds that take a tensor from src to dst on one mesh axis.
+
+    >>> [k.name for k in connecting(P, R)], [k.name for k in connecting(R, P)]
+    (['allreduce'], [])
+    """
+    return [k for k in KINDS.values() if k.connects(src, dst)]
+
+
+@dataclass(frozen=True)
+class Cancellation:
+    """`first` then `second` on one mesh axis is `becomes` (None: the identity, when the pair ends in the
+    layout it started from). The extractor never picks such a pair (the direct class is cheaper); plans
+    loaded from JSON or written by hand are cleaned with them (Plan.simplified).
+
+    >>> CANCELLATIONS[-1].becomes, CANCELLATIONS[-1].identity.split(":")[0]
+    ('allreduce', 'allgather(reduce_scatter(x, a), a) = allreduce(x)')
+    """
+
+    first: str
+    second: str
+    becomes: str | None
+    identity: str
+
+
+CANCELLATIONS: tuple[Cancellation, ...] = (
+    Cancellation("allgather", "slice", None, "slice(allgather(x, a), a) = x: S(a) -> R -> S(a)"),
+    Cancellation("slice", "allgather", None, "allgather(slice(x, a), a) = x: R -> S(a) -> R"),
+    Cancellation("alltoall", "alltoall", None, "alltoall(alltoall(x, a->b), b->a) = x: S(a) -> S(b) -> S(a)"),
+    Cancellation("reduce_scatter", "allgather", "allreduce",
+                 "allgather(reduce_scatter(x, a), a) = allreduce(x): P -> S(a) -> R"),
+)
+
+
+def cancellation(first: str, second: str) -> Cancellation | None:
+    """What `first` then `second` on one mesh axis compose to, if they cancel.
+
+    >>> cancellation("slice", "allgather").becomes is None, cancellation("allgather", "allreduce")
+    (True, None)
+    """
+    return next((c for c in CANCELLATIONS if (c.first, c.second) == (first, second)), None)
+
+
+__all__ = ["KINDS", "Kind", "Move", "AxisGroup", "register", "get", "communicating", "is_local", "connecting",
+           "Cancellation", "CANCELLATIONS", "cancellation", "wait", "to_wire", "from_wire", "padded"]
