@@ -7,9 +7,9 @@ stratify the graph so it stays acyclic: compute ops write level 0 and read level
 collectives and Keep move one level up, one mesh axis at a time.
 
 Rules are few and generic (one per (operand count, output count) for ops, two per level for
-collectives); the per-expr strategies and the reshard table are facts. Rules run forward from the
-classes that exist (the pinned inputs and every layout of free ones), so saturation builds exactly
-the reachable layouts. All version-specific egglog calls live in this module.
+collectives); the per-expr strategies and the moves the collective registry connects are facts.
+Rules run forward from the classes that exist (the pinned inputs and every layout of free ones), so
+saturation builds exactly the reachable layouts. All version-specific egglog calls live in this module.
 """
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ from itertools import product
 
 from egglog import EGraph, Expr, String, StringLike, function, i64, i64Like, relation, rule, ruleset, union, var
 
-from egraph_did.rewrites.resharding import reshards
-
+from .collectives import connecting
 from .layout import Layout
 from .physgraph import Node, PhysGraph
 from .problem import Problem
@@ -140,8 +139,8 @@ def transitions(problem: Problem) -> list[tuple[str, str, str, int]]:
         inner = src.placements[m + 1:]
         if any(p.is_shard and p in inner for p in (src[m], dst[m])):
             continue
-        for r in reshards(src[m], dst[m]):
-            out.append((src.code(), dst.code(), r.kind, m))
+        for k in connecting(src[m], dst[m]):
+            out.append((src.code(), dst.code(), k.name, m))
     return out
 
 

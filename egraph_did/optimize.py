@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import time
 
+from . import collectives
 from .cost import CostModel
-from .physgraph import Node, PhysGraph
+from .egraph import saturate
 from .errors import PlanError
+from .physgraph import Node, PhysGraph
 from .extract import ROOT, Selection, exact, greedy_dag, with_roots
 from .layout import Layout
 from .mesh import DeviceMesh
@@ -43,7 +45,8 @@ def price(graph: PhysGraph, problem: Problem) -> None:
 
 def collective_cost(problem: Problem, kind: str, axis: int, tensor: str, src: Layout, dst: Layout
                     ) -> tuple[float, float]:
-    """(seconds, bytes moved) for one collective; bytes are the full-on-this-axis tensor per rank.
+    """(seconds, bytes moved) for one collective: its registry entry says which bytes it moves (of what a
+    rank holds before and after) and the cost model prices them; a local one (a slice) is a copy kernel.
 
     >>> from egraph_did.models import row_sum
     >>> problem = build_problem(row_sum(8, 64), DeviceMesh.arange(4))
@@ -52,12 +55,11 @@ def collective_cost(problem: Problem, kind: str, axis: int, tensor: str, src: La
     (20.0, 32)
     """
     cm, mesh = problem.cost_model, problem.mesh
-    if kind == "slice":
-        out = problem.nbytes(tensor, dst)
-        return cm.compute_time(0.0, 2 * out, problem.tensor(tensor).dtype), 0.0
-    # allgather: the gathered (output) bytes; reduce_scatter and allreduce: the input's; alltoall: the shard
-    # a rank holds, (p-1)/p of which it sends
-    nbytes = problem.nbytes(tensor, dst if kind == "allgather" else src)
+    entry = collectives.get(kind, f"optimize: {tensor}")
+    held = problem.nbytes(tensor, dst)
+    if not entry.communicates:  # read and write what the rank keeps
+        return cm.compute_time(0.0, 2 * held, problem.tensor(tensor).dtype), 0.0
+    nbytes = entry.nbytes(problem.nbytes(tensor, src), held)
     return cm.collective_time(kind, nbytes, mesh.shape[axis], axis, mesh.ndim), nbytes
 
 
@@ -84,8 +86,6 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     t0 = time.perf_counter()
     cm = cost_model or CostModel.h200()
     pins = None if like is None else {name: like.values[v].layout_obj for name, v in like.outputs.items()}
-    from .egraph import saturate  # egglog is needed to optimize, not to load or run a plan
-
     problem = build_problem(fd, mesh, cm, pins=pins, like=like)
     t1 = time.perf_counter()
     graph = saturate(problem)
@@ -197,7 +197,7 @@ def build_plan(problem: Problem, graph: PhysGraph, sel: Selection) -> Plan:
             src = value_of[n.children[0]]
             secs, nbytes = collective_cost(problem, n.key, n.sid, t, values[src].layout_obj,
                                            values[v].layout_obj)
-            reduce = "max" if values[src].layout_obj[n.sid].reduce == "max" and n.key == "allreduce" else "sum"
+            reduce = values[src].layout_obj[n.sid].reduce  # how a pending partial combines; 'sum' otherwise
             steps.append(Collective(n.key, t, src, v, n.sid, mesh.axis_names[n.sid], nbytes, secs, reduce))
         elif n.op == "Apply":
             steps.append(_compute_step(problem, n, [v], value_of))

@@ -1,7 +1,8 @@
-"""The collectives of rewrites/resharding.py move a tensor between placements on one mesh axis exactly.
+"""The collectives of the registry (egraph_did/collectives.py) move a tensor between placements on one
+mesh axis exactly.
 
 For every pair of layouts that differ on one mesh axis (R, P, Pmax, S(0), S(1) on a 1-D mesh of 3 and a
-2x2 mesh, the nesting rule of egraph_did.egraph.transitions respected) and every Reshard that applies,
+2x2 mesh, the nesting rule of egraph_did.egraph.transitions respected) and every kind that connects them,
 every rank's input is the source layout's local tensor of a random global tensor (a partial: random
 summands adding up to it, or for a pending max, values below it with one rank per element holding it),
 egraph_did.simulate.collective runs the collective, and every rank must end up with exactly the global
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from egraph_did import DeviceMesh
+from egraph_did.collectives import CANCELLATIONS, KINDS
 from egraph_did.cost import CostModel
 from egraph_did.egraph import transitions
 from egraph_did.fusion import Fusion
@@ -29,7 +31,6 @@ from egraph_did.layout import P, PMAX, Layout, R, S, is_valid, valid_layouts
 from egraph_did.pins import apply_layout
 from egraph_did.shards import RankContext
 from egraph_did.plan import Collective, Plan, Value
-from egraph_did.rewrites.resharding import CANCELLATIONS, RESHARDS
 from egraph_did.sharding import local_indices, shard_tensor
 from egraph_did.simulate import collective
 
@@ -60,15 +61,15 @@ def nests_badly(src: Layout, dst: Layout, m: int) -> bool:
 
 
 def moves(mesh: DeviceMesh, shape):
-    """(src, dst, reshard, mesh axis) for every one-axis change that a Reshard implements."""
+    """(src, dst, registry entry, mesh axis) for every one-axis change that a collective implements."""
     lays = layouts(mesh, shape)
     for src, dst in itertools.product(lays, repeat=2):
         diff = [m for m in range(mesh.ndim) if src[m] != dst[m]]
         if len(diff) != 1 or nests_badly(src, dst, diff[0]):
             continue
-        for r in RESHARDS:
-            if r.applies(src[diff[0]], dst[diff[0]]):
-                yield src, dst, r, diff[0]
+        for k in KINDS.values():
+            if k.connects(src[diff[0]], dst[diff[0]]):
+                yield src, dst, k, diff[0]
 
 
 # ---------------------------------------------------------------------- helpers
@@ -134,7 +135,7 @@ def plan_for(mesh: DeviceMesh, shape, src: Layout, dst: Layout) -> Plan:
 
 def run(kind: str, mesh: DeviceMesh, shape, src: Layout, dst: Layout, m: int, local):
     c = Collective(kind, "t", "src", "dst", m, mesh.axis_names[m], 0.0, 0.0,
-                   reduce="max" if kind == "allreduce" and src[m] == PMAX else "sum")
+                   reduce=src[m].reduce)
     return collective(plan_for(mesh, shape, src, dst), c, local)
 
 
@@ -157,7 +158,7 @@ def _reshard_params():
     for mname, mesh in MESHES.items():
         for shape in SHAPES[mname]:
             for src, dst, r, m in moves(mesh, shape):
-                yield pytest.param(mname, shape, src, dst, r.kind, m, id=f"{mname}-{'x'.join(map(str, shape))}-{code(src)}-{r.kind}@{m}-{code(dst)}")
+                yield pytest.param(mname, shape, src, dst, r.name, m, id=f"{mname}-{'x'.join(map(str, shape))}-{code(src)}-{r.name}@{m}-{code(dst)}")
 
 
 def _seed(*parts) -> torch.Generator:
@@ -184,46 +185,48 @@ def test_the_moves_are_those_the_egraph_offers():
         for shape in SHAPES[mname]:
             fake = SimpleNamespace(layouts={"t": layouts(mesh, shape)})
             offered = {(s, d, k, m) for s, d, k, m in transitions(fake)}
-            mine = {(s.code(), d.code(), r.kind, m) for s, d, r, m in moves(mesh, shape)}
+            mine = {(s.code(), d.code(), r.name, m) for s, d, r, m in moves(mesh, shape)}
             assert offered == mine, (mname, shape, sorted(offered ^ mine))
 
 
-def test_every_reshard_is_exercised():
-    kinds = {r.kind for mname, mesh in MESHES.items() for shape in SHAPES[mname] for _, _, r, _ in moves(mesh, shape)}
-    assert kinds == {r.kind for r in RESHARDS}
-    assert all(r.identity.strip() for r in RESHARDS)
+def test_every_registry_entry_is_exercised():
+    kinds = {r.name for mname, mesh in MESHES.items() for shape in SHAPES[mname] for _, _, r, _ in moves(mesh, shape)}
+    assert kinds == set(KINDS)
+    assert all(k.identity.strip() for k in KINDS.values())
 
 
 def _cancellation_params():
-    for first, second, identity in CANCELLATIONS:
+    for c in CANCELLATIONS:
+        first, second = c.first, c.second
         for mname, mesh in MESHES.items():
             for shape in SHAPES[mname]:
                 steps = list(moves(mesh, shape))
                 for (src, mid, r1, m), (mid2, end, r2, m2) in itertools.product(steps, repeat=2):
-                    if (r1.kind, r2.kind, m2) != (first, second, m) or mid2 != mid:
+                    if (r1.name, r2.name, m2) != (first, second, m) or mid2 != mid:
                         continue
-                    back = end[m] == R if first == "reduce_scatter" else end == src
+                    back = KINDS[c.becomes].connects(src[m], end[m]) if c.becomes else end == src
                     if not back:
                         continue
-                    yield pytest.param(first, second, mname, shape, src, mid, end, m,
+                    yield pytest.param(c, mname, shape, src, mid, end, m,
                                        id=f"{first}-{second}-{mname}-{'x'.join(map(str, shape))}-"
                                           f"{code(src)}-{code(mid)}-{code(end)}@{m}")
 
 
-@pytest.mark.parametrize("first, second, mname, shape, src, mid, end, m", list(_cancellation_params()))
-def test_cancelling_pair_gives_back_the_input(first, second, mname, shape, src, mid, end, m):
+@pytest.mark.parametrize("c, mname, shape, src, mid, end, m", list(_cancellation_params()))
+def test_cancelling_pair_is_what_the_registry_says(c, mname, shape, src, mid, end, m):
+    """first then second gives back the input, or what the one collective it becomes gives."""
     mesh = MESHES[mname]
-    g = _seed(first, second, mname, shape, src, mid, m)
+    g = _seed(c.first, c.second, mname, shape, src, mid, m)
     local = Setup(mesh, shape, src, m, g).local_inputs(g)
-    twice = run(second, mesh, shape, mid, end, m, run(first, mesh, shape, src, mid, m, local))
-    want = run("allreduce", mesh, shape, src, end, m, local) if first == "reduce_scatter" else local
+    twice = run(c.second, mesh, shape, mid, end, m, run(c.first, mesh, shape, src, mid, m, local))
+    want = run(c.becomes, mesh, shape, src, end, m, local) if c.becomes else local
     for r in mesh.ranks:
-        assert torch.equal(twice[r], want[r]), f"rank {r}: {first} then {second} on mesh axis {m} changed the data"
+        assert torch.equal(twice[r], want[r]), f"rank {r}: {c.identity} does not hold on mesh axis {m}"
 
 
 def test_every_cancellation_has_a_case():
-    covered = {p.values[:2] for p in _cancellation_params()}
-    assert covered == {(a, b) for a, b, _ in CANCELLATIONS}
+    covered = {(p.values[0].first, p.values[0].second) for p in _cancellation_params()}
+    assert covered == {(c.first, c.second) for c in CANCELLATIONS}
 
 
 def test_allreduce_moves_twice_the_bytes_of_allgather():
