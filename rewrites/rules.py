@@ -165,7 +165,11 @@ ALL_RULES: list[Rule] = []
 def rule(*ops: str, cases: Sequence[Case], nestable: bool = True):
     """Register a sharding rule for `ops` ("*": every op) with its numeric cases; its docstring's first
     line states the identity. nestable=False: the identity holds only where this rule's mesh axis alone
-    splits the tensor axis it shards (the rule reasons about the whole extent of one split)."""
+    splits the tensor axis it shards (the rule reasons about the whole extent of one split).
+
+    >>> [(r.name, len(r.cases)) for r in RULES["amax"]]  # the rules of the reduction family that cover amax
+    [('reduce_other_axis', 4), ('amax_over_sharded_axis', 3)]
+    """
     def register(fn):
         doc = (fn.__doc__ or "").strip().splitlines()
         assert doc, f"rule {fn.__name__} needs a docstring stating its identity"
@@ -180,7 +184,12 @@ def rule(*ops: str, cases: Sequence[Case], nestable: bool = True):
 
 
 def axis_strategies(e: OpView) -> list[AxisStrategy]:
-    """Every way to run e on one mesh axis (distinct placements; the first rule that finds one names it)."""
+    """Every way to run e on one mesh axis (distinct placements; the first rule that finds one names it).
+
+    >>> e = OpView("mean", (Operand("x", (4, 8)),), (("dims", 1), ("keepdim", False)), (Operand("out", (4,)),), 2)
+    >>> [(s.rule, str(s.inputs[0]), str(s.outputs[0]), str(s.local)) for s in axis_strategies(e)][:2]
+    [('reduce_other_axis', 'S(0)', 'S(0)', 'None'), ('mean_over_sharded_axis', 'S(1)', 'P', 'global_count')]
+    """
     seen, out = set(), []
     for r in RULES.get(e.op, []) + RULES.get("*", []):
         for s in r.strategies(e):
