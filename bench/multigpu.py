@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import egraph_did as ed  # noqa: E402
+from egraph_did.collectives import is_local  # noqa: E402
 
 PLANS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plans")
 GPT3 = dict(batch=1, seq=2048, hidden=12288, heads=96)
@@ -87,8 +88,7 @@ def per_device_compute(plan, device, iters: int = 20) -> tuple[float, float]:
         return torch.randn(shape, device=device, dtype=getattr(torch, v.dtype), generator=g) * 0.02
 
     env0 = {v: local_random(v) for vals in plan.inputs.values() for v in vals}
-    stand_ins = {c.dst: local_random(c.dst) for c in plan.collectives + [s for s in plan.steps
-                                                                         if getattr(s, "kind", "") == "slice"]}
+    stand_ins = {c.dst: local_random(c.dst) for c in plan.steps if isinstance(c, ed.Collective)}
     lowered = lower(plan)
     skipped = sum(c.time for c in plan.collectives)
 
@@ -252,7 +252,7 @@ def repredict(plan, model) -> float:
     """The plan's predicted seconds with its collectives re-priced under `model`."""
     t = 0.0
     for s in plan.steps:
-        if getattr(s, "kind", "compute") in ("compute", "slice"):
+        if not isinstance(s, ed.Collective) or is_local(s.kind):  # what runs on one device keeps its price
             t += s.time
         else:
             t += model.collective_time(s.kind, s.bytes, plan.mesh.shape[s.mesh_axis], s.mesh_axis, plan.mesh.ndim)

@@ -15,6 +15,7 @@ import os
 
 import networkx as nx
 
+from .collectives import is_local
 from .plan import Collective, ComputeStep, Plan
 
 
@@ -57,8 +58,8 @@ def plan_graph(plan: Plan) -> nx.DiGraph:
             for v in s.outputs:
                 g.add_edge(node, f"v:{v}", kind="data")
         elif isinstance(s, Collective):
-            label = (f"{s.kind}[{s.mesh_axis_name}]" if s.kind != "slice" else "slice") + \
-                    (f"\n{_size(s.bytes)}, {s.time * 1e6:.3g} µs" if s.kind != "slice" else "")
+            label = (s.kind if is_local(s.kind)  # a slice: no link, no bytes
+                     else f"{s.kind}[{s.mesh_axis_name}]\n{_size(s.bytes)}, {s.time * 1e6:.3g} µs")
             g.add_edge(f"v:{s.src}", f"v:{s.dst}", kind="collective", coll=s.kind, axis=s.mesh_axis_name,
                        bytes=s.bytes, time=s.time, label=label)
     return g

@@ -29,12 +29,14 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import models
+from .calibrate import load_preset
 from .cost import CostModel, Link
 from .errors import EgraphDidError, MeshError, PlanError
 from .fusion import FusionDefinition
 from .layout import Layout, Placement, is_valid
 from .pins import apply_layout
 from .mesh import DeviceMesh
+from .optimize import optimize
 from .plan import Plan
 
 FORMAT = "egraph-did-sweep/1"  # bump when a result's meaning changes: old cache entries are then ignored
@@ -169,7 +171,6 @@ def cost_model_for(preset: str, mesh: DeviceMesh, alpha=None, bandwidth=None, me
     if preset in ("h200", "h200_multinode"):
         cm = getattr(CostModel, preset)()
     elif os.path.isfile(preset):
-        from .calibrate import load_preset
         try:
             cm = load_preset(preset)
         except (ValueError, KeyError, TypeError) as e:
@@ -306,6 +307,22 @@ def plan_family(plan: Plan) -> str:
         v = plan.values[value]
         p = v.layout_obj[m]
         return p.is_shard and (not v.axes or v.axes[p.axis] in token_axes)
+
+    def move(c) -> tuple:
+        """What a collective does to its tensor's placement on its mesh axis (the families are named by
+        that, not by which collective kind does it)."""
+        return plan.values[c.src].layout_obj[c.mesh_axis], plan.values[c.dst].layout_obj[c.mesh_axis]
+
+    def gathers(c) -> bool:  # S -> R
+        return move(c)[0].is_shard and move(c)[1].kind == "R"
+
+    def resplits(c) -> bool:  # S(a) -> S(b): sequence <-> heads
+        return move(c)[0].is_shard and move(c)[1].is_shard
+
+    def splits_or_gathers(c) -> bool:  # S -> R or P -> S: sequence parallelism's pair
+        src, dst = move(c)
+        return src.is_shard != dst.is_shard
+
     out = []
     for m in range(plan.mesh.ndim):
         if plan.mesh.shape[m] == 1:
@@ -314,9 +331,9 @@ def plan_family(plan: Plan) -> str:
         tags = set()
         colls = [c for c in plan.collectives if c.mesh_axis == m]
         for c in colls:
-            if c.tensor in weights and c.kind == "allgather" and plan.values[c.dst].layout_obj[m].kind == "R":
+            if c.tensor in weights and gathers(c):
                 tags.add("FSDP")
-            elif c.tensor not in weights and c.kind == "alltoall":
+            elif c.tensor not in weights and resplits(c):
                 tags.add("Ulysses" if attention else "alltoall")
         weight_split = act_split = False
         for s in plan.compute_steps:
@@ -333,10 +350,10 @@ def plan_family(plan: Plan) -> str:
             or any(split_on_tokens(v, m) for v in plan.outputs.values())
         if weight_split:
             tags.add("TP")
-            if io_split and any(c.kind in ("allgather", "reduce_scatter") and c.tensor not in weights for c in colls):
+            if io_split and any(splits_or_gathers(c) and c.tensor not in weights for c in colls):
                 tags.add("SP")
         elif act_split or io_split:
-            other = [c for c in colls if c.tensor not in weights and c.kind != "alltoall"
+            other = [c for c in colls if c.tensor not in weights and not resplits(c)
                      and c.tensor not in plan.outputs]
             if not tags & {"Ulysses", "FSDP"}:  # FSDP is data parallel with weights gathered per use
                 tags.add("CP" if other else "DP")
@@ -418,7 +435,6 @@ def optimize_point(point: dict) -> Plan:
     >>> sorted(c.kind for c in plan.collectives)
     ['allgather', 'reduce_scatter']
     """
-    from .optimize import optimize
     p = {**POINT_DEFAULTS, **point}
     mesh = parse_mesh(p["mesh"], p["axis_names"])
     shape = {k: p[k] for k in SHAPE_DEFAULTS if k in p}

@@ -43,8 +43,6 @@ ORDER = list(LAYERS)
 # (importer, imported, where): edges against the order, to be removed by the re-housing (issue 8).
 KNOWN: set[tuple[str, str, str]] = {
     ('egraph_did.simulate', 'egraph_did.lowering.segment', 'function-level import of a project module'),
-    ('egraph_did.sweep', 'egraph_did.calibrate', 'function-level import of a project module'),
-    ('egraph_did.sweep', 'egraph_did.optimize', 'function-level import of a project module'),
 }
 KNOWN_CYCLES: list[set[str]] = []
 
