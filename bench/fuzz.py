@@ -1148,8 +1148,7 @@ def _run_checks(spec, checks, res, fail, timed, stage, torch, ed):
         if "size1" in checks:
             bad = [c for c in plan.collectives if mesh.shape[c.mesh_axis] == 1]
             if bad:
-                fail("collective-on-size-1-mesh-axis", "; ".join(f"{c.kind}[{c.mesh_axis_name}] {c.tensor}"
-                                                                  for c in bad), ex)
+                fail("collective-on-size-1-mesh-axis", "; ".join(map(str, bad)), ex)  # as explain names them
         if "pins" in checks:
             stage(f"pins-{ex}")
             for sname, tv in pinned.items():

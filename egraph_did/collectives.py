@@ -7,12 +7,12 @@ these), what every rank ends up with (`simulate`, on every rank's tensor in one 
 torch.distributed call that does it (`run`, on this rank's tensor).
 
 >>> for k in KINDS.values():
-...     print(f"{k.name:15}{k.identity}")
-allgather      S(a) -> R: every rank gets the concatenation of all shards along a
-reduce_scatter P -> S(a): rank r gets (sum_q x_q)[shard r]
-allreduce      P -> R: every rank gets sum_r x_r (max_r x_r for a pending max)
-alltoall       S(a) -> S(b): rank r sends piece q of its a-shard, cut along b, to rank q
-slice          R -> S(a): each rank keeps its own shard; no communication
+...     print(f"{k.name}: {k.identity}")
+allgather: S(a) -> R: every rank gets the concatenation of all shards along a
+reduce_scatter: P -> S(a): rank r gets (sum_q x_q)[shard r]
+allreduce: P -> R: every rank gets sum_r x_r (max_r x_r for a pending max)
+alltoall: S(a) -> S(b): rank r sends piece q of its a-shard, cut along b, to rank q
+slice: R -> S(a): each rank keeps its own shard; no communication
 
 Adding a kind is one class here, registered with @register; the e-graph offers it wherever `connects`
 holds, and the cost model, simulate, the runtime and calibration read it from KINDS.
