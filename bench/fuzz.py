@@ -216,12 +216,12 @@ class _Gen:
 
     # ------------------------------------------------------------ one op of each family
     def gen(self, op: str) -> bool:
+        from egraph_did.ops import ops_where
         g = getattr(self, f"g_{op}", None)
         if g is None:
-            if op in ("add", "sub", "mul", "div", "maximum", "pow"):
+            if op in ops_where(kind="pointwise", arity=2):
                 return self.g_binary(op)
-            if op in ("neg", "exp", "log", "tanh", "sigmoid", "relu", "rsqrt", "sqrt", "erf", "abs", "gelu",
-                      "silu"):
+            if op in ops_where(kind="pointwise", arity=1) + ("gelu", "silu"):  # a new unary op is fuzzed at once
                 return self.g_unary(op)
             if op in ("sum", "amax", "mean"):
                 return self.g_reduce(op)

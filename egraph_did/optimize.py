@@ -1,12 +1,14 @@
 """optimize(): fusion -> problem -> e-graph (saturated) -> priced graph -> DAG extraction -> Plan."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from . import collectives
 from .cost import CostModel
 from .egraph import saturate
 from .errors import PlanError
+from .explain import why
 from .physgraph import Node, PhysGraph
 from .extract import ROOT, Selection, exact, greedy_dag, with_roots
 from .layout import Layout
@@ -255,31 +257,8 @@ def _order(graph: PhysGraph, choice) -> list[str]:
     return out
 
 
-def _reads(step) -> list[str]:
-    if isinstance(step, ComputeStep):
-        return [v for k, v in step.args if k in step.tensor_params]
-    return [step.src]
-
-
 def _explain_why(steps, values, outputs, problem: Problem) -> list:
-    """Fill each collective's `why`: the first step (or output) that reads what it produced."""
-    out = []
-    for i, s in enumerate(steps):
-        if isinstance(s, Collective):
-            reader = next((st for st in steps[i + 1:] if s.dst in _reads(st)), None)
-            lay = values[s.dst].layout
-            if isinstance(reader, ComputeStep):
-                ins = ", ".join(values[v].tensor for v in _reads(reader))
-                outs = ", ".join(values[o].tensor for o in reader.outputs)
-                why = f"{outs} = {reader.op}({ins}) [{'/'.join(reader.rules)}] reads {s.tensor} as {lay}"
-            elif isinstance(reader, Collective):
-                why = f"then {reader.kind} on {reader.mesh_axis_name}"
-            else:
-                name = next((k for k, v in outputs.items() if v == s.dst), None)
-                if name is None:  # nothing reads it and it is no output: a pinned intermediate, materialized
-                    why = f"{s.tensor} is pinned to {lay}"
-                else:
-                    why = f"output {name} is delivered as {lay}{' (pinned)' if name in problem.pins else ''}"
-            s = Collective(**{**s.__dict__, "why": why})
-        out.append(s)
-    return out
+    """Fill each collective's `why` (explain.why: the first step or output that reads what it made)."""
+    layouts = {v: val.layout for v, val in values.items()}
+    return [dataclasses.replace(s, why=why(steps, i, layouts, outputs, problem.pins))
+            if isinstance(s, Collective) else s for i, s in enumerate(steps)]

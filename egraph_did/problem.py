@@ -284,7 +284,7 @@ def _restrict_to(problem: Problem, like) -> None:
     used: dict[str, set] = {}
     for s in like.compute_steps:
         key = s.key
-        ins = tuple(like.values[v].layout for k, v in s.args if k in s.tensor_params)
+        ins = tuple(like.values[v].layout for v in s.operands.values())
         used.setdefault(key, set()).add((ins, tuple(like.values[o].layout for o in s.outputs)))
     for key, strats in problem.strategies.items():
         keep = used.get(key, set())

@@ -9,10 +9,10 @@ import torch
 
 from . import collectives
 from .errors import PlanError, ShapeError
-from .local import run_local
-from .ops import INDEX_ARGS, check_indices
-from .plan import Collective, ComputeStep, Plan
-from .shards import Operand, RankContext, shard, unshard
+from .lowering.compute import check_step_indices, compute_on_rank, source_tensor  # noqa: F401  (public here too)
+from .lowering.segment import lowered_plan, run_fused
+from .plan import Collective, Plan
+from .shards import shard, unshard
 
 
 def collective(plan: Plan, c: Collective, local: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -33,68 +33,6 @@ def collective(plan: Plan, c: Collective, local: dict[int, torch.Tensor]) -> dic
     move = collectives.Move(plan.mesh, src.shape, src.layout_obj, dst.layout_obj, c.mesh_axis, c.reduce)
     return {r: entry.simulate(move, [local[q] for q in plan.mesh.ranks_along(c.mesh_axis, r)], r).contiguous()
             for r in plan.mesh.ranks}
-
-
-def compute_on_rank(plan: Plan, step: ComputeStep, env: Mapping[str, torch.Tensor], rank: int
-                    ) -> dict[str, torch.Tensor]:
-    """One compute step on one rank through torch (the op's reference on local shards).
-
-    >>> import torch, egraph_did as ed
-    >>> from egraph_did.models import row_sum
-    >>> plan = ed.optimize(row_sum(4, 3), ed.DeviceMesh.arange(2))  # rows split: y = sum(x, 1) is local
-    >>> compute_on_rank(plan, plan.steps[0], {"x:S0": torch.ones(2, 3)}, rank=1)
-    {'y:S0': tensor([3., 3.])}
-    """
-    check_step_indices(plan, step, env, rank)
-    operands = {k: Operand(plan.values[v].shape, plan.values[v].layout_obj)
-                for k, v in step.args if k in step.tensor_params}
-    outputs = [Operand(plan.values[o].shape, plan.values[o].layout_obj) for o in step.outputs]
-    args = {k: env[v] if k in step.tensor_params else v for k, v in step.args}
-    outs = run_local(step.op, args, operands, outputs, dict(step.flags), RankContext(plan.mesh, rank))
-    return dict(zip(step.outputs, outs))
-
-
-VIEW_OPS = ("unsqueeze", "reshape", "permute", "transpose", "expand", "broadcast_in_dim", "cast")
-
-
-def source_tensor(plan: Plan, value: str) -> str:
-    """The tensor a value is a view of: follows views and casts back to an input where there is one (the
-    index of cross_entropy's take_along_axis is unsqueeze(target): this says 'target').
-
-    >>> import torch, egraph_did as ed
-    >>> from egraph_did.models import row_sum
-    >>> plan = ed.optimize(row_sum(4, 3), ed.DeviceMesh.arange(2))
-    >>> source_tensor(plan, plan.outputs["y"])
-    'y'
-    """
-    producer = {o: s for s in plan.compute_steps for o in s.outputs}
-    while value in producer and producer[value].op in VIEW_OPS and len(producer[value].reads) == 1:
-        value = producer[value].reads[0]
-    return plan.values[value].tensor
-
-
-def check_step_indices(plan: Plan, step, env: Mapping[str, torch.Tensor], rank: int) -> None:
-    """ShapeError naming the tensor if an indexing step (embedding, take_along_axis, cross_entropy) would
-    read outside the table it indexes; env holds this rank's shards (indices are global ids).
-
-    >>> import torch, egraph_did as ed
-    >>> with ed.FusionDefinition() as fd:
-    ...     ids = fd.define_tensor((3,), torch.int64, name="ids")
-    ...     wte = fd.define_tensor((5, 4), name="wte")
-    ...     fd.add_output(fd.ops.embedding(ids, wte), name="y")
-    >>> plan = ed.optimize(fd, ed.DeviceMesh.arange(2))
-    >>> env = {plan.inputs["ids"][0]: torch.tensor([0, 9, 1]), plan.inputs["wte"][0]: torch.zeros(5, 2)}
-    >>> check_step_indices(plan, plan.steps[0], env, rank=0)
-    Traceback (most recent call last):
-    ...
-    egraph_did.errors.ShapeError: embedding(ids, wte): ids holds 9 (at [1] on rank 0), but wte has 5 rows (axis 0); every index must lie in [0, 5): fix ids, or give wte more rows
-    """
-    if not isinstance(step, ComputeStep) or step.op not in INDEX_ARGS:
-        return
-    args = {k: (env.get(v) if k in step.tensor_params else v) for k, v in step.args}
-    tensors = {k: v for k, v in step.args if k in step.tensor_params}
-    check_indices(step.op, args, {k: source_tensor(plan, v) for k, v in tensors.items()},
-                  {k: plan.values[v].shape for k, v in tensors.items()}, f" on rank {rank}")
 
 
 def bind_inputs(plan: Plan, inputs: Mapping[str, torch.Tensor]) -> dict[str, dict[int, torch.Tensor]]:
@@ -146,7 +84,6 @@ def simulate(plan: Plan, inputs: Mapping[str, torch.Tensor], lowered: bool = Tru
     mesh = plan.mesh
     env = bind_inputs(plan, inputs)
     if lowered:
-        from egraph_did.lowering.segment import lowered_plan, run_fused
         for seg in lowered_plan(plan).segments:
             if seg.kind == "comm":
                 c = seg.steps[0]

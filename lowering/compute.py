@@ -10,11 +10,12 @@ from typing import Mapping
 import torch
 
 from egraph_did.local import run_local
-from egraph_did.ops import INDEX_ARGS, check_indices
+from egraph_did.ops import OPS, check_indices, ops_where
 from egraph_did.plan import ComputeStep, Plan
 from egraph_did.shards import Operand, RankContext
 
-VIEW_OPS = ("unsqueeze", "reshape", "permute", "transpose", "expand", "broadcast_in_dim", "cast")
+# Ops whose output holds the input's elements, rearranged or retyped: a value made by them has its source's ids.
+VIEW_OPS = ops_where(kind="view") + ("cast",)
 
 
 def compute_on_rank(plan: Plan, step: ComputeStep, env: Mapping[str, torch.Tensor], rank: int
@@ -72,7 +73,7 @@ def check_step_indices(plan: Plan, step, env: Mapping[str, torch.Tensor], rank: 
     ...
     egraph_did.errors.ShapeError: embedding(ids, wte): ids holds 9 (at [1] on rank 0), but wte has 5 rows (axis 0); every index must lie in [0, 5): fix ids, or give wte more rows
     """
-    if not isinstance(step, ComputeStep) or step.op not in INDEX_ARGS:
+    if not isinstance(step, ComputeStep) or OPS[step.op].indexes is None:
         return
     args = step.bind(env.get)
     tensors = step.operands

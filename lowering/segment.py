@@ -18,15 +18,16 @@ import torch
 from egraph_did.evaluate import decompose
 from egraph_did.fusion import Fusion
 from egraph_did.ir import TensorView
+from egraph_did.ops import OPS, ops_where
 from egraph_did.shards import Operand, RankContext
 from egraph_did.plan import Collective, ComputeStep, Plan
 
 from . import schedulers
 from .compute import compute_on_rank
-from .kernel_spec import KERNEL_OPS, KernelOp, KernelSpec
+from .kernel_spec import KernelOp, KernelSpec
 
 # Ops a fused segment may hold: kernel primitives plus composites that decompose into them.
-FUSIBLE = set(KERNEL_OPS) | {"gelu", "silu", "softmax", "layer_norm", "rms_norm", "mean"}
+FUSIBLE = set(ops_where(fusible=True))  # kernel primitives and the composites made of them
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,7 @@ def lower(plan: Plan, classify=None) -> LoweredPlan:
         if isinstance(step, Collective):
             close(i)
             low.segments.append(Segment("comm", (step,)))
-        elif _fusible(step) and (group or step.op not in ("permute", "transpose")):
+        elif _fusible(step) and (group or not OPS[step.op].permutes):
             # a permute opening a run is a view for torch; after pointwise ops it is a tiled transpose
             if group and scheduler_for(group + [step], i + 1) is None:
                 close(i)

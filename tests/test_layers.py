@@ -13,8 +13,6 @@ Within a layer, modules may import each other, but the module graph has no cycle
 inside a function is a hidden edge: allowed only for an optional third-party dependency (matplotlib,
 torch.distributed.tensor, scipy's solvers), never for a project module.
 
-KNOWN lists the edges that still break the order; it only shrinks (a test fails when a listed edge is
-gone, so the list stays true).
 """
 from __future__ import annotations
 
@@ -39,13 +37,6 @@ LAYERS = {
     "face": ["__init__", "__main__", "cli", "demo", "models", "sweep", "plan_graph", "fuzzing"],
 }
 ORDER = list(LAYERS)
-
-# (importer, imported, where): edges against the order, to be removed by the re-housing (issue 8).
-KNOWN: set[tuple[str, str, str]] = {
-    ('egraph_did.simulate', 'egraph_did.lowering.segment', 'function-level import of a project module'),
-}
-KNOWN_CYCLES: list[set[str]] = []
-
 
 def modules() -> dict[str, Path]:
     """Every project module by dotted name."""
@@ -126,21 +117,14 @@ def test_every_module_has_a_layer():
 
 
 def test_imports_point_up_the_layers_only():
-    new = violations() - KNOWN
-    assert not new, "imports against the layer order:\n" + "\n".join(f"  {a} -> {b}: {why}"
-                                                                      for a, b, why in sorted(new))
-
-
-def test_known_violations_are_still_real():
-    gone = KNOWN - violations()
-    assert not gone, f"these edges no longer break the order; remove them from KNOWN: {sorted(gone)}"
+    bad = violations()
+    assert not bad, "imports against the layer order:\n" + "\n".join(f"  {a} -> {b}: {why}"
+                                                                      for a, b, why in sorted(bad))
 
 
 def test_module_level_imports_have_no_cycle():
     g = nx.DiGraph((a, b) for a, b, where in edges() if where == "module")
-    cycles = [set(c) for c in nx.simple_cycles(g)]
-    assert [c for c in cycles if c not in KNOWN_CYCLES] == [], f"import cycles: {cycles}"
-    assert all(c in cycles for c in KNOWN_CYCLES), "a known cycle is gone: remove it from KNOWN_CYCLES"
+    assert list(nx.simple_cycles(g)) == [], "import cycles"
 
 
 def test_the_checker_sees_a_violation(tmp_path, monkeypatch):
