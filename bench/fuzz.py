@@ -24,7 +24,7 @@ case only. A failure is minimized by delta debugging (drop outputs, cut ops into
 ops, drop or simplify pins, shrink the mesh and the extents, drop the memory bound, float32 -> float64)
 while the same failure class persists, and printed as a runnable script.
 
-Library use (what tests/test_fuzz.py does):
+Library use (what tests/face/test_fuzz.py does):
 
 >>> spec = generate_case(seed=0, index=3)
 >>> [k for k in ("mesh", "inputs", "ops", "outputs", "pins", "cost") if k in spec]
@@ -611,7 +611,7 @@ MESHES_3D = [[2, 2, 2], [2, 1, 2], [1, 2, 2], [2, 2, 1]]
 
 
 def default_ops() -> list[str]:
-    """Every op of the op table (the generator has a builder for each; see tests/test_fuzz.py).
+    """Every op of the op table (the generator has a builder for each; see tests/face/test_fuzz.py).
 
     >>> "sdpa" in default_ops() and "welford_merge" in default_ops()
     True

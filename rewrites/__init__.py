@@ -15,7 +15,7 @@ rank's place, the strategy names a rank-local kernel declared beside the op (`lo
 Families: pointwise, views (propagation through reshape/permute/broadcast), reduction (rfactor),
 aten (linear, matmul, sdpa, embedding, gather); resharding (collectives and their cancellations) is
 imported by those who use it. The registry is rewrites/rules.py. Every rule is declared with its numeric
-cases, which tests/test_rules.py evaluates on random data, both sides.
+cases, which tests/rewrites/test_rules.py evaluates on random data, both sides.
 """
 from __future__ import annotations
 

@@ -120,7 +120,7 @@ def indices(shape: tuple[int, ...], high: int) -> Input:
 
 @dataclass(frozen=True)
 class Case:
-    """A rule's numeric case: a small fusion on a small mesh. tests/test_rules.py runs every strategy
+    """A rule's numeric case: a small fusion on a small mesh. tests/rewrites/test_rules.py runs every strategy
     the optimizer offers for it that names the rule, rank by rank on random data, and compares the
     assembled outputs with the single-device reference.
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"egraph_did": ROOT / "egraph_did", "egraph_did.rewrites": ROOT / "rewrites",
             "egraph_did.lowering": ROOT / "lowering"}
 
@@ -60,7 +60,7 @@ def layer_of(module: str) -> str:
     for layer, names in LAYERS.items():
         if name in names:
             return layer
-    raise AssertionError(f"module {module} has no layer: add it to LAYERS in tests/test_layers.py")
+    raise AssertionError(f"module {module} has no layer: add it to LAYERS in tests/face/test_layers.py")
 
 
 def _resolve(importer: str, is_pkg: bool, node: ast.ImportFrom | ast.Import) -> list[str]:

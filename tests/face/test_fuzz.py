@@ -38,7 +38,7 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:  # `python -m pytest` from the root has it; a bare `pytest` may not
     sys.path.insert(0, ROOT)
 

@@ -5,7 +5,7 @@ compute in fp32 and round once at the store, while eager rounds after every op, 
 with eager run on the same inputs upcast to fp32 and rounded to the dtype at the end: float16 within
 rtol/atol 2e-3 (two ulps), bfloat16 within 1.6e-2 (two ulps).
 
-On a GPU machine, `TRITON_INTERPRET=0 pytest tests/test_schedulers.py` runs the same claims on CUDA.
+On a GPU machine, `TRITON_INTERPRET=0 pytest tests/lowering/test_schedulers.py` runs the same claims on CUDA.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import egraph_did as ed
 from egraph_did import cli, sweep
 from egraph_did.cli import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run(capsys, *argv):

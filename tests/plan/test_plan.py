@@ -125,7 +125,7 @@ def test_simplified_removes_cancelling_collectives_and_fuses_reduce_scatter_allg
 
 # ---------------------------------------------------------------------------- format version
 
-BENCH_PLANS = sorted((Path(__file__).resolve().parents[1] / "bench" / "plans").glob("*.json"))
+BENCH_PLANS = sorted((Path(__file__).resolve().parents[2] / "bench" / "plans").glob("*.json"))
 
 
 def test_plan_files_say_format_version_1_and_a_file_without_the_field_reads_as_version_1():

@@ -316,7 +316,7 @@ def test_every_registered_op_has_a_case():
     covered = {c.op for c in CASES}
     assert covered <= set(ed.OPS), f"cases for unknown ops: {sorted(covered - set(ed.OPS))}"
     missing = sorted(set(ed.OPS) - covered)
-    assert not missing, f"ops with no case in tests/test_ops.py CASES: {missing}"
+    assert not missing, f"ops with no case in tests/core/test_ops.py CASES: {missing}"
 
 
 def test_every_composite_op_has_a_float64_and_float32_case():
