@@ -1237,7 +1237,7 @@ def _same_sharding(plan, tv, mesh) -> bool:
         name = tv.name
         layout = plan.layout_of(name)
         view = next(plan.value_view(v.name) for v in plan.values.values()
-                    if v.tensor == name and v.layout == layout.code())
+                    if v.tensor == name and v.layout == layout)
         def pending(t):  # a pending reduction over one rank is no reduction
             return [m for m in partial_mesh_axes(t) if mesh.shape[m] > 1]
         if pending(view) != pending(tv):

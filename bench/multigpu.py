@@ -84,7 +84,7 @@ def per_device_compute(plan, device, iters: int = 20) -> tuple[float, float]:
 
     def local_random(value):
         v = plan.values[value]
-        shape = ctx.local_shape(Operand(v.shape, v.layout_obj))
+        shape = ctx.local_shape(Operand(v.shape, v.layout))
         return torch.randn(shape, device=device, dtype=getattr(torch, v.dtype), generator=g) * 0.02
 
     env0 = {v: local_random(v) for vals in plan.inputs.values() for v in vals}

@@ -34,7 +34,7 @@ def shard_table(plan) -> str:
             continue
         seen.add(v.tensor)
         view = plan.value_view(next(n for n, w in plan.values.items()
-                                    if w.tensor == v.tensor and w.layout == plan.layout_of(v.tensor).code()))
+                                    if w.tensor == v.tensor and w.layout == plan.layout_of(v.tensor)))
         shapes = " ".join(str(list(view.local_shape(r))) for r in mesh.ranks)
         lines.append(f"{v.tensor:<10}{str(list(v.shape)):<12}{view.loop_str():<26}{shapes}")
     return "\n".join(lines)

@@ -59,7 +59,7 @@ class PlanError(EgraphDidError, ValueError):
     >>> ed.Plan.from_json("{}")
     Traceback (most recent call last):
     ...
-    egraph_did.errors.PlanError: not an egraph-did plan (expected format 'egraph-did-plan/1')
+    egraph_did.errors.PlanError: not an egraph-did plan (expected format 'egraph-did-plan/2')
     """
 
 

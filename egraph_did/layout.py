@@ -105,6 +105,42 @@ class Layout:
             out.append({"R": R, "P": P, "M": PMAX}.get(c) or S(int(c[1:])))
         return cls(tuple(out))
 
+    @classmethod
+    def parse(cls, text: str) -> "Layout":
+        """A layout from its text, str(layout) ('[S(1), R]', the JSON form) or its code ('S1.R', the
+        suffix of a value name); ValueError naming the text when it is neither.
+
+        >>> Layout.parse("[S(1), Pmax]") == Layout.parse("S1.M") == Layout((S(1), PMAX))
+        True
+        """
+        text = text.strip() if isinstance(text, str) else text
+        try:
+            if isinstance(text, str) and text.startswith("[") and text.endswith("]"):
+                names = {"R": R, "P": P, "Pmax": PMAX}
+                parts = [t.strip() for t in text[1:-1].split(",")]
+                lay = cls(tuple(names.get(t) or S(int(t[2:-1])) if t.startswith("S(") or t in names else
+                                _bad(text) for t in parts))
+                if str(lay) == text.replace(" ", "").replace(",", ", "):
+                    return lay
+            elif isinstance(text, str):
+                lay = cls.from_code(text)
+                if lay.code() == text:
+                    return lay
+        except (ValueError, KeyError, IndexError, AssertionError):
+            pass
+        raise ValueError(f"not a layout: {text!r}; write one placement per mesh axis, as '[S(1), R]' (R, "
+                         f"S(tensor axis), P for a pending sum, Pmax for a pending max) or as the code 'S1.R'")
+
+    def __eq__(self, other) -> bool:
+        """Equal to a layout of the same placements, or to either spelling of its text (a plan's value
+        layouts compare with codes: `plan.values[v].layout == "S1"`)."""
+        if isinstance(other, str):
+            return other in (self.code(), str(self))
+        return isinstance(other, Layout) and self.placements == other.placements
+
+    def __hash__(self) -> int:
+        return hash(self.code())  # as its code's: a layout and its code are equal, so they hash alike
+
     @property
     def is_replicated(self) -> bool:
         """Whether every mesh axis holds the whole tensor."""
@@ -127,6 +163,10 @@ class Layout:
 
     def __str__(self) -> str:
         return "[" + ", ".join(str(p) for p in self.placements) + "]"
+
+
+def _bad(text):
+    raise ValueError(text)
 
 
 def valid_layouts(shape: Sequence[int], mesh: DeviceMesh, partial: bool = False) -> Iterator[Layout]:

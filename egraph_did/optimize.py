@@ -87,7 +87,7 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     check_optimize_args(fd, mesh, cost_model, extractor, like)
     t0 = time.perf_counter()
     cm = cost_model or CostModel.h200()
-    pins = None if like is None else {name: like.values[v].layout_obj for name, v in like.outputs.items()}
+    pins = None if like is None else {name: like.values[v].layout for name, v in like.outputs.items()}
     problem = build_problem(fd, mesh, cm, pins=pins, like=like)
     t1 = time.perf_counter()
     graph = saturate(problem)
@@ -197,9 +197,9 @@ def build_plan(problem: Problem, graph: PhysGraph, sel: Selection) -> Plan:
         elif n.op == "Coll":
             t = graph.ident[cls][0]
             src = value_of[n.children[0]]
-            secs, nbytes = collective_cost(problem, n.key, n.sid, t, values[src].layout_obj,
-                                           values[v].layout_obj)
-            reduce = values[src].layout_obj[n.sid].reduce  # how a pending partial combines; 'sum' otherwise
+            secs, nbytes = collective_cost(problem, n.key, n.sid, t, values[src].layout,
+                                           values[v].layout)
+            reduce = values[src].layout[n.sid].reduce  # how a pending partial combines; 'sum' otherwise
             steps.append(Collective(n.key, t, src, v, n.sid, mesh.axis_names[n.sid], nbytes, secs, reduce))
         elif n.op == "Apply":
             steps.append(_compute_step(problem, n, [v], value_of))
@@ -259,6 +259,6 @@ def _order(graph: PhysGraph, choice) -> list[str]:
 
 def _explain_why(steps, values, outputs, problem: Problem) -> list:
     """Fill each collective's `why` (explain.why: the first step or output that reads what it made)."""
-    layouts = {v: val.layout for v, val in values.items()}
+    layouts = {v: val.layout.code() for v, val in values.items()}
     return [dataclasses.replace(s, why=why(steps, i, layouts, outputs, problem.pins))
             if isinstance(s, Collective) else s for i, s in enumerate(steps)]

@@ -7,14 +7,13 @@ why: the step that needed it), in execution order.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
 
-from .collectives import KINDS, Move, cancellation, communicating, is_local
+from .collectives import KINDS, Move, cancellation, communicating, get, is_local
 from .cost import CostModel, check_cost_model
 from .errors import DtypeError, EgraphDidError, PlanError, ShapeError
 from .explain import explain_plan
@@ -25,34 +24,40 @@ from .pins import apply_layout, layout_view
 from .mesh import DeviceMesh, check_mesh
 from .ops import OPS, canonical_dtype
 
-# A plan file says which format it is written in: "egraph-did-plan/<version>". Version 1 is every file
-# written so far; a file without the field is read as version 1 (a hand-written plan). Bump the version
-# when a field changes meaning, and teach from_json to read the older ones.
+# A plan file says which format it is written in: "egraph-did-plan/<version>"; a file without the field
+# is read as version 1 (a hand-written plan). Bump the version when a field changes meaning, and teach
+# from_json to read the older ones. Versions: 1 wrote a value's layout as its code ("S1.R"); 2 writes
+# str(layout) ("[S(1), R]"), the one text form of a layout. Both are read.
 FORMAT_NAME = "egraph-did-plan"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 FORMAT = f"{FORMAT_NAME}/{FORMAT_VERSION}"
 
 
 @dataclass(frozen=True)
 class Value:
-    """A logical tensor held in one layout; its name is '<tensor>:<layout code>'.
+    """A logical tensor held in one layout; its name is '<tensor>:<layout code>'. The layout may be
+    given as a Layout or as its text (either spelling); it is held as a Layout.
 
     >>> v = Value("x:S1", "x", (8, 64), "float32", "S1", ("m", "n"))
-    >>> str(v.layout_obj)
-    '[S(1)]'
+    >>> str(v.layout), v.layout == "S1", v.layout.sharding_axes(1)
+    ('[S(1)]', True, [0])
     """
 
     name: str
     tensor: str
     shape: tuple[int, ...]
     dtype: str
-    layout: str  # Layout.code()
+    layout: Layout
     axes: tuple[str, ...] = ()
 
-    @functools.cached_property
-    def layout_obj(self) -> Layout:
-        """The layout as a Layout (stored as its code)."""
-        return Layout.from_code(self.layout)
+    def __post_init__(self):
+        if not isinstance(self.layout, Layout):
+            object.__setattr__(self, "layout", Layout.parse(self.layout))
+
+    def to_dict(self) -> dict:
+        """The value as JSON data: its layout as str(layout)."""
+        return {"name": self.name, "tensor": self.tensor, "shape": list(self.shape), "dtype": self.dtype,
+                "layout": str(self.layout), "axes": list(self.axes)}
 
 
 @dataclass(frozen=True)
@@ -231,18 +236,18 @@ class Plan:
     def layout_of(self, tensor: str) -> Layout:
         """The layout a tensor is pinned to, or else produced (or, for an output, delivered) in."""
         if tensor in self.pins:
-            return self.values[self.pins[tensor]].layout_obj
+            return self.values[self.pins[tensor]].layout
         if tensor in self.outputs:
-            return self.values[self.outputs[tensor]].layout_obj
+            return self.values[self.outputs[tensor]].layout
         if tensor in self.inputs:
-            return self.values[self.inputs[tensor][0]].layout_obj
+            return self.values[self.inputs[tensor][0]].layout
         for s in self.compute_steps:
             for v in s.outputs:
                 if self.values[v].tensor == tensor:
-                    return self.values[v].layout_obj
+                    return self.values[v].layout
         for v in self.values.values():
             if v.tensor == tensor:
-                return v.layout_obj
+                return v.layout
         raise PlanError(f"the plan holds no tensor named {tensor!r}")
 
     def check_input_dtype(self, name: str, tensor: torch.Tensor, where: str = "run") -> None:
@@ -310,13 +315,13 @@ class Plan:
         '[DIDx{2}, m/2]'
         """
         v = self.values[value]
-        return layout_view(v.tensor, v.shape, canonical_dtype(v.dtype), v.layout_obj, self.mesh, v.axes)
+        return layout_view(v.tensor, v.shape, canonical_dtype(v.dtype), v.layout, self.mesh, v.axes)
 
     def loop_domain(self, tensor: str) -> str:
         """The loop domain of a tensor as the plan lays it out, e.g. '[s, DIDx{4}, h/4]'."""
         layout = self.layout_of(tensor)
         for v in self.values.values():
-            if v.tensor == tensor and v.layout == layout.code():
+            if v.tensor == tensor and v.layout == layout:
                 return self.value_view(v.name).loop_str()
         raise PlanError(f"no value of {tensor!r}")  # pragma: no cover
 
@@ -372,7 +377,7 @@ class Plan:
                     dropped.update((id(first), id(s)))
                     continue
                 if pair.becomes is not None:  # one collective does what the pair did
-                    move = Move(self.mesh, src.shape, src.layout_obj, dst.layout_obj, s.mesh_axis)
+                    move = Move(self.mesh, src.shape, src.layout, dst.layout, s.mesh_axis)
                     nbytes = KINDS[pair.becomes].moved(move, canonical_dtype(src.dtype).itemsize)
                     dropped.add(id(first))
                     out.append(dataclasses.replace(s, kind=pair.becomes, src=first.src, bytes=nbytes,
@@ -414,12 +419,12 @@ class Plan:
 
     # ------------------------------------------------------------ JSON
     def to_json(self) -> str:
-        """Plain JSON (no pickle), format version FORMAT_VERSION ("format": "egraph-did-plan/1").
+        """Plain JSON (no pickle), format version FORMAT_VERSION ("format": "egraph-did-plan/2").
 
         >>> import json, egraph_did as ed
         >>> from egraph_did.models import row_sum
         >>> json.loads(ed.optimize(row_sum(8, 64), ed.DeviceMesh.arange(2)).to_json())["format"]
-        'egraph-did-plan/1'
+        'egraph-did-plan/2'
         """
         def enc(v):
             if isinstance(v, torch.dtype):
@@ -441,7 +446,7 @@ class Plan:
             steps.append(d)
         return json.dumps({
             "format": FORMAT, "mesh": self.mesh.to_dict(), "cost_model": self.cost_model.to_dict(),
-            "values": {k: {**asdict(v), "shape": list(v.shape), "axes": list(v.axes)} for k, v in self.values.items()},
+            "values": {k: v.to_dict() for k, v in self.values.items()},
             "steps": steps, "inputs": self.inputs, "outputs": self.outputs, "memory": self.memory,
             "method": self.method, "stats": self.stats, "pins": self.pins}, indent=1)
 
@@ -499,17 +504,18 @@ class Plan:
             axes = v.get("axes", [])
             if not isinstance(axes, list) or (axes and len(axes) != len(v["shape"])):
                 raise PlanError(f"plan JSON: {where}.axes must list one name per axis of shape {v['shape']}")
-            values[k] = Value(v["name"], v["tensor"], tuple(v["shape"]), v["dtype"], v["layout"], tuple(axes))
             try:
-                lay = Layout.from_code(v["layout"])
-            except (ValueError, KeyError, IndexError, AssertionError, EgraphDidError):
+                lay = Layout.parse(v["layout"])
+            except ValueError:
                 lay = None
-            if lay is None or lay.code() != v["layout"] or any(p.is_shard and p.axis >= len(v["shape"]) for p in lay):
+            if lay is None or any(p.is_shard and p.axis >= len(v["shape"]) for p in lay):
                 raise PlanError(f"plan JSON: value {k}: bad layout {v['layout']!r} for a {len(v['shape'])}-D tensor; "
-                                f"a layout lists one placement per mesh axis, joined by '.': R, S<tensor axis>, P "
-                                f"(pending sum) or M (pending max), e.g. 'S0' or 'R.S1'")
+                                f"a layout lists one placement per mesh axis, as str(layout) writes it: R, "
+                                f"S(tensor axis), P (pending sum) or Pmax (pending max), e.g. '[S(0)]' or '[R, S(1)]' "
+                                f"(the code 'S0' / 'R.S1' of format 1 is read too)")
             if len(lay) != mesh.ndim:
                 raise PlanError(f"value {k}: layout {v['layout']} does not match the {mesh.ndim}-D mesh")
+            values[k] = Value(v["name"], v["tensor"], tuple(v["shape"]), v["dtype"], lay, tuple(axes))
         steps: list[Step] = []
         for i, s in enumerate(d["steps"]):
             if not isinstance(s, dict):
@@ -538,6 +544,7 @@ class Plan:
                     raise PlanError(f"plan JSON: {where} has unknown field(s) {extra}; a collective has "
                                     f"{sorted(known - {'step'})}")
                 fields = {k: v for k, v in s.items() if k not in ("step", "group_size")}
+                get(fields["kind"], f"plan JSON: {where}")  # a kind the registry knows, named on load
                 step = Collective(**fields)
                 _check_collective_mesh(i, step, s.get("group_size"), mesh)
                 refs = step.reads + step.writes
@@ -628,7 +635,7 @@ def format_version(d) -> int:
     >>> format_version({"format": "other"})
     Traceback (most recent call last):
     ...
-    egraph_did.errors.PlanError: not an egraph-did plan (expected format 'egraph-did-plan/1'); it says format 'other'
+    egraph_did.errors.PlanError: not an egraph-did plan (expected format 'egraph-did-plan/2'); it says format 'other'
     """
     if isinstance(d, dict) and "format" not in d and {"values", "steps"} <= set(d):
         return 1

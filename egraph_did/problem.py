@@ -288,12 +288,11 @@ def _restrict_to(problem: Problem, like) -> None:
         used.setdefault(key, set()).add((ins, tuple(like.values[o].layout for o in s.outputs)))
     for key, strats in problem.strategies.items():
         keep = used.get(key, set())
-        problem.strategies[key] = [s for s in strats if (tuple(x.code() for x in s.inputs),
-                                                          tuple(x.code() for x in s.outputs)) in keep]
+        problem.strategies[key] = [s for s in strats if (s.inputs, s.outputs) in keep]
         for i, s in enumerate(problem.strategies[key]):
             problem.strategies[key][i] = dataclasses.replace(s, sid=i)
     for name, vals in like.inputs.items():
-        problem.input_layouts[name] = [canonical_layout(like.values[v].layout_obj, problem.mesh) for v in vals]
+        problem.input_layouts[name] = [canonical_layout(like.values[v].layout, problem.mesh) for v in vals]
 
 
 __all__ = ["Problem", "Strategy", "build_problem", "expr_strategies", "clone_fusion", "REDUCING_COMPOSITES"]

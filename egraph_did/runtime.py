@@ -125,7 +125,7 @@ def _local_of_dtensor(plan: Plan, name: str, value: str, dt, rank: int) -> torch
     """This rank's shard of a DTensor input: its local tensor when its mesh, placements and chunks are
     the plan's; otherwise the whole tensor (full_tensor, collective on every rank) sharded as planned."""
     val = plan.values[value]
-    layout = val.layout_obj
+    layout = val.layout
     if tuple(dt.shape) != val.shape:
         raise ShapeError(f"run_plan: input {name!r} is a DTensor of global shape {tuple(dt.shape)}, the plan "
                          f"expects {val.shape}")
@@ -152,7 +152,7 @@ def _normalized(p, ndim: int):
 def _to_dtensor(plan: Plan, value: str, local: torch.Tensor, rank: int, timeout: float | None):
     from torch.distributed.tensor import DTensor
     val = plan.values[value]
-    layout = val.layout_obj
+    layout = val.layout
     tmesh = torch_device_mesh(plan.mesh, local.device.type)
     if not dtensor_chunks_agree(val.shape, layout, plan.mesh):
         # DTensor cannot express these nested uneven chunks: deliver its own chunks of the same placements
@@ -165,11 +165,11 @@ def _to_dtensor(plan: Plan, value: str, local: torch.Tensor, rank: int, timeout:
 
 def _global_of(plan: Plan, value: str, local: torch.Tensor, timeout: float | None) -> torch.Tensor:
     """The whole tensor of a value on every rank: every rank's shard gathered, partials summed."""
-    if plan.values[value].layout_obj.is_replicated:
+    if plan.values[value].layout.is_replicated:
         return local
     pieces = gather_to_all(local, [local_shape(plan, value, r) for r in sorted(plan.mesh.ranks)], timeout)
     val = plan.values[value]
-    return unshard(pieces, val.layout_obj, plan.mesh, val.shape, val.tensor)
+    return unshard(pieces, val.layout, plan.mesh, val.shape, val.tensor)
 
 
 # ---------------------------------------------------------------------------- run
@@ -201,7 +201,7 @@ def _bind_inputs(plan: Plan, inputs: Mapping[str, Any], kind: str, rank: int, de
                 if tuple(given.shape) != val.shape:
                     raise ShapeError(f"run_plan: input {name!r} has shape {tuple(given.shape)}, the plan expects "
                                      f"the global shape {val.shape} (pass inputs_kind='local' for shards)")
-                piece = shard(given, val.layout_obj, plan.mesh, rank, name)  # cut first: only the piece moves
+                piece = shard(given, val.layout, plan.mesh, rank, name)  # cut first: only the piece moves
                 env[v] = piece if device is None else piece.to(device)
             continue
         if device is not None:
@@ -219,7 +219,7 @@ def _bind_inputs(plan: Plan, inputs: Mapping[str, Any], kind: str, rank: int, de
         if len(vals) > 1:
             whole = _global_of(plan, first, env[first], timeout)
             for v in vals[1:]:
-                env[v] = shard(whole, plan.values[v].layout_obj, plan.mesh, rank, name)
+                env[v] = shard(whole, plan.values[v].layout, plan.mesh, rank, name)
     return env
 
 

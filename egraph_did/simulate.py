@@ -30,7 +30,7 @@ def collective(plan: Plan, c: Collective, local: dict[int, torch.Tensor]) -> dic
     """
     entry = collectives.get(c.kind, f"simulate: {c.kind}[{c.mesh_axis_name}] {c.tensor}")
     src, dst = plan.values[c.src], plan.values[c.dst]
-    move = collectives.Move(plan.mesh, src.shape, src.layout_obj, dst.layout_obj, c.mesh_axis, c.reduce)
+    move = collectives.Move(plan.mesh, src.shape, src.layout, dst.layout, c.mesh_axis, c.reduce)
     return {r: entry.simulate(move, [local[q] for q in plan.mesh.ranks_along(c.mesh_axis, r)], r).contiguous()
             for r in plan.mesh.ranks}
 
@@ -54,7 +54,7 @@ def bind_inputs(plan: Plan, inputs: Mapping[str, torch.Tensor]) -> dict[str, dic
                 raise ShapeError(f"simulate: input {name!r} has shape {tuple(inputs[name].shape)}, the plan expects "
                                  f"{val.shape}; simulate takes whole (global) tensors, of the shapes the plan was "
                                  f"optimized for (optimize the fusion at these shapes, with like=plan)")
-            env[v] = {r: shard(inputs[name], val.layout_obj, plan.mesh, r, name) for r in plan.mesh.ranks}
+            env[v] = {r: shard(inputs[name], val.layout, plan.mesh, r, name) for r in plan.mesh.ranks}
     return env
 
 
@@ -106,7 +106,7 @@ def simulate(plan: Plan, inputs: Mapping[str, torch.Tensor], lowered: bool = Tru
                 outs = compute_on_rank(plan, step, {v: env[v][r] for v in env if r in env[v]}, r)
                 for v, t in outs.items():
                     env.setdefault(v, {})[r] = t
-    return {name: unshard(env[v], plan.values[v].layout_obj, mesh, plan.values[v].shape, name)
+    return {name: unshard(env[v], plan.values[v].layout, mesh, plan.values[v].shape, name)
             for name, v in plan.outputs.items()}
 
 

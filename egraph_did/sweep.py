@@ -305,13 +305,13 @@ def plan_family(plan: Plan) -> str:
 
     def split_on_tokens(value: str, m: int) -> bool:
         v = plan.values[value]
-        p = v.layout_obj[m]
+        p = v.layout[m]
         return p.is_shard and (not v.axes or v.axes[p.axis] in token_axes)
 
     def move(c) -> tuple:
         """What a collective does to its tensor's placement on its mesh axis (the families are named by
         that, not by which collective kind does it)."""
-        return plan.values[c.src].layout_obj[c.mesh_axis], plan.values[c.dst].layout_obj[c.mesh_axis]
+        return plan.values[c.src].layout[c.mesh_axis], plan.values[c.dst].layout[c.mesh_axis]
 
     def gathers(c) -> bool:  # S -> R
         return move(c)[0].is_shard and move(c)[1].kind == "R"
@@ -339,10 +339,10 @@ def plan_family(plan: Plan) -> str:
         for s in plan.compute_steps:
             for v in s.reads:
                 val = plan.values[v]
-                if val.layout_obj[m].is_shard:
+                if val.layout[m].is_shard:
                     if val.tensor in weights:
                         weight_split = True
-                        if s.op == "embedding" and val.layout_obj[m].axis == 0:
+                        if s.op == "embedding" and val.layout[m].axis == 0:
                             tags.add("VP")
                     else:
                         act_split = True

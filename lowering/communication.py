@@ -150,7 +150,7 @@ def local_shape(plan: Plan, value: str, rank: int) -> tuple[int, ...]:
     [(3, 3), (3, 3), (3, 3), (1, 3)]
     """
     v = plan.values[value]
-    return RankContext(plan.mesh, rank).local_shape(Operand(v.shape, v.layout_obj))
+    return RankContext(plan.mesh, rank).local_shape(Operand(v.shape, v.layout))
 
 
 def run_collective(plan: Plan, c: Collective, local: torch.Tensor, rank: int, *,
@@ -174,7 +174,7 @@ def run_collective(plan: Plan, c: Collective, local: torch.Tensor, rank: int, *,
         raise ShapeError(f"{c.kind}[{c.mesh_axis_name}] {c.tensor}: rank {rank} holds a shard of shape "
                          f"{tuple(local.shape)}, but {c.src}'s layout gives it {want}")
     src, dst = plan.values[c.src], plan.values[c.dst]
-    move = collectives.Move(plan.mesh, src.shape, src.layout_obj, dst.layout_obj, c.mesh_axis, c.reduce)
+    move = collectives.Move(plan.mesh, src.shape, src.layout, dst.layout, c.mesh_axis, c.reduce)
     return entry.run(move, local, axis_group(plan.mesh, c.mesh_axis, rank), timeout)
 
 

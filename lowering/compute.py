@@ -38,7 +38,7 @@ def compute_on_rank(plan: Plan, step: ComputeStep, env: Mapping[str, torch.Tenso
 
 def _operand(plan: Plan, value: str) -> Operand:
     v = plan.values[value]
-    return Operand(v.shape, v.layout_obj)
+    return Operand(v.shape, v.layout)
 
 
 def source_tensor(plan: Plan, value: str) -> str:

@@ -96,7 +96,7 @@ def kernel_spec(plan: Plan, steps: tuple[ComputeStep, ...], inputs: tuple[str, .
     tv: dict[str, TensorView] = {}
     for v in inputs:
         val = plan.values[v]
-        local = ctx.local_shape(Operand(val.shape, val.layout_obj))
+        local = ctx.local_shape(Operand(val.shape, val.layout))
         tv[v] = fusion.define_tensor(local, val.dtype, name=f"in{len(tv)}")
     for step in steps:
         args = step.bind(tv.__getitem__)

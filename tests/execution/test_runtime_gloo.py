@@ -172,7 +172,7 @@ def test_plan_on_four_gloo_ranks_matches_the_reference_in_every_form(name, cases
             assert got["local"][out].shape == ed.local_shape(view, rank)
             local, placements, full, shape = got["dtensor"][out]
             assert torch.equal(local, got["local"][out]) and shape == want.shape
-            layout = plan.values[plan.outputs[out]].layout_obj
+            layout = plan.values[plan.outputs[out]].layout
             assert placements == tuple({"S": ("Shard", p.axis), "R": ("Replicate", None),
                                         "P": ("Partial", p.reduce)}[p.kind] for p in layout)
             assert_close(full, want, f"{name}.{out} DTensor.full_tensor on rank {rank}")

@@ -973,7 +973,7 @@ def _():
     return load(d)
 
 
-@bad("plan JSON: a bad layout code", PlanError, "value x:S0", "bad layout 'Q7'", "e.g. 'S0' or 'R.S1'")
+@bad("plan JSON: a bad layout code", PlanError, "value x:S0", "bad layout 'Q7'", "e.g. '[S(0)]' or '[R, S(1)]'")
 def _():
     d = plan_json()
     d["values"]["x:S0"]["layout"] = "Q7"
@@ -1053,11 +1053,20 @@ def _():
     return load(d)
 
 
-@bad("plan JSON of another format version", PlanError, "expected format 'egraph-did-plan/1'",
-     "it says format 'egraph-did-plan/2'")
+@bad("plan JSON: an unknown collective kind", PlanError, "steps[", "(collective)",
+     "unknown collective kind 'all_reduce'", "kinds are allgather")
+def _():
+    d = plan_json(plan_collective())
+    c = next(s for s in d["steps"] if s["step"] == "collective")
+    c["kind"] = "all_reduce"
+    return load(d)
+
+
+@bad("plan JSON of another format version", PlanError, "expected format 'egraph-did-plan/2'",
+     "it says format 'egraph-did-plan/3'")
 def _():
     d = plan_json()
-    d["format"] = "egraph-did-plan/2"
+    d["format"] = "egraph-did-plan/3"
     return load(d)
 
 
@@ -1086,7 +1095,7 @@ def _():
     return ed.Plan.from_json("{nope")
 
 
-@bad("JSON of something else", PlanError, "not an egraph-did plan", "egraph-did-plan/1")
+@bad("JSON of something else", PlanError, "not an egraph-did plan", "egraph-did-plan/2")
 def _():
     return ed.Plan.from_json("[]")
 

@@ -38,7 +38,7 @@ def test_a_pinned_intermediate_is_materialized_in_its_pin():
 def test_plan_json_is_plain_and_validated():
     plan = ed.optimize(pinned_mlp(), MESH)
     d = json.loads(plan.to_json())
-    assert d["format"] == "egraph-did-plan/1" and d["mesh"]["shape"] == [4]
+    assert d["format"] == "egraph-did-plan/2" and d["mesh"]["shape"] == [4]
     with pytest.raises(ed.PlanError, match="not an egraph-did plan"):
         ed.Plan.from_json(json.dumps({**d, "format": "other"}))
     with pytest.raises(ed.PlanError, match="does not parse"):
@@ -128,12 +128,23 @@ def test_simplified_removes_cancelling_collectives_and_fuses_reduce_scatter_allg
 BENCH_PLANS = sorted((Path(__file__).resolve().parents[2] / "bench" / "plans").glob("*.json"))
 
 
-def test_plan_files_say_format_version_1_and_a_file_without_the_field_reads_as_version_1():
+def test_plan_files_say_format_version_2_and_a_file_without_the_field_reads_as_version_1():
     d = json.loads(ed.optimize(models.row_sum(8, 64), MESH).to_json())
-    assert d["format"] == f"egraph-did-plan/{FORMAT_VERSION}" == "egraph-did-plan/1"
+    assert d["format"] == f"egraph-did-plan/{FORMAT_VERSION}" == "egraph-did-plan/2"
+    assert {v["layout"] for v in d["values"].values()} == {"[S(0)]"}  # version 2: str(layout)
     del d["format"]  # a hand-written plan from before files said their version
     again = ed.Plan.from_json(json.dumps(d))
     assert [str(s) for s in again.steps] == [str(s) for s in ed.optimize(models.row_sum(8, 64), MESH).steps]
+
+
+def test_a_version_1_plan_with_layout_codes_reads_as_the_same_plan():
+    plan = ed.optimize(models.row_sum(8, 64), MESH)
+    d = json.loads(plan.to_json())
+    d["format"] = "egraph-did-plan/1"
+    for v in d["values"].values():
+        v["layout"] = Layout.parse(v["layout"]).code()  # version 1 wrote "S0"
+    again = ed.Plan.from_json(json.dumps(d))
+    assert again.values == plan.values and isinstance(again.values["x:S0"].layout, Layout)
 
 
 def test_a_plan_of_a_newer_format_version_is_refused_naming_the_version_and_what_to_do():

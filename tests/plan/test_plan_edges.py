@@ -84,7 +84,7 @@ def test_no_collective_runs_on_a_mesh_axis_of_size_1_and_plans_equal_the_1d_plan
         plan = ed.optimize(pinned_mlp(mesh, big, size1_pins), mesh)
         one = mesh.shape.index(1)
         assert not [s for s in plan.steps if isinstance(s, ed.Collective) and s.mesh_axis == one]
-        assert all(v.layout_obj[one].kind == "R" for v in plan.values.values())  # R is the canonical form
+        assert all(v.layout[one].kind == "R" for v in plan.values.values())  # R is the canonical form
         assert summary(plan) == summary(flat)
 
 
