@@ -1,0 +1,314 @@
+"""A rank's lowered program prepared once: a flat list of calls over integer slots, run by a tight loop.
+
+lowering/execute.py's run_rank walks segments: every step looks values up by name, a fused segment
+finds its kernel in a dict keyed by the segment, an ATen step re-derives its operands, a collective
+re-checks its shard: about 70 µs of Python a segment. Everything those lookups find is fixed by
+(plan, rank, input signature), so `prepare` finds it once:
+
+* a value is a slot (an index into one list); inputs take the first slots, in `program_inputs` order;
+* a fused segment is its Triton kernel with the grid, block sizes and output allocations worked out;
+* an ATen step is the op's reference with its literals bound and its local output shapes computed;
+* a collective is the caller's function with the collective bound (the runtime binds the registry
+  entry, the move and the process group once);
+* each call lists the slots to drop after it (their last reader has run).
+
+The first run of a program takes the checked path for kernels and collectives (the shape, dtype and
+device checks of Kernel.__call__ and run_collective); later runs skip them: every shape is fixed by the
+input signature the program was prepared for. Index checks (embedding ids, gather indices) guard
+user data, so they run every time unless the caller passes check_indices=False.
+
+Numerics are run_rank's: the same kernels with the same launch parameters, the same references.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from egraph_did.errors import PlanError
+from egraph_did.local import run_local
+from egraph_did.ops import OPS
+from egraph_did.plan import Collective, ComputeStep, Plan
+from egraph_did.shards import Operand, RankContext
+
+from . import schedulers
+from .compute import check_step_indices
+from .segment import Segment, kernel_spec, lowered_plan
+
+CollectiveFn = Callable[[Plan, Collective, torch.Tensor, int], torch.Tensor]
+BindCollective = Callable[[Collective], Callable[[torch.Tensor], torch.Tensor]]
+
+
+class SegmentFailed(PlanError):
+    """A call of a prepared program raised: `index` is its segment, `what` the segment's description;
+    the original exception is the __cause__."""
+
+    def __init__(self, index: int, what: str, error: BaseException):
+        super().__init__(f"segment {index} ({what}): {type(error).__name__}: {error}")
+        self.index, self.what, self.error = index, what, error
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of a prepared program: fn(*slots[args]) -> a tuple of tensors into slots[outs]; then
+    slots[frees] are dropped. first_fn is the checked variant the program's first run uses; raw calls
+    (index checks) raise their error as it is, since it already names the tensor and the fix."""
+
+    fn: Callable[..., tuple]
+    args: tuple[int, ...]
+    outs: tuple[int, ...]
+    frees: tuple[int, ...]
+    segment: int
+    comm: bool = False
+    raw: bool = False
+    first_fn: Callable[..., tuple] | None = None
+
+
+@dataclass
+class Program:
+    """One rank's lowered program as flat calls (see prepare()). run(inputs) takes the input tensors in
+    `inputs` order and returns the output tensors in `outputs` order.
+
+    >>> import torch, egraph_did as ed
+    >>> from egraph_did.models import mlp
+    >>> plan = ed.optimize(mlp(tokens=8, hidden=16), ed.DeviceMesh.arange(2))
+    >>> prog = prepare(plan, 1, [torch.ones(4, 16), torch.ones(64, 16), torch.ones(16, 64)], None)
+    >>> prog.inputs, prog.outputs, len(prog.calls)
+    (('x:S0', 'w1:R', 'w2:R'), ('y:S0',), 3)
+    """
+
+    plan: Plan
+    rank: int
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    calls: list[Call]
+    nslots: int
+    segments: list[Segment]
+    described: list[str] = field(default_factory=list)  # each segment's describe(), for errors and progress
+    out_slots: list[int] = field(default_factory=list)
+    has_index_checks: bool = False
+    runs: int = 0
+    graph: Any = None  # lowering/graphs.py's state for this program, when it is captured
+
+    def run(self, inputs: Sequence[torch.Tensor], before_comm: Callable[[int], None] | None = None
+            ) -> list[torch.Tensor]:
+        """The outputs for these inputs (in `inputs` order). before_comm(segment index) is called before
+        each collective (the runtime records its progress there: a stalled run names the collective).
+        A failing call raises SegmentFailed naming its segment; an index check raises its ShapeError."""
+        slots: list[Any] = [None] * self.nslots
+        slots[:len(inputs)] = inputs
+        first = self.runs == 0
+        self.runs += 1
+        call = None
+        try:
+            for call in self.calls:
+                if before_comm is not None and call.comm:
+                    before_comm(call.segment)
+                fn = call.first_fn if first and call.first_fn is not None else call.fn
+                out = fn(*[slots[a] for a in call.args])
+                for o, t in zip(call.outs, out):
+                    slots[o] = t
+                for f in call.frees:
+                    slots[f] = None
+        except Exception as e:
+            if call is None or call.raw:
+                raise
+            raise SegmentFailed(call.segment, self.described[call.segment], e) from e
+        return [slots[o] for o in self.out_slots]
+
+
+def program_inputs(plan: Plan) -> tuple[str, ...]:
+    """The values a rank's program reads from outside: every input's loaded layouts, in plan order.
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import row_sum
+    >>> program_inputs(ed.optimize(row_sum(4, 3), ed.DeviceMesh.arange(2)))
+    ('x:S0',)
+    """
+    return tuple(v for vals in plan.inputs.values() for v in vals)
+
+
+def signature(tensors: Sequence[torch.Tensor]) -> tuple:
+    """What a prepared program is specific to: each input's shape, dtype, device and strides.
+
+    >>> signature([torch.ones(2, 3)])
+    ((torch.Size([2, 3]), torch.float32, device(type='cpu'), (3, 1)),)
+    """
+    return tuple((t.shape, t.dtype, t.device, t.stride()) for t in tensors)
+
+
+# ---------------------------------------------------------------------------- building calls
+
+def _local_operand(plan: Plan, value: str) -> Operand:
+    v = plan.values[value]
+    return Operand(v.shape, v.layout)
+
+
+def _aten_fn(plan: Plan, step: ComputeStep, ctx: RankContext) -> Callable[..., tuple]:
+    """The step's local semantics with everything but its tensors bound. Steps that name a local kernel
+    go through run_local as they are; the rest take run_local's no-kernel branch with the local output
+    shapes computed once (run_local recomputes them per call)."""
+    params = tuple(step.operands)
+    literals = {k: v for k, v in step.args if k not in step.tensor_params}
+    opdef = OPS[step.op]
+    if step.flags:
+        operands = {k: _local_operand(plan, v) for k, v in step.operands.items()}
+        outputs = [_local_operand(plan, o) for o in step.writes]
+        flags = dict(step.flags)
+
+        def via_run_local(*ts):
+            return run_local(step.op, {**literals, **dict(zip(params, ts))}, operands, outputs, flags, ctx)
+        return via_run_local
+    ref, local_attrs = opdef.reference, opdef.local_attrs
+    out_shapes = [ctx.local_shape(_local_operand(plan, o)) for o in step.writes]
+
+    def reference(*ts):
+        args = {**literals, **dict(zip(params, ts))}
+        if local_attrs is not None:
+            args.update(local_attrs(args, out_shapes))
+        out = ref(**args)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    return reference
+
+
+def _kernel_fn(kernel: schedulers.Kernel, device: torch.device) -> tuple[Callable[..., tuple], Callable[..., tuple]]:
+    """(lean launch, checked launch) of a compiled kernel; both return its outputs in spec.outputs order.
+    The lean one is Kernel.__call__ without the per-call checks and dicts: outputs allocated from shapes
+    known here, the launch configuration worked out once."""
+    spec = kernel.spec
+    names = list(dict.fromkeys(spec.outputs))
+    pick = tuple(names.index(n) for n in spec.outputs)
+
+    def checked(*ts):
+        outs = kernel(dict(zip(spec.inputs, ts)))
+        return tuple(outs[n] for n in spec.outputs)
+    if any(math.prod(sh) == 0 for _, sh, _ in spec.tensors):
+        return checked, checked  # empty tensors: Kernel.__call__ knows their values without a launch
+    if kernel._config is None:
+        kernel._config = schedulers.heuristics(spec, kernel.schedule)
+    cfg = kernel._config
+    alloc = tuple((tuple(spec.shape(n)), spec.dtype(n)) for n in names)
+    launcher = kernel.fn[(cfg.grid,)]
+    constexprs, warps = dict(cfg.constexprs), cfg.num_warps
+    empty = torch.empty
+
+    def lean(*ts):
+        outs = [empty(sh, dtype=dt, device=device) for sh, dt in alloc]
+        launcher(*[t.contiguous() for t in ts], *outs, **constexprs, num_warps=warps)
+        return tuple(outs[k] for k in pick)
+    return lean, checked
+
+
+def _fused_calls(plan: Plan, seg: Segment, rank: int, device: torch.device, ctx: RankContext,
+                 check_indices: bool) -> list[tuple[Callable, Callable | None, tuple[str, ...], tuple[str, ...], bool]]:
+    """(fn, first_fn, reads, writes, raw) for a fused segment: its kernel, or each step through torch
+    where this rank's local shapes fit no scheduler (as run_fused does)."""
+    spec = kernel_spec(plan, seg.steps, seg.inputs, seg.outputs, rank)
+    try:
+        kernel = schedulers.compile_kernel(spec)
+    except schedulers.Unsupported:
+        return [c for step in seg.steps for c in _aten_calls(plan, step, ctx, check_indices)]
+    lean, checked = _kernel_fn(kernel, device)
+    return [(lean, checked, tuple(seg.inputs), tuple(seg.outputs), False)]
+
+
+def _aten_calls(plan: Plan, step: ComputeStep, ctx: RankContext, check_indices: bool) -> list[tuple]:
+    calls = []
+    if check_indices and OPS[step.op].indexes is not None:
+        rank = ctx.rank
+
+        def check(*ts):  # a bad id names its tensor, not torch's IndexError deep in a kernel
+            check_step_indices(plan, step, dict(zip(step.reads, ts)), rank)
+            return ()
+        calls.append((check, None, tuple(step.reads), (), True))
+    calls.append((_aten_fn(plan, step, ctx), None, tuple(step.reads), tuple(step.writes), False))
+    return calls
+
+
+def _comm_call(plan: Plan, c: Collective, rank: int, collective: CollectiveFn | None,
+               bind: BindCollective | None) -> tuple:
+    if bind is not None:
+        fn, first = bind(c)
+        return (lambda t: (fn(t),)), (lambda t: (first(t),)), (c.src,), (c.dst,), False
+    if collective is None:
+        raise PlanError(f"prepare: the plan has collective {c} but no collective function was given")
+    return (lambda t: (collective(plan, c, t, rank),)), None, (c.src,), (c.dst,), False
+
+
+def prepare(plan: Plan, rank: int, inputs: Sequence[torch.Tensor], collective: CollectiveFn | None, *,
+            segments: list[Segment] | None = None, bind_collective: BindCollective | None = None,
+            check_indices: bool = True) -> Program:
+    """Rank's program for inputs like these (program_inputs(plan) order), as flat calls. collective:
+    run_rank's function (plan, c, local, rank) -> local result; or bind_collective(c) -> (fn, checked fn)
+    of one tensor, bound once. segments: the lowered plan's by default (eager_segments for torch only).
+
+    >>> import torch, egraph_did as ed
+    >>> from egraph_did.models import row_sum
+    >>> plan = ed.optimize(row_sum(4, 3), ed.DeviceMesh.arange(2))  # rows split: no collective
+    >>> prepare(plan, 1, [torch.ones(2, 3)], None).run([torch.ones(2, 3)])
+    [tensor([3., 3.])]
+    """
+    segments = lowered_plan(plan).segments if segments is None else segments
+    names = program_inputs(plan)
+    if len(inputs) != len(names):
+        raise PlanError(f"prepare: the program reads {len(names)} values {list(names)}, got {len(inputs)} tensors")
+    device = inputs[0].device if inputs else torch.device("cpu")
+    ctx = RankContext(plan.mesh, rank)
+    slot: dict[str, int] = {v: i for i, v in enumerate(names)}
+    raw_calls: list[tuple] = []  # (fn, first_fn, reads, writes, raw, segment index, comm)
+    for i, seg in enumerate(segments):
+        if seg.kind == "comm":
+            built = [_comm_call(plan, seg.steps[0], rank, collective, bind_collective)]
+        elif seg.kind == "fused":
+            built = _fused_calls(plan, seg, rank, device, ctx, check_indices)
+        else:
+            built = _aten_calls(plan, seg.steps[0], ctx, check_indices)
+        raw_calls += [(*b, i, seg.kind == "comm") for b in built]
+    outputs = tuple(plan.outputs.values())
+    for _, _, reads, writes, *_ in raw_calls:
+        for v in (*reads, *writes):
+            slot.setdefault(v, len(slot))
+    last: dict[str, int] = {}  # the call after which a value is dead: its last reader, or its writer
+    for k, (_, _, reads, writes, *_) in enumerate(raw_calls):
+        for v in (*writes, *reads):
+            last[v] = k
+    keep = set(outputs)
+    missing = [v for v in outputs if v not in slot]
+    if missing:
+        raise PlanError(f"prepare: outputs {missing} are neither inputs nor made by any segment")
+    calls = []
+    for k, (fn, first, reads, writes, raw, index, comm) in enumerate(raw_calls):
+        frees = tuple(slot[v] for v in dict.fromkeys((*reads, *writes)) if last[v] == k and v not in keep)
+        calls.append(Call(fn, tuple(slot[v] for v in reads), tuple(slot[v] for v in writes), frees, index,
+                          comm, raw, first))
+    return Program(plan, rank, names, outputs, calls, len(slot), segments, [s.describe() for s in segments],
+                   [slot[v] for v in outputs], any(c.raw for c in calls))
+
+
+def program_for(plan: Plan, rank: int, inputs: Sequence[torch.Tensor], collective: CollectiveFn | None, *,
+                key: Any = None, segments: list[Segment] | None = None,
+                bind_collective: BindCollective | None = None, check_indices: bool = True) -> Program:
+    """prepare(...), once per (plan, rank, input signature, key, check_indices): cached on the plan
+    object. key names what the collective function stands for (default: the function itself; the
+    runtime passes what its bound collectives depend on, since it makes a new closure per run).
+
+    >>> import torch, egraph_did as ed
+    >>> from egraph_did.models import row_sum
+    >>> plan = ed.optimize(row_sum(4, 3), ed.DeviceMesh.arange(2))
+    >>> x = torch.ones(2, 3)
+    >>> program_for(plan, 1, [x], None) is program_for(plan, 1, [x * 2], None)  # same signature
+    True
+    """
+    cache = plan.__dict__.setdefault("_programs", {})
+    which = id(lowered_plan(plan)) if segments is None else tuple(segments)  # re-lowered: prepared anew
+    k = (rank, signature(inputs), collective if key is None else key, check_indices, which)
+    prog = cache.get(k)
+    if prog is None or prog.plan is not plan:
+        prog = cache[k] = prepare(plan, rank, inputs, collective, segments=segments,
+                                  bind_collective=bind_collective, check_indices=check_indices)
+    return prog
+
+
+__all__ = ["Program", "Call", "SegmentFailed", "prepare", "program_for", "program_inputs", "signature"]

@@ -1,0 +1,135 @@
+"""The prepared program (lowering/program.py) computes exactly what run_rank computes: the same
+tensors, bit for bit, on every rank of the models' plans (simulated meshes, collectives through a
+deterministic stand-in both executors share); it is built once per signature; a failing call names its
+segment; index checks still guard user ids unless switched off."""
+import pytest
+import torch
+
+import egraph_did as ed
+from egraph_did import collectives, models
+from egraph_did.errors import ShapeError
+from egraph_did.layout import Layout, S
+from egraph_did.lowering.execute import run_rank
+from egraph_did.lowering.program import SegmentFailed, prepare, program_for, program_inputs
+from egraph_did.lowering.segment import eager_segments, lowered_plan
+from egraph_did.pins import apply_layout
+from egraph_did.shards import Operand, RankContext
+
+MESH = ed.DeviceMesh.arange(4)
+MESH2 = ed.DeviceMesh([[0, 1], [2, 3]], axis_names=("dp", "tp"))
+
+
+def sp(build, *args):
+    fd = build(*args)
+    for name in ("x", "y"):
+        apply_layout(fd[name], Layout((S(1),)), MESH)
+    return fd
+
+
+def stand_in(plan, c, t, rank):
+    """A deterministic collective: its registry semantics as if every rank of the group held t."""
+    entry = collectives.get(c.kind, str(c))
+    src, dst = plan.values[c.src], plan.values[c.dst]
+    move = collectives.Move(plan.mesh, src.shape, src.layout, dst.layout, c.mesh_axis, c.reduce)
+    group = plan.mesh.ranks_along(c.mesh_axis, rank)
+    return entry.simulate(move, [t * (1 + 0.25 * i) for i, _ in enumerate(group)], rank).contiguous()
+
+
+def local_inputs(plan, rank, seed=0):
+    g = torch.Generator().manual_seed(seed + rank)
+    ctx = RankContext(plan.mesh, rank)
+    out = []
+    for v in program_inputs(plan):
+        val = plan.values[v]
+        out.append(torch.randn(ctx.local_shape(Operand(val.shape, val.layout)), generator=g,
+                               dtype=getattr(torch, val.dtype)))
+    return out
+
+
+PLANS = {
+    "mlp": lambda: ed.optimize(models.mlp(8, 16), MESH),
+    "gpt_sp": lambda: ed.optimize(sp(models.gpt_layer, 1, 8, 32, 4), MESH),
+    "layer_norm": lambda: ed.optimize(sp(models.layer_norm, 6, 16), MESH),
+    "mlp_2d": lambda: ed.optimize(models.mlp(8, 16), MESH2, ed.CostModel.h200_multinode()),
+    "mlp_backward": lambda: ed.optimize(models.mlp_with_backward(8, 16), MESH),
+    "row_sum_split": lambda: ed.optimize(_row_sum_split(), MESH),
+}
+
+
+def _row_sum_split():
+    fd = models.row_sum(8, 64)
+    fd["x"].set_device_mesh(MESH).outer_split(1, 4).axis(1).parallelize(ed.ParallelType.DIDx)
+    return fd
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+@pytest.mark.parametrize("lowered", [True, False])
+def test_prepared_program_is_bit_identical_to_run_rank_on_every_rank(name, lowered):
+    plan = PLANS[name]()
+    segments = lowered_plan(plan).segments if lowered else eager_segments(plan)
+    for rank in plan.mesh.ranks:
+        ins = local_inputs(plan, rank)
+        env = run_rank(plan, dict(zip(program_inputs(plan), ins)), rank, stand_in,
+                       None if lowered else type(lowered_plan(plan))(plan, segments))
+        prog = prepare(plan, rank, ins, stand_in, segments=segments)
+        for run in range(2):  # the first run takes the checked calls, the second the lean ones
+            outs = prog.run(ins)
+            for v, got in zip(prog.outputs, outs):
+                assert torch.equal(got, env[v]), f"{name} rank {rank} run {run}: {v} differs"
+
+
+def test_a_program_is_prepared_once_per_signature():
+    plan = PLANS["mlp"]()
+    ins = local_inputs(plan, 0)
+    prog = program_for(plan, 0, ins, stand_in)
+    assert program_for(plan, 0, [t.clone() for t in ins], stand_in) is prog
+    assert program_for(plan, 0, [t.double() for t in ins], stand_in) is not prog  # another dtype
+    assert program_for(plan, 1, ins, stand_in) is not prog
+
+
+def test_values_are_dropped_after_their_last_reader():
+    plan = PLANS["gpt_sp"]()
+    prog = prepare(plan, 0, local_inputs(plan, 0), stand_in)
+    freed = [s for c in prog.calls for s in c.frees]
+    assert len(freed) == len(set(freed))  # each slot dropped once
+    out_slots = set(prog.out_slots)
+    assert not out_slots & set(freed)
+    assert len(freed) == prog.nslots - len(out_slots)  # everything else is dropped at some point
+
+
+def test_a_failing_call_names_its_segment():
+    plan = PLANS["row_sum_split"]()
+    ins = local_inputs(plan, 0)
+
+    def broken(plan_, c, t, rank):
+        raise RuntimeError("link down")
+    prog = prepare(plan, 0, ins, broken)
+    index = next(i for i, s in enumerate(prog.segments) if s.kind == "comm")
+    with pytest.raises(SegmentFailed) as info:
+        prog.run(ins)
+    assert info.value.index == index and "reduce_scatter" in info.value.what and "link down" in str(info.value)
+
+
+def embedding_plan():
+    with ed.FusionDefinition() as fd:
+        ids = fd.define_tensor((3,), torch.int64, name="ids")
+        wte = fd.define_tensor((5, 4), name="wte")
+        fd.add_output(fd.ops.embedding(ids, wte), name="y")
+    return ed.optimize(fd, ed.DeviceMesh.arange(2))
+
+
+def test_out_of_range_ids_are_refused_on_every_run_unless_checks_are_off():
+    plan = embedding_plan()
+    wte = plan.values[program_inputs(plan)[1]]
+    table = torch.randn(RankContext(plan.mesh, 0).local_shape(Operand(wte.shape, wte.layout)))
+    good = [torch.tensor([0, 4, 1]), table]
+    bad = [torch.tensor([0, 9, 1]), good[1]]
+    prog = program_for(plan, 0, good, stand_in)
+    assert prog.has_index_checks
+    prog.run(good)
+    prog.run(good)
+    with pytest.raises(ShapeError, match="ids holds 9"):  # a later run checks too
+        prog.run(bad)
+    unchecked = program_for(plan, 0, good, stand_in, check_indices=False)
+    assert unchecked is not prog and not unchecked.has_index_checks
+    assert all(torch.equal(a, b) for a, b in zip(unchecked.run(good), prog.run(good)))
