@@ -326,11 +326,13 @@ class Plan:
         raise PlanError(f"no value of {tensor!r}")  # pragma: no cover
 
     # ------------------------------------------------------------ run
-    def run(self, values, /, inputs: str = "global", outputs: str = "global", **options):
+    def run(self, values, /, inputs: str = "global", outputs: str = "global", *, cuda_graph: bool = True,
+            **options):
         """Execute this plan on this rank, inside an initialized default process group (see ed.launch).
 
         values: {input name: tensor}; inputs="global" (whole tensors, sharded here), "local" (this rank's
-        shards) or DTensors; outputs="global", "local" or "dtensor".
+        shards) or DTensors; outputs="global", "local" or "dtensor". cuda_graph: on a GPU, the rank's
+        program is captured once per input signature and replayed (False: run it call by call).
 
         Example::
 
@@ -342,7 +344,7 @@ class Plan:
         if _runner is None:
             raise PlanError("plan.run: no runner is registered; import egraph_did (its runtime registers "
                             "run_plan), or call egraph_did.runtime.run_plan(plan, values) directly")
-        return _runner(self, values, inputs_kind=inputs, outputs_kind=outputs, **options)
+        return _runner(self, values, inputs_kind=inputs, outputs_kind=outputs, cuda_graph=cuda_graph, **options)
 
     # ------------------------------------------------------------ simplify
     def simplified(self) -> "Plan":

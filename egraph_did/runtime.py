@@ -1,9 +1,10 @@
 """run_plan(): one rank's part of a plan, inside an initialized torch.distributed process group.
 
 Binds this rank's inputs (global tensors it shards, local shards it checks, or DTensors), runs the
-plan's lowered segments in order (fused kernels, torch compute steps, collectives through
-lowering/communication.run_collective), and hands back its outputs as global tensors, local shards or
-DTensors. Every rank of the plan's mesh runs the same steps, so every rank makes the same collective
+plan's lowered segments in order (fused kernels, torch compute steps, collectives through the
+collective registry's torch.distributed calls) as the rank's prepared program (lowering/program.py:
+built once per input signature, then a flat loop; on a GPU replayed as a CUDA graph, lowering/graphs.py),
+and hands back its outputs as global tensors, local shards or DTensors. Every rank of the plan's mesh runs the same steps, so every rank makes the same collective
 calls in the same order; what each rank is doing is kept in a progress record (`last_progress`,
 `add_progress_hook`), which launch() reads to say where a stalled run stopped.
 
@@ -20,11 +21,12 @@ import torch.distributed as dist
 
 from .errors import EgraphDidError, PlanError, ShapeError
 from .layout import Layout
-from .lowering.communication import (check_world, world_key, ensure_groups, gather_to_all, local_shape,
+from . import collectives
+from .lowering.communication import (axis_group, check_world, world_key, ensure_groups, gather_to_all, local_shape,
                                      run_collective)
-from .lowering.compute import check_step_indices
-from .lowering.execute import run_segment
-from .lowering.segment import eager_segments, lowered_plan
+from .lowering.graphs import run_graphed
+from .lowering.program import SegmentFailed, program_for, program_inputs
+from .lowering.segment import eager_segments
 from .mesh import DeviceMesh
 from .plan import Plan, register_runner
 from .shards import dtensor_chunks_agree, shard, unshard
@@ -223,18 +225,21 @@ def _bind_inputs(plan: Plan, inputs: Mapping[str, Any], kind: str, rank: int, de
     return env
 
 
-def _frees(segments) -> list[list[str]]:
-    """Per segment, the values no later segment reads and no output is (dropped once it has run)."""
-    last: dict[str, int] = {}
-    for i, seg in enumerate(segments):
-        for s in seg.steps:
-            for v in s.reads:
-                last[v] = i
-    return [[v for v, j in last.items() if j == i] for i in range(len(segments))]
+def _bind_collective(plan: Plan, rank: int, timeout: float | None):
+    """c -> (lean call, checked call) of one tensor: the registry entry, the move and the process group
+    found once (run_collective finds them, and checks the shard's shape, on every call)."""
+    def bind(c):
+        entry = collectives.get(c.kind, f"run: {c.kind}[{c.mesh_axis_name}] {c.tensor}")
+        src, dst = plan.values[c.src], plan.values[c.dst]
+        move = collectives.Move(plan.mesh, src.shape, src.layout, dst.layout, c.mesh_axis, c.reduce)
+        group, run = axis_group(plan.mesh, c.mesh_axis, rank), entry.run
+        return (lambda t: run(move, t, group, timeout)), (lambda t: run_collective(plan, c, t, rank, timeout=timeout))
+    return bind
 
 
 def run_plan(plan: Plan, inputs: Mapping[str, Any], *, inputs_kind: str = "global", outputs_kind: str = "global",
-             rank: int | None = None, step_timeout: float | None = None, lowered: bool = True) -> dict[str, Any]:
+             rank: int | None = None, step_timeout: float | None = None, lowered: bool = True,
+             cuda_graph: bool = True, check_indices: bool = True) -> dict[str, Any]:
     """Run this rank's part of `plan`; every rank of plan.mesh calls it, with the default process group
     initialized over exactly the mesh's ranks (launch() sets that up).
 
@@ -248,7 +253,13 @@ def run_plan(plan: Plan, inputs: Mapping[str, Any], *, inputs_kind: str = "globa
     step_timeout: seconds any one collective may wait for its group (None: the process group's timeout).
     lowered: run the lowered program (fused segments as Triton kernels; under TRITON_INTERPRET on a CPU);
     False runs every compute step through torch eager.
-    Returns {output name: tensor}. A failing step raises StepError naming the rank and the step.
+    cuda_graph: on a GPU, capture the rank's program once per input signature and replay it (one host
+    call a run; lowering/graphs.py says which inputs are copied in); where it cannot be captured (a
+    step_timeout, host-side index checks, a capture error) it runs without, and a warning says why once.
+    check_indices: check embedding/gather ids against their table on every run (a device-to-host read
+    per indexing step); False skips the checks, for ids known to be in range.
+    Returns {output name: tensor}. A failing step raises StepError naming the rank and the step; a
+    progress record is kept before each collective (compute steps run without records).
 
     Example (one process per rank; `work` must be importable by the spawned processes)::
 
@@ -265,6 +276,9 @@ def run_plan(plan: Plan, inputs: Mapping[str, Any], *, inputs_kind: str = "globa
         raise PlanError(f"run_plan: outputs_kind must be one of {OUTPUT_KINDS}, got {outputs_kind!r}")
     if not isinstance(lowered, bool):
         raise PlanError(f"run_plan: lowered must be True (Triton kernels) or False (torch eager), got {lowered!r}")
+    if not isinstance(cuda_graph, bool) or not isinstance(check_indices, bool):
+        raise PlanError(f"run_plan: cuda_graph and check_indices must be True or False, got {cuda_graph!r} and "
+                        f"{check_indices!r}")
     if step_timeout is not None and (isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float))
                                      or not step_timeout > 0):
         raise PlanError(f"run_plan: step_timeout must be a positive number of seconds, or None for the process "
@@ -281,9 +295,6 @@ def run_plan(plan: Plan, inputs: Mapping[str, Any], *, inputs_kind: str = "globa
     total = len(plan.steps)
     device = _device()
 
-    def _collective(plan_, c, local, rank_):
-        return run_collective(plan_, c, local, rank_, timeout=step_timeout)
-
     def phase(index: int, what: str, fn):
         _record(rank, index, total, what)
         try:
@@ -299,18 +310,31 @@ def run_plan(plan: Plan, inputs: Mapping[str, Any], *, inputs_kind: str = "globa
     phase(-1, "creating process groups", lambda: ensure_groups(plan.mesh, rank))
     env = phase(-1, f"binding inputs ({inputs_kind})",
                 lambda: _bind_inputs(plan, inputs, inputs_kind, rank, device, step_timeout))
-    segments = lowered_plan(plan).segments if lowered else eager_segments(plan)
-    total = len(segments)
-    frees = _frees(segments)
-    keep = set(plan.outputs.values())
-    for i, seg in enumerate(segments):
-        what = seg.describe()
-        for step in seg.steps:  # a bad index names its tensor, not torch's IndexError deep in a kernel
-            check_step_indices(plan, step, env, rank)
-        env.update(phase(i, what, lambda: run_segment(plan, seg, env, rank, _collective)))
-        for v in frees[i]:
-            if v not in keep:
-                env.pop(v, None)  # its last reader has run
+    ins = [env[v] for v in program_inputs(plan)]
+    prog = phase(-1, "preparing the program", lambda: program_for(
+        plan, rank, ins, None, key=("process group", world_key(), step_timeout), check_indices=check_indices,
+        segments=None if lowered else eager_segments(plan), bind_collective=_bind_collective(plan, rank, step_timeout)))
+    del env  # the program drops each value after its last reader: hold no other reference
+    total = len(prog.segments)
+
+    def before_comm(i: int) -> None:  # a stalled collective is where a run hangs: name it
+        _record(rank, i, total, prog.described[i])
+
+    try:
+        if cuda_graph:
+            if device is not None:  # a replay runs every segment at once: no record per collective
+                _record(rank, -1, total, f"running {total} segments (CUDA graph where captured)")
+            why = None if step_timeout is None else "a step_timeout bounds each collective's wait on the host"
+            outs = run_graphed(prog, ins, not_capturable=why, before_comm=before_comm)
+        else:
+            outs = prog.run(ins, before_comm)
+    except SegmentFailed as f:
+        e = f.error
+        _record(rank, f.index, total, f.what, "failed")
+        raise StepError(f"rank {rank}, segment {f.index} of {total} ({f.what}): {type(e).__name__}: {e}",
+                        rank, f.index, f.what) from e
+    del ins
+    env = dict(zip(prog.outputs, outs))
 
     def deliver():
         out = {}
