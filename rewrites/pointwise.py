@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from egglog import String, eq, i64, ne, relation, ruleset, var
+from egglog import rule as erule
+
 from egraph_did.ops import OPS, ops_where
 
 from .rules import P, R, S, Case, Input, rule
+from .sorts import AX, SITE, MeshSize, OpKind, Param, Placement, Shape, ShapeOf, Extent, Rank, FloatSize, Tensor
+from .sorts import P as P_, R as R_, S as S_
 
 F32 = torch.float32
 
@@ -99,3 +104,62 @@ def partial_through_linear_unary(e):
     exact = e.op == "cast" and src.is_floating_point and dst.is_floating_point and src.itemsize <= dst.itemsize
     if e.op == "neg" or exact:
         yield e.strategy(out=P, x=P)
+
+
+# ---------------------------------------------------------------------- the same identities as egglog rules
+# Each rule derives the per-mesh-axis relation Ax (rewrites/sorts.py) for the ops it covers; the Python
+# rules above are their executable spec and tests/rewrites/test_rules.py holds both equal.
+
+def _bcast_rules(n: int):
+    """Bcast(key, j, i, p): under elementwise broadcasting, output axis i reads operand j's axis in
+    placement p: S_(k) where the right-aligned axis k has the same extent, R where it broadcasts."""
+    y, key, op, i, k, n_, m_, ry, rx = (var("y", Tensor), var("key", String), var("op", String), var("i", i64),
+                                        var("k", i64), var("n", i64), var("m", i64), var("ry", i64), var("rx", i64))
+    sy, sx = var("sy", Shape), var("sx", Shape)
+    xs = [var(f"x{j}", Tensor) for j in range(n)]
+    for j in range(n):
+        head = [SITE[(n, 1)](key, op, y, *xs), OpKind(op, "broadcasts"), ShapeOf(y, sy), ShapeOf(xs[j], sx),
+                Rank(sy, ry), Rank(sx, rx), Extent(sy, i, n_), eq(k).to(i - (ry - rx))]
+        yield erule(*head, Extent(sx, k, n_)).then(Bcast(key, j, i, S_(k)))
+        yield erule(*head, Extent(sx, k, m_), ne(m_).to(n_)).then(Bcast(key, j, i, R_()))
+        yield erule(*head, k < 0).then(Bcast(key, j, i, R_()))
+
+
+Bcast = relation("Bcast", String, i64, i64, Placement)
+
+
+def _pointwise_rules():
+    key, op, d, a = var("key", String), var("op", String), var("d", i64), var("a", i64)
+    y, sy, r, n_ = var("y", Tensor), var("sy", Shape), var("r", i64), var("n", i64)
+    for (n, o) in SITE:  # replicated: every op, every operand replicated
+        ys, xs = [var(f"y{j}", Tensor) for j in range(o)], [var(f"x{j}", Tensor) for j in range(n)]
+        yield erule(SITE[(n, o)](key, op, *ys, *xs), MeshSize(d)).then(
+            AX[(n, o)](key, d, *[R_()] * (n + o), String(""), i64(1)))
+    for n in (1, 2, 3):  # elementwise_sharded
+        yield from _bcast_rules(n)
+        xs, ps = [var(f"x{j}", Tensor) for j in range(n)], [var(f"p{j}", Placement) for j in range(n)]
+        yield erule(SITE[(n, 1)](key, op, y, *xs), OpKind(op, "pointwise"), MeshSize(d), ShapeOf(y, sy),
+                   Extent(sy, a, n_), *[Bcast(key, j, a, ps[j]) for j in range(n)]).then(
+            AX[(n, 1)](key, d, *ps, S_(a), String(""), i64(1)))
+    x, b, sx = var("x", Tensor), var("b", Tensor), var("sx", Shape)
+    yield erule(SITE[(1, 1)](key, op, y, x), OpKind(op, "mask"), MeshSize(d), ShapeOf(y, sy), Rank(sy, r),
+               Extent(sy, a, n_), a < r - 2).then(AX[(1, 1)](key, d, S_(a), S_(a), String(""), i64(1)))  # mask_leading_axis
+    for name in ("add", "sub"):  # sum_of_partials
+        yield erule(SITE[(2, 1)](key, name, y, x, b), MeshSize(d)).then(AX[(2, 1)](key, d, P_(), P_(), P_(), String(""), i64(1)))
+    # partial_scaled: mul scales either operand's partial, div its numerator's ("a")
+    yield erule(SITE[(2, 1)](key, "mul", y, x, b), MeshSize(d)).then(
+        AX[(2, 1)](key, d, P_(), R_(), P_(), String(""), i64(1)), AX[(2, 1)](key, d, R_(), P_(), P_(), String(""), i64(1)))
+    yield erule(SITE[(1, 1)](key, "mul", y, x), MeshSize(d)).then(AX[(1, 1)](key, d, P_(), P_(), String(""), i64(1)))
+    yield erule(SITE[(2, 1)](key, "div", y, x, b), MeshSize(d)).then(AX[(2, 1)](key, d, P_(), R_(), P_(), String(""), i64(1)))
+    yield erule(SITE[(1, 1)](key, "div", y, x), Param(key, 0, "a"), MeshSize(d)).then(
+        AX[(1, 1)](key, d, P_(), P_(), String(""), i64(1)))
+    # partial_through_linear_unary: neg, and a cast that widens a float exactly
+    yield erule(SITE[(1, 1)](key, "neg", y, x), MeshSize(d)).then(AX[(1, 1)](key, d, P_(), P_(), String(""), i64(1)))
+    bx, by = var("bx", i64), var("by", i64)
+    yield erule(SITE[(1, 1)](key, "cast", y, x), MeshSize(d), ShapeOf(x, sx), ShapeOf(y, sy), FloatSize(sx, bx),
+               FloatSize(sy, by), bx <= by).then(AX[(1, 1)](key, d, P_(), P_(), String(""), i64(1)))
+
+
+pointwise = ruleset(*_pointwise_rules(), name="pointwise")
+PORTED = {"replicated", "elementwise_sharded", "mask_leading_axis", "sum_of_partials", "partial_scaled",
+          "partial_through_linear_unary"}

@@ -1,7 +1,7 @@
 """Imports point one way: each layer imports only the layers above it (DESIGN.md, "Layers").
 
     core       mesh, layout, shards, ops, local, collectives, cost, errors, physgraph
-    program    ir, fusion, evaluate, sharding, pins
+    program    ir, fusion, evaluate, sharding, pins, grad
     plan       plan, explain
     rewrites   rewrites/*
     optimizer  problem, egraph, extract, optimize
@@ -28,10 +28,10 @@ PACKAGES = {"egraph_did": ROOT / "egraph_did", "egraph_did.rewrites": ROOT / "re
 
 LAYERS = {
     "core": ["mesh", "layout", "shards", "ops", "local", "collectives", "cost", "errors", "physgraph"],
-    "program": ["ir", "fusion", "evaluate", "sharding", "pins"],
+    "program": ["ir", "fusion", "evaluate", "sharding", "pins", "grad"],
     "plan": ["plan", "explain"],
     "rewrites": ["rewrites"],
-    "optimizer": ["problem", "egraph", "extract", "optimize"],
+    "optimizer": ["problem", "egraph", "egraph_typed", "extract", "optimize"],
     "lowering": ["lowering"],
     "execution": ["simulate", "runtime", "launcher", "calibrate"],
     "face": ["__init__", "__main__", "cli", "demo", "models", "sweep", "plan_graph", "fuzzing"],

@@ -1,0 +1,427 @@
+"""The e-graph over typed sorts (rewrites/sorts.py; docs/egraph.md): encode a Problem's program, saturate
+the rewrites/ rulesets, read back the physical classes as a plain PhysGraph.
+
+Encoding: one named term per tensor unioned with its op's constructor, shape facts once per distinct
+shape, the op's structure (Site, Param) and axis facts (AxisMap, Reduced, AttrS, computed here by op
+kind: `_axis_facts`), the valid layouts of each shape, the pinned inputs' loads. No strategy is a fact:
+the family rulesets derive the per-mesh-axis relation Ax by rules; the rules generated here join it over
+the mesh axes (compute writes level 0 from operands held at level m = mesh ndim) and move one mesh axis a
+level up by Keep or by a collective the registry connects (the graph stays acyclic).
+
+Rules whose family is not yet an egglog ruleset (ORACLE_RULES) still reach egglog as Ax rows computed by
+their Python rule: the switch is explicit, and tests/optimizer/test_typed_egraph.py holds the result equal
+to the fact-writing path.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+
+from egglog import EGraph, String, eq, i64, relation, ruleset, union, var
+from egglog import rule as erule
+
+from egraph_did.rewrites import ALL_RULES, RULES, aten, pointwise, reduction, views
+from egraph_did.rewrites.sorts import (AX, KERNS, LAYOUTS, OPS_SORT, SITE, Apart, AttrS, AxisMap, Coll, Connect,
+                                       Extent, Fits, FloatSize, Held, Keep, Lit, MeshSize, NestOK, OpKind, Out, Param,
+                                       Placement, Proj, Rank, Reduced, RUN, Shape, ShapeOf, Shp, T, Tensor, Valid, D, Load)
+from egraph_did.rewrites.sorts import P as P_, R as R_, S as S_, Pmax as Pmax_
+from egraph_did.rewrites.sorts import Layout as LayoutSort
+
+from .collectives import connecting
+from .layout import PMAX, Layout, P, R, S, is_valid
+from .ops import OPS
+from .physgraph import Node, PhysGraph
+from .problem import Problem, op_view
+
+# t's shape fits the layout (ShapeOf joined with Fits by a rule: with both in the join rules, egglog 13.2
+# derived Held terms for operands that were not held; /tmp-free repro in docs/egraph.md)
+FitT = relation("FitT", Tensor, LayoutSort)
+
+FAMILIES = {"pointwise": pointwise, "views": views, "reduction": reduction, "aten": aten}
+# Rules still run in Python, their Ax rows written as facts (the explicit switch; report them)
+ORACLE_RULES = frozenset(r.name for r in ALL_RULES
+                         if r.name not in set().union(*(getattr(m, "PORTED", set()) for m in FAMILIES.values())))
+
+
+# ---------------------------------------------------------------------- terms as text (the adapter's input)
+
+def _q(s: str) -> str:
+    return '"' + s.replace('"', "'") + '"'  # egglog strings: JSON's quotes become single quotes
+
+
+def pl_text(p) -> str:
+    """A placement as an egglog term.
+
+    >>> pl_text(S(1)), pl_text(PMAX)
+    ('(S 1)', '(Pmax)')
+    """
+    return f"(S {p.axis})" if p.is_shard else "(R)" if p.kind == "R" else "(P)" if p.reduce == "sum" else "(Pmax)"
+
+
+def lay_text(lay: Layout) -> str:
+    """A layout as an egglog term: (L2 (S 0) (R))."""
+    return f"(L{len(lay)} " + " ".join(pl_text(p) for p in lay) + ")"
+
+
+def _shape_code(tv) -> str:
+    return f"{str(tv.dtype).replace('torch.', '')}:{','.join(map(str, tv.shape))}"
+
+
+# ---------------------------------------------------------------------- op facts by kind
+
+def _norm(a: int, n: int) -> int:
+    return a % n if n else a
+
+
+def _dims(x_ndim: int, dims) -> tuple[int, ...]:
+    if dims is None:
+        return tuple(range(x_ndim))
+    return tuple(sorted(_norm(d, x_ndim) for d in ((dims,) if isinstance(dims, int) else dims)))
+
+
+def _axis_facts(e) -> list[tuple]:
+    """The op's axis correspondence (AxisMap: output axis b is operand axis a, unchanged), its reduced or
+    gathered axes (Reduced) and string attributes the rules read (AttrS), by op kind.
+
+    >>> from egraph_did.models import row_sum
+    >>> _axis_facts(row_sum(8, 64).fusion.exprs[0])  # sum over axis 1 keeps axis 0
+    [('AxisMap', 0, 0, 0), ('Reduced', 1)]
+    """
+    args, op = dict(e.args), e.op
+    tensors = [v for _, v in e.args if hasattr(v, "logical_domain")]
+    x = tensors[0]
+    out: list[tuple] = []
+    if op.name in ("sum", "mean", "amax", "var_mean"):
+        dims = _dims(x.ndim, args.get("dims"))
+        kept = [a for a in range(x.ndim) if a not in dims]
+        out += [("AxisMap", 0, a, a if args.get("keepdim") else a - sum(d < a for d in dims)) for a in kept]
+        out += [("Reduced", a) for a in dims]
+    elif op.permutes:
+        out += [("AxisMap", 0, a, b) for b, a in enumerate(op.permutation(args, x.ndim))]
+    elif op.name == "unsqueeze":
+        d = _norm(args["dim"], e.outputs[0].ndim)
+        out += [("AxisMap", 0, a, a if a < d else a + 1) for a in range(x.ndim)]
+    elif op.name == "expand":
+        out += [("AxisMap", 0, a, a + e.outputs[0].ndim - x.ndim) for a in range(x.ndim)]
+    elif op.name == "broadcast_in_dim":
+        out += [("AxisMap", 0, a, b) for a, b in enumerate(args["broadcast_dims"])]
+    elif op.name in ("softmax", "take_along_axis"):
+        dim = _norm(args["dim"], x.ndim)
+        out += [("AxisMap", 0, a, a) for a in range(x.ndim) if a != dim] + [("Reduced", dim)]
+    elif op.name in ("layer_norm", "rms_norm"):
+        ns = args.get("normalized_shape")
+        k = (len(args["weight"].shape) if args.get("weight") is not None
+             else 1 if isinstance(ns, int) else len(ns or (1,)))
+        out += [("AxisMap", 0, a, a) for a in range(x.ndim - k)]
+    elif op.name == "welford_merge":
+        rank = x.ndim - 1
+        dim, keep = _norm(args["dim"], rank), args.get("keepdim")
+        out += [("AxisMap", 0, a, a if keep or a < dim else a - 1) for a in range(rank) if a != dim]
+    for name in ("reduction", "is_causal"):
+        if name in args:
+            out.append(("AttrS", name, json.dumps(args[name])))
+    return out
+
+
+# ---------------------------------------------------------------------- encode
+
+class _Facts:
+    """Facts as (egglog function, args) rows: rendered to egglog text, and the first row of each function
+    through the public API so that egglog-python declares the function (see _register)."""
+
+    def __init__(self):
+        self.rows: list[str] = []
+        self.first: dict[str, str] = {}
+
+    def add(self, text: str) -> None:
+        self.rows.append(text)
+        head = text[1:].split(" ", 1)[0].rstrip(")")
+        if head == "union":
+            head = text.split("(", 3)[2].split(" ", 1)[0].rstrip(")") + "|" + text.rsplit("(", 1)[0]
+        self.first.setdefault(head, text)
+
+
+def encode(problem: Problem) -> tuple[list[str], dict[str, str]]:
+    """The problem's program, shapes, structure and loads as egglog facts (text), and the tensor index.
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import row_sum
+    >>> facts, ident = encode(build := __import__("egraph_did.problem", fromlist=["x"]).build_problem(
+    ...     row_sum(8, 64), ed.DeviceMesh.arange(4)))
+    >>> [f for f in facts if f.startswith(("(union (T", "(Site"))]
+    ['(union (T "t1") (op_sum (T "t0") (Lit "1") (Lit "false")))', '(Site1x1 "t1" "sum" (T "t1") (T "t0"))']
+    """
+    fusion, mesh = problem.fusion, problem.mesh
+    ident = {name: f"t{i}" for i, name in enumerate(fusion.tensors)}
+
+    def t(name):
+        return f'(T "{ident[name]}")'
+
+    out: list[str] = []
+    shapes: dict[str, object] = {}
+    for name, tv in fusion.tensors.items():
+        code = _shape_code(tv)
+        shapes.setdefault(code, tv)
+        out.append(f"(ShapeOf {t(name)} (Shp {_q(code)}))")
+    for code, tv in shapes.items():
+        s = f"(Shp {_q(code)})"
+        out.append(f"(Rank {s} {tv.ndim})")
+        out += [f"(Extent {s} {a} {n})" for a, n in enumerate(tv.shape)]
+        if tv.dtype.is_floating_point:
+            out.append(f"(FloatSize {s} {tv.dtype.itemsize})")
+        out += [f"(Fits {s} {lay_text(lay)})" for lay in problem.layouts[tv.name]
+                if lay in _fits(problem, tv)]
+    for name, lay in problem.pins.items():  # a pin that leaves a rank empty is held, not computed on
+        out.append(f"(Valid {t(name)} {lay_text(lay)})")
+    for d in sorted(set(mesh.shape)):
+        out.append(f"(MeshSize {d})")
+    kinds = set()
+    for key, e in problem.exprs.items():
+        params = list(e.op.signature.parameters)
+        args = dict(e.args)
+        slots = [t(args[p].name) if hasattr(args.get(p), "logical_domain")
+                 else f"(Lit {_q(json.dumps(args.get(p, None), default=str))})" for p in params]
+        app = f"(op_{e.op.name} {' '.join(slots)})"
+        if len(e.outputs) == 1:
+            out.append(f"(union {t(e.outputs[0].name)} {app})")
+        else:
+            out += [f"(union {t(o.name)} (Out {i} {app}))" for i, o in enumerate(e.outputs)]
+        tens = [(k, v) for k, v in e.args if hasattr(v, "logical_domain")]
+        k = _q(ident[key])
+        out.append(f"(Site{len(tens)}x{len(e.outputs)} {k} {_q(e.op.name)} "
+                   + " ".join(t(o.name) for o in e.outputs) + " " + " ".join(t(v.name) for _, v in tens) + ")")
+        out += [f"(Param {k} {i} {_q(p)})" for i, (p, _) in enumerate(tens)]
+        for f in _axis_facts(e):
+            out.append(f"({f[0]} {k} " + " ".join(_q(v) if isinstance(v, str) else str(v) for v in f[1:]) + ")")
+        kinds.add(e.op.name)
+        out += _oracle_rows(e, k, mesh)
+    for name in sorted(kinds):
+        op = OPS[name]
+        tags = [op.kind] + (["broadcasts"] if op.kind == "pointwise" or name == "matmul" else [])
+        out += [f"(OpKind {_q(name)} {_q(tag)})" for tag in tags]
+    for a, b in problem.equal:
+        out.append(f"(union {t(a)} {t(b)})")
+    for tv in fusion.inputs:
+        out += [f'(union (Held {t(tv.name)} {lay_text(lay)} 0) (Load "{ident[tv.name]}" {lay_text(lay)}))'
+                for lay in problem.load_layouts(tv.name)]
+    return out, ident
+
+
+def _fits(problem: Problem, tv) -> set:
+    return {lay for lay in problem.layouts[tv.name] if is_valid(lay, tv.shape, problem.mesh)}
+
+
+def _oracle_rows(e, key: str, mesh) -> list[str]:
+    """Ax rows of the rules not yet written as egglog rules (ORACLE_RULES), from their Python form."""
+    rules = [r for r in RULES.get(e.op.name, []) + RULES.get("*", []) if r.name in ORACLE_RULES]
+    if not rules:
+        return []
+    n, o = sum(hasattr(v, "logical_domain") for _, v in e.args), len(e.outputs)
+    out = []
+    for d in sorted(set(mesh.shape)):
+        view = op_view(e, d)
+        for r in rules:
+            for s in r.strategies(view):
+                kern = s.local.name if s.local else ""
+                out.append(f"(Ax{n}x{o} {key} {d} " + " ".join(pl_text(p) for p in s.inputs + s.outputs)
+                           + f' "{kern}" {int(s.nestable)})')
+    return out
+
+
+# ---------------------------------------------------------------------- generated rules: mesh joins
+
+def _universe(problem: Problem) -> list:
+    rank = max((tv.ndim for tv in problem.fusion.tensors.values()), default=0)
+    return [R, P, PMAX] + [S(a) for a in range(rank)]
+
+
+def _mesh_facts(problem: Problem) -> list[str]:
+    """Which collective connects two placements (the registry's), and which placements nest apart."""
+    u = _universe(problem)
+    out = [f"(Connect {pl_text(a)} {pl_text(b)} {_q(k.name)})" for a in u for b in u for k in connecting(a, b)]
+    apart = [(a, b) for a in u for b in u if not (a.is_shard and a == b)]
+    out += [f"(Apart {pl_text(a)} {pl_text(b)})" for a, b in apart]
+    out += [f"(NestOK 0 {pl_text(a)} {pl_text(b)})" for a, b in apart]
+    out += [f"(NestOK 1 {pl_text(a)} {pl_text(b)})" for a in u for b in u]
+    return out
+
+
+def mesh_rules(shape: tuple[int, ...]):
+    """The rules for one mesh: validity, Keep and collectives one mesh axis a level up, and each arity's
+    join of the per-axis relation Ax over the mesh axes (an expr's whole-mesh strategies)."""
+    m = len(shape)
+    L, K = LAYOUTS[m], KERNS[m]
+    t, s, lay = var("t", Tensor), var("s", Shape), var("lay", LayoutSort)
+    yield erule(ShapeOf(t, s), Fits(s, lay)).then(Valid(t, lay), FitT(t, lay))
+    ps = [var(f"p{k}", Placement) for k in range(m)]
+    q, kind = var("q", Placement), var("kind", String)
+    for k in range(m):
+        yield erule(Held(t, lay, k)).then(union(Held(t, lay, k + 1)).with_(Keep(Held(t, lay, k))))
+        for ax in range(m):  # a collective over any mesh axis moves one level up
+            dst = L(*[q if j == ax else ps[j] for j in range(m)])
+            nest = [c for j in range(ax + 1, m) for c in (Apart(ps[ax], ps[j]), Apart(q, ps[j]))]
+            yield erule(Held(t, L(*ps), k), Connect(ps[ax], q, kind), *nest, Valid(t, dst)).then(
+                union(Held(t, dst, k + 1)).with_(Coll(kind, ax, dst, Held(t, L(*ps), k))))
+    key, op = var("key", String), var("op", String)
+    for (n, o) in SITE:
+        ys, xs = [var(f"y{j}", Tensor) for j in range(o)], [var(f"x{i}", Tensor) for i in range(n)]
+        pin = [[var(f"a{k}_{i}", Placement) for i in range(n)] for k in range(m)]
+        pout = [[var(f"b{k}_{j}", Placement) for j in range(o)] for k in range(m)]
+        kern, nst = [var(f"k{k}", String) for k in range(m)], [var(f"n{k}", i64) for k in range(m)]
+        sx, sy = [var(f"sx{i}", Shape) for i in range(n)], [var(f"sy{j}", Shape) for j in range(o)]
+        lin = [L(*[pin[k][i] for k in range(m)]) for i in range(n)]
+        lout = [L(*[pout[k][j] for k in range(m)]) for j in range(o)]
+        query = [SITE[(n, o)](key, op, *ys, *xs)]
+        query += [AX[(n, o)](key, shape[k], *pin[k], *pout[k], kern[k], nst[k]) for k in range(m)]
+        for i in range(n):
+            query += [Held(xs[i], lin[i], m), FitT(xs[i], lin[i])]
+        query += [FitT(ys[j], lout[j]) for j in range(o)]
+        query += [NestOK(nst[k], pin[k][i], pin[j][i]) for k in range(m) for i in range(n) for j in range(m) if j != k]
+        app = RUN[(n, o)](key, K(*kern), *lout, *[Held(x, li, m) for x, li in zip(xs, lin)])
+        if o == 1:
+            yield erule(*query).then(union(Held(ys[0], lout[0], 0)).with_(app))
+        else:
+            yield erule(*query).then(*[union(Held(ys[j], lout[j], 0)).with_(Proj(j, app)) for j in range(o)])
+
+
+# ---------------------------------------------------------------------- saturate
+
+def _run_text(eg: EGraph, rows: list[str], chunk: int = 400) -> None:
+    """The one private egglog call: run facts given as egglog text. Building a command through the public
+    API costs about 0.5 ms and grows with the e-graph (8,000 commands: 5.9 s measured with egglog 13.2), text
+    costs about 0.05 ms a fact. The sorts and functions are declared through the public API first."""
+    for k in range(0, len(rows), chunk):
+        eg._egraph.run_program(*eg._egraph.parse_program("\n".join(rows[k:k + chunk])))
+
+
+def saturate_typed(problem: Problem) -> PhysGraph:
+    """Encode, saturate the rulesets and read back the physical graph (costs are set by the caller).
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import row_sum
+    >>> from egraph_did.problem import build_problem
+    >>> graph = saturate_typed(build_problem(row_sum(8, 64), ed.DeviceMesh.arange(4)))
+    >>> ways = graph.classes[graph.index[("y", "S0", 1)]]  # y split by rows, after mesh axis 0
+    >>> sorted((n.op, n.key) for n in ways)  # computed so, or reached from P or R by a collective
+    [('Coll', 'reduce_scatter'), ('Coll', 'slice'), ('Keep', '')]
+    """
+    t0 = time.perf_counter()
+    facts, ident = encode(problem)
+    facts = _mesh_facts(problem) + facts
+    rules = ruleset(*mesh_rules(problem.mesh.shape), name=f"mesh{problem.mesh.shape}")
+    families = pointwise.pointwise
+    for mod in (views, reduction, aten):
+        if hasattr(mod, mod.__name__.rsplit(".", 1)[-1]):
+            families = families | getattr(mod, mod.__name__.rsplit(".", 1)[-1])
+    eg = EGraph()
+    _declare(eg, facts)
+    eg.run(1, ruleset=rules | families)  # declares the rules' functions before the text arrives
+    _run_text(eg, facts)
+    t1 = time.perf_counter()
+    report = eg.run((families.saturate() + rules.saturate()).saturate())
+    t2 = time.perf_counter()
+    name_of = {v: k for k, v in ident.items()}
+    graph = read_back(eg, problem, name_of)
+    t3 = time.perf_counter()
+    graph.stats.update(encode_s=t1 - t0, saturate_s=t2 - t1, serialize_s=t3 - t2, facts=len(facts))
+    return graph
+
+
+def _declare(eg: EGraph, facts: list[str]) -> None:
+    """egglog-python knows a function once an action through its public API used it: register, through the
+    public API, an action that uses every constructor the text will (an op constructor on literal
+    arguments, in a class no tensor names, which read_back ignores)."""
+    used = {f.split(" ", 2)[1][1:] for f in facts if f.startswith("(union (T")}
+    used |= {w[1:] for f in facts for w in f.split() if w.startswith("(op_")}
+    acts = []
+    for name in sorted(used):
+        if name.startswith("op_"):
+            acts.append(OPS_SORT[name[3:]](*[Lit("declare")] * _arity(name[3:])))
+    acts.append(Out(0, Lit("declare")))
+    acts.append(ShapeOf(Lit("declare"), Shp("declare")))
+    eg.register(*acts)
+    # everything else the text names: a rule that mentions each, run once while they are empty
+    key, v, s, pl = var("key", String), var("v", i64), var("s", Shape), var("pl", Placement)
+    lay, t, dv = var("lay", LayoutSort), var("t", Tensor), var("dv", D)
+    mention = [AxisMap(key, v, v, v), Reduced(key, v), AttrS(key, key, key), Param(key, v, key), Rank(s, v),
+               Extent(s, v, v), FloatSize(s, v), MeshSize(v), OpKind(key, key), Fits(s, lay), Valid(t, lay),
+               Connect(pl, pl, key), Apart(pl, pl), NestOK(v, pl, pl), eq(pl).to(R_()), eq(pl).to(P_()),
+               eq(pl).to(Pmax_()), eq(pl).to(S_(v)), eq(t).to(T(key)), eq(dv).to(Load(key, lay)),
+               eq(dv).to(Held(t, lay, v))]
+    mention += [eq(lay).to(L(*[pl] * m)) for m, L in LAYOUTS.items()]
+    mention += [SITE[k](key, key, *[t] * sum(k)) for k in SITE]
+    mention += [AX[k](key, v, *[pl] * sum(k), key, v) for k in AX]
+    mention = ruleset(erule(*mention).then(), name="declare")
+    eg.run(1, ruleset=mention)
+
+
+def _arity(op: str) -> int:
+    return len(OPS[op].signature.parameters)
+
+
+# ---------------------------------------------------------------------- read back (public: freeze)
+
+def read_back(eg: EGraph, problem: Problem, name_of: dict[str, str]) -> PhysGraph:
+    """The physical classes of the saturated e-graph as a PhysGraph (egglog's public freeze())."""
+    frozen = eg.freeze().decl.e_classes
+    by_sort: dict[str, dict] = defaultdict(dict)
+    for value, (tp, calls) in frozen.items():
+        by_sort[tp.ident.name][value] = calls
+
+    def head(call):
+        c = call.callable
+        return getattr(c, "method_name", None) or c.ident.name
+
+    def lit(arg):
+        return arg.expr.value
+
+    def val(arg):
+        return arg.expr.value
+
+    place = {}
+    for v, calls in by_sort["Placement"].items():
+        c = calls[0]
+        place[v] = {"R": R, "P": P, "Pmax": PMAX}.get(head(c)) or S(lit(c.args[0]))
+    lays = {v: Layout(tuple(place[val(a)] for a in calls[0].args)).code() for v, calls in by_sort["Layout"].items()}
+    kerns = {v: tuple(lit(a) for a in calls[0].args) for v, calls in by_sort["Kern"].items()}
+    names: dict = defaultdict(list)
+    for v, calls in by_sort["Tensor"].items():
+        names[v] = [name_of[lit(c.args[0])] for c in calls if head(c) == "T"]
+    prefer = lambda name: (name in problem.origin, name)  # noqa: E731
+    tensor = {v: min(ns, key=prefer) for v, ns in names.items() if ns}
+    graph = PhysGraph()
+    graph.canonical = {n: tensor[v] for v, ns in names.items() for n in ns}
+    cid = {v: f"c{i}" for i, v in enumerate(by_sort["D"])}
+    for v, calls in by_sort["D"].items():
+        for c in calls:
+            if head(c) == "Held":
+                ident = (tensor[val(c.args[0])], lays[val(c.args[1])], lit(c.args[2]))
+                assert graph.ident.setdefault(cid[v], ident) == ident, f"layouts {ident} and {graph.ident[cid[v]]} merged"
+                graph.index[ident] = cid[v]
+    strategies = {(k, tuple(x.code() for x in s.inputs), tuple(x.code() for x in s.outputs), s.flags): s.sid
+                  for k, ss in problem.strategies.items() for s in ss}
+    for v, calls in by_sort["D"].items():
+        nodes = graph.classes.setdefault(cid[v], [])
+        for c in calls:
+            h = head(c)
+            if h == "Held":
+                continue
+            if h == "Load":
+                nodes.append(Node("Load", (), name_of[lit(c.args[0])]))
+            elif h == "Keep":
+                nodes.append(Node("Keep", (cid[val(c.args[0])],)))
+            elif h == "Coll":
+                nodes.append(Node("Coll", (cid[val(c.args[3])],), lit(c.args[0]), lit(c.args[1])))
+            elif h == "Proj":
+                nodes.append(Node("Proj", (cid[val(c.args[1])],), sid=lit(c.args[0])))
+            else:  # Run{n}x{o}(key, kern, outs.., ins..)
+                o = int(h.split("x")[1])
+                key, kern = name_of[lit(c.args[0])], kerns[val(c.args[1])]
+                outs = tuple(lays[val(a)] for a in c.args[2:2 + o])
+                ins = tuple(cid[val(a)] for a in c.args[2 + o:])
+                flags = tuple(frozenset({k}) if k else frozenset() for k in kern)
+                sig = (key, tuple(graph.ident[i][1] for i in ins), outs, flags)
+                assert sig in strategies, f"the rulesets derived a strategy the Python rules do not: {sig}"
+                nodes.append(Node("Apply", ins, key, strategies[sig]))
+    return graph

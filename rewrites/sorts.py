@@ -1,0 +1,207 @@
+"""The e-graph's typed sorts, which every ruleset in rewrites/ is written over (docs/egraph.md).
+
+Logical: T, a tensor of the program: a named term `T("h3")` per tensor, unioned with the op constructor
+that defines it (one per op of the op table, `op_linear(T("x"), T("w1"), Lit("null"))`: every parameter
+a T, a literal attribute or an absent operand a `Lit` of its JSON). Shape facts: `ShapeOf(t, Shp(code))`
+per tensor, `Rank`, `Extent`, `FloatSize` and `Fits` (a layout fits the shape) once per distinct shape.
+
+Program structure the rules join on: `Site{n}x{o}(key, op, outputs.., tensor operands..)` per op
+application (key: its first output's name), `Param(key, i, name)`, and the op's axis correspondence
+`AxisMap(key, operand, in axis, out axis)` (an output axis that is that operand axis, unchanged),
+`Reduced(key, axis)` and `AttrS(key, name, value)`.
+
+Physical: D. `Held(t, layout, level)` (unextractable) names the class of every way to hold t in a layout
+after `level` mesh axes of collectives; `Load`, `Keep`, `Coll` and `Run{n}x{o}` (a rank-local op) make
+its members. Placements are R, P, Pmax and S(axis); a layout is L1/L2/L3 of one placement per mesh axis.
+
+Sharding rules derive `Ax{n}x{o}(key, d, operand placements.., output placements.., kernel, nestable)`:
+on one mesh axis of d devices the op runs locally with these placements (kernel: the rank-local
+variant's name, "" for the reference). egraph_did.egraph_typed joins them over the mesh axes.
+
+>>> str(Held(T("x"), L2(S(0), R()), 1))
+'Held(T("x"), L2(S(0), R()), 1)'
+"""
+from __future__ import annotations
+
+import inspect
+
+from egglog import Expr, String, StringLike, function, i64, i64Like, relation
+
+from egraph_did.ops import OPS
+
+
+class Placement(Expr):
+    """How a tensor sits on one mesh axis."""
+
+
+@function(egg_fn="R")
+def R() -> Placement:
+    """Replicated."""
+
+
+@function(egg_fn="P")
+def P() -> Placement:
+    """A pending sum: every rank holds a summand."""
+
+
+@function(egg_fn="Pmax")
+def Pmax() -> Placement:
+    """A pending max: every rank holds a candidate."""
+
+
+@function(egg_fn="S")
+def S(axis: i64Like) -> Placement:
+    """Tensor axis `axis` split over the mesh axis."""
+
+
+class Layout(Expr):
+    """One placement per mesh axis."""
+
+
+@function(egg_fn="L1")
+def L1(p0: Placement) -> Layout:
+    """A layout on a 1-D mesh."""
+
+
+@function(egg_fn="L2")
+def L2(p0: Placement, p1: Placement) -> Layout:
+    """A layout on a 2-D mesh."""
+
+
+@function(egg_fn="L3")
+def L3(p0: Placement, p1: Placement, p2: Placement) -> Layout:
+    """A layout on a 3-D mesh."""
+
+
+LAYOUTS = {1: L1, 2: L2, 3: L3}
+
+
+class Kern(Expr):
+    """The rank-local kernel per mesh axis ("" where the op's reference runs)."""
+
+
+@function(egg_fn="K1")
+def K1(k0: StringLike) -> Kern: ...
+
+
+@function(egg_fn="K2")
+def K2(k0: StringLike, k1: StringLike) -> Kern: ...
+
+
+@function(egg_fn="K3")
+def K3(k0: StringLike, k1: StringLike, k2: StringLike) -> Kern: ...
+
+
+KERNS = {1: K1, 2: K2, 3: K3}
+
+
+class Tensor(Expr):
+    """A logical tensor."""
+
+
+@function(egg_fn="T")
+def T(name: StringLike) -> Tensor:
+    """The tensor called `name` (egglog sees the index "t3": user names may hold any character)."""
+
+
+@function(egg_fn="Lit")
+def Lit(json: StringLike) -> Tensor:
+    """A literal attribute (or an absent operand, "null") in an op's parameter slot."""
+
+
+@function(egg_fn="Out")
+def Out(index: i64Like, app: Tensor) -> Tensor:
+    """Output `index` of a multi-output op application."""
+
+
+class Shape(Expr):
+    """A tensor's dtype and extents, as one code ("float32:8,64")."""
+
+
+@function(egg_fn="Shp")
+def Shp(code: StringLike) -> Shape: ...
+
+
+ShapeOf = relation("ShapeOf", Tensor, Shape, egg_fn="ShapeOf")
+Rank = relation("Rank", Shape, i64, egg_fn="Rank")
+Extent = relation("Extent", Shape, i64, i64, egg_fn="Extent")  # shape, axis, extent
+FloatSize = relation("FloatSize", Shape, i64, egg_fn="FloatSize")  # a float dtype's bytes
+Fits = relation("Fits", Shape, Layout, egg_fn="Fits")  # no rank empty, sharded axes exist
+Valid = relation("Valid", Tensor, Layout, egg_fn="Valid")  # t may be held so (Fits, or a pin)
+MeshSize = relation("MeshSize", i64, egg_fn="MeshSize")  # a mesh axis of this many devices exists
+OpKind = relation("OpKind", String, String, egg_fn="OpKind")  # op name, kind (the op table's)
+Param = relation("Param", String, i64, String, egg_fn="Param")  # key, operand index, parameter name
+AxisMap = relation("AxisMap", String, i64, i64, i64, egg_fn="AxisMap")  # key, operand, in axis, out axis
+Reduced = relation("Reduced", String, i64, egg_fn="Reduced")  # key, reduced axis of operand 0
+AttrS = relation("AttrS", String, String, String, egg_fn="AttrS")  # key, attribute, value (JSON)
+Apart = relation("Apart", Placement, Placement, egg_fn="Apart")  # not the same split
+NestOK = relation("NestOK", i64, Placement, Placement, egg_fn="NestOK")  # nestable flag, p, q
+Connect = relation("Connect", Placement, Placement, String, egg_fn="Connect")  # src, dst, collective kind
+
+SITE = {(n, o): relation(f"Site{n}x{o}", String, String, *([Tensor] * (o + n)), egg_fn=f"Site{n}x{o}")
+        for n in (1, 2, 3, 4) for o in (1, 2)}
+AX = {(n, o): relation(f"Ax{n}x{o}", String, i64, *([Placement] * (n + o)), String, i64, egg_fn=f"Ax{n}x{o}")
+      for n in (1, 2, 3, 4) for o in (1, 2)}
+
+
+class D(Expr):
+    """A physical value: a logical tensor held in some layout on every rank."""
+
+
+@function(egg_fn="Held", unextractable=True)
+def Held(t: Tensor, layout: Layout, level: i64Like) -> D:
+    """The class of every way to hold t in `layout` after `level` mesh axes (0..mesh ndim)."""
+
+
+@function(egg_fn="Load")
+def Load(name: StringLike, layout: Layout) -> D:
+    """Input `name` bound in `layout`: every rank receives its shard."""
+
+
+@function(egg_fn="Keep")
+def Keep(d: D) -> D:
+    """d unchanged, one level up (a mesh axis on which no collective runs)."""
+
+
+@function(egg_fn="Coll")
+def Coll(kind: StringLike, axis: i64Like, dst: Layout, d: D) -> D:
+    """d after collective `kind` over mesh axis `axis`, which leaves it in layout `dst`."""
+
+
+@function(egg_fn="Proj")
+def Proj(index: i64Like, d: D) -> D:
+    """Output `index` of the multi-output op application d."""
+
+
+def _constructor(name: str, params: list[tuple[str, type]], out: type, doc: str):
+    """An egglog constructor `name`(params) -> out, built from a table (egglog reads the signature)."""
+    def fn(*args): ...
+    sig = [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=tp) for p, tp in params]
+    fn.__signature__ = inspect.Signature(sig, return_annotation=out)
+    fn.__annotations__ = {p: tp for p, tp in params} | {"return": out}
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = doc
+    return function(egg_fn=name)(fn)
+
+
+RUN = {(n, o): _constructor(f"Run{n}x{o}", [("key", StringLike), ("kern", Kern)] + [(f"out{i}", Layout) for i in range(o)]
+                            + [(f"in{i}", D) for i in range(n)], D,
+                            f"An expr run rank-locally ({n} operands, {o} outputs) under per-axis kernels kern.")
+       for n in (1, 2, 3, 4) for o in (1, 2)}
+
+# One logical constructor per op of the op table, every parameter a Tensor (a literal: Lit(json)).
+OPS_SORT = {name: _constructor(f"op_{name}", [(p, Tensor) for p in op.signature.parameters], Tensor,
+                               f"The logical op {name} (egraph_did.ops.OPS[{name!r}]).")
+            for name, op in OPS.items()}
+
+# egglog names -> callables, for the text encoding's first use of each (egraph_did.egraph_typed)
+BY_NAME = {f"op_{k}": v for k, v in OPS_SORT.items()}
+BY_NAME.update({f"Run{n}x{o}": v for (n, o), v in RUN.items()})
+BY_NAME.update({f"Site{n}x{o}": v for (n, o), v in SITE.items()})
+BY_NAME.update({f"Ax{n}x{o}": v for (n, o), v in AX.items()})
+BY_NAME.update({f.__name__ if hasattr(f, "__name__") else k: f for k, f in dict(
+    R=R, P=P, Pmax=Pmax, S=S, L1=L1, L2=L2, L3=L3, K1=K1, K2=K2, K3=K3, T=T, Lit=Lit, Out=Out, Shp=Shp,
+    Held=Held, Load=Load, Keep=Keep, Coll=Coll, Proj=Proj).items()})
+BY_NAME.update(ShapeOf=ShapeOf, Rank=Rank, Extent=Extent, FloatSize=FloatSize, Fits=Fits, Valid=Valid,
+               MeshSize=MeshSize, OpKind=OpKind, Param=Param, AxisMap=AxisMap, Reduced=Reduced, AttrS=AttrS,
+               Apart=Apart, NestOK=NestOK, Connect=Connect)
