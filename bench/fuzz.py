@@ -487,6 +487,20 @@ class _Gen:
         return bool(self.emit("take_along_axis", [["x", _tensor_arg(x.name)], ["index", _tensor_arg(idx.name)],
                                                   ["dim", dim]]))
 
+    def g_scatter_add(self):
+        x = self.pick()
+        if x is None:
+            return False
+        d = self.rng.randrange(x.ndim)
+        shape = list(x.shape)
+        shape[d] = self.ext()  # more or fewer entries than x has along d; repeated positions add up
+        idx = self.new_input(shape, "int64", data="int", high=[x.name, d])
+        src = self.new_input(shape, x.dtype)
+        dim = d - x.ndim if self.rng.random() < 0.4 else d
+        return bool(self.emit("scatter_add", [["x", _tensor_arg(x.name)], ["dim", dim],
+                                              ["index", _tensor_arg(idx.name)], ["src", _tensor_arg(src.name)]],
+                              bound=x.bound + src.bound * shape[d]))
+
     def g_cross_entropy(self):
         logits = self.pick(ndim=2, new_ok=False) if self.rng.random() < 0.5 else None
         logits = self.tame(logits or self.new_input(self.shape(2)), 20)

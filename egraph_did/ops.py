@@ -12,7 +12,8 @@ Beside the shape rule it states:
   identity (a reduction's), fuses (a composite a Triton kernel runs through its decomposition),
   metadata_only and permutation (views), local_attrs (attributes that are shapes, made local on a
   rank), flops, indexes (the index operand of a gather) and local_kernels: the rank-local variants
-  sharding rules name (LocalKernel, declared beside the op they belong to).
+  sharding rules name (LocalKernel, declared beside the op they belong to);
+- vjp: its backward as fusion ops (egraph_did.grad reads it), or no_grad: why it has none.
 
 Adding a pointwise op is one line here: `_unary("sin", torch.sin, template="tl.sin({x})")`; its
 sharding rules, kernel support and fusion follow from its kind. Shape rules raise ShapeError at the op
@@ -129,11 +130,16 @@ class OpDef:
     flops: Callable[[list, list, dict], float] | None = None  # (in shapes, out shapes, args); None: one per element
     indexes: Indexing | None = None
     local_kernels: tuple[LocalKernel, ...] = ()
+    # vjp(ops, g, out, **args) -> {param: gradient}: the op's backward emitted as fusion ops (see
+    # "Gradients" below); no_grad: why an op has none (its outputs are not real-valued, ...)
+    vjp: Callable[..., dict] | None = None
+    no_grad: str | None = None
 
     def __post_init__(self):
         assert self.kind in KINDS, f"op {self.name}: kind {self.kind!r} is none of {KINDS}"
         names = [k.name for k in self.local_kernels]
         assert len(set(names)) == len(names), f"op {self.name}: local kernels {names} share a name"
+        assert self.vjp is None or self.no_grad is None, f"op {self.name}: a vjp and a no_grad reason"
 
     @property
     def is_composite(self) -> bool:
@@ -315,9 +321,109 @@ def _scalar_check(op_name: str, vals) -> None:
             raise ShapeError(f"{op_name}: operand {v!r} is neither a tensor of the fusion nor a Python number")
 
 
+# ------------------------------------------------------------------ gradients: what a vjp is, and its helpers
+#
+# A vjp states an op's backward beside it: `vjp(ops, g, out, **args) -> {param: gradient}`. g is the
+# gradient of the loss with respect to the op's output and out the output (for an op of several
+# outputs, tuples with one entry per output, g's None where no gradient flows); args are the op's
+# arguments as the forward bound them. It emits fusion ops through `ops`, as a decomposition does, and
+# returns a gradient, of its operand's shape, for each tensor parameter. egraph_did.grad drops those
+# no input needs, casts each to its operand's dtype and adds up the gradients of a tensor read twice.
+# Fusions have no constants: a gradient that needs zeros or a mask builds them from a tensor's shape.
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float, bool))
+
+
+def zeros_like(ops, t):
+    """Zeros of t's shape and dtype, whatever t holds: t > t is false for every value, NaN included.
+
+    >>> import torch, egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     x = fd.define_tensor((2,), name="x")
+    ...     fd.add_output(zeros_like(fd.ops, x), name="z")
+    >>> ed.evaluate(fd, {"x": torch.tensor([float("nan"), 3.0])})["z"]
+    tensor([0., 0.])
+    """
+    return ops.cast(ops.gt(t, t), t.dtype)
+
+
+def sum_to(ops, g, shape):
+    """g summed down to `shape`, a shape it was broadcast from (numpy rules: new leading axes, and axes
+    of extent 1): the gradient of a broadcast operand.
+
+    >>> import torch, egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     g = fd.define_tensor((2, 3), name="g")
+    ...     fd.add_output(sum_to(fd.ops, g, (1, 3)), name="row")
+    >>> ed.evaluate(fd, {"g": torch.ones(2, 3)})["row"]
+    tensor([[2., 2., 2.]])
+    """
+    shape = tuple(shape)
+    if tuple(g.shape) == shape:
+        return g
+    lead = g.ndim - len(shape)
+    dims = tuple(range(lead)) + tuple(lead + i for i, e in enumerate(shape) if e == 1 and g.shape[lead + i] != 1)
+    if dims:
+        g = ops.sum(g, dims, keepdim=True)
+    return g if tuple(g.shape) == shape else ops.reshape(g, shape)
+
+
+def _reduced_axes(ndim: int, dims) -> tuple[int, ...]:
+    if dims is None:
+        return tuple(range(ndim))
+    return tuple(sorted(d % ndim for d in ((dims,) if isinstance(dims, int) else dims)))
+
+
+def unreduce(ops, g, shape, dims, keepdim: bool):
+    """A reduction's output (or its gradient) over `dims` of a tensor of `shape`, broadcast back to
+    that shape: the gradient every reduced element receives.
+
+    >>> import torch, egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     g = fd.define_tensor((2,), name="g")
+    ...     fd.add_output(unreduce(fd.ops, g, (2, 3), 1, keepdim=False), name="gx")
+    >>> ed.evaluate(fd, {"g": torch.tensor([1., 2.])})["gx"]
+    tensor([[1., 1., 1.],
+            [2., 2., 2.]])
+    """
+    axes = _reduced_axes(len(shape), dims)
+    kept = tuple(1 if i in axes else e for i, e in enumerate(shape))
+    if tuple(g.shape) != kept:
+        g = ops.reshape(g, kept)
+    return g if kept == tuple(shape) else ops.expand(g, tuple(shape))
+
+
+def _binary_grads(ops, a, b, ga, gb) -> dict:
+    """{param: gradient summed to its operand's shape} for the operands that are tensors; ga and gb are
+    thunks, so that a Python-number operand costs no ops."""
+    return {p: sum_to(ops, fn(), v.shape) for p, v, fn in (("a", a, ga), ("b", b, gb)) if not _num(v)}
+
+
+def _as_float(ops, cond, dtype):
+    return ops.cast(cond, dtype)
+
+
+def _share_of_max(ops, a, b, dtype):
+    """torch's rule for maximum: 1 where a wins, 1/2 on a tie, 0 where b wins."""
+    return ops.add(_as_float(ops, ops.gt(a, b), dtype), ops.mul(_as_float(ops, ops.eq(a, b), dtype), 0.5))
+
+
+def _vjp_pow(ops, g, out, a, b):
+    def grad_a():
+        if _num(b):
+            return zeros_like(ops, g) if b == 0 else ops.mul(g, ops.mul(ops.pow(a, b - 1), b))
+        return ops.mul(g, ops.mul(b, ops.pow(a, ops.sub(b, 1.0))))
+
+    def grad_b():
+        return ops.mul(g, ops.mul(out, math.log(a) if _num(a) else ops.log(a)))
+    return _binary_grads(ops, a, b, grad_a, grad_b)
+
+
 # ------------------------------------------------------------------ pointwise
 
-def _binary(name: str, fn: Callable, template: str):
+def _binary(name: str, fn: Callable, template: str, vjp: Callable):
     def infer(a, b):
         _scalar_check(name, (a, b))
         if name in ("sub", "div", "pow") and any((v.dtype if _is_tensor(v) else type(v)) in (torch.bool, bool)
@@ -331,16 +437,40 @@ def _binary(name: str, fn: Callable, template: str):
         return [OutSpec(shape, dt, axes)]
     infer.__name__ = name
     infer.__doc__ = f"Elementwise {name}(a, b) with numpy broadcasting; either side may be a Python number."
-    op(name, "pointwise", fn, arity=2, template=template)(infer)
+    op(name, "pointwise", fn, arity=2, template=template, vjp=vjp)(infer)
 
 
-_binary("add", lambda a, b: a + b, "{a} + {b}")
-_binary("sub", lambda a, b: a - b, "{a} - {b}")
-_binary("mul", lambda a, b: a * b, "{a} * {b}")
-_binary("div", lambda a, b: a / b, "{a} / {b}")
+_binary("add", lambda a, b: a + b, "{a} + {b}",
+        lambda ops, g, out, a, b: _binary_grads(ops, a, b, lambda: g, lambda: g))
+_binary("sub", lambda a, b: a - b, "{a} - {b}",
+        lambda ops, g, out, a, b: _binary_grads(ops, a, b, lambda: g, lambda: ops.neg(g)))
+_binary("mul", lambda a, b: a * b, "{a} * {b}",
+        lambda ops, g, out, a, b: _binary_grads(ops, a, b, lambda: ops.mul(g, b), lambda: ops.mul(g, a)))
+_binary("div", lambda a, b: a / b, "{a} / {b}",  # d(a/b)/db = -(a/b)/b
+        lambda ops, g, out, a, b: _binary_grads(ops, a, b, lambda: ops.div(g, b),
+                                                lambda: ops.neg(ops.mul(g, ops.div(out, b)))))
 _binary("maximum", lambda a, b: torch.maximum(*_as_tensors(a, b)),
-        "tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)")  # NaN wins, as torch.maximum
-_binary("pow", lambda a, b: a ** b, "_pow({a}, {b})")  # codegen specializes a scalar exponent
+        "tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",  # NaN wins, as torch.maximum
+        lambda ops, g, out, a, b: _binary_grads(ops, a, b, lambda: ops.mul(g, _share_of_max(ops, a, b, g.dtype)),
+                                                lambda: ops.mul(g, _share_of_max(ops, b, a, g.dtype))))
+_binary("pow", lambda a, b: a ** b, "_pow({a}, {b})", _vjp_pow)  # codegen specializes a scalar exponent
+
+
+def _comparison(name: str, fn: Callable, template: str):
+    def infer(a, b):
+        _scalar_check(name, (a, b))
+        shape, axes = broadcast_specs(name, a, b)
+        _result_dtype(name, a, b)  # operands must compare: the same promotion as arithmetic
+        return [OutSpec(shape, torch.bool, axes)]
+    infer.__name__ = name
+    infer.__doc__ = (f"Elementwise comparison {name}(a, b) -> bool with numpy broadcasting (a mask for a "
+                     f"gradient); either side may be a Python number.")
+    op(name, "pointwise", fn, arity=2, template=template,
+       no_grad="a comparison: its output is boolean, so no gradient flows through it")(infer)
+
+
+_comparison("gt", lambda a, b: a > b, "{a} > {b}")
+_comparison("eq", lambda a, b: a == b, "{a} == {b}")
 
 
 def _as_tensors(a, b):
@@ -351,7 +481,8 @@ def _as_tensors(a, b):
                  for v in (a, b))
 
 
-def _unary(name: str, fn: Callable, template: str | None = None, float_only: bool = True, doc: str = ""):
+def _unary(name: str, fn: Callable, template: str | None = None, float_only: bool = True, doc: str = "",
+           vjp: Callable | None = None):
     def infer(x):
         x = _need_tensor(name, "x", x)
         if float_only:
@@ -361,21 +492,29 @@ def _unary(name: str, fn: Callable, template: str | None = None, float_only: boo
         return [OutSpec(x.shape, x.dtype, x.axes)]
     infer.__name__ = name
     infer.__doc__ = doc or f"Elementwise {name}(x)."
-    op(name, "pointwise", fn, arity=1, template=template)(infer)
+    op(name, "pointwise", fn, arity=1, template=template, vjp=vjp)(infer)
 
 
 # Templates compute on fp32 values (16-bit floats are loaded as fp32). libdevice is not used: the
 # interpreter does not run extern calls; _tanh is a helper of lowering/codegen.py.
-_unary("neg", torch.neg, "-({x})", float_only=False)
-_unary("exp", torch.exp, "tl.exp({x})")
-_unary("log", torch.log, "tl.log({x})")
-_unary("tanh", torch.tanh, "_tanh({x})")
-_unary("sigmoid", torch.sigmoid, "tl.sigmoid({x})")
-_unary("relu", torch.relu, "tl.where({x} < 0, 0, {x})", float_only=False)  # keeps NaN, as torch.relu
-_unary("rsqrt", torch.rsqrt, "tl.rsqrt({x})")
-_unary("sqrt", torch.sqrt, "tl.sqrt_rn({x})")
-_unary("erf", torch.erf, "tl.erf({x})")
-_unary("abs", torch.abs, "tl.abs({x})", float_only=False)
+# A vjp is (ops, g, out, x) -> {"x": gradient}; see "gradients" above.
+_unary("neg", torch.neg, "-({x})", float_only=False, vjp=lambda ops, g, out, x: {"x": ops.neg(g)})
+_unary("exp", torch.exp, "tl.exp({x})", vjp=lambda ops, g, out, x: {"x": ops.mul(g, out)})
+_unary("log", torch.log, "tl.log({x})", vjp=lambda ops, g, out, x: {"x": ops.div(g, x)})
+_unary("tanh", torch.tanh, "_tanh({x})",
+       vjp=lambda ops, g, out, x: {"x": ops.mul(g, ops.sub(1.0, ops.mul(out, out)))})
+_unary("sigmoid", torch.sigmoid, "tl.sigmoid({x})",
+       vjp=lambda ops, g, out, x: {"x": ops.mul(g, ops.mul(out, ops.sub(1.0, out)))})
+_unary("relu", torch.relu, "tl.where({x} < 0, 0, {x})", float_only=False,  # keeps NaN, as torch.relu
+       vjp=lambda ops, g, out, x: {"x": ops.mul(g, _as_float(ops, ops.gt(x, 0), g.dtype))})
+_unary("rsqrt", torch.rsqrt, "tl.rsqrt({x})",  # d x^-1/2 = -x^-1/2 / (2x)
+       vjp=lambda ops, g, out, x: {"x": ops.mul(g, ops.mul(ops.div(out, x), -0.5))})
+_unary("sqrt", torch.sqrt, "tl.sqrt_rn({x})", vjp=lambda ops, g, out, x: {"x": ops.div(ops.mul(g, 0.5), out)})
+_unary("erf", torch.erf, "tl.erf({x})",
+       vjp=lambda ops, g, out, x: {"x": ops.mul(g, ops.mul(ops.exp(ops.neg(ops.mul(x, x))), 2 / math.sqrt(math.pi)))})
+_unary("abs", torch.abs, "tl.abs({x})", float_only=False,  # sign(x), 0 at 0 as torch
+       vjp=lambda ops, g, out, x: {"x": ops.mul(g, ops.sub(_as_float(ops, ops.gt(x, 0), g.dtype),
+                                                             _as_float(ops, ops.gt(0, x), g.dtype)))})
 
 
 def _decompose_gelu(ops, x, approximate="none"):
@@ -385,8 +524,20 @@ def _decompose_gelu(ops, x, approximate="none"):
     return ops.mul(ops.mul(x, 0.5), ops.add(ops.erf(ops.mul(x, 1.0 / math.sqrt(2.0))), 1.0))
 
 
+def _vjp_gelu(ops, g, out, x, approximate="none"):
+    if approximate == "tanh":  # 0.5 (1 + t) + 0.5 x (1 - t^2) u', t = tanh(u), u = k (x + c x^3)
+        k, c = math.sqrt(2.0 / math.pi), 0.044715
+        t = ops.tanh(ops.mul(ops.add(x, ops.mul(ops.mul(ops.mul(x, x), x), c)), k))
+        du = ops.mul(ops.add(ops.mul(ops.mul(x, x), 3 * c), 1.0), k)
+        d = ops.add(ops.mul(ops.add(t, 1.0), 0.5), ops.mul(ops.mul(ops.mul(x, 0.5), ops.sub(1.0, ops.mul(t, t))), du))
+        return {"x": ops.mul(g, d)}
+    cdf = ops.mul(ops.add(ops.erf(ops.mul(x, 1.0 / math.sqrt(2.0))), 1.0), 0.5)  # Phi(x) + x phi(x)
+    pdf = ops.mul(ops.exp(ops.mul(ops.mul(x, x), -0.5)), 1.0 / math.sqrt(2.0 * math.pi))
+    return {"x": ops.mul(g, ops.add(cdf, ops.mul(x, pdf)))}
+
+
 @op("gelu", "pointwise", lambda x, approximate="none": F.gelu(x, approximate=approximate), _decompose_gelu,
-    arity=1, fuses=True)
+    arity=1, fuses=True, vjp=_vjp_gelu)
 def gelu(x, approximate: str = "none"):
     """GELU, exact (erf) or approximate='tanh', as torch.nn.functional.gelu."""
     x = _need_tensor("gelu", "x", x)
@@ -396,7 +547,13 @@ def gelu(x, approximate: str = "none"):
     return [OutSpec(x.shape, x.dtype, x.axes)]
 
 
-@op("silu", "pointwise", lambda x: F.silu(x), lambda ops, x: ops.mul(x, ops.sigmoid(x)), arity=1, fuses=True)
+def _vjp_silu(ops, g, out, x):
+    s = ops.sigmoid(x)  # s (1 + x (1 - s))
+    return {"x": ops.mul(g, ops.mul(s, ops.add(ops.mul(x, ops.sub(1.0, s)), 1.0)))}
+
+
+@op("silu", "pointwise", lambda x: F.silu(x), lambda ops, x: ops.mul(x, ops.sigmoid(x)), arity=1, fuses=True,
+    vjp=_vjp_silu)
 def silu(x):
     """SiLU: x * sigmoid(x)."""
     x = _need_tensor("silu", "x", x)
@@ -406,7 +563,8 @@ def silu(x):
 
 # "{x}": every op's value is converted to its output's compute type; codegen also rounds through a
 # 16-bit destination and casts to bool as `!= 0`
-@op("cast", "pointwise", lambda x, dtype: x.to(canonical_dtype(dtype)), arity=1, template="{x}")
+@op("cast", "pointwise", lambda x, dtype: x.to(canonical_dtype(dtype)), arity=1, template="{x}",
+    vjp=lambda ops, g, out, x, dtype: {"x": ops.cast(g, x.dtype)})
 def cast(x, dtype):
     """Convert x to dtype."""
     x = _need_tensor("cast", "x", x)
@@ -423,7 +581,12 @@ def _causal_mask_ref(x, offset=0):
     return x.masked_fill(~keep, float("-inf"))
 
 
-@op("causal_mask", "mask", _causal_mask_ref)
+def _vjp_causal_mask(ops, g, out, x, offset=0):
+    """g where the mask keeps x, 0 where it fills: exp of the mask over zeros is 1 or 0, whatever x holds"""
+    return {"x": ops.mul(g, ops.exp(ops.causal_mask(zeros_like(ops, x), offset)))}
+
+
+@op("causal_mask", "mask", _causal_mask_ref, vjp=_vjp_causal_mask)
 def causal_mask(x, offset: int = 0):
     """Fill x[..., i, j] with -inf where j > i + offset (the causal attention mask)."""
     x = _need_tensor("causal_mask", "x", x)
@@ -447,7 +610,8 @@ def _reduced(x: TensorSpec, axes: tuple[int, ...], keepdim: bool, dtype=None) ->
 
 @op("sum", "reduction", lambda x, dims=None, keepdim=False:
     torch.sum(x, dim=tuple(range(x.ndim)) if dims is None else dims, keepdim=keepdim),
-    template="{a} + {b}", identity=0.0)
+    template="{a} + {b}", identity=0.0,
+    vjp=lambda ops, g, out, x, dims=None, keepdim=False: {"x": unreduce(ops, g, x.shape, dims, keepdim)})
 def sum_(x, dims=None, keepdim: bool = False):
     """Sum over `dims` (an int, a tuple, or None for all axes)."""
     x = _need_tensor("sum", "x", x)
@@ -455,9 +619,16 @@ def sum_(x, dims=None, keepdim: bool = False):
     return [_reduced(x, norm_axes("sum", x, dims), keepdim, dtype)]
 
 
+def _vjp_amax(ops, g, out, x, dims=None, keepdim=False):
+    """torch's rule: the gradient splits evenly between the elements that attain the maximum"""
+    hit = _as_float(ops, ops.eq(x, unreduce(ops, out, x.shape, dims, keepdim)), g.dtype)
+    share = ops.div(hit, ops.sum(hit, dims, keepdim=True))
+    return {"x": ops.mul(unreduce(ops, g, x.shape, dims, keepdim), share)}
+
+
 @op("amax", "reduction", lambda x, dims=None, keepdim=False:
     torch.amax(x, dim=tuple(range(x.ndim)) if dims is None else dims, keepdim=keepdim),
-    template="tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)", identity=-math.inf)
+    template="tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)", identity=-math.inf, vjp=_vjp_amax)
 def amax(x, dims=None, keepdim: bool = False):
     """Maximum over `dims`."""
     x = _need_tensor("amax", "x", x)
@@ -487,7 +658,9 @@ MEAN_GLOBAL_COUNT = LocalKernel("global_count", _mean_global_count)
 
 @op("mean", "reduction", lambda x, dims=None, keepdim=False:
     torch.mean(x, dim=tuple(range(x.ndim)) if dims is None else dims, keepdim=keepdim), _decompose_mean,
-    fuses=True, local_kernels=(MEAN_GLOBAL_COUNT,))
+    fuses=True, local_kernels=(MEAN_GLOBAL_COUNT,),
+    vjp=lambda ops, g, out, x, dims=None, keepdim=False:
+    {"x": ops.div(unreduce(ops, g, x.shape, dims, keepdim), float(_count(x, dims)))})
 def mean(x, dims=None, keepdim: bool = False):
     """Mean over `dims`."""
     x = _need_tensor("mean", "x", x)
@@ -537,7 +710,11 @@ def _local_blocks(args, out_shapes):
     return {"blocks": out[args["dim"] % (len(out) - 1)]}
 
 
-@op("welford_blocks", "reduction", _welford_blocks_ref, local_attrs=_local_blocks)
+_RFACTOR_HALF = ("a half of var_mean split by the optimizer's rfactor, which runs after differentiation: a "
+                 "fusion differentiates var_mean, whose vjp it has")
+
+
+@op("welford_blocks", "reduction", _welford_blocks_ref, local_attrs=_local_blocks, no_grad=_RFACTOR_HALF)
 def welford_blocks(x, dim: int, blocks: int):
     """Welford statistics (count, mean, M2) of `blocks` torch.chunk pieces of x along dim: x's shape with
     dim of extent `blocks`, plus a trailing axis of 3. The first half of an rfactor'ed var_mean."""
@@ -561,7 +738,7 @@ def _welford_merge_ref(stats, dim, correction=1, keepdim=False):
     return var, mean
 
 
-@op("welford_merge", "reduction", _welford_merge_ref)
+@op("welford_merge", "reduction", _welford_merge_ref, no_grad=_RFACTOR_HALF)
 def welford_merge(stats, dim: int, correction: int = 1, keepdim: bool = False):
     """(variance, mean) from Welford blocks along dim (Chan's parallel merge). The second half of an
     rfactor'ed var_mean."""
@@ -583,7 +760,20 @@ def _rfactor_var_mean(ops, blocks, x, dims=None, correction=1, keepdim=False):
     return ops.welford_merge(stats, dims[0], correction, keepdim)
 
 
-@op("var_mean", "reduction", _var_mean_ref, _decompose_var_mean, rfactor=_rfactor_var_mean)
+def _vjp_var_mean(ops, g, out, x, dims=None, correction=1, keepdim=False):
+    """d var = 2 (x - mean) / (n - correction), d mean = 1 / n, each broadcast over the reduced axes"""
+    (g_var, g_mean), n = g, _count(x, dims)
+    terms = []
+    if g_var is not None:
+        centered = ops.sub(x, unreduce(ops, out[1], x.shape, dims, keepdim))
+        scale = 2.0 / (n - correction) if n > correction else math.inf  # as torch: var of too few is inf/nan
+        terms.append(ops.mul(unreduce(ops, g_var, x.shape, dims, keepdim), ops.mul(centered, scale)))
+    if g_mean is not None:
+        terms.append(ops.div(unreduce(ops, g_mean, x.shape, dims, keepdim), float(n)))
+    return {"x": terms[0] if len(terms) == 1 else ops.add(*terms)}
+
+
+@op("var_mean", "reduction", _var_mean_ref, _decompose_var_mean, rfactor=_rfactor_var_mean, vjp=_vjp_var_mean)
 def var_mean(x, dims=None, correction: int = 1, keepdim: bool = False):
     """(variance, mean) over `dims`, as torch.var_mean; correction=1 is Bessel's."""
     x = _need_tensor("var_mean", "x", x)
@@ -598,7 +788,13 @@ def _decompose_softmax(ops, x, dim=-1):
     return ops.div(e, ops.sum(e, dim, keepdim=True))
 
 
-@op("softmax", "normalization", lambda x, dim=-1: torch.softmax(x, dim), _decompose_softmax, fuses=True)
+def _vjp_softmax(ops, g, out, x, dim=-1):
+    """y (g - sum(g y)) along dim"""
+    return {"x": ops.mul(out, ops.sub(g, ops.sum(ops.mul(g, out), dim, keepdim=True)))}
+
+
+@op("softmax", "normalization", lambda x, dim=-1: torch.softmax(x, dim), _decompose_softmax, fuses=True,
+    vjp=_vjp_softmax)
 def softmax(x, dim: int = -1):
     """Softmax along `dim`."""
     x = _need_tensor("softmax", "x", x)
@@ -656,7 +852,37 @@ def _decompose_layer_norm(ops, x, normalized_shape=None, weight=None, bias=None,
     return y
 
 
-@op("layer_norm", "normalization", _layer_norm_ref, _decompose_layer_norm, fuses=True)
+def _norm_axes(x, normalized_shape, weight) -> tuple[int, ...]:
+    """The trailing axes a layer or rms norm normalizes over (normalized_shape, or weight's, or the last)."""
+    k = len(weight.shape) if normalized_shape is None and weight is not None else (
+        1 if normalized_shape is None else (1 if isinstance(normalized_shape, int) else len(normalized_shape)))
+    return tuple(range(x.ndim - k, x.ndim))
+
+
+def _affine_grads(ops, g, xhat, weight, bias) -> dict:
+    """The gradients of a norm's weight and bias: g xhat and g, summed over the leading axes."""
+    grads = {}
+    if weight is not None:
+        grads["weight"] = sum_to(ops, ops.mul(g, xhat), weight.shape)
+    if bias is not None:
+        grads["bias"] = sum_to(ops, g, bias.shape)
+    return grads
+
+
+def _vjp_layer_norm(ops, g, out, x, normalized_shape=None, weight=None, bias=None, eps=1e-5):
+    """x: rstd (gh - mean(gh) - xhat mean(gh xhat)), gh = g weight; the statistics are recomputed"""
+    dims = _norm_axes(x, normalized_shape, weight)
+    var, m = ops.var_mean(x, dims, correction=0, keepdim=True)
+    rstd = ops.rsqrt(ops.add(var, eps))
+    xhat = ops.mul(ops.sub(x, m), rstd)
+    grads = _affine_grads(ops, g, xhat, weight, bias)
+    gh = ops.mul(g, weight) if weight is not None else g
+    centered = ops.sub(gh, ops.mean(gh, dims, keepdim=True))
+    grads["x"] = ops.mul(ops.sub(centered, ops.mul(xhat, ops.mean(ops.mul(gh, xhat), dims, keepdim=True))), rstd)
+    return grads
+
+
+@op("layer_norm", "normalization", _layer_norm_ref, _decompose_layer_norm, fuses=True, vjp=_vjp_layer_norm)
 def layer_norm(x, normalized_shape=None, weight=None, bias=None, eps: float = 1e-5):
     """Layer norm over the trailing axes (normalized_shape, or weight's shape, or the last axis)."""
     x = _need_tensor("layer_norm", "x", x)
@@ -679,7 +905,18 @@ def _decompose_rms_norm(ops, x, normalized_shape=None, weight=None, eps=1e-6):
     return ops.mul(y, weight) if weight is not None else y
 
 
-@op("rms_norm", "normalization", _rms_norm_ref, _decompose_rms_norm, fuses=True)
+def _vjp_rms_norm(ops, g, out, x, normalized_shape=None, weight=None, eps=1e-6):
+    """x: r (gh - xhat mean(gh xhat)), r = rsqrt(mean(x^2) + eps), xhat = x r, gh = g weight"""
+    dims = _norm_axes(x, normalized_shape, weight)
+    r = ops.rsqrt(ops.add(ops.mean(ops.mul(x, x), dims, keepdim=True), eps))
+    xhat = ops.mul(x, r)
+    grads = _affine_grads(ops, g, xhat, weight, None)
+    gh = ops.mul(g, weight) if weight is not None else g
+    grads["x"] = ops.mul(ops.sub(gh, ops.mul(xhat, ops.mean(ops.mul(gh, xhat), dims, keepdim=True))), r)
+    return grads
+
+
+@op("rms_norm", "normalization", _rms_norm_ref, _decompose_rms_norm, fuses=True, vjp=_vjp_rms_norm)
 def rms_norm(x, normalized_shape=None, weight=None, eps: float = 1e-6):
     """RMS norm over the trailing axes, as torch.nn.functional.rms_norm (eps given explicitly)."""
     x = _need_tensor("rms_norm", "x", x)
@@ -715,8 +952,19 @@ def _linear_bias_once(args, operands, outputs, ctx, axes):
 LINEAR_BIAS_ONCE = LocalKernel("bias_once", _linear_bias_once)
 
 
+def _vjp_linear(ops, g, out, x, weight, bias=None):
+    """x: g weight; weight: g^T x over every leading axis (flattened to rows); bias: g summed"""
+    def rows(t):
+        return ops.reshape(t, (-1, t.shape[-1]))
+    grads = {"x": ops.linear(g, ops.transpose(weight, 0, 1)),
+             "weight": ops.matmul(ops.transpose(rows(g), 0, 1), rows(x))}
+    if bias is not None:
+        grads["bias"] = sum_to(ops, g, bias.shape)
+    return grads
+
+
 @op("linear", "matmul", lambda x, weight, bias=None: F.linear(x, weight, bias), flops=_matmul_flops,
-    local_kernels=(LINEAR_BIAS_ONCE,))
+    local_kernels=(LINEAR_BIAS_ONCE,), vjp=_vjp_linear)
 def linear(x, weight, bias=None):
     """x @ weight.T + bias; weight is [out, in] as in torch."""
     x, weight = _need_tensor("linear", "x", x), _need_tensor("linear", "weight", weight)
@@ -737,7 +985,9 @@ def linear(x, weight, bias=None):
     return [OutSpec(x.shape[:-1] + (weight.shape[0],), x.dtype, x.axes[:-1] + (weight.axes[0],))]
 
 
-@op("matmul", "matmul", lambda a, b: torch.matmul(a, b), flops=_matmul_flops)
+@op("matmul", "matmul", lambda a, b: torch.matmul(a, b), flops=_matmul_flops,
+    vjp=lambda ops, g, out, a, b: {"a": sum_to(ops, ops.matmul(g, ops.transpose(b, -2, -1)), a.shape),
+                                   "b": sum_to(ops, ops.matmul(ops.transpose(a, -2, -1), g), b.shape)})
 def matmul(a, b):
     """torch.matmul: batched, with broadcasting of the batch axes (both operands at least 2-D)."""
     a, b = _need_tensor("matmul", "a", a), _need_tensor("matmul", "b", b)
@@ -786,7 +1036,19 @@ def _sdpa_query_offset(args, operands, outputs, ctx, axes):
 SDPA_QUERY_OFFSET = LocalKernel("q_offset", _sdpa_query_offset)
 
 
-@op("sdpa", "attention", _sdpa_ref, _decompose_sdpa, flops=_sdpa_flops, local_kernels=(SDPA_QUERY_OFFSET,))
+def _vjp_sdpa(ops, g, out, q, k, v, is_causal=False, scale=None):
+    """the probabilities p are recomputed (nothing is saved); a masked score has p = 0, so its gradient
+    is 0: v: p^T g; scores: softmax's vjp of g v^T, times the scale; q: ds k; k: ds^T q"""
+    c = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s = ops.mul(ops.matmul(q, ops.transpose(k, -2, -1)), c)
+    p = ops.softmax(ops.causal_mask(s) if is_causal else s, -1)
+    ds = ops.mul(_vjp_softmax(ops, ops.matmul(g, ops.transpose(v, -2, -1)), p, s)["x"], c)
+    return {"q": ops.matmul(ds, k), "k": ops.matmul(ops.transpose(ds, -2, -1), q),
+            "v": ops.matmul(ops.transpose(p, -2, -1), g)}
+
+
+@op("sdpa", "attention", _sdpa_ref, _decompose_sdpa, flops=_sdpa_flops, local_kernels=(SDPA_QUERY_OFFSET,),
+    vjp=_vjp_sdpa)
 def sdpa(q, k, v, is_causal: bool = False, scale: float | None = None):
     """Scaled dot-product attention on [batch, heads, seq, head_dim] operands (torch's sdpa)."""
     q, k, v = (_need_tensor("sdpa", n, t) for n, t in (("q", q), ("k", k), ("v", v)))
@@ -827,9 +1089,17 @@ def _embedding_vocab_parallel(args, operands, outputs, ctx, axes):
 EMBEDDING_VOCAB_PARALLEL = LocalKernel("vocab_parallel", _embedding_vocab_parallel)
 
 
+def _vjp_embedding(ops, g, out, indices, weight):
+    """weight: the rows' gradients scatter-added into zeros at their ids (an id picked twice gets both)"""
+    n, d = math.prod(indices.shape), weight.shape[1]
+    ids = indices if indices.dtype == torch.int64 else ops.cast(indices, torch.int64)
+    ids = ops.expand(ops.reshape(ids, (n, 1)), (n, d))
+    return {"weight": ops.scatter_add(zeros_like(ops, weight), 0, ids, ops.reshape(g, (n, d)))}
+
+
 @op("embedding", "gather", lambda indices, weight: weight[indices],
     indexes=Indexing("indices", "weight", 0, "rows", "fix {index}, or give {table} more rows"),
-    local_kernels=(EMBEDDING_VOCAB_PARALLEL,))
+    local_kernels=(EMBEDDING_VOCAB_PARALLEL,), vjp=_vjp_embedding)
 def embedding(indices, weight):
     """weight[indices]: rows of an embedding table [vocab, dim] picked by integer indices."""
     indices, weight = _need_tensor("embedding", "indices", indices), _need_tensor("embedding", "weight", weight)
@@ -855,7 +1125,8 @@ TAKE_ALONG_MASKED = LocalKernel("masked_gather", _take_along_masked)
 
 
 @op("take_along_axis", "gather", lambda x, index, dim: torch.take_along_dim(x, index, dim),
-    indexes=Indexing("index", "x", "dim", "entries along axis"), local_kernels=(TAKE_ALONG_MASKED,))
+    indexes=Indexing("index", "x", "dim", "entries along axis"), local_kernels=(TAKE_ALONG_MASKED,),
+    vjp=lambda ops, g, out, x, index, dim: {"x": ops.scatter_add(zeros_like(ops, x), dim, index, g)})
 def take_along_axis(x, index, dim: int):
     """x gathered along `dim` at `index` (same rank as x, extent along dim free), as torch.take_along_dim."""
     x, index = _need_tensor("take_along_axis", "x", x), _need_tensor("take_along_axis", "index", index)
@@ -867,6 +1138,41 @@ def take_along_axis(x, index, dim: int):
         raise ShapeError(f"take_along_axis({x.name}, {index.name}): index shape {index.shape} must match "
                          f"{x.shape} on every axis but {d}")
     return [OutSpec(index.shape, x.dtype, x.axes[:d] + (index.axes[d],) + x.axes[d + 1:])]
+
+
+@op("scatter_add", "gather", lambda x, dim, index, src: x.scatter_add(dim, index, src),
+    indexes=Indexing("index", "x", "dim", "entries along axis"),
+    vjp=lambda ops, g, out, x, dim, index, src: {"x": g, "src": ops.take_along_axis(g, index, dim)})
+def scatter_add(x, dim: int, index, src):
+    """x with src added at the positions `index` holds along `dim`, as torch.scatter_add: index and src
+    share a shape that matches x's on every axis but dim. The adjoint of take_along_axis (a gradient of
+    embedding, take_along_axis and cross_entropy)."""
+    what = "scatter_add"
+    x, index, src = (_need_tensor(what, n, t) for n, t in (("x", x), ("index", index), ("src", src)))
+    d = norm_axis(what, x, dim)
+    what = f"scatter_add({x.name}, {index.name}, {src.name})"
+    if index.dtype != torch.int64:
+        raise DtypeError(f"{what}: index must be int64 (as torch), got {str(index.dtype).replace('torch.', '')}; "
+                         f"cast it")
+    if src.dtype != x.dtype:
+        raise DtypeError(f"{what}: src is {str(src.dtype).replace('torch.', '')} but x is "
+                         f"{str(x.dtype).replace('torch.', '')}; cast src to x's dtype")
+    if index.shape != src.shape or index.ndim != x.ndim or any(
+            i != d and a != b for i, (a, b) in enumerate(zip(x.shape, index.shape))):
+        raise ShapeError(f"{what}: index {index.shape} and src {src.shape} must have one shape, matching "
+                         f"{x.name} {x.shape} on every axis but {d}")
+    return [OutSpec(x.shape, x.dtype, x.axes)]
+
+
+def _vjp_cross_entropy(ops, g, out, logits, target, reduction="mean"):
+    """logits: (softmax(logits) - onehot(target)) times each row's gradient (g / N for the mean)"""
+    n = logits.shape[0]
+    if reduction == "none":
+        rows = ops.unsqueeze(g, 1)
+    else:
+        rows = ops.expand(ops.reshape(ops.div(g, float(n)) if reduction == "mean" else g, (1, 1)), (n, 1))
+    picked = ops.scatter_add(zeros_like(ops, logits), 1, ops.unsqueeze(target, 1), rows)
+    return {"logits": ops.sub(ops.mul(ops.softmax(logits, -1), rows), picked)}
 
 
 def _decompose_cross_entropy(ops, logits, target, reduction="mean"):
@@ -891,7 +1197,7 @@ CROSS_ENTROPY_GLOBAL_COUNT = LocalKernel("global_count", _cross_entropy_global_c
     F.cross_entropy(logits, target, reduction=reduction), _decompose_cross_entropy,
     indexes=Indexing("target", "logits", 1, "classes",
                      "fix {index} (ignore_index is not supported: drop those rows first)"),
-    local_kernels=(CROSS_ENTROPY_GLOBAL_COUNT,))
+    local_kernels=(CROSS_ENTROPY_GLOBAL_COUNT,), vjp=_vjp_cross_entropy)
 def cross_entropy(logits, target, reduction: str = "mean"):
     """Cross entropy of logits [N, C] against class indices [N] (reduction 'mean', 'sum' or 'none')."""
     logits = _need_tensor("cross_entropy", "logits", logits)
@@ -951,7 +1257,8 @@ def _local_shape(args, out_shapes):
     return {"shape": out_shapes[0]}
 
 
-@op("reshape", "view", lambda x, shape: x.reshape(shape), metadata_only=True, local_attrs=_local_shape)
+@op("reshape", "view", lambda x, shape: x.reshape(shape), metadata_only=True, local_attrs=_local_shape,
+    vjp=lambda ops, g, out, x, shape: {"x": ops.reshape(g, x.shape)})
 def reshape(x, shape):
     """View x with a new shape (one -1 allowed), as torch.reshape."""
     x = _need_tensor("reshape", "x", x)
@@ -959,8 +1266,16 @@ def reshape(x, shape):
     return [OutSpec(new, x.dtype, _reshape_names(x, new))]
 
 
+def _vjp_permute(ops, g, out, x, dims):
+    """the inverse permutation: x's axis dims[i] is g's axis i"""
+    inverse = [0] * x.ndim
+    for i, d in enumerate(dims):
+        inverse[d % x.ndim] = i
+    return {"x": ops.permute(g, tuple(inverse))}
+
+
 @op("permute", "view", lambda x, dims: x.permute(*dims),
-    permutation=lambda args, ndim: tuple(d % ndim for d in args["dims"]))
+    permutation=lambda args, ndim: tuple(d % ndim for d in args["dims"]), vjp=_vjp_permute)
 def permute(x, dims):
     """Reorder axes: output axis i is input axis dims[i]."""
     x = _need_tensor("permute", "x", x)
@@ -978,7 +1293,8 @@ def _swap(args, ndim) -> tuple[int, ...]:
     return tuple(perm)
 
 
-@op("transpose", "view", lambda x, dim0, dim1: x.transpose(dim0, dim1), permutation=_swap)
+@op("transpose", "view", lambda x, dim0, dim1: x.transpose(dim0, dim1), permutation=_swap,
+    vjp=lambda ops, g, out, x, dim0, dim1: {"x": ops.transpose(g, dim0, dim1)})
 def transpose(x, dim0: int, dim1: int):
     """Swap two axes."""
     x = _need_tensor("transpose", "x", x)
@@ -986,7 +1302,8 @@ def transpose(x, dim0: int, dim1: int):
     return [OutSpec(tuple(x.shape[d] for d in perm), x.dtype, tuple(x.axes[d] for d in perm))]
 
 
-@op("unsqueeze", "view", lambda x, dim: x.unsqueeze(dim), metadata_only=True)
+@op("unsqueeze", "view", lambda x, dim: x.unsqueeze(dim), metadata_only=True,
+    vjp=lambda ops, g, out, x, dim: {"x": ops.reshape(g, x.shape)})
 def unsqueeze(x, dim: int):
     """Insert a broadcast axis of extent 1 at `dim`."""
     x = _need_tensor("unsqueeze", "x", x)
@@ -994,7 +1311,8 @@ def unsqueeze(x, dim: int):
     return [OutSpec(x.shape[:d] + (1,) + x.shape[d:], x.dtype, x.axes[:d] + ("1",) + x.axes[d:])]
 
 
-@op("expand", "view", lambda x, shape: x.expand(*shape), metadata_only=True, local_attrs=_local_shape)
+@op("expand", "view", lambda x, shape: x.expand(*shape), metadata_only=True, local_attrs=_local_shape,
+    vjp=lambda ops, g, out, x, shape: {"x": sum_to(ops, g, x.shape)})
 def expand(x, shape):
     """Broadcast axes of extent 1 to `shape` (-1 keeps an axis; new leading axes allowed), as torch.expand."""
     x = _need_tensor("expand", "x", x)
@@ -1017,9 +1335,17 @@ def expand(x, shape):
     return [OutSpec(tuple(out), x.dtype, tuple(names))]
 
 
+def _vjp_broadcast_in_dim(ops, g, out, x, shape, broadcast_dims):
+    """g summed over the axes x did not fill (new, or broadcast from extent 1), reshaped to x"""
+    spread = {i for i in range(len(shape)) if i not in broadcast_dims}
+    spread |= {d for i, d in enumerate(broadcast_dims) if x.shape[i] != shape[d]}
+    s = ops.sum(g, tuple(sorted(spread)), keepdim=True) if spread else g
+    return {"x": s if tuple(s.shape) == tuple(x.shape) else ops.reshape(s, x.shape)}
+
+
 @op("broadcast_in_dim", "view", lambda x, shape, broadcast_dims:
     x.reshape([x.shape[broadcast_dims.index(i)] if i in broadcast_dims else 1 for i in range(len(shape))]).expand(*shape),
-    metadata_only=True, local_attrs=_local_shape)
+    metadata_only=True, local_attrs=_local_shape, vjp=_vjp_broadcast_in_dim)
 def broadcast_in_dim(x, shape, broadcast_dims):
     """Place x's axis i at output axis broadcast_dims[i] and broadcast the rest to `shape` (as JAX/nvFuser)."""
     x = _need_tensor("broadcast_in_dim", "x", x)
