@@ -233,6 +233,13 @@ def unshard(pieces: Sequence[torch.Tensor] | Mapping[int, torch.Tensor], layout:
     return assemble(by_rank, shape, mesh, index, replicated, reduce, where, name)
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise-equal copies, a NaN equal to a NaN (a replica of a tensor holding NaN is still a replica)."""
+    return a.shape == b.shape and a.dtype == b.dtype and (
+        torch.equal(a, b) or bool(((a == b) | (a.isnan() & b.isnan())).all()) if a.is_floating_point()
+        else torch.equal(a, b))
+
+
 def assemble(by_rank: Mapping[int, torch.Tensor], shape: Sequence[int], mesh: DeviceMesh, index: Mapping[int, Any],
              replicated: Sequence[int], reduce: set[str], where: str, name: str) -> torch.Tensor:
     """The global tensor of `shape` from every rank's piece, piece r at index[r] (slices, or index
@@ -255,7 +262,7 @@ def assemble(by_rank: Mapping[int, torch.Tensor], shape: Sequence[int], mesh: De
         coords = mesh.coords(r)
         if any(coords[m] for m in replicated):  # a replica: it must equal the copy at coordinate 0
             twin = mesh.rank_at([0 if m in replicated else c for m, c in enumerate(coords)])
-            if not torch.equal(by_rank[r], by_rank[twin]):
+            if not _same(by_rank[r], by_rank[twin]):
                 axes = [mesh.axis_names[m] for m in replicated]
                 raise ShardingError(f"{where}: ranks {twin} and {r} hold different data although {name} is "
                                     f"replicated on mesh axes {axes}")
