@@ -1,0 +1,260 @@
+"""Runtime overhead: rank 0's program of the 8-way GPT-3 TP and TP+SP plans (bench/plans) on one GPU,
+collectives replaced by stand-ins of the right shape (as bench/multigpu.py's single-GPU report), through
+egraph-did's three executors and against the same local computation in torch.
+
+    python bench/runtime.py               # on a GPU: GPT-3 shapes (batch 1, sequence 2048, hidden 12288, bf16)
+    python bench/runtime.py --cpu-smoke   # anywhere: tiny shapes, float32, numerics only (CI runs it)
+
+Rows: egraph-did through the segment-by-segment executor (lowering/execute.run_rank), the prepared
+program (lowering/program.py), the prepared program replayed as a CUDA graph (lowering/graphs.py,
+outputs not copied, as torch's own graphs); torch eager, torch.compile and torch.compile
+mode="reduce-overhead" (CUDA graphs) of the local program of Megatron TP / torchtitan TP+SP (what
+DTensor runs on each rank: bench/dtensor_baseline.py's layer on rank 0's weight shards). Every
+collective's input is computed and its output is a ready tensor, in both: the torch functions return
+each collective's input beside y, so torch.compile cannot drop the work that feeds a collective.
+
+Columns: GPU ms / iter (CUDA events around back-to-back iterations, median of repetitions), host ms /
+iter (wall time to enqueue one iteration on an idle GPU, median), host µs per segment, kernels (CUDA
+kernels the profiler sees in one iteration), and the speed of torch.compile over each row's GPU time
+(above 1: faster than torch.compile) in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import egraph_did as ed  # noqa: E402
+from egraph_did.lowering.execute import run_rank  # noqa: E402
+from egraph_did.lowering.graphs import run_graphed  # noqa: E402
+from egraph_did.lowering.program import prepare, program_inputs  # noqa: E402
+from egraph_did.lowering.segment import lowered_plan  # noqa: E402
+from egraph_did.shards import Operand, RankContext  # noqa: E402
+
+import multigpu  # noqa: E402
+
+SMALL = dict(batch=1, seq=16, hidden=64, heads=8)
+
+
+def smoke_plan(sp: bool):
+    """The 8-way plan's layouts replayed at tiny float32 shapes (optimize(..., like=plan))."""
+    fd, mesh = multigpu.gpt_fusion(8, sp, dtype=torch.float32, **SMALL)
+    return ed.optimize(fd, mesh, like=multigpu.load_plan(8, sp))
+
+
+# ---------------------------------------------------------------------------- egraph-did
+
+def egraph_runs(plan, device, g):
+    """{row: fn} for the three executors over rank 0's program with stand-ins, and the segment count."""
+    rank = plan.mesh.ranks[0]
+    ctx = RankContext(plan.mesh, rank)
+
+    def local_random(value):
+        v = plan.values[value]
+        shape = ctx.local_shape(Operand(v.shape, v.layout))
+        return torch.randn(shape, device=device, dtype=getattr(torch, v.dtype), generator=g) * 0.02
+
+    names = program_inputs(plan)
+    ins = [local_random(v) for v in names]
+    env0 = dict(zip(names, ins))
+    stand_ins = {c.dst: local_random(c.dst) for c in plan.steps if isinstance(c, ed.Collective)}
+
+    def stand_in(plan_, c, local, rank_):
+        return stand_ins[c.dst]
+    lowered = lowered_plan(plan)
+    lean, graphed = prepare(plan, rank, ins, stand_in), prepare(plan, rank, ins, stand_in)
+    y = plan.outputs["y"]
+    runs = {
+        "breakdown": lambda: host_by_kind(lean, ins),
+        "egraph-did run_rank": lambda: run_rank(plan, dict(env0), rank, stand_in, lowered)[y],
+        "egraph-did lean": lambda: lean.run(ins)[0],
+        "egraph-did lean + CUDA graph": lambda: run_graphed(graphed, ins, copy_outputs=False)[0],
+    }
+    return runs, len(lowered.segments)
+
+
+# ---------------------------------------------------------------------------- torch
+
+def torch_runs(plan, sp: bool, shape: dict, device, dtype, g, compile_: bool):
+    """{row: fn} for rank 0's local program of Megatron TP / torchtitan TP+SP in torch."""
+    n = plan.mesh.size
+    b, s, h, heads = shape["batch"], shape["seq"], shape["hidden"], shape["heads"]
+    hd = h // heads
+
+    def r(*sh):
+        return torch.randn(sh, device=device, dtype=dtype, generator=g) * 0.02
+    w = dict(ln1_w=r(h) + 1, ln1_b=r(h), ln2_w=r(h) + 1, ln2_b=r(h), wq=r(h // n, h), wk=r(h // n, h),
+             wv=r(h // n, h), wo=r(h, h // n), w1=r(4 * h // n, h), w2=r(h, 4 * h // n))
+    x = r(b, s // n, h) if sp else r(b, s, h)
+    full, part = r(b, s, h), r(b, s // n, h) if sp else r(b, s, h)  # stand-ins: gathered, reduced
+
+    def attention(hn, w):
+        def heads_first(t):
+            return t.view(b, s, -1, hd).transpose(1, 2)
+        o = F.scaled_dot_product_attention(heads_first(F.linear(hn, w["wq"])), heads_first(F.linear(hn, w["wk"])),
+                                           heads_first(F.linear(hn, w["wv"])), is_causal=True)
+        return F.linear(o.transpose(1, 2).reshape(b, s, -1), w["wo"])
+
+    def tp(x, w, reduced1, reduced2):  # Megatron: allreduce after each row-parallel linear
+        p1 = attention(F.layer_norm(x, (h,), w["ln1_w"], w["ln1_b"]), w)
+        x = x + reduced1
+        p2 = F.linear(F.gelu(F.linear(F.layer_norm(x, (h,), w["ln2_w"], w["ln2_b"]), w["w1"])), w["w2"])
+        return x + reduced2, p1, p2
+
+    def tpsp(x, w, gathered1, reduced1, gathered2, reduced2):  # sequence-parallel norms, allgather / reduce-scatter
+        n1 = F.layer_norm(x, (h,), w["ln1_w"], w["ln1_b"])
+        p1 = attention(gathered1, w)
+        x = x + reduced1
+        n2 = F.layer_norm(x, (h,), w["ln2_w"], w["ln2_b"])
+        p2 = F.linear(F.gelu(F.linear(gathered2, w["w1"])), w["w2"])
+        return x + reduced2, n1, p1, n2, p2
+
+    fn, args = (tpsp, (x, w, full, part, full, part)) if sp else (tp, (x, w, part, part))
+    runs = {"torch eager": lambda: fn(*args)[0]}
+    if compile_:
+        compiled = torch.compile(fn)
+        graphs = torch.compile(fn, mode="reduce-overhead")
+        runs["torch.compile"] = lambda: compiled(*args)[0]
+        runs["torch.compile reduce-overhead"] = lambda: graphs(*args)[0]
+    return runs
+
+
+# ---------------------------------------------------------------------------- timing
+
+def gpu_ms(fn, iters: int, reps: int) -> float:
+    """Median over reps of CUDA-event ms per iteration, `iters` iterations back to back."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    return statistics.median(times)
+
+
+def host_ms(fn, reps: int, cuda: bool) -> float:
+    """Median wall ms to enqueue one iteration on an idle device (on a CPU: to run it)."""
+    times = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    if cuda:
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def kernels(fn) -> int | None:
+    """CUDA kernels the profiler sees in one iteration (None where it sees none: no GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    names = [k for k in names if not k.lower().startswith(("memcpy", "memset"))]
+    return len(names) or None
+
+
+def host_by_kind(prog, ins, reps: int = 20) -> dict[str, float]:
+    """Median host µs per iteration spent in each kind of call of a prepared program (fused kernels,
+    ATen steps, collectives), enqueue time only: where the lean executor's host time goes."""
+    kinds = [prog.segments[c.segment].kind for c in prog.calls]
+    per: dict[str, list[float]] = {k: [] for k in set(kinds)}
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        slots = [None] * prog.nslots
+        slots[:len(ins)] = ins
+        spent = dict.fromkeys(per, 0.0)
+        for call, kind in zip(prog.calls, kinds):
+            t0 = time.perf_counter()
+            out = call.fn(*[slots[a] for a in call.args])
+            spent[kind] += time.perf_counter() - t0
+            for o, t in zip(call.outs, out):
+                slots[o] = t
+        for k, v in spent.items():
+            per[k].append(v * 1e6)
+    return {f"{k} ({kinds.count(k)} calls)": statistics.median(v) for k, v in per.items()}
+
+
+# ---------------------------------------------------------------------------- report
+
+def measure(sp: bool, smoke: bool, iters: int, reps: int) -> list[tuple]:
+    cuda = torch.cuda.is_available() and not smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    plan = smoke_plan(sp) if smoke else multigpu.load_plan(8, sp)
+    shape = SMALL if smoke else multigpu.GPT3
+    dtype = torch.float32 if smoke else torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(0)
+    ours, nseg = egraph_runs(plan, device, g)
+    breakdown = ours.pop("breakdown")
+    theirs = torch_runs(plan, sp, shape, device, dtype, g, compile_=cuda)
+    rows = []
+    outs = {}
+    for name, fn in {**ours, **theirs}.items():
+        for _ in range(3):  # warm-up: compile kernels, capture graphs
+            outs[name] = fn()
+        ms = gpu_ms(fn, iters, reps) if cuda else float("nan")
+        host = host_ms(fn, max(reps, 5), cuda)
+        k = kernels(fn) if cuda else None
+        segs = nseg if name.startswith("egraph") else None
+        rows.append((name, ms, host, segs, k))
+    base = outs["egraph-did run_rank"]
+    for name in ours:  # every executor computes the same tensor, bit for bit
+        if not torch.equal(outs[name], base):
+            raise SystemExit(f"{'TP+SP' if sp else 'TP'}: {name} differs from run_rank's output")
+    if cuda:
+        print(f"{'TP+SP' if sp else 'TP'}: lean host us by call kind: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in breakdown().items()))
+    pred = sum(s.time for s in plan.compute_steps) * 1e3
+    return [(f"{'TP+SP' if sp else 'TP'} 8-way, rank 0 (predicted compute {pred:.3f} ms)", nseg)] + rows
+
+
+def print_table(title, nseg, rows) -> None:
+    compiled = next((ms for name, ms, *_ in rows if name == "torch.compile"), float("nan"))
+    print(f"\n{title}")
+    print(f"{'program':<32}{'GPU ms/iter':>12}{'host ms/iter':>14}{'host us/seg':>13}{'kernels':>9}"
+          f"{'compile/this':>14}")
+    for name, ms, host, segs, k in rows:
+        per_seg = f"{host * 1e3 / segs:.1f}" if segs else "-"
+        print(f"{name:<32}{ms:>12.3f}{host:>14.3f}{per_seg:>13}{k if k is not None else '-':>9}"
+              f"{compiled / ms:>14.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU, numerics only")
+    ap.add_argument("--iters", type=int, default=20, help="iterations back to back per GPU timing")
+    ap.add_argument("--reps", type=int, default=15, help="repetitions (medians)")
+    args = ap.parse_args()
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        raise SystemExit("no GPU: pass --cpu-smoke")
+    if torch.cuda.is_available() and not args.cpu_smoke:
+        print(f"{torch.cuda.get_device_name()} | torch {torch.__version__}")
+    for sp in (False, True):
+        (title, nseg), *rows = measure(sp, args.cpu_smoke, args.iters, 2 if args.cpu_smoke else args.reps)
+        print_table(title, nseg, rows)
+    if args.cpu_smoke:
+        print("\ncpu smoke: GPU columns not measured (no CUDA); host ms is the whole interpreted run; "
+              "the egraph-did executors agree bit for bit")
+
+
+if __name__ == "__main__":
+    main()
