@@ -21,7 +21,7 @@ if _os.path.isdir(_os.path.join(_root, "rewrites")) and _root not in __path__:
 from .errors import DtypeError, EgraphDidError, MeshError, PlanError, ShapeError, ShardingError
 from .evaluate import decompose, evaluate
 from .fusion import Expr, Fusion, FusionDefinition
-from .grad import grad, value_and_grad
+from .grad import SGD, AdamW, grad, training_step, value_and_grad
 from .ir import IterDomain, IterType, ParallelType, TensorView
 from .mesh import DeviceMesh
 from .ops import OPS, op_names
@@ -32,7 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DeviceMesh", "ParallelType", "IterType", "IterDomain", "TensorView",
     "FusionDefinition", "Fusion", "Expr", "OPS", "op_names",
-    "evaluate", "decompose", "grad", "value_and_grad",
+    "evaluate", "decompose", "grad", "value_and_grad", "training_step", "SGD", "AdamW",
     "shard_tensor", "unshard_tensor", "local_shape", "local_indices", "placements",
     "EgraphDidError", "ShapeError", "DtypeError", "ShardingError", "MeshError", "PlanError",
 ]

@@ -17,7 +17,11 @@ tensor([2., 4., 6.])
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Sequence
+
+import torch
 
 from .errors import DtypeError, ShapeError, UnknownNameError
 from .fusion import Fusion, FusionDefinition, Ops, _did_you_mean, as_fusion
@@ -128,8 +132,16 @@ def _needs_grad(src: Fusion, wrt: list[str]) -> set[int]:
 
 def _differentiate(src: Fusion, loss: str, wrt, keep_outputs: bool) -> FusionDefinition:
     where = "grad" if keep_outputs else "value_and_grad"
-    wrt = _check(src, loss, wrt, where)
-    need = _needs_grad(src, wrt)
+    work, ops, new, grads = _forward_and_backward(src, loss, _check(src, loss, wrt, where), where)
+    outputs = dict(src.outputs) if keep_outputs else {loss: src.outputs[loss]}
+    results = {name: new[id(tv)] for name, tv in outputs.items()}
+    results.update({GRAD_PREFIX + w: g for w, g in grads.items()})
+    return _live_copy(work, results)
+
+
+def _forward_and_backward(src: Fusion, loss: str, wrt: list[str], where: str):
+    """(work fusion, its ops, {id(src tensor): work tensor}, {wrt name: gradient}): src copied into a new
+    fusion, then the backward; an input the loss does not reach gets zeros."""
     work = Fusion()
     ops = Ops(work)
     new: dict[int, TensorView] = {}
@@ -139,13 +151,9 @@ def _differentiate(src: Fusion, loss: str, wrt, keep_outputs: bool) -> FusionDef
         outs = work.emit(e.op.name, **_bind(e, new))
         for old, tv in zip(e.outputs, outs if isinstance(outs, tuple) else (outs,)):
             new[id(old)] = tv
-    grads = _backward(src, ops, new, need, loss, where)
-    outputs = dict(src.outputs) if keep_outputs else {loss: src.outputs[loss]}
-    results = {name: new[id(tv)] for name, tv in outputs.items()}
-    for w in wrt:
-        g = grads.get(id(src[w]))
-        results[GRAD_PREFIX + w] = g if g is not None else zeros_like(ops, new[id(src[w])])
-    return _live_copy(work, results)
+    grads = _backward(src, ops, new, _needs_grad(src, wrt), loss, where)
+    out = {w: grads.get(id(src[w])) for w in wrt}
+    return work, ops, new, {w: zeros_like(ops, new[id(src[w])]) if g is None else g for w, g in out.items()}
 
 
 def _bind(e, new: dict[int, TensorView]) -> dict:
@@ -200,3 +208,106 @@ def _live_copy(work: Fusion, results: dict[str, TensorView]) -> FusionDefinition
             out = fd.ops.cast(out, out.dtype)  # an input, or one tensor under two names: output a copy
         fd.add_output(out, name)
     return fd
+
+
+# ---------------------------------------------------------------------- the optimizer update: a training step
+
+
+@dataclass(frozen=True)
+class SGD:
+    """torch.optim.SGD's update as fusion ops (dampening 0): g += weight_decay p; with momentum, the
+    state `momentum_buffer.<p>` (zeros before the first step) becomes momentum buf + g, and the step
+    takes g + momentum buf (nesterov) or buf; p -= lr times that."""
+
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+    def states(self) -> tuple[str, ...]:
+        return ("momentum_buffer",) if self.momentum else ()
+
+    def update(self, ops, p, g, state: dict, step) -> tuple:
+        if self.weight_decay:
+            g = ops.add(g, ops.mul(p, self.weight_decay))
+        new_state = {}
+        if self.momentum:
+            buf = ops.add(ops.mul(state["momentum_buffer"], self.momentum), g)
+            new_state["momentum_buffer"] = buf
+            g = ops.add(g, ops.mul(buf, self.momentum)) if self.nesterov else buf
+        return ops.sub(p, ops.mul(g, self.lr)), new_state
+
+
+@dataclass(frozen=True)
+class AdamW:
+    """torch.optim.AdamW's update as fusion ops: p *= 1 - lr weight_decay; the moments `exp_avg.<p>` and
+    `exp_avg_sq.<p>` (zeros before the first step) move towards g and g^2; p -= lr / (1 - b1^t) m /
+    (sqrt(v) / sqrt(1 - b2^t) + eps), t the step count (the input `step`, 0 before the first step)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+
+    def states(self) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq")
+
+    def update(self, ops, p, g, state: dict, step) -> tuple:
+        b1, b2 = self.betas
+        m = ops.add(ops.mul(state["exp_avg"], b1), ops.mul(g, 1 - b1))
+        v = ops.add(ops.mul(state["exp_avg_sq"], b2), ops.mul(ops.mul(g, g), 1 - b2))
+        # the bias corrections are scalars of the step; cast so that they do not promote p's dtype
+        bc1 = ops.cast(ops.sub(1.0, ops.pow(b1, step)), p.dtype)
+        bc2 = ops.cast(ops.sub(1.0, ops.pow(b2, step)), p.dtype)
+        denom = ops.add(ops.div(ops.sqrt(v), ops.sqrt(bc2)), self.eps)
+        decayed = ops.mul(p, 1 - self.lr * self.weight_decay) if self.weight_decay else p
+        p_next = ops.sub(decayed, ops.mul(ops.div(m, denom), ops.div(self.lr, bc1)))
+        return p_next, {"exp_avg": m, "exp_avg_sq": v}
+
+
+STEP, NEXT = "step", "next."
+
+
+def training_step(fd: FusionDefinition | Fusion, loss: str, params: Sequence[str], optimizer) -> FusionDefinition:
+    """One training step as one fusion: the forward, the backward of `loss` and the optimizer's update of
+    each input in params. Inputs: fd's, then each optimizer state as `<state>.<param>` (zeros before the
+    first step) and `step` (float64 scalar: steps taken). Outputs: the loss, `next.<param>`,
+    `next.<state>.<param>` and `next.step`; feed them back as the next step's inputs.
+
+    >>> import torch, egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     w = fd.define_tensor((2,), torch.float64, name="w")
+    ...     fd.add_output(fd.ops.sum(fd.ops.mul(w, w)), name="loss")
+    >>> step = ed.training_step(fd, "loss", ["w"], ed.SGD(lr=0.25))
+    >>> [t.name for t in step.fusion.inputs], list(step.fusion.outputs)
+    (['w', 'step'], ['loss', 'next.w', 'next.step'])
+    >>> ed.evaluate(step, {"w": torch.tensor([1., 2.], dtype=torch.float64),
+    ...                    "step": torch.tensor(0., dtype=torch.float64)})["next.w"]  # w - 0.25 * 2w
+    tensor([0.5000, 1.0000], dtype=torch.float64)
+    """
+    src = as_fusion(fd, "training_step")
+    if not hasattr(optimizer, "update"):
+        raise ShapeError(f"training_step: optimizer must be ed.SGD(...) or ed.AdamW(...), got {optimizer!r:.60}")
+    params = _check(src, loss, list(params) if not isinstance(params, str) else params, "training_step")
+    _check_free_names(src, params, optimizer)
+    work, ops, new, grads = _forward_and_backward(src, loss, params, "training_step")
+    step = work.define_tensor((), torch.float64, STEP)
+    t = ops.add(step, 1.0)
+    results = {loss: new[id(src.outputs[loss])]}
+    for p in params:
+        state = {s: work.define_tensor(src[p].shape, src[p].dtype, f"{s}.{p}") for s in optimizer.states()}
+        p_next, s_next = optimizer.update(ops, new[id(src[p])], grads[p], state, t)
+        results[NEXT + p] = p_next
+        results.update({f"{NEXT}{s}.{p}": v for s, v in s_next.items()})
+    results[NEXT + STEP] = t
+    return _live_copy(work, results)
+
+
+def _check_free_names(src: Fusion, params: list[str], optimizer) -> None:
+    """The names a training step adds must not be taken by fd's tensors."""
+    names = [STEP, NEXT + STEP] + [f"{pre}{s}.{p}" for p in params for s in optimizer.states() for pre in ("", NEXT)]
+    names += [NEXT + p for p in params]
+    taken = [n for n in names if n in src.tensors]
+    if taken:
+        raise ShapeError(f"training_step: the step's inputs and outputs need the names {taken}, which tensors of "
+                         f"the fusion have; rename those tensors")

@@ -11,6 +11,7 @@ import math
 import torch
 
 from .fusion import FusionDefinition
+from .grad import AdamW, training_step
 
 
 def _mlp_body(fd, x, hidden: int, dtype, prefix: str = ""):
@@ -83,6 +84,23 @@ def gpt_layer(batch: int, seq: int, hidden: int, heads: int, dtype=torch.float32
             h = fd.ops.add(h, _mlp_body(fd, fd.ops.layer_norm(h, weight=g2, bias=b2), hidden, dtype, p))
         fd.add_output(h, name="y")
     return fd
+
+
+def gpt_training_step(batch: int, seq: int, hidden: int, heads: int, dtype=torch.float32, layers: int = 1,
+                      optimizer=None) -> FusionDefinition:
+    """One training step of gpt_layer as one fusion: forward, loss = mean((y - target)^2), backward, and
+    the optimizer's update (AdamW by default) of every weight (x and target are data).
+
+    >>> fd = gpt_training_step(batch=2, seq=8, hidden=16, heads=4)
+    >>> [t.name for t in fd.fusion.inputs][-3:], list(fd.fusion.outputs)[:3]
+    (['exp_avg_sq.w1', 'exp_avg.w2', 'exp_avg_sq.w2'], ['loss', 'next.ln1_w', 'next.exp_avg.ln1_w'])
+    """
+    fd = gpt_layer(batch, seq, hidden, heads, dtype, layers)
+    weights = [t.name for t in fd.fusion.inputs if t.name != "x"]
+    target = fd.define_tensor((batch, seq, hidden), dtype, name="target", axis_names=("b", "s", "h"))
+    err = fd.ops.sub(fd["y"], target)
+    fd.add_output(fd.ops.mean(fd.ops.mul(err, err)), name="loss")
+    return training_step(fd, "loss", weights, optimizer or AdamW())
 
 
 def mlp_with_backward(tokens: int, hidden: int, dtype=torch.float32) -> FusionDefinition:
