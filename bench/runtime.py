@@ -14,7 +14,7 @@ collective's input is computed and its output is a ready tensor, in both: the to
 each collective's input beside y, so torch.compile cannot drop the work that feeds a collective.
 
 Columns: GPU ms / iter (CUDA events around back-to-back iterations, median of repetitions), host ms /
-iter (wall time to enqueue one iteration on an idle GPU, median), host µs per segment, kernels (CUDA
+iter (wall time to enqueue 8 iterations back to back on an idle GPU, over 8, median), host µs per segment, kernels (CUDA
 kernels the profiler sees in one iteration), and the speed of torch.compile over each row's GPU time
 (above 1: faster than torch.compile) in the same run.
 """
@@ -123,6 +123,10 @@ def torch_runs(plan, sp: bool, shape: dict, device, dtype, g, compile_: bool):
     fn, args = (tpsp, (x, w, full, part, full, part)) if sp else (tp, (x, w, part, part))
     runs = {"torch eager": lambda: fn(*args)[0]}
     if compile_:
+        # every argument is the same tensor each iteration, as weights are: reduce-overhead's graphs read
+        # them in place (as ours do) instead of copying each into a static buffer per replay
+        for t in (x, full, part, *w.values()):
+            torch._dynamo.mark_static_address(t)
         compiled = torch.compile(fn)
         graphs = torch.compile(fn, mode="reduce-overhead")
         runs["torch.compile"] = lambda: compiled(*args)[0]
@@ -147,15 +151,17 @@ def gpu_ms(fn, iters: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def host_ms(fn, reps: int, cuda: bool) -> float:
-    """Median wall ms to enqueue one iteration on an idle device (on a CPU: to run it)."""
+def host_ms(fn, reps: int, cuda: bool, iters: int = 8) -> float:
+    """Median wall ms per iteration to enqueue `iters` iterations back to back on an idle device (few
+    enough that the launch queue never fills; on a CPU: to run them)."""
     times = []
     for _ in range(reps):
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
+        for _ in range(iters):
+            fn()
+        times.append((time.perf_counter() - t0) * 1e3 / iters)
     if cuda:
         torch.cuda.synchronize()
     return statistics.median(times)
@@ -196,7 +202,9 @@ def host_by_kind(prog, ins, reps: int = 20) -> dict[str, float]:
 
 # ---------------------------------------------------------------------------- report
 
-def measure(sp: bool, smoke: bool, iters: int, reps: int) -> list[tuple]:
+def setup(sp: bool, smoke: bool):
+    """(title, segments, {row: fn}, host breakdown fn) for one plan, every row warmed up (kernels
+    compiled, graphs captured) and the egraph-did rows checked against each other bit for bit."""
     cuda = torch.cuda.is_available() and not smoke
     device = torch.device("cuda" if cuda else "cpu")
     plan = smoke_plan(sp) if smoke else multigpu.load_plan(8, sp)
@@ -205,26 +213,38 @@ def measure(sp: bool, smoke: bool, iters: int, reps: int) -> list[tuple]:
     g = torch.Generator(device=device).manual_seed(0)
     ours, nseg = egraph_runs(plan, device, g)
     breakdown = ours.pop("breakdown")
-    theirs = torch_runs(plan, sp, shape, device, dtype, g, compile_=cuda)
-    rows = []
+    runs = {**ours, **torch_runs(plan, sp, shape, device, dtype, g, compile_=cuda)}
     outs = {}
-    for name, fn in {**ours, **theirs}.items():
-        for _ in range(3):  # warm-up: compile kernels, capture graphs
+    for name, fn in runs.items():
+        for _ in range(3):
             outs[name] = fn()
-        ms = gpu_ms(fn, iters, reps) if cuda else float("nan")
-        host = host_ms(fn, max(reps, 5), cuda)
-        k = kernels(fn) if cuda else None
-        segs = nseg if name.startswith("egraph") else None
-        rows.append((name, ms, host, segs, k))
-    base = outs["egraph-did run_rank"]
     for name in ours:  # every executor computes the same tensor, bit for bit
-        if not torch.equal(outs[name], base):
+        if not torch.equal(outs[name], outs["egraph-did run_rank"]):
             raise SystemExit(f"{'TP+SP' if sp else 'TP'}: {name} differs from run_rank's output")
-    if cuda:
-        print(f"{'TP+SP' if sp else 'TP'}: lean host us by call kind: "
-              + ", ".join(f"{k} {v:.1f}" for k, v in breakdown().items()))
     pred = sum(s.time for s in plan.compute_steps) * 1e3
-    return [(f"{'TP+SP' if sp else 'TP'} 8-way, rank 0 (predicted compute {pred:.3f} ms)", nseg)] + rows
+    return f"{'TP+SP' if sp else 'TP'} 8-way, rank 0 (predicted compute {pred:.3f} ms)", nseg, runs, breakdown
+
+
+def measure(smoke: bool, iters: int, reps: int) -> list[tuple]:
+    """Both plans: host times, then GPU times, then (last: the profiler may slow later launches) kernel
+    counts. Returns [(title, segments, [(row, GPU ms, host ms, segments or None, kernels)])]."""
+    cuda = torch.cuda.is_available() and not smoke
+    plans = [setup(sp, smoke) for sp in (False, True)]
+    tables = []
+    for title, nseg, runs, breakdown in plans:
+        rows = {name: [name, float("nan"), host_ms(fn, max(reps, 5), cuda), nseg if name.startswith("egraph")
+                       else None, None] for name, fn in runs.items()}
+        if cuda:
+            for name, fn in runs.items():
+                rows[name][1] = gpu_ms(fn, iters, reps)
+            print(f"{title.split(',')[0]}: lean host us by call kind: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in breakdown().items()))
+        tables.append((title, nseg, runs, rows))
+    if cuda:
+        for _, _, runs, rows in tables:
+            for name, fn in runs.items():
+                rows[name][4] = kernels(fn)
+    return [(title, nseg, list(rows.values())) for title, nseg, _, rows in tables]
 
 
 def print_table(title, nseg, rows) -> None:
@@ -248,8 +268,7 @@ def main() -> None:
         raise SystemExit("no GPU: pass --cpu-smoke")
     if torch.cuda.is_available() and not args.cpu_smoke:
         print(f"{torch.cuda.get_device_name()} | torch {torch.__version__}")
-    for sp in (False, True):
-        (title, nseg), *rows = measure(sp, args.cpu_smoke, args.iters, 2 if args.cpu_smoke else args.reps)
+    for title, nseg, rows in measure(args.cpu_smoke, args.iters, 2 if args.cpu_smoke else args.reps):
         print_table(title, nseg, rows)
     if args.cpu_smoke:
         print("\ncpu smoke: GPU columns not measured (no CUDA); host ms is the whole interpreted run; "

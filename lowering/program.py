@@ -131,12 +131,13 @@ def program_inputs(plan: Plan) -> tuple[str, ...]:
 
 
 def signature(tensors: Sequence[torch.Tensor]) -> tuple:
-    """What a prepared program is specific to: each input's shape, dtype, device and strides.
+    """What a prepared program is specific to: each input's shape, dtype, device, strides and whether
+    its data is 16-byte aligned (a compiled Triton kernel is specialized on that).
 
     >>> signature([torch.ones(2, 3)])
-    ((torch.Size([2, 3]), torch.float32, device(type='cpu'), (3, 1)),)
+    ((torch.Size([2, 3]), torch.float32, device(type='cpu'), (3, 1), True),)
     """
-    return tuple((t.shape, t.dtype, t.device, t.stride()) for t in tensors)
+    return tuple((t.shape, t.dtype, t.device, t.stride(), t.data_ptr() % 16 == 0) for t in tensors)
 
 
 # ---------------------------------------------------------------------------- building calls
@@ -192,13 +193,43 @@ def _kernel_fn(kernel: schedulers.Kernel, device: torch.device) -> tuple[Callabl
     alloc = tuple((tuple(spec.shape(n)), spec.dtype(n)) for n in names)
     launcher = kernel.fn[(cfg.grid,)]
     constexprs, warps = dict(cfg.constexprs), cfg.num_warps
+    params = list(getattr(kernel.fn, "arg_names", ()))
+    tail = [constexprs[n] for n in params[len(spec.inputs) + len(names):]]
+    direct: list = [None if device.type == "cuda" and sorted(params[len(spec.inputs) + len(names):]) ==
+                    sorted(constexprs) else False]
     empty = torch.empty
 
     def lean(*ts):
         outs = [empty(sh, dtype=dt, device=device) for sh, dt in alloc]
-        launcher(*[t.contiguous() for t in ts], *outs, **constexprs, num_warps=warps)
+        args = [t.contiguous() for t in ts] + outs
+        if direct[0]:
+            direct[0](*args, *tail)
+        else:
+            compiled = launcher(*args, **constexprs, num_warps=warps)
+            if direct[0] is None:
+                direct[0] = _direct_launch(compiled, cfg.grid, args, len(outs), tail)
         return tuple(outs[k] for k in pick)
     return lean, checked
+
+
+def _direct_launch(compiled, grid: int, args: list, n_out: int, tail: list):
+    """The compiled kernel's own launcher (CompiledKernel[grid]): Triton's JIT entry re-binds and
+    re-specializes every argument on each call (tens of µs on a GPU host); the program's argument
+    types and alignments are fixed by its signature, so the kernel it picked once is the kernel.
+    Whether the launcher takes the arguments as given differs between Triton versions: it is tried
+    once against the JIT launch it replaces, outside any CUDA graph capture, and used only if both
+    write the same bits (False: keep the JIT launch; None: try again at the next call)."""
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    try:
+        runner = compiled[(grid, 1, 1)]
+        again = [torch.empty_like(o) for o in args[-n_out:]]
+        runner(*args[:-n_out], *again, *tail)
+        torch.cuda.synchronize()
+        same = all(torch.equal(a, b) for a, b in zip(args[-n_out:], again))
+    except Exception:  # noqa: BLE001 - any failure: this Triton's launcher wants other arguments; keep the JIT one
+        return False
+    return runner if same else False
 
 
 def _fused_calls(plan: Plan, seg: Segment, rank: int, device: torch.device, ctx: RankContext,
