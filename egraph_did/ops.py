@@ -1140,8 +1140,30 @@ def take_along_axis(x, index, dim: int):
     return [OutSpec(index.shape, x.dtype, x.axes[:d] + (index.axes[d],) + x.axes[d + 1:])]
 
 
+def _scatter_add_local(args, operands, outputs, ctx, axes):
+    """scatter_add on a rank as one summand of a partial, or into its part of x along dim: on the mesh
+    axes that split the sources, x is added on the first rank only (the sum over ranks adds it once);
+    on those that split x along dim, the rank adds the sources whose (global) index it holds, at their
+    local position (selected with where: 0 * inf would be nan)"""
+    x = operands["x"]
+    dim = args["dim"] % len(x.shape)
+    replicated = [m for m in axes if x.layout.placements[m].kind == "R"]
+    base = args["x"] if ctx.on_first(replicated) else torch.zeros_like(args["x"])
+    lo, hi = ctx.shard_range(x.shape[dim], x.layout, dim)
+    if hi <= lo:
+        return base.clone()
+    index, src = args["index"], args["src"]
+    inside = (index >= lo) & (index < hi)
+    src = torch.where(inside, src, torch.zeros((), dtype=src.dtype, device=src.device))
+    return base.scatter_add(dim, (index - lo).clamp(0, hi - lo - 1), src)
+
+
+SCATTER_ADD_LOCAL = LocalKernel("local_sources", _scatter_add_local)
+
+
 @op("scatter_add", "gather", lambda x, dim, index, src: x.scatter_add(dim, index, src),
     indexes=Indexing("index", "x", "dim", "entries along axis"),
+    local_kernels=(SCATTER_ADD_LOCAL,),
     vjp=lambda ops, g, out, x, dim, index, src: {"x": g, "src": ops.take_along_axis(g, index, dim)})
 def scatter_add(x, dim: int, index, src):
     """x with src added at the positions `index` holds along `dim`, as torch.scatter_add: index and src
