@@ -22,9 +22,11 @@ from egglog import EGraph, String, eq, i64, relation, ruleset, union, var
 from egglog import rule as erule
 
 from egraph_did.rewrites import ALL_RULES, RULES, aten, pointwise, reduction, views
-from egraph_did.rewrites.sorts import (AX, KERNS, LAYOUTS, OPS_SORT, SITE, Apart, AttrS, AxisMap, Coll, Connect,
-                                       Extent, Fits, FloatSize, Held, Keep, Lit, MeshSize, NestOK, OpKind, Out, Param,
-                                       Placement, Proj, Rank, Reduced, RUN, Shape, ShapeOf, Shp, T, Tensor, Valid, D, Load)
+from egraph_did.rewrites.rules import EGGLOG
+from egraph_did.rewrites.sorts import (AX, KERNS, LAYOUTS, OPS_SORT, SITE, Apart, AttrI, AttrS, AxisMap, Bcast, Coll,
+                                       Connect, Extent, Fits, FloatSize, Held, Keep, Lit, MeshSize, NestOK, OpKind, Out,
+                                       Param, Placement, Proj, Rank, Reduced, ReshapeBlock, RUN, Shape, ShapeOf, Shp, T,
+                                       Tensor, Valid, D, Load, attr_text)
 from egraph_did.rewrites.sorts import P as P_, R as R_, S as S_, Pmax as Pmax_
 from egraph_did.rewrites.sorts import Layout as LayoutSort
 
@@ -38,10 +40,11 @@ from .problem import Problem, op_view
 # derived Held terms for operands that were not held; /tmp-free repro in docs/egraph.md)
 FitT = relation("FitT", Tensor, LayoutSort)
 
-FAMILIES = {"pointwise": pointwise, "views": views, "reduction": reduction, "aten": aten}
-# Rules still run in Python, their Ax rows written as facts (the explicit switch; report them)
-ORACLE_RULES = frozenset(r.name for r in ALL_RULES
-                         if r.name not in set().union(*(getattr(m, "PORTED", set()) for m in FAMILIES.values())))
+# The family rulesets, composed into one by the schedule
+FAMILIES = pointwise.pointwise | views.views | reduction.reduction | aten.aten
+# Rules with no egglog form (rules.egglog_form) yet: their Ax rows reach egglog as facts computed by the
+# Python rule (the explicit switch; a family added without egglog forms lands here)
+ORACLE_RULES = frozenset(r.name for r in ALL_RULES if r.name not in EGGLOG)
 
 
 # ---------------------------------------------------------------------- terms as text (the adapter's input)
@@ -99,6 +102,12 @@ def _axis_facts(e) -> list[tuple]:
         out += [("Reduced", a) for a in dims]
     elif op.permutes:
         out += [("AxisMap", 0, a, b) for b, a in enumerate(op.permutation(args, x.ndim))]
+    elif op.name == "reshape":
+        out += [("ReshapeBlock", *blk) for blk in views.reshape_blocks(x.shape, e.outputs[0].shape)]
+    elif op.name == "welford_blocks":
+        dim = _norm(args["dim"], x.ndim)
+        out += [("AxisMap", 0, a, a) for a in range(x.ndim) if a != dim] + [("Reduced", dim)]
+        out.append(("AttrI", "blocks", args["blocks"]))
     elif op.name == "unsqueeze":
         d = _norm(args["dim"], e.outputs[0].ndim)
         out += [("AxisMap", 0, a, a if a < d else a + 1) for a in range(x.ndim)]
@@ -120,7 +129,7 @@ def _axis_facts(e) -> list[tuple]:
         out += [("AxisMap", 0, a, a if keep or a < dim else a - 1) for a in range(rank) if a != dim]
     for name in ("reduction", "is_causal"):
         if name in args:
-            out.append(("AttrS", name, json.dumps(args[name])))
+            out.append(("AttrS", name, attr_text(args[name])))
     return out
 
 
@@ -295,6 +304,17 @@ def _run_text(eg: EGraph, rows: list[str], chunk: int = 400) -> None:
         eg._egraph.run_program(*eg._egraph.parse_program("\n".join(rows[k:k + chunk])))
 
 
+def loaded(problem: Problem, rules):
+    """A fresh EGraph holding the problem's facts, with `rules` declared (not yet run); and the tensor index."""
+    facts, ident = encode(problem)
+    facts = _mesh_facts(problem) + facts
+    eg = EGraph()
+    _declare(eg, facts)
+    eg.run(1, ruleset=rules)  # declares the rules' functions before the text arrives
+    _run_text(eg, facts)
+    return eg, facts, ident
+
+
 def saturate_typed(problem: Problem) -> PhysGraph:
     """Encode, saturate the rulesets and read back the physical graph (costs are set by the caller).
 
@@ -307,25 +327,49 @@ def saturate_typed(problem: Problem) -> PhysGraph:
     [('Coll', 'reduce_scatter'), ('Coll', 'slice'), ('Keep', '')]
     """
     t0 = time.perf_counter()
-    facts, ident = encode(problem)
-    facts = _mesh_facts(problem) + facts
     rules = ruleset(*mesh_rules(problem.mesh.shape), name=f"mesh{problem.mesh.shape}")
-    families = pointwise.pointwise
-    for mod in (views, reduction, aten):
-        if hasattr(mod, mod.__name__.rsplit(".", 1)[-1]):
-            families = families | getattr(mod, mod.__name__.rsplit(".", 1)[-1])
-    eg = EGraph()
-    _declare(eg, facts)
-    eg.run(1, ruleset=rules | families)  # declares the rules' functions before the text arrives
-    _run_text(eg, facts)
+    eg, facts, ident = loaded(problem, rules | FAMILIES)
     t1 = time.perf_counter()
-    report = eg.run((families.saturate() + rules.saturate()).saturate())
+    eg.run((FAMILIES.saturate() + rules.saturate()).saturate())
     t2 = time.perf_counter()
     name_of = {v: k for k, v in ident.items()}
     graph = read_back(eg, problem, name_of)
     t3 = time.perf_counter()
     graph.stats.update(encode_s=t1 - t0, saturate_s=t2 - t1, serialize_s=t3 - t2, facts=len(facts))
     return graph
+
+
+def axis_rows(problem: Problem) -> dict[tuple[str, int], set[tuple]]:
+    """What the family rulesets derive, per (expr key, mesh axis size): the Ax rows as (operand placements,
+    output placements, kernel name, nestable) — to hold equal to the Python rules (rules.axis_strategies).
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import row_sum
+    >>> from egraph_did.problem import build_problem
+    >>> sorted(axis_rows(build_problem(row_sum(8, 64), ed.DeviceMesh.arange(4)))[("y", 4)])[:2]
+    [(('P',), ('P',), '', 1), (('R',), ('R',), '', 1)]
+    """
+    eg, _, ident = loaded(problem, FAMILIES)
+    eg.run(FAMILIES.saturate())
+    name_of = {v: k for k, v in ident.items()}
+    out: dict[tuple[str, int], set[tuple]] = defaultdict(set)
+    frozen = eg.freeze().decl
+    for act in frozen.expr_actions:
+        call = act.expr
+        name = call.callable.ident.name
+        if not (name.startswith("Ax") and name[2].isdigit()):
+            continue
+        n, o = map(int, name[2:].split("x"))
+        args = [x.expr for x in call.args]
+        pls = tuple(_placement_decl(frozen.e_classes[x.value][1][0]).code() for x in args[2:2 + n + o])
+        out[(name_of[args[0].value], args[1].value)].add((pls[:n], pls[n:], args[-2].value, args[-1].value))
+    return dict(out)
+
+
+def _placement_decl(call):
+    """A placement term of a frozen e-graph (a CallDecl) as a layout Placement."""
+    head = call.callable.ident.name
+    return {"R": R, "P": P, "Pmax": PMAX}.get(head) or S(call.args[0].expr.value)
 
 
 def _declare(eg: EGraph, facts: list[str]) -> None:
@@ -344,7 +388,8 @@ def _declare(eg: EGraph, facts: list[str]) -> None:
     # everything else the text names: a rule that mentions each, run once while they are empty
     key, v, s, pl = var("key", String), var("v", i64), var("s", Shape), var("pl", Placement)
     lay, t, dv = var("lay", LayoutSort), var("t", Tensor), var("dv", D)
-    mention = [AxisMap(key, v, v, v), Reduced(key, v), AttrS(key, key, key), Param(key, v, key), Rank(s, v),
+    mention = [AxisMap(key, v, v, v), Reduced(key, v), AttrS(key, key, key), AttrI(key, key, v), Param(key, v, key),
+               ReshapeBlock(key, v, v, v, v), Bcast(key, v, v, pl), Rank(s, v),
                Extent(s, v, v), FloatSize(s, v), MeshSize(v), OpKind(key, key), Fits(s, lay), Valid(t, lay),
                Connect(pl, pl, key), Apart(pl, pl), NestOK(v, pl, pl), eq(pl).to(R_()), eq(pl).to(P_()),
                eq(pl).to(Pmax_()), eq(pl).to(S_(v)), eq(t).to(T(key)), eq(dv).to(Load(key, lay)),

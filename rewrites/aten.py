@@ -2,9 +2,15 @@
 heads, embedding on the vocabulary, gathers on class-sharded logits."""
 from __future__ import annotations
 
+from egglog import i64, ne, var
+from egglog import rule as erule
+
 from egraph_did.ops import EMBEDDING_VOCAB_PARALLEL, LINEAR_BIAS_ONCE, SDPA_QUERY_OFFSET, TAKE_ALONG_MASKED
 
-from .rules import P, R, S, Case, indices, rule
+from .rules import P, R, S, Case, egglog_form, family_ruleset, indices, rule
+from .sorts import P as P_, R as R_, S as S_
+from .sorts import (AttrS, AxisMap, Bcast, Extent, MeshSize, Placement, Rank, Reduced, ShapeOf, a, ax, b, d, i, key, m, n, r,
+                    site, sx0, sx1, sy, x0, x1, y)
 
 
 def _bias_once(e):
@@ -189,3 +195,119 @@ def take_along_sharded_axis(e):
     (cross entropy on class-sharded logits picks the target logit this way)"""
     dim = e.attr("dim") % e["x"].ndim
     yield e.strategy(out=P, x=S(dim), local=TAKE_ALONG_MASKED)
+
+
+# ---------------------------------------------------------------------- the same identities as egglog rules
+# Each derives the per-mesh-axis relation Ax (rewrites/sorts.py) for the ops its Python rule covers. Tensor
+# operands are positional, in the op's signature order (linear: x, weight[, bias]; sdpa: q, k, v;
+# embedding: indices, weight; take_along_axis: x, index).
+
+@egglog_form(linear_column_parallel)
+def _linear_column_parallel(spec):
+    """x @ w[shard of out-features].T = (x @ w.T)[.., shard]; a bias sharded alike"""
+    yield erule(site("linear", 2), ShapeOf(y, sy), Rank(sy, r), MeshSize(d)).then(ax([R_(), S_(0)], [S_(r - 1)]))
+    yield erule(site("linear", 3), ShapeOf(y, sy), Rank(sy, r), MeshSize(d)).then(
+        ax([R_(), S_(0), S_(0)], [S_(r - 1)]))
+
+
+@egglog_form(linear_row_parallel)
+def _linear_row_parallel(spec):
+    """x @ w.T = sum_r x[.., shard r] @ w[:, shard r].T, a partial; a bias added on one rank of the axis"""
+    yield erule(site("linear", 2), ShapeOf(x0, sx0), Rank(sx0, r), MeshSize(d)).then(ax([S_(r - 1), S_(1)], [P_()]))
+    yield erule(site("linear", 3), ShapeOf(x0, sx0), Rank(sx0, r), MeshSize(d)).then(
+        ax([S_(r - 1), S_(1), R_()], [P_()], LINEAR_BIAS_ONCE))
+
+
+@egglog_form(linear_batch_parallel)
+def _linear_batch_parallel(spec):
+    """linear acts on the last axis only: a shard of a leading axis stays local"""
+    for n_in in (2, 3):
+        yield erule(site("linear", n_in), ShapeOf(x0, sx0), Rank(sx0, r), Extent(sx0, a, n), a < r - 1,
+                    MeshSize(d)).then(ax([S_(a)] + [R_()] * (n_in - 1), [S_(a)]))
+
+
+@egglog_form(linear_of_partial)
+def _linear_of_partial(spec):
+    """(sum_r x_r) @ w.T = sum_r x_r @ w.T, and x @ (sum_r w_r).T alike; a bias added once"""
+    yield erule(site("linear", 2), MeshSize(d)).then(ax([P_(), R_()], [P_()]), ax([R_(), P_()], [P_()]))
+    yield erule(site("linear", 3), MeshSize(d)).then(ax([P_(), R_(), R_()], [P_()], LINEAR_BIAS_ONCE),
+                                                     ax([R_(), P_(), R_()], [P_()], LINEAR_BIAS_ONCE))
+
+
+@egglog_form(matmul_sharded)
+def _matmul_sharded(spec):
+    """a @ b on a shard of a batch axis (each operand as it broadcasts), of a's rows or of b's columns"""
+    pa, pb = var("pa", Placement), var("pb", Placement)
+    yield erule(site("matmul", 2), ShapeOf(y, sy), Rank(sy, r), Extent(sy, i, n), i < r - 2, Bcast(key, 0, i, pa),
+                Bcast(key, 1, i, pb), MeshSize(d)).then(ax([pa, pb], [S_(i)]))
+    ra, rb = var("ra", i64), var("rb", i64)
+    yield erule(site("matmul", 2), ShapeOf(y, sy), Rank(sy, r), ShapeOf(x0, sx0), Rank(sx0, ra), ShapeOf(x1, sx1),
+                Rank(sx1, rb), MeshSize(d)).then(ax([S_(ra - 2), R_()], [S_(r - 2)]), ax([R_(), S_(rb - 1)], [S_(r - 1)]))
+
+
+@egglog_form(matmul_contraction_sharded)
+def _matmul_contraction_sharded(spec):
+    """a @ b = sum_r a[.., shard r] @ b[shard r, ..]: a shard of the contracted axis gives a partial"""
+    ra, rb = var("ra", i64), var("rb", i64)
+    yield erule(site("matmul", 2), ShapeOf(x0, sx0), Rank(sx0, ra), ShapeOf(x1, sx1), Rank(sx1, rb), MeshSize(d)).then(
+        ax([S_(ra - 1), S_(rb - 2)], [P_()]))
+
+
+@egglog_form(matmul_of_partial)
+def _matmul_of_partial(spec):
+    """(sum_r a_r) @ b = sum_r a_r @ b, and a @ (sum_r b_r) alike"""
+    yield erule(site("matmul", 2), MeshSize(d)).then(ax([P_(), R_()], [P_()]), ax([R_(), P_()], [P_()]))
+
+
+@egglog_form(sdpa_batch_or_heads)
+def _sdpa_batch_or_heads(spec):
+    """attention is independent per batch element and per head: q, k, v sharded alike on either"""
+    yield erule(site("sdpa", 3), MeshSize(d)).then(*[ax([S_(k)] * 3, [S_(k)]) for k in (0, 1)])
+
+
+@egglog_form(sdpa_query_sequence)
+def _sdpa_query_sequence(spec):
+    """a shard of the queries attends to replicated keys and values locally (a causal mask offset by the
+    shard's first position)"""
+    for causal, kernel in (("true", SDPA_QUERY_OFFSET), ("false", None)):
+        yield erule(site("sdpa", 3), AttrS(key, "is_causal", causal), MeshSize(d)).then(
+            ax([S_(2), R_(), R_()], [S_(2)], kernel))
+
+
+@egglog_form(sdpa_value_dim)
+def _sdpa_value_dim(spec):
+    """attention weights do not depend on v's head_dim: a shard of it passes through"""
+    yield erule(site("sdpa", 3), MeshSize(d)).then(ax([R_(), R_(), S_(3)], [S_(3)]))
+
+
+@egglog_form(embedding_sharded)
+def _embedding_sharded(spec):
+    """weight[idx[shard]] = weight[idx][shard]; weight[:, cols][idx] = weight[idx][.., cols]"""
+    yield erule(site("embedding", 2), ShapeOf(x0, sx0), Extent(sx0, a, n), MeshSize(d)).then(ax([S_(a), R_()], [S_(a)]))
+    yield erule(site("embedding", 2), ShapeOf(y, sy), Rank(sy, r), MeshSize(d)).then(ax([R_(), S_(1)], [S_(r - 1)]))
+
+
+@egglog_form(embedding_vocab_parallel)
+def _embedding_vocab_parallel(spec):
+    """weight[idx] = sum_r (weight_r[idx - start_r] where idx in rank r's rows, else 0): a partial"""
+    yield erule(site("embedding", 2), MeshSize(d)).then(ax([R_(), S_(0)], [P_()], EMBEDDING_VOCAB_PARALLEL))
+
+
+@egglog_form(take_along_other_axis)
+def _take_along_other_axis(spec):
+    """gathering along one axis keeps a shard of another; the index sharded alike, or replicated where it
+    is shorter there"""
+    head = [site("take_along_axis", 2), AxisMap(key, 0, a, b), ShapeOf(x0, sx0), ShapeOf(x1, sx1), Extent(sx0, a, n),
+            MeshSize(d)]
+    yield erule(*head, Extent(sx1, a, n)).then(ax([S_(a), S_(a)], [S_(b)]))
+    yield erule(*head, Extent(sx1, a, m), ne(m).to(n)).then(ax([S_(a), R_()], [S_(b)]))
+
+
+@egglog_form(take_along_sharded_axis)
+def _take_along_sharded_axis(spec):
+    """x[.., idx] = sum_r (x_r[.., idx - start_r] where idx in rank r's part, else 0): a partial"""
+    yield erule(site("take_along_axis", 2), Reduced(key, a), MeshSize(d)).then(
+        ax([S_(a), R_()], [P_()], TAKE_ALONG_MASKED))
+
+
+aten = family_ruleset("aten")

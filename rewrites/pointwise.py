@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from egglog import String, eq, i64, ne, relation, ruleset, var
+from egglog import eq, i64, ne, var
 from egglog import rule as erule
 
 from egraph_did.ops import OPS, ops_where
 
-from .rules import P, R, S, Case, Input, rule
-from .sorts import AX, SITE, MeshSize, OpKind, Param, Placement, Shape, ShapeOf, Extent, Rank, FloatSize, Tensor
-from .sorts import P as P_, R as R_, S as S_
+from .rules import P, R, S, Case, Input, egglog_form, family_ruleset, rule
+from .sorts import SITE, Bcast, Extent, FloatSize, MeshSize, OpKind, Param, Placement, Rank, ShapeOf, a, ax, d, i, key, m, n, op, r, site
+from .sorts import P as P_, R as R_, S as S_, sx0, sy, x0, x1, x2, y
 
 F32 = torch.float32
 
@@ -107,59 +107,67 @@ def partial_through_linear_unary(e):
 
 
 # ---------------------------------------------------------------------- the same identities as egglog rules
-# Each rule derives the per-mesh-axis relation Ax (rewrites/sorts.py) for the ops it covers; the Python
-# rules above are their executable spec and tests/rewrites/test_rules.py holds both equal.
+# Each derives the per-mesh-axis relation Ax (rewrites/sorts.py) for the ops its Python rule covers.
 
-def _bcast_rules(n: int):
+def _bcast_rules(n_in: int):
     """Bcast(key, j, i, p): under elementwise broadcasting, output axis i reads operand j's axis in
-    placement p: S_(k) where the right-aligned axis k has the same extent, R where it broadcasts."""
-    y, key, op, i, k, n_, m_, ry, rx = (var("y", Tensor), var("key", String), var("op", String), var("i", i64),
-                                        var("k", i64), var("n", i64), var("m", i64), var("ry", i64), var("rx", i64))
-    sy, sx = var("sy", Shape), var("sx", Shape)
-    xs = [var(f"x{j}", Tensor) for j in range(n)]
-    for j in range(n):
-        head = [SITE[(n, 1)](key, op, y, *xs), OpKind(op, "broadcasts"), ShapeOf(y, sy), ShapeOf(xs[j], sx),
-                Rank(sy, ry), Rank(sx, rx), Extent(sy, i, n_), eq(k).to(i - (ry - rx))]
-        yield erule(*head, Extent(sx, k, n_)).then(Bcast(key, j, i, S_(k)))
-        yield erule(*head, Extent(sx, k, m_), ne(m_).to(n_)).then(Bcast(key, j, i, R_()))
+    placement p: S(k) where the right-aligned axis k has the same extent, R where it broadcasts."""
+    xs, k, rx = (x0, x1, x2)[:n_in], var("k", i64), var("rx", i64)
+    for j in range(n_in):
+        head = [site(op, n_in), OpKind(op, "broadcasts"), ShapeOf(y, sy), ShapeOf(xs[j], sx0), Rank(sy, r),
+                Rank(sx0, rx), Extent(sy, i, n), eq(k).to(i - (r - rx))]
+        yield erule(*head, Extent(sx0, k, n)).then(Bcast(key, j, i, S_(k)))
+        yield erule(*head, Extent(sx0, k, m), ne(m).to(n)).then(Bcast(key, j, i, R_()))
         yield erule(*head, k < 0).then(Bcast(key, j, i, R_()))
 
 
-Bcast = relation("Bcast", String, i64, i64, Placement)
+@egglog_form(replicated)
+def _replicated(spec):
+    """every operand replicated: every output replicated"""
+    for (n_in, n_out) in SITE:
+        yield erule(site(op, n_in, n_out), MeshSize(d)).then(ax([R_()] * n_in, [R_()] * n_out))
 
 
-def _pointwise_rules():
-    key, op, d, a = var("key", String), var("op", String), var("d", i64), var("a", i64)
-    y, sy, r, n_ = var("y", Tensor), var("sy", Shape), var("r", i64), var("n", i64)
-    for (n, o) in SITE:  # replicated: every op, every operand replicated
-        ys, xs = [var(f"y{j}", Tensor) for j in range(o)], [var(f"x{j}", Tensor) for j in range(n)]
-        yield erule(SITE[(n, o)](key, op, *ys, *xs), MeshSize(d)).then(
-            AX[(n, o)](key, d, *[R_()] * (n + o), String(""), i64(1)))
-    for n in (1, 2, 3):  # elementwise_sharded
-        yield from _bcast_rules(n)
-        xs, ps = [var(f"x{j}", Tensor) for j in range(n)], [var(f"p{j}", Placement) for j in range(n)]
-        yield erule(SITE[(n, 1)](key, op, y, *xs), OpKind(op, "pointwise"), MeshSize(d), ShapeOf(y, sy),
-                   Extent(sy, a, n_), *[Bcast(key, j, a, ps[j]) for j in range(n)]).then(
-            AX[(n, 1)](key, d, *ps, S_(a), String(""), i64(1)))
-    x, b, sx = var("x", Tensor), var("b", Tensor), var("sx", Shape)
-    yield erule(SITE[(1, 1)](key, op, y, x), OpKind(op, "mask"), MeshSize(d), ShapeOf(y, sy), Rank(sy, r),
-               Extent(sy, a, n_), a < r - 2).then(AX[(1, 1)](key, d, S_(a), S_(a), String(""), i64(1)))  # mask_leading_axis
-    for name in ("add", "sub"):  # sum_of_partials
-        yield erule(SITE[(2, 1)](key, name, y, x, b), MeshSize(d)).then(AX[(2, 1)](key, d, P_(), P_(), P_(), String(""), i64(1)))
-    # partial_scaled: mul scales either operand's partial, div its numerator's ("a")
-    yield erule(SITE[(2, 1)](key, "mul", y, x, b), MeshSize(d)).then(
-        AX[(2, 1)](key, d, P_(), R_(), P_(), String(""), i64(1)), AX[(2, 1)](key, d, R_(), P_(), P_(), String(""), i64(1)))
-    yield erule(SITE[(1, 1)](key, "mul", y, x), MeshSize(d)).then(AX[(1, 1)](key, d, P_(), P_(), String(""), i64(1)))
-    yield erule(SITE[(2, 1)](key, "div", y, x, b), MeshSize(d)).then(AX[(2, 1)](key, d, P_(), R_(), P_(), String(""), i64(1)))
-    yield erule(SITE[(1, 1)](key, "div", y, x), Param(key, 0, "a"), MeshSize(d)).then(
-        AX[(1, 1)](key, d, P_(), P_(), String(""), i64(1)))
-    # partial_through_linear_unary: neg, and a cast that widens a float exactly
-    yield erule(SITE[(1, 1)](key, "neg", y, x), MeshSize(d)).then(AX[(1, 1)](key, d, P_(), P_(), String(""), i64(1)))
+@egglog_form(elementwise_sharded)
+def _elementwise_sharded(spec):
+    """f(x)[shard] = f(x[shard]): output axis a sharded, each operand as it broadcasts to a (Bcast)"""
+    for n_in in (1, 2, 3):
+        yield from _bcast_rules(n_in)
+        ps = [var(f"p{j}", Placement) for j in range(n_in)]
+        yield erule(site(op, n_in), OpKind(op, "pointwise"), MeshSize(d), ShapeOf(y, sy), Extent(sy, a, n),
+                    *[Bcast(key, j, a, ps[j]) for j in range(n_in)]).then(ax(ps, [S_(a)]))
+
+
+@egglog_form(mask_leading_axis)
+def _mask_leading_axis(spec):
+    """mask(x)[shard of a leading axis] = mask(x[shard])"""
+    yield erule(site(op), OpKind(op, "mask"), MeshSize(d), ShapeOf(y, sy), Rank(sy, r), Extent(sy, a, n),
+                a < r - 2).then(ax([S_(a)], [S_(a)]))
+
+
+@egglog_form(sum_of_partials)
+def _sum_of_partials(spec):
+    """partial + partial is partial"""
+    for name in spec.ops:
+        yield erule(site(name, 2), MeshSize(d)).then(ax([P_(), P_()], [P_()]))
+
+
+@egglog_form(partial_scaled)
+def _partial_scaled(spec):
+    """(sum_r a_r) * b = sum_r (a_r * b) for replicated b, either operand of mul, the numerator of div"""
+    yield erule(site("mul", 2), MeshSize(d)).then(ax([P_(), R_()], [P_()]), ax([R_(), P_()], [P_()]))
+    yield erule(site("mul"), MeshSize(d)).then(ax([P_()], [P_()]))  # the other factor a number
+    yield erule(site("div", 2), MeshSize(d)).then(ax([P_(), R_()], [P_()]))
+    yield erule(site("div"), Param(key, 0, "a"), MeshSize(d)).then(ax([P_()], [P_()]))
+
+
+@egglog_form(partial_through_linear_unary)
+def _partial_through_linear_unary(spec):
+    """-(sum_r x_r) = sum_r -x_r; an exact float upcast commutes with the sum too"""
     bx, by = var("bx", i64), var("by", i64)
-    yield erule(SITE[(1, 1)](key, "cast", y, x), MeshSize(d), ShapeOf(x, sx), ShapeOf(y, sy), FloatSize(sx, bx),
-               FloatSize(sy, by), bx <= by).then(AX[(1, 1)](key, d, P_(), P_(), String(""), i64(1)))
+    yield erule(site("neg"), MeshSize(d)).then(ax([P_()], [P_()]))
+    yield erule(site("cast"), MeshSize(d), ShapeOf(x0, sx0), ShapeOf(y, sy), FloatSize(sx0, bx), FloatSize(sy, by),
+                bx <= by).then(ax([P_()], [P_()]))
 
 
-pointwise = ruleset(*_pointwise_rules(), name="pointwise")
-PORTED = {"replicated", "elementwise_sharded", "mask_leading_axis", "sum_of_partials", "partial_scaled",
-          "partial_through_linear_unary"}
+pointwise = family_ruleset("pointwise")

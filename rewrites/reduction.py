@@ -8,9 +8,13 @@ for sum, amax, mean and the Welford pair apply: that is nvFuser's rfactor of a D
 """
 from __future__ import annotations
 
+from egglog import rule as erule
+
 from egraph_did.ops import CROSS_ENTROPY_GLOBAL_COUNT, MEAN_GLOBAL_COUNT
 
-from .rules import P, PMAX, S, Case, indices, rule
+from .rules import P, PMAX, S, Case, egglog_form, family_ruleset, indices, rule
+from .sorts import P as P_, Pmax as Pmax_, R as R_, S as S_
+from .sorts import AttrI, AttrS, AxisMap, MeshSize, Reduced, a, attr_text, ax, b, d, key, site
 
 
 def _dims(e, param="x"):
@@ -159,3 +163,81 @@ def cross_entropy_batch_sharded(e):
     out = S(0) if red == "none" else P
     local = CROSS_ENTROPY_GLOBAL_COUNT if red == "mean" else None
     yield e.strategy(out=out, logits=S(0), target=S(0), local=local)
+
+
+# ---------------------------------------------------------------------- the same identities as egglog rules
+# Each derives the per-mesh-axis relation Ax (rewrites/sorts.py) for the ops its Python rule covers, from
+# the op's axis facts (AxisMap: output axis b is input axis a; Reduced: a reduced axis of operand 0).
+
+@egglog_form(reduce_other_axis)
+def _reduce_other_axis(spec):
+    """sum(x, d)[shard] = sum(x[shard], d): a kept axis stays sharded, where the reduction moves it"""
+    for name in spec.ops:
+        n_out = 2 if name == "var_mean" else 1
+        yield erule(site(name, 1, n_out), AxisMap(key, 0, a, b), MeshSize(d)).then(ax([S_(a)], [S_(b)] * n_out))
+
+
+@egglog_form(sum_over_sharded_axis)
+def _sum_over_sharded_axis(spec):
+    """sum(x) = sum_r sum(x_r): a local sum over a sharded reduced axis, then a partial"""
+    yield erule(site("sum"), Reduced(key, a), MeshSize(d)).then(ax([S_(a)], [P_()]))
+
+
+@egglog_form(mean_over_sharded_axis)
+def _mean_over_sharded_axis(spec):
+    """mean(x) = sum_r (sum(x_r) / n): a partial, the local kernel dividing by the global count"""
+    yield erule(site("mean"), Reduced(key, a), MeshSize(d)).then(ax([S_(a)], [P_()], MEAN_GLOBAL_COUNT))
+
+
+@egglog_form(reduce_partial)
+def _reduce_partial(spec):
+    """sum(sum_r x_r) = sum_r sum(x_r): a sum of a partial is a partial"""
+    for name in spec.ops:
+        yield erule(site(name), MeshSize(d)).then(ax([P_()], [P_()]))
+
+
+@egglog_form(amax_over_sharded_axis)
+def _amax_over_sharded_axis(spec):
+    """amax(x) = max_r amax(x_r): a local max over a sharded reduced axis, or of a pending max, then a pending max"""
+    yield erule(site("amax"), Reduced(key, a), MeshSize(d)).then(ax([S_(a)], [Pmax_()]))
+    yield erule(site("amax"), MeshSize(d)).then(ax([Pmax_()], [Pmax_()]))
+
+
+@egglog_form(welford_blocks_sharded)
+def _welford_blocks_sharded(spec):
+    """Welford blocks of a shard need no other rank: any other axis, or the blocked one at one block per rank"""
+    yield erule(site("welford_blocks"), AxisMap(key, 0, a, b), MeshSize(d)).then(ax([S_(a)], [S_(b)], nestable=False))
+    yield erule(site("welford_blocks"), Reduced(key, a), AttrI(key, "blocks", d), MeshSize(d)).then(
+        ax([S_(a)], [S_(a)], nestable=False))
+
+
+@egglog_form(welford_merge_other_axis)
+def _welford_merge_other_axis(spec):
+    """merging Welford blocks along one axis keeps a shard on another"""
+    yield erule(site("welford_merge", 1, 2), AxisMap(key, 0, a, b), MeshSize(d)).then(ax([S_(a)], [S_(b)] * 2))
+
+
+@egglog_form(softmax_other_axis)
+def _softmax_other_axis(spec):
+    """softmax(x, d)[shard] = softmax(x[shard], d) along an unsharded axis"""
+    yield erule(site("softmax"), AxisMap(key, 0, a, b), MeshSize(d)).then(ax([S_(a)], [S_(b)]))
+
+
+@egglog_form(norm_batch_axis)
+def _norm_batch_axis(spec):
+    """normalizing the trailing axes is local to a shard of a leading axis; weight and bias replicated"""
+    for name in spec.ops:
+        for n_in in (1, 2, 3):
+            yield erule(site(name, n_in), AxisMap(key, 0, a, b), MeshSize(d)).then(
+                ax([S_(a)] + [R_()] * (n_in - 1), [S_(b)]))
+
+
+@egglog_form(cross_entropy_batch_sharded)
+def _cross_entropy_batch_sharded(spec):
+    """cross entropy of a shard of rows: per-row losses sharded, their sum or mean a partial"""
+    for red, out, kernel in (("none", S_(0), None), ("sum", P_(), None), ("mean", P_(), CROSS_ENTROPY_GLOBAL_COUNT)):
+        yield erule(site("cross_entropy", 2), AttrS(key, "reduction", attr_text(red)), MeshSize(d)).then(
+            ax([S_(0), S_(0)], [out], kernel))
+
+
+reduction = family_ruleset("reduction")

@@ -160,6 +160,7 @@ class Rule:
 
 RULES: dict[str, list[Rule]] = defaultdict(list)
 ALL_RULES: list[Rule] = []
+EGGLOG: dict[str, Callable[[], Iterator]] = {}  # rule name -> its egglog rules (egglog_form)
 
 
 def rule(*ops: str, cases: Sequence[Case], nestable: bool = True):
@@ -198,3 +199,35 @@ def axis_strategies(e: OpView) -> list[AxisStrategy]:
                 seen.add(key)
                 out.append(s)
     return out
+
+
+# ---------------------------------------------------------------------- egglog forms
+
+def egglog_form(spec: Callable):
+    """Declare the egglog form of the Python rule `spec`: a generator, given the registered Rule (its ops),
+    of egglog rules deriving the Ax rows (rewrites/sorts.py) that `spec` yields on one mesh axis. The Python
+    rule stays as its executable spec, with the numeric cases; tests/rewrites/test_egglog_rules.py holds
+    both equal on those cases.
+
+    >>> from egraph_did.rewrites.reduction import sum_over_sharded_axis
+    >>> [str(x) for x in EGGLOG["sum_over_sharded_axis"]()][0][:60]
+    'rule(Site1x1(key, "sum", y, x0), Reduced(key, a), MeshSize(d'
+    """
+    r = next(x for x in ALL_RULES if x.name == spec.__name__)
+
+    def register(gen):
+        assert (gen.__doc__ or "").strip(), f"the egglog form of {r.name} needs a docstring stating its identity"
+        EGGLOG[r.name] = lambda: gen(r)
+        return gen
+    return register
+
+
+def family_ruleset(family: str):
+    """One egglog ruleset of every egglog form of the family's rules (egglog_form).
+
+    >>> len(family_ruleset("reduction").__egg_ruleset__.rules) > 0
+    True
+    """
+    from egglog import ruleset
+    return ruleset(*(x for r in ALL_RULES if r.family == family and r.name in EGGLOG for x in EGGLOG[r.name]()),
+                   name=family)

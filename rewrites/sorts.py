@@ -24,8 +24,9 @@ variant's name, "" for the reference). egraph_did.egraph_typed joins them over t
 from __future__ import annotations
 
 import inspect
+import json
 
-from egglog import Expr, String, StringLike, function, i64, i64Like, relation
+from egglog import Expr, String, StringLike, function, i64, i64Like, relation, var
 
 from egraph_did.ops import OPS
 
@@ -133,7 +134,14 @@ OpKind = relation("OpKind", String, String, egg_fn="OpKind")  # op name, kind (t
 Param = relation("Param", String, i64, String, egg_fn="Param")  # key, operand index, parameter name
 AxisMap = relation("AxisMap", String, i64, i64, i64, egg_fn="AxisMap")  # key, operand, in axis, out axis
 Reduced = relation("Reduced", String, i64, egg_fn="Reduced")  # key, reduced axis of operand 0
-AttrS = relation("AttrS", String, String, String, egg_fn="AttrS")  # key, attribute, value (JSON)
+AttrS = relation("AttrS", String, String, String, egg_fn="AttrS")  # key, attribute, value (attr_text)
+AttrI = relation("AttrI", String, String, i64, egg_fn="AttrI")  # key, attribute, integer value
+# key, input axis, inner extent, output axis, inner extent: a reshape's group of merged or split axes, by
+# its outermost non-unit axis on each side and the product of the group's extents inside it
+# key, operand, output axis, placement: under broadcasting (pointwise ops, matmul's batch axes), output
+# axis i reads the operand's axis in this placement (rewrites/pointwise.py derives it)
+Bcast = relation("Bcast", String, i64, i64, Placement, egg_fn="Bcast")
+ReshapeBlock = relation("ReshapeBlock", String, i64, i64, i64, i64, egg_fn="ReshapeBlock")
 Apart = relation("Apart", Placement, Placement, egg_fn="Apart")  # not the same split
 NestOK = relation("NestOK", i64, Placement, Placement, egg_fn="NestOK")  # nestable flag, p, q
 Connect = relation("Connect", Placement, Placement, String, egg_fn="Connect")  # src, dst, collective kind
@@ -194,14 +202,41 @@ OPS_SORT = {name: _constructor(f"op_{name}", [(p, Tensor) for p in op.signature.
                                f"The logical op {name} (egraph_did.ops.OPS[{name!r}]).")
             for name, op in OPS.items()}
 
-# egglog names -> callables, for the text encoding's first use of each (egraph_did.egraph_typed)
-BY_NAME = {f"op_{k}": v for k, v in OPS_SORT.items()}
-BY_NAME.update({f"Run{n}x{o}": v for (n, o), v in RUN.items()})
-BY_NAME.update({f"Site{n}x{o}": v for (n, o), v in SITE.items()})
-BY_NAME.update({f"Ax{n}x{o}": v for (n, o), v in AX.items()})
-BY_NAME.update({f.__name__ if hasattr(f, "__name__") else k: f for k, f in dict(
-    R=R, P=P, Pmax=Pmax, S=S, L1=L1, L2=L2, L3=L3, K1=K1, K2=K2, K3=K3, T=T, Lit=Lit, Out=Out, Shp=Shp,
-    Held=Held, Load=Load, Keep=Keep, Coll=Coll, Proj=Proj).items()})
-BY_NAME.update(ShapeOf=ShapeOf, Rank=Rank, Extent=Extent, FloatSize=FloatSize, Fits=Fits, Valid=Valid,
-               MeshSize=MeshSize, OpKind=OpKind, Param=Param, AxisMap=AxisMap, Reduced=Reduced, AttrS=AttrS,
-               Apart=Apart, NestOK=NestOK, Connect=Connect)
+
+def attr_text(value) -> str:
+    """An attribute's value as egglog holds it (AttrS, Lit): its JSON, double quotes made single.
+
+    >>> attr_text("none"), attr_text(True)
+    ("'none'", 'true')
+    """
+    return json.dumps(value, default=str).replace('"', "'")
+
+
+# ---------------------------------------------------------------------- writing a rule (rewrites/ families)
+# The variables every family's rules share: an op application `site(op, n, o)` binds key, its outputs y, y1
+# and its operands x0..x3; `ax(ins, outs)` is the row the rule derives for mesh axes of d devices.
+
+key, op = var("key", String), var("op", String)
+d, a, b, i, r, n, m = (var(v, i64) for v in ("d", "a", "b", "i", "r", "n", "m"))
+y, y1 = var("y", Tensor), var("y1", Tensor)
+x0, x1, x2, x3 = (var(f"x{j}", Tensor) for j in range(4))
+sy, sx0, sx1 = var("sy", Shape), var("sx0", Shape), var("sx1", Shape)
+
+
+def site(op_name, n_in: int = 1, n_out: int = 1):
+    """The atom matching an application of `op_name` (a name or the variable op) with n_in tensor operands.
+
+    >>> str(site("sum"))
+    'Site1x1(key, "sum", y, x0)'
+    """
+    return SITE[(n_in, n_out)](key, op_name, *(y, y1)[:n_out], *(x0, x1, x2, x3)[:n_in])
+
+
+def ax(ins, outs, kernel=None, nestable: bool = True):
+    """The Ax row: on a mesh axis of d devices, the op at `key` runs locally from operands placed `ins` to
+    outputs placed `outs` under `kernel` (a LocalKernel of the op table; None: the op's reference).
+
+    >>> str(ax([S(a)], [P()]))
+    'Ax1x1(key, d, S(a), P(), "", 1)'
+    """
+    return AX[(len(ins), len(outs))](key, d, *ins, *outs, String(kernel.name if kernel else ""), i64(int(nestable)))

@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import math
 
+from egglog import eq, i64, var
+from egglog import rule as erule
+
 from egraph_did.ops import OPS, ops_where
 
-from .rules import P, S, Case, rule
+from .rules import P, S, Case, egglog_form, family_ruleset, rule
+from .sorts import P as P_, S as S_
+from .sorts import AxisMap, Extent, MeshSize, OpKind, ReshapeBlock, ShapeOf, a, ax, b, d, i, key, m, n, op, site, sx0, sy, x0, y
 
 
 @rule(*ops_where(kind="view"), cases=[
@@ -77,17 +82,27 @@ def reshape_sharded(e):
     ceil(n_in / d) * inner_in == ceil(n_out / d) * inner_out: any extent, uneven included, for an axis
     the reshape leaves alone)"""
     x, out = e["x"], e.out
-    if 0 in x.shape:
-        return
-    for ins, outs in reshape_groups(x.shape, out.shape):
-        a = next((k for k in ins if x.shape[k] > 1), None)
-        b = next((k for k in outs if out.shape[k] > 1), None)
-        if a is None or b is None:
-            continue
-        inner_in = math.prod(x.shape[k] for k in ins if k > a)
-        inner_out = math.prod(out.shape[k] for k in outs if k > b)
+    for a, inner_in, b, inner_out in reshape_blocks(x.shape, out.shape):
         if -(-x.shape[a] // e.d) * inner_in == -(-out.shape[b] // e.d) * inner_out:
             yield e.strategy(out=S(b), x=S(a))
+
+
+def reshape_blocks(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
+    """Per group of reshape_groups with a non-unit axis on both sides: (the outermost non-unit src axis,
+    the product of the group's src extents inside it, the same for dst); none when an extent is 0.
+
+    >>> reshape_blocks((2, 6, 4), (12, 2, 2))
+    [(0, 6, 0, 1), (2, 1, 1, 2)]
+    """
+    if 0 in src:
+        return []
+    out = []
+    for ins, outs in reshape_groups(src, dst):
+        a = next((k for k in ins if src[k] > 1), None)
+        b = next((k for k in outs if dst[k] > 1), None)
+        if a is not None and b is not None:
+            out.append((a, math.prod(src[k] for k in ins if k > a), b, math.prod(dst[k] for k in outs if k > b)))
+    return out
 
 
 @rule("unsqueeze", cases=[
@@ -117,3 +132,47 @@ def broadcast_sharded(e):
     for a, b in enumerate(places):
         if x.shape[a] == out.shape[b] and x.shape[a] > 1:
             yield e.strategy(out=S(b), x=S(a))
+
+
+# ---------------------------------------------------------------------- the same identities as egglog rules
+# Each derives the per-mesh-axis relation Ax (rewrites/sorts.py) for the ops its Python rule covers, from
+# the op's axis facts (AxisMap: output axis b is input axis a; ReshapeBlock: a reshape's groups).
+
+@egglog_form(view_of_partial)
+def _view_of_partial(spec):
+    """view(sum_r x_r) = sum_r view(x_r)"""
+    yield erule(site(op), OpKind(op, "view"), MeshSize(d)).then(ax([P_()], [P_()]))
+
+
+@egglog_form(permute_sharded)
+def _permute_sharded(spec):
+    """permute(x)[.., shard on axis b, ..] = permute(x[shard on the axis that lands at b])"""
+    for name in spec.ops:
+        yield erule(site(name), AxisMap(key, 0, a, b), MeshSize(d)).then(ax([S_(a)], [S_(b)]))
+
+
+@egglog_form(reshape_sharded)
+def _reshape_sharded(spec):
+    """reshape(x)[shard] = reshape(x[shard]) where a rank's flat block is the same on both sides:
+    ceil(n_a / d) * inner_a == ceil(n_b / d) * inner_b"""
+    inner_a, inner_b = var("inner_a", i64), var("inner_b", i64)
+    yield erule(site("reshape"), ReshapeBlock(key, a, inner_a, b, inner_b), MeshSize(d), ShapeOf(x0, sx0),
+                Extent(sx0, a, n), ShapeOf(y, sy), Extent(sy, b, m),
+                eq((n + d - 1) / d * inner_a).to((m + d - 1) / d * inner_b)).then(ax([S_(a)], [S_(b)], nestable=False))
+
+
+@egglog_form(unsqueeze_sharded)
+def _unsqueeze_sharded(spec):
+    """unsqueeze moves the axes at or after the new one by one place"""
+    yield erule(site("unsqueeze"), AxisMap(key, 0, a, b), MeshSize(d)).then(ax([S_(a)], [S_(b)]))
+
+
+@egglog_form(broadcast_sharded)
+def _broadcast_sharded(spec):
+    """broadcasting leaves an axis that is not broadcast (same extent, not 1) sharded as it was"""
+    for name in spec.ops:
+        yield erule(site(name), AxisMap(key, 0, a, b), MeshSize(d), ShapeOf(x0, sx0), Extent(sx0, a, n),
+                    ShapeOf(y, sy), Extent(sy, b, n), n > 1).then(ax([S_(a)], [S_(b)]))
+
+
+views = family_ruleset("views")
