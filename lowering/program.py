@@ -21,6 +21,7 @@ Numerics are run_rank's: the same kernels with the same launch parameters, the s
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -164,6 +165,19 @@ def _aten_fn(plan: Plan, step: ComputeStep, ctx: RankContext) -> Callable[..., t
         return via_run_local
     ref, local_attrs = opdef.reference, opdef.local_attrs
     out_shapes = [ctx.local_shape(_local_operand(plan, o)) for o in step.writes]
+    try:  # the local attributes read literals and local shapes only: bind them once with the literals
+        fixed = {**literals, **(local_attrs(literals, out_shapes) if local_attrs is not None else {})}
+    except KeyError:  # this op's local attributes read a tensor: work them out per call
+        fixed = None
+    if fixed is not None:
+        bound = functools.partial(ref, **fixed)
+        if opdef.kind == "view" and len(params) == 1:
+            return _learned_view(bound, params[0])
+
+        def prebound(*ts):
+            out = bound(**dict(zip(params, ts)))
+            return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        return prebound
 
     def reference(*ts):
         args = {**literals, **dict(zip(params, ts))}
@@ -172,6 +186,30 @@ def _aten_fn(plan: Plan, step: ComputeStep, ctx: RankContext) -> Callable[..., t
         out = ref(**args)
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
     return reference
+
+
+def _learned_view(bound: Callable, param: str) -> Callable[..., tuple]:
+    """A view (reshape, permute, expand, ...) as one as_strided once its first call has shown the result:
+    for an input of the same shape and strides (the program's signature fixes them; checked per call,
+    cheaply) the view's size, strides and offset are the same, and as_strided skips the op's shape logic
+    (a few µs a call on a GPU host). A reshape that had to copy (no view exists) keeps calling the op.
+
+    >>> view = _learned_view(lambda x: x.reshape(2, 6), "x")
+    >>> x = torch.arange(12.).reshape(3, 4)
+    >>> view(x)[0].shape, view(x + 1)[0][1, 0].item()  # the first call learns, the second replays
+    (torch.Size([2, 6]), 7.0)
+    """
+    learned: list = []
+
+    def view(t):
+        if learned and t.stride() == learned[0][0] and t.shape == learned[0][1]:  # laid out as when learned
+            _, _, size, stride, offset = learned[0]
+            return (t.as_strided(size, stride, t.storage_offset() + offset),)
+        out = bound(**{param: t})
+        if not learned and out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+            learned.append((t.stride(), t.shape, out.size(), out.stride(), out.storage_offset() - t.storage_offset()))
+        return (out,)
+    return view
 
 
 def _kernel_fn(kernel: schedulers.Kernel, device: torch.device) -> tuple[Callable[..., tuple], Callable[..., tuple]]:

@@ -133,3 +133,15 @@ def test_out_of_range_ids_are_refused_on_every_run_unless_checks_are_off():
     unchecked = program_for(plan, 0, good, stand_in, check_indices=False)
     assert unchecked is not prog and not unchecked.has_index_checks
     assert all(torch.equal(a, b) for a, b in zip(unchecked.run(good), prog.run(good)))
+
+
+def test_a_learned_view_replays_as_strided_and_falls_back_when_the_input_is_laid_out_otherwise():
+    from egraph_did.lowering.program import _learned_view
+    view = _learned_view(lambda x: x.permute(1, 0).reshape(-1), "x")  # a permute then reshape copies
+    x = torch.arange(6.).reshape(2, 3)
+    assert torch.equal(view(x)[0], x.t().reshape(-1)) and torch.equal(view(x + 1)[0], (x + 1).t().reshape(-1))
+    flat = _learned_view(lambda x: x.reshape(3, 2), "x")
+    assert torch.equal(flat(x)[0], x.reshape(3, 2))
+    assert torch.equal(flat(x * 2)[0], (x * 2).reshape(3, 2))  # replayed as a strided view of the new input
+    t = torch.arange(6.).reshape(3, 2).t()  # same shape, other strides: the op runs again, not the replay
+    assert torch.equal(flat(t)[0], t.reshape(3, 2))
