@@ -9,8 +9,8 @@ from egraph_did.ops import EMBEDDING_VOCAB_PARALLEL, LINEAR_BIAS_ONCE, SDPA_QUER
 
 from .rules import P, R, S, Case, egglog_form, family_ruleset, indices, rule
 from .sorts import P as P_, R as R_, S as S_
-from .sorts import (AttrS, AxisMap, Bcast, Extent, MeshSize, Placement, Rank, Reduced, ShapeOf, a, ax, b, d, i, key, m, n, r,
-                    site, sx0, sx1, sy, x0, x1, y)
+from .sorts import (AttrS, AxisMap, Bcast, Extent, MeshSize, Placement, Rank, Reduced, a, ax, b, d, i, m, n, r, sig, site,
+                    sx0, sx1, sy)
 
 
 def _bias_once(e):
@@ -205,16 +205,16 @@ def take_along_sharded_axis(e):
 @egglog_form(linear_column_parallel)
 def _linear_column_parallel(spec):
     """x @ w[shard of out-features].T = (x @ w.T)[.., shard]; a bias sharded alike"""
-    yield erule(site("linear", 2), ShapeOf(y, sy), Rank(sy, r), MeshSize(d)).then(ax([R_(), S_(0)], [S_(r - 1)]))
-    yield erule(site("linear", 3), ShapeOf(y, sy), Rank(sy, r), MeshSize(d)).then(
+    yield erule(site("linear", 2), Rank(sy, r), MeshSize(d)).then(ax([R_(), S_(0)], [S_(r - 1)]))
+    yield erule(site("linear", 3), Rank(sy, r), MeshSize(d)).then(
         ax([R_(), S_(0), S_(0)], [S_(r - 1)]))
 
 
 @egglog_form(linear_row_parallel)
 def _linear_row_parallel(spec):
     """x @ w.T = sum_r x[.., shard r] @ w[:, shard r].T, a partial; a bias added on one rank of the axis"""
-    yield erule(site("linear", 2), ShapeOf(x0, sx0), Rank(sx0, r), MeshSize(d)).then(ax([S_(r - 1), S_(1)], [P_()]))
-    yield erule(site("linear", 3), ShapeOf(x0, sx0), Rank(sx0, r), MeshSize(d)).then(
+    yield erule(site("linear", 2), Rank(sx0, r), MeshSize(d)).then(ax([S_(r - 1), S_(1)], [P_()]))
+    yield erule(site("linear", 3), Rank(sx0, r), MeshSize(d)).then(
         ax([S_(r - 1), S_(1), R_()], [P_()], LINEAR_BIAS_ONCE))
 
 
@@ -222,7 +222,7 @@ def _linear_row_parallel(spec):
 def _linear_batch_parallel(spec):
     """linear acts on the last axis only: a shard of a leading axis stays local"""
     for n_in in (2, 3):
-        yield erule(site("linear", n_in), ShapeOf(x0, sx0), Rank(sx0, r), Extent(sx0, a, n), a < r - 1,
+        yield erule(site("linear", n_in), Rank(sx0, r), Extent(sx0, a, n), a < r - 1,
                     MeshSize(d)).then(ax([S_(a)] + [R_()] * (n_in - 1), [S_(a)]))
 
 
@@ -238,18 +238,17 @@ def _linear_of_partial(spec):
 def _matmul_sharded(spec):
     """a @ b on a shard of a batch axis (each operand as it broadcasts), of a's rows or of b's columns"""
     pa, pb = var("pa", Placement), var("pb", Placement)
-    yield erule(site("matmul", 2), ShapeOf(y, sy), Rank(sy, r), Extent(sy, i, n), i < r - 2, Bcast(key, 0, i, pa),
-                Bcast(key, 1, i, pb), MeshSize(d)).then(ax([pa, pb], [S_(i)]))
+    yield erule(site("matmul", 2), Rank(sy, r), Extent(sy, i, n), i < r - 2, Bcast(sig, 0, i, pa),
+                Bcast(sig, 1, i, pb), MeshSize(d)).then(ax([pa, pb], [S_(i)]))
     ra, rb = var("ra", i64), var("rb", i64)
-    yield erule(site("matmul", 2), ShapeOf(y, sy), Rank(sy, r), ShapeOf(x0, sx0), Rank(sx0, ra), ShapeOf(x1, sx1),
-                Rank(sx1, rb), MeshSize(d)).then(ax([S_(ra - 2), R_()], [S_(r - 2)]), ax([R_(), S_(rb - 1)], [S_(r - 1)]))
+    yield erule(site("matmul", 2), Rank(sy, r), Rank(sx0, ra), Rank(sx1, rb), MeshSize(d)).then(ax([S_(ra - 2), R_()], [S_(r - 2)]), ax([R_(), S_(rb - 1)], [S_(r - 1)]))
 
 
 @egglog_form(matmul_contraction_sharded)
 def _matmul_contraction_sharded(spec):
     """a @ b = sum_r a[.., shard r] @ b[shard r, ..]: a shard of the contracted axis gives a partial"""
     ra, rb = var("ra", i64), var("rb", i64)
-    yield erule(site("matmul", 2), ShapeOf(x0, sx0), Rank(sx0, ra), ShapeOf(x1, sx1), Rank(sx1, rb), MeshSize(d)).then(
+    yield erule(site("matmul", 2), Rank(sx0, ra), Rank(sx1, rb), MeshSize(d)).then(
         ax([S_(ra - 1), S_(rb - 2)], [P_()]))
 
 
@@ -270,7 +269,7 @@ def _sdpa_query_sequence(spec):
     """a shard of the queries attends to replicated keys and values locally (a causal mask offset by the
     shard's first position)"""
     for causal, kernel in (("true", SDPA_QUERY_OFFSET), ("false", None)):
-        yield erule(site("sdpa", 3), AttrS(key, "is_causal", causal), MeshSize(d)).then(
+        yield erule(site("sdpa", 3), AttrS(sig, "is_causal", causal), MeshSize(d)).then(
             ax([S_(2), R_(), R_()], [S_(2)], kernel))
 
 
@@ -283,8 +282,8 @@ def _sdpa_value_dim(spec):
 @egglog_form(embedding_sharded)
 def _embedding_sharded(spec):
     """weight[idx[shard]] = weight[idx][shard]; weight[:, cols][idx] = weight[idx][.., cols]"""
-    yield erule(site("embedding", 2), ShapeOf(x0, sx0), Extent(sx0, a, n), MeshSize(d)).then(ax([S_(a), R_()], [S_(a)]))
-    yield erule(site("embedding", 2), ShapeOf(y, sy), Rank(sy, r), MeshSize(d)).then(ax([R_(), S_(1)], [S_(r - 1)]))
+    yield erule(site("embedding", 2), Extent(sx0, a, n), MeshSize(d)).then(ax([S_(a), R_()], [S_(a)]))
+    yield erule(site("embedding", 2), Rank(sy, r), MeshSize(d)).then(ax([R_(), S_(1)], [S_(r - 1)]))
 
 
 @egglog_form(embedding_vocab_parallel)
@@ -297,7 +296,7 @@ def _embedding_vocab_parallel(spec):
 def _take_along_other_axis(spec):
     """gathering along one axis keeps a shard of another; the index sharded alike, or replicated where it
     is shorter there"""
-    head = [site("take_along_axis", 2), AxisMap(key, 0, a, b), ShapeOf(x0, sx0), ShapeOf(x1, sx1), Extent(sx0, a, n),
+    head = [site("take_along_axis", 2), AxisMap(sig, 0, a, b), Extent(sx0, a, n),
             MeshSize(d)]
     yield erule(*head, Extent(sx1, a, n)).then(ax([S_(a), S_(a)], [S_(b)]))
     yield erule(*head, Extent(sx1, a, m), ne(m).to(n)).then(ax([S_(a), R_()], [S_(b)]))
@@ -306,7 +305,7 @@ def _take_along_other_axis(spec):
 @egglog_form(take_along_sharded_axis)
 def _take_along_sharded_axis(spec):
     """x[.., idx] = sum_r (x_r[.., idx - start_r] where idx in rank r's part, else 0): a partial"""
-    yield erule(site("take_along_axis", 2), Reduced(key, a), MeshSize(d)).then(
+    yield erule(site("take_along_axis", 2), Reduced(sig, a), MeshSize(d)).then(
         ax([S_(a), R_()], [P_()], TAKE_ALONG_MASKED))
 
 

@@ -10,8 +10,8 @@ from egglog import rule as erule
 from egraph_did.ops import OPS, ops_where
 
 from .rules import P, R, S, Case, Input, egglog_form, family_ruleset, rule
-from .sorts import SITE, Bcast, Extent, FloatSize, MeshSize, OpKind, Param, Placement, Rank, ShapeOf, a, ax, d, i, key, m, n, op, r, site
-from .sorts import P as P_, R as R_, S as S_, sx0, sy, x0, x1, x2, y
+from .sorts import SIG, Bcast, Extent, FloatSize, MeshSize, OpKind, Param, Placement, Rank, a, ax, d, i, m, n, op, r, sig, site
+from .sorts import P as P_, R as R_, S as S_, sx0, sx1, sx2, sy
 
 F32 = torch.float32
 
@@ -110,21 +110,21 @@ def partial_through_linear_unary(e):
 # Each derives the per-mesh-axis relation Ax (rewrites/sorts.py) for the ops its Python rule covers.
 
 def _bcast_rules(n_in: int):
-    """Bcast(key, j, i, p): under elementwise broadcasting, output axis i reads operand j's axis in
+    """Bcast(sig, j, i, p): under elementwise broadcasting, output axis i reads operand j's axis in
     placement p: S(k) where the right-aligned axis k has the same extent, R where it broadcasts."""
-    xs, k, rx = (x0, x1, x2)[:n_in], var("k", i64), var("rx", i64)
+    sxs, k, rx = (sx0, sx1, sx2)[:n_in], var("k", i64), var("rx", i64)
     for j in range(n_in):
-        head = [site(op, n_in), OpKind(op, "broadcasts"), ShapeOf(y, sy), ShapeOf(xs[j], sx0), Rank(sy, r),
-                Rank(sx0, rx), Extent(sy, i, n), eq(k).to(i - (r - rx))]
-        yield erule(*head, Extent(sx0, k, n)).then(Bcast(key, j, i, S_(k)))
-        yield erule(*head, Extent(sx0, k, m), ne(m).to(n)).then(Bcast(key, j, i, R_()))
-        yield erule(*head, k < 0).then(Bcast(key, j, i, R_()))
+        head = [site(op, n_in), OpKind(op, "broadcasts"), Rank(sy, r), Rank(sxs[j], rx), Extent(sy, i, n),
+                eq(k).to(i - (r - rx))]
+        yield erule(*head, Extent(sxs[j], k, n)).then(Bcast(sig, j, i, S_(k)))
+        yield erule(*head, Extent(sxs[j], k, m), ne(m).to(n)).then(Bcast(sig, j, i, R_()))
+        yield erule(*head, k < 0).then(Bcast(sig, j, i, R_()))
 
 
 @egglog_form(replicated)
 def _replicated(spec):
     """every operand replicated: every output replicated"""
-    for (n_in, n_out) in SITE:
+    for (n_in, n_out) in SIG:
         yield erule(site(op, n_in, n_out), MeshSize(d)).then(ax([R_()] * n_in, [R_()] * n_out))
 
 
@@ -134,14 +134,14 @@ def _elementwise_sharded(spec):
     for n_in in (1, 2, 3):
         yield from _bcast_rules(n_in)
         ps = [var(f"p{j}", Placement) for j in range(n_in)]
-        yield erule(site(op, n_in), OpKind(op, "pointwise"), MeshSize(d), ShapeOf(y, sy), Extent(sy, a, n),
-                    *[Bcast(key, j, a, ps[j]) for j in range(n_in)]).then(ax(ps, [S_(a)]))
+        yield erule(site(op, n_in), OpKind(op, "pointwise"), MeshSize(d), Extent(sy, a, n),
+                    *[Bcast(sig, j, a, ps[j]) for j in range(n_in)]).then(ax(ps, [S_(a)]))
 
 
 @egglog_form(mask_leading_axis)
 def _mask_leading_axis(spec):
     """mask(x)[shard of a leading axis] = mask(x[shard])"""
-    yield erule(site(op), OpKind(op, "mask"), MeshSize(d), ShapeOf(y, sy), Rank(sy, r), Extent(sy, a, n),
+    yield erule(site(op), OpKind(op, "mask"), MeshSize(d), Rank(sy, r), Extent(sy, a, n),
                 a < r - 2).then(ax([S_(a)], [S_(a)]))
 
 
@@ -158,7 +158,7 @@ def _partial_scaled(spec):
     yield erule(site("mul", 2), MeshSize(d)).then(ax([P_(), R_()], [P_()]), ax([R_(), P_()], [P_()]))
     yield erule(site("mul"), MeshSize(d)).then(ax([P_()], [P_()]))  # the other factor a number
     yield erule(site("div", 2), MeshSize(d)).then(ax([P_(), R_()], [P_()]))
-    yield erule(site("div"), Param(key, 0, "a"), MeshSize(d)).then(ax([P_()], [P_()]))
+    yield erule(site("div"), Param(sig, 0, "a"), MeshSize(d)).then(ax([P_()], [P_()]))
 
 
 @egglog_form(partial_through_linear_unary)
@@ -166,8 +166,7 @@ def _partial_through_linear_unary(spec):
     """-(sum_r x_r) = sum_r -x_r; an exact float upcast commutes with the sum too"""
     bx, by = var("bx", i64), var("by", i64)
     yield erule(site("neg"), MeshSize(d)).then(ax([P_()], [P_()]))
-    yield erule(site("cast"), MeshSize(d), ShapeOf(x0, sx0), ShapeOf(y, sy), FloatSize(sx0, bx), FloatSize(sy, by),
-                bx <= by).then(ax([P_()], [P_()]))
+    yield erule(site("cast"), MeshSize(d), FloatSize(sx0, bx), FloatSize(sy, by), bx <= by).then(ax([P_()], [P_()]))
 
 
 pointwise = family_ruleset("pointwise")

@@ -14,7 +14,7 @@ from egraph_did.ops import CROSS_ENTROPY_GLOBAL_COUNT, MEAN_GLOBAL_COUNT
 
 from .rules import P, PMAX, S, Case, egglog_form, family_ruleset, indices, rule
 from .sorts import P as P_, Pmax as Pmax_, R as R_, S as S_
-from .sorts import AttrI, AttrS, AxisMap, MeshSize, Reduced, a, attr_text, ax, b, d, key, site
+from .sorts import AttrI, AttrS, AxisMap, MeshSize, Reduced, a, attr_text, ax, b, d, sig, site
 
 
 def _dims(e, param="x"):
@@ -174,19 +174,19 @@ def _reduce_other_axis(spec):
     """sum(x, d)[shard] = sum(x[shard], d): a kept axis stays sharded, where the reduction moves it"""
     for name in spec.ops:
         n_out = 2 if name == "var_mean" else 1
-        yield erule(site(name, 1, n_out), AxisMap(key, 0, a, b), MeshSize(d)).then(ax([S_(a)], [S_(b)] * n_out))
+        yield erule(site(name, 1, n_out), AxisMap(sig, 0, a, b), MeshSize(d)).then(ax([S_(a)], [S_(b)] * n_out))
 
 
 @egglog_form(sum_over_sharded_axis)
 def _sum_over_sharded_axis(spec):
     """sum(x) = sum_r sum(x_r): a local sum over a sharded reduced axis, then a partial"""
-    yield erule(site("sum"), Reduced(key, a), MeshSize(d)).then(ax([S_(a)], [P_()]))
+    yield erule(site("sum"), Reduced(sig, a), MeshSize(d)).then(ax([S_(a)], [P_()]))
 
 
 @egglog_form(mean_over_sharded_axis)
 def _mean_over_sharded_axis(spec):
     """mean(x) = sum_r (sum(x_r) / n): a partial, the local kernel dividing by the global count"""
-    yield erule(site("mean"), Reduced(key, a), MeshSize(d)).then(ax([S_(a)], [P_()], MEAN_GLOBAL_COUNT))
+    yield erule(site("mean"), Reduced(sig, a), MeshSize(d)).then(ax([S_(a)], [P_()], MEAN_GLOBAL_COUNT))
 
 
 @egglog_form(reduce_partial)
@@ -199,28 +199,28 @@ def _reduce_partial(spec):
 @egglog_form(amax_over_sharded_axis)
 def _amax_over_sharded_axis(spec):
     """amax(x) = max_r amax(x_r): a local max over a sharded reduced axis, or of a pending max, then a pending max"""
-    yield erule(site("amax"), Reduced(key, a), MeshSize(d)).then(ax([S_(a)], [Pmax_()]))
+    yield erule(site("amax"), Reduced(sig, a), MeshSize(d)).then(ax([S_(a)], [Pmax_()]))
     yield erule(site("amax"), MeshSize(d)).then(ax([Pmax_()], [Pmax_()]))
 
 
 @egglog_form(welford_blocks_sharded)
 def _welford_blocks_sharded(spec):
     """Welford blocks of a shard need no other rank: any other axis, or the blocked one at one block per rank"""
-    yield erule(site("welford_blocks"), AxisMap(key, 0, a, b), MeshSize(d)).then(ax([S_(a)], [S_(b)], nestable=False))
-    yield erule(site("welford_blocks"), Reduced(key, a), AttrI(key, "blocks", d), MeshSize(d)).then(
+    yield erule(site("welford_blocks"), AxisMap(sig, 0, a, b), MeshSize(d)).then(ax([S_(a)], [S_(b)], nestable=False))
+    yield erule(site("welford_blocks"), Reduced(sig, a), AttrI(sig, "blocks", d), MeshSize(d)).then(
         ax([S_(a)], [S_(a)], nestable=False))
 
 
 @egglog_form(welford_merge_other_axis)
 def _welford_merge_other_axis(spec):
     """merging Welford blocks along one axis keeps a shard on another"""
-    yield erule(site("welford_merge", 1, 2), AxisMap(key, 0, a, b), MeshSize(d)).then(ax([S_(a)], [S_(b)] * 2))
+    yield erule(site("welford_merge", 1, 2), AxisMap(sig, 0, a, b), MeshSize(d)).then(ax([S_(a)], [S_(b)] * 2))
 
 
 @egglog_form(softmax_other_axis)
 def _softmax_other_axis(spec):
     """softmax(x, d)[shard] = softmax(x[shard], d) along an unsharded axis"""
-    yield erule(site("softmax"), AxisMap(key, 0, a, b), MeshSize(d)).then(ax([S_(a)], [S_(b)]))
+    yield erule(site("softmax"), AxisMap(sig, 0, a, b), MeshSize(d)).then(ax([S_(a)], [S_(b)]))
 
 
 @egglog_form(norm_batch_axis)
@@ -228,7 +228,7 @@ def _norm_batch_axis(spec):
     """normalizing the trailing axes is local to a shard of a leading axis; weight and bias replicated"""
     for name in spec.ops:
         for n_in in (1, 2, 3):
-            yield erule(site(name, n_in), AxisMap(key, 0, a, b), MeshSize(d)).then(
+            yield erule(site(name, n_in), AxisMap(sig, 0, a, b), MeshSize(d)).then(
                 ax([S_(a)] + [R_()] * (n_in - 1), [S_(b)]))
 
 
@@ -236,7 +236,7 @@ def _norm_batch_axis(spec):
 def _cross_entropy_batch_sharded(spec):
     """cross entropy of a shard of rows: per-row losses sharded, their sum or mean a partial"""
     for red, out, kernel in (("none", S_(0), None), ("sum", P_(), None), ("mean", P_(), CROSS_ENTROPY_GLOBAL_COUNT)):
-        yield erule(site("cross_entropy", 2), AttrS(key, "reduction", attr_text(red)), MeshSize(d)).then(
+        yield erule(site("cross_entropy", 2), AttrS(sig, "reduction", attr_text(red)), MeshSize(d)).then(
             ax([S_(0), S_(0)], [out], kernel))
 
 

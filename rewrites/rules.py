@@ -211,7 +211,7 @@ def egglog_form(spec: Callable):
 
     >>> from egraph_did.rewrites.reduction import sum_over_sharded_axis
     >>> [str(x) for x in EGGLOG["sum_over_sharded_axis"]()][0][:60]
-    'rule(Site1x1(key, "sum", y, x0), Reduced(key, a), MeshSize(d'
+    'rule(Sig1x1(sig, "sum", sy, sx0), Reduced(sig, a), MeshSize('
     """
     r = next(x for x in ALL_RULES if x.name == spec.__name__)
 

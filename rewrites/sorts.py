@@ -5,16 +5,18 @@ that defines it (one per op of the op table, `op_linear(T("x"), T("w1"), Lit("nu
 a T, a literal attribute or an absent operand a `Lit` of its JSON). Shape facts: `ShapeOf(t, Shp(code))`
 per tensor, `Rank`, `Extent`, `FloatSize` and `Fits` (a layout fits the shape) once per distinct shape.
 
-Program structure the rules join on: `Site{n}x{o}(key, op, outputs.., tensor operands..)` per op
-application (key: its first output's name), `Param(key, i, name)`, and the op's axis correspondence
-`AxisMap(key, operand, in axis, out axis)` (an output axis that is that operand axis, unchanged),
-`Reduced(key, axis)` and `AttrS(key, name, value)`.
+Program structure: `Site{n}x{o}(key, sig, outputs.., tensor operands..)` per op application (key: its
+first output's name). What the sharding rules join on is its signature `sig`, one per distinct op, shapes
+and attributes (the layers of a model share theirs): `Sig{n}x{o}(sig, op, output shapes.., operand
+shapes..)`, `Param(sig, i, name)`, the op's axis correspondence `AxisMap(sig, operand, in axis, out axis)`
+(an output axis that is that operand axis, unchanged), `Reduced(sig, axis)`, `AttrS(sig, name, value)`,
+`AttrI` and `ReshapeBlock`.
 
 Physical: D. `Held(t, layout, level)` (unextractable) names the class of every way to hold t in a layout
 after `level` mesh axes of collectives; `Load`, `Keep`, `Coll` and `Run{n}x{o}` (a rank-local op) make
 its members. Placements are R, P, Pmax and S(axis); a layout is L1/L2/L3 of one placement per mesh axis.
 
-Sharding rules derive `Ax{n}x{o}(key, d, operand placements.., output placements.., kernel, nestable)`:
+Sharding rules derive `Ax{n}x{o}(sig, d, operand placements.., output placements.., kernel, nestable)`:
 on one mesh axis of d devices the op runs locally with these placements (kernel: the rank-local
 variant's name, "" for the reference). egraph_did.egraph_typed joins them over the mesh axes.
 
@@ -131,14 +133,14 @@ Fits = relation("Fits", Shape, Layout, egg_fn="Fits")  # no rank empty, sharded 
 Valid = relation("Valid", Tensor, Layout, egg_fn="Valid")  # t may be held so (Fits, or a pin)
 MeshSize = relation("MeshSize", i64, egg_fn="MeshSize")  # a mesh axis of this many devices exists
 OpKind = relation("OpKind", String, String, egg_fn="OpKind")  # op name, kind (the op table's)
-Param = relation("Param", String, i64, String, egg_fn="Param")  # key, operand index, parameter name
-AxisMap = relation("AxisMap", String, i64, i64, i64, egg_fn="AxisMap")  # key, operand, in axis, out axis
-Reduced = relation("Reduced", String, i64, egg_fn="Reduced")  # key, reduced axis of operand 0
-AttrS = relation("AttrS", String, String, String, egg_fn="AttrS")  # key, attribute, value (attr_text)
-AttrI = relation("AttrI", String, String, i64, egg_fn="AttrI")  # key, attribute, integer value
-# key, input axis, inner extent, output axis, inner extent: a reshape's group of merged or split axes, by
+Param = relation("Param", String, i64, String, egg_fn="Param")  # sig, operand index, parameter name
+AxisMap = relation("AxisMap", String, i64, i64, i64, egg_fn="AxisMap")  # sig, operand, in axis, out axis
+Reduced = relation("Reduced", String, i64, egg_fn="Reduced")  # sig, reduced axis of operand 0
+AttrS = relation("AttrS", String, String, String, egg_fn="AttrS")  # sig, attribute, value (attr_text)
+AttrI = relation("AttrI", String, String, i64, egg_fn="AttrI")  # sig, attribute, integer value
+# sig, input axis, inner extent, output axis, inner extent: a reshape's group of merged or split axes, by
 # its outermost non-unit axis on each side and the product of the group's extents inside it
-# key, operand, output axis, placement: under broadcasting (pointwise ops, matmul's batch axes), output
+# sig, operand, output axis, placement: under broadcasting (pointwise ops, matmul's batch axes), output
 # axis i reads the operand's axis in this placement (rewrites/pointwise.py derives it)
 Bcast = relation("Bcast", String, i64, i64, Placement, egg_fn="Bcast")
 ReshapeBlock = relation("ReshapeBlock", String, i64, i64, i64, i64, egg_fn="ReshapeBlock")
@@ -146,10 +148,20 @@ Apart = relation("Apart", Placement, Placement, egg_fn="Apart")  # not the same 
 NestOK = relation("NestOK", i64, Placement, Placement, egg_fn="NestOK")  # nestable flag, p, q
 Connect = relation("Connect", Placement, Placement, String, egg_fn="Connect")  # src, dst, collective kind
 
+# key, signature, outputs.., tensor operands..: an op application of the program
 SITE = {(n, o): relation(f"Site{n}x{o}", String, String, *([Tensor] * (o + n)), egg_fn=f"Site{n}x{o}")
         for n in (1, 2, 3, 4) for o in (1, 2)}
+# signature, op, output shapes.., operand shapes..: what the sharding rules see of an op application (its op,
+# shapes and, in AxisMap/Reduced/AttrS/AttrI/ReshapeBlock/Param, attributes): applications alike share one
+SIG = {(n, o): relation(f"Sig{n}x{o}", String, String, *([Shape] * (o + n)), egg_fn=f"Sig{n}x{o}")
+       for n in (1, 2, 3, 4) for o in (1, 2)}
 AX = {(n, o): relation(f"Ax{n}x{o}", String, i64, *([Placement] * (n + o)), String, i64, egg_fn=f"Ax{n}x{o}")
       for n in (1, 2, 3, 4) for o in (1, 2)}
+
+# signature, per-axis kernels, output layouts.., operand layouts..: op applications of this signature run on
+# the whole mesh so (the join of Ax over the mesh axes, egraph_did.egraph_typed.strategy_rules)
+STRAT = {(n, o): relation(f"Strat{n}x{o}", String, Kern, *([Layout] * (o + n)), egg_fn=f"Strat{n}x{o}")
+         for n in (1, 2, 3, 4) for o in (1, 2)}
 
 
 class D(Expr):
@@ -213,30 +225,31 @@ def attr_text(value) -> str:
 
 
 # ---------------------------------------------------------------------- writing a rule (rewrites/ families)
-# The variables every family's rules share: an op application `site(op, n, o)` binds key, its outputs y, y1
-# and its operands x0..x3; `ax(ins, outs)` is the row the rule derives for mesh axes of d devices.
+# The variables every family's rules share: `site(op, n, o)` binds sig, an application signature of op, its
+# output shapes sy, sy1 and its operand shapes sx0..sx3; `ax(ins, outs)` is the row the rule derives for
+# mesh axes of d devices.
 
-key, op = var("key", String), var("op", String)
+sig, op = var("sig", String), var("op", String)
 d, a, b, i, r, n, m = (var(v, i64) for v in ("d", "a", "b", "i", "r", "n", "m"))
-y, y1 = var("y", Tensor), var("y1", Tensor)
-x0, x1, x2, x3 = (var(f"x{j}", Tensor) for j in range(4))
-sy, sx0, sx1 = var("sy", Shape), var("sx0", Shape), var("sx1", Shape)
+sy, sy1 = var("sy", Shape), var("sy1", Shape)
+sx0, sx1, sx2, sx3 = (var(f"sx{j}", Shape) for j in range(4))
 
 
 def site(op_name, n_in: int = 1, n_out: int = 1):
-    """The atom matching an application of `op_name` (a name or the variable op) with n_in tensor operands.
+    """The atom matching a signature of `op_name` (a name or the variable op) with n_in tensor operands.
 
     >>> str(site("sum"))
-    'Site1x1(key, "sum", y, x0)'
+    'Sig1x1(sig, "sum", sy, sx0)'
     """
-    return SITE[(n_in, n_out)](key, op_name, *(y, y1)[:n_out], *(x0, x1, x2, x3)[:n_in])
+    return SIG[(n_in, n_out)](sig, op_name, *(sy, sy1)[:n_out], *(sx0, sx1, sx2, sx3)[:n_in])
 
 
 def ax(ins, outs, kernel=None, nestable: bool = True):
-    """The Ax row: on a mesh axis of d devices, the op at `key` runs locally from operands placed `ins` to
-    outputs placed `outs` under `kernel` (a LocalKernel of the op table; None: the op's reference).
+    """The Ax row: on a mesh axis of d devices, op applications of signature sig run locally from operands
+    placed `ins` to outputs placed `outs` under `kernel` (a LocalKernel of the op table; None: the op's
+    reference).
 
     >>> str(ax([S(a)], [P()]))
-    'Ax1x1(key, d, S(a), P(), "", 1)'
+    'Ax1x1(sig, d, S(a), P(), "", 1)'
     """
-    return AX[(len(ins), len(outs))](key, d, *ins, *outs, String(kernel.name if kernel else ""), i64(int(nestable)))
+    return AX[(len(ins), len(outs))](sig, d, *ins, *outs, String(kernel.name if kernel else ""), i64(int(nestable)))

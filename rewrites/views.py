@@ -13,7 +13,7 @@ from egraph_did.ops import OPS, ops_where
 
 from .rules import P, S, Case, egglog_form, family_ruleset, rule
 from .sorts import P as P_, S as S_
-from .sorts import AxisMap, Extent, MeshSize, OpKind, ReshapeBlock, ShapeOf, a, ax, b, d, i, key, m, n, op, site, sx0, sy, x0, y
+from .sorts import AxisMap, Extent, MeshSize, OpKind, ReshapeBlock, a, ax, b, d, m, n, op, sig, site, sx0, sy
 
 
 @rule(*ops_where(kind="view"), cases=[
@@ -148,7 +148,7 @@ def _view_of_partial(spec):
 def _permute_sharded(spec):
     """permute(x)[.., shard on axis b, ..] = permute(x[shard on the axis that lands at b])"""
     for name in spec.ops:
-        yield erule(site(name), AxisMap(key, 0, a, b), MeshSize(d)).then(ax([S_(a)], [S_(b)]))
+        yield erule(site(name), AxisMap(sig, 0, a, b), MeshSize(d)).then(ax([S_(a)], [S_(b)]))
 
 
 @egglog_form(reshape_sharded)
@@ -156,23 +156,22 @@ def _reshape_sharded(spec):
     """reshape(x)[shard] = reshape(x[shard]) where a rank's flat block is the same on both sides:
     ceil(n_a / d) * inner_a == ceil(n_b / d) * inner_b"""
     inner_a, inner_b = var("inner_a", i64), var("inner_b", i64)
-    yield erule(site("reshape"), ReshapeBlock(key, a, inner_a, b, inner_b), MeshSize(d), ShapeOf(x0, sx0),
-                Extent(sx0, a, n), ShapeOf(y, sy), Extent(sy, b, m),
+    yield erule(site("reshape"), ReshapeBlock(sig, a, inner_a, b, inner_b), MeshSize(d), Extent(sx0, a, n),
+                Extent(sy, b, m),
                 eq((n + d - 1) / d * inner_a).to((m + d - 1) / d * inner_b)).then(ax([S_(a)], [S_(b)], nestable=False))
 
 
 @egglog_form(unsqueeze_sharded)
 def _unsqueeze_sharded(spec):
     """unsqueeze moves the axes at or after the new one by one place"""
-    yield erule(site("unsqueeze"), AxisMap(key, 0, a, b), MeshSize(d)).then(ax([S_(a)], [S_(b)]))
+    yield erule(site("unsqueeze"), AxisMap(sig, 0, a, b), MeshSize(d)).then(ax([S_(a)], [S_(b)]))
 
 
 @egglog_form(broadcast_sharded)
 def _broadcast_sharded(spec):
     """broadcasting leaves an axis that is not broadcast (same extent, not 1) sharded as it was"""
     for name in spec.ops:
-        yield erule(site(name), AxisMap(key, 0, a, b), MeshSize(d), ShapeOf(x0, sx0), Extent(sx0, a, n),
-                    ShapeOf(y, sy), Extent(sy, b, n), n > 1).then(ax([S_(a)], [S_(b)]))
+        yield erule(site(name), AxisMap(sig, 0, a, b), MeshSize(d), Extent(sx0, a, n), Extent(sy, b, n), n > 1).then(ax([S_(a)], [S_(b)]))
 
 
 views = family_ruleset("views")
