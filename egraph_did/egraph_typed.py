@@ -14,6 +14,8 @@ to the fact-writing path.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import time
 from collections import defaultdict
@@ -23,12 +25,12 @@ from egglog import rule as erule
 
 from egraph_did.rewrites import ALL_RULES, RULES, aten, pointwise, reduction, views
 from egraph_did.rewrites.rules import EGGLOG
-from egraph_did.rewrites.sorts import (AX, KERNS, LAYOUTS, OPS_SORT, RUN, SIG, SITE, STRAT, Kern as KernSort, Apart, AttrI, AttrS, AxisMap, Bcast, Coll,
-                                       Connect, Extent, Fits, FloatSize, Held, Keep, Lit, MeshSize, NestOK, OpKind, Out,
-                                       Param, Placement, Proj, Rank, Reduced, ReshapeBlock, RUN, Shape, ShapeOf, Shp, T,
-                                       Tensor, Valid, D, Load, attr_text)
-from egraph_did.rewrites.sorts import P as P_, R as R_, S as S_, Pmax as Pmax_
-from egraph_did.rewrites.sorts import Layout as LayoutSort
+from egraph_did.rewrites.sorts import (AX, KERNS, LAYOUTS, OPS_SORT, PLAN, RUN, SIG, SITE, STRAT, Apart, AttrI, AttrS, AxisMap,
+                                       Bcast, Coll, Connect, D, Def, Extent, Fits, FloatSize, Held, Input, Keep, Lit, Load,
+                                       LoadIn, MeshSize, NestOK, NoPartial, OpKind, Out, Param, Placement, Proj, Rank,
+                                       Reduced, ReshapeBlock, Shape, ShapeOf, Shp, T, Tensor, Valid, attr_text)
+from egraph_did.rewrites.sorts import Kern as KernSort, Layout as LayoutSort
+from egraph_did.rewrites.sorts import P as P_, Pmax as Pmax_, R as R_, S as S_
 
 from .collectives import connecting
 from .layout import PMAX, Layout, P, R, S, is_valid
@@ -38,6 +40,7 @@ from .problem import Problem, op_view
 
 Lay = relation("Lay", LayoutSort)  # a layout some tensor may be held in
 Move = relation("Move", LayoutSort, LayoutSort, String, i64)  # src, dst, collective, mesh axis
+Whole = relation("Whole", LayoutSort)  # a layout with no pending reduction
 
 # The family rulesets, composed into one by the schedule
 FAMILIES = pointwise.pointwise | views.views | reduction.reduction | aten.aten
@@ -159,8 +162,8 @@ def encode(problem: Problem) -> tuple[list[str], dict[str, str], dict[str, str]]
     >>> from egraph_did.models import row_sum
     >>> from egraph_did.problem import build_problem
     >>> facts, ident, sig_of = encode(build_problem(row_sum(8, 64), ed.DeviceMesh.arange(4)))
-    >>> [f for f in facts if f.startswith(("(union (T", "(Site", "(Sig"))]  # doctest: +NORMALIZE_WHITESPACE
-    ['(union (T "t1") (op_sum (T "t0") (Lit "1") (Lit "false")))', '(Sig1x1 "g0" "sum" (Shp "float32:8") (Shp "float32:8,64"))',
+    >>> [f for f in facts if f.startswith(("(Def", "(Site", "(Sig"))]  # doctest: +NORMALIZE_WHITESPACE
+    ['(Def (T "t1") (op_sum (T "t0") (Lit "1") (Lit "false")))', '(Sig1x1 "g0" "sum" (Shp "float32:8") (Shp "float32:8,64"))',
      '(Site1x1 "t1" "g0" (T "t1") (T "t0"))']
     """
     fusion, mesh = problem.fusion, problem.mesh
@@ -194,9 +197,9 @@ def encode(problem: Problem) -> tuple[list[str], dict[str, str], dict[str, str]]
                  else f"(Lit {_q(json.dumps(args.get(p, None), default=str))})" for p in params]
         app = f"(op_{e.op.name} {' '.join(slots)})"
         if len(e.outputs) == 1:
-            out.append(f"(union {t(e.outputs[0].name)} {app})")
+            out.append(f"(Def {t(e.outputs[0].name)} {app})")
         else:
-            out += [f"(union {t(o.name)} (Out {i} {app}))" for i, o in enumerate(e.outputs)]
+            out += [f"(Def {t(o.name)} (Out {i} {app}))" for i, o in enumerate(e.outputs)]
         tens = [v for _, v in e.args if hasattr(v, "logical_domain")]
         view = op_view(e, 0)
         code = repr((view.op, view.operands, view.attrs, view.outputs))  # all a sharding rule sees of e
@@ -217,10 +220,12 @@ def encode(problem: Problem) -> tuple[list[str], dict[str, str], dict[str, str]]
         tags = [op.kind] + (["broadcasts"] if op.kind == "pointwise" or name == "matmul" else [])
         out += [f"(OpKind {_q(name)} {_q(tag)})" for tag in tags]
     for a, b in problem.equal:
-        out.append(f"(union {t(a)} {t(b)})")
-    for tv in fusion.inputs:
-        out += [f'(union (Held {t(tv.name)} {lay_text(lay)} 0) (Load "{ident[tv.name]}" {lay_text(lay)}))'
-                for lay in problem.load_layouts(tv.name)]
+        out.append(f"(Def {t(a)} {t(b)})")
+    for tv in fusion.inputs:  # a free input: every whole layout it fits (Problem.load_layouts), by rule
+        if tv.name in problem.pins or tv.name in problem.input_layouts:
+            out += [f'(LoadIn {t(tv.name)} "{ident[tv.name]}" {lay_text(lay)})' for lay in problem.load_layouts(tv.name)]
+        else:
+            out.append(f'(Input {t(tv.name)} "{ident[tv.name]}")')
     return out, ident, sig_of
 
 
@@ -256,23 +261,28 @@ def _mesh_facts(problem: Problem) -> list[str]:
     out += [f"(Apart {pl_text(a)} {pl_text(b)})" for a, b in apart]
     out += [f"(NestOK 0 {pl_text(a)} {pl_text(b)})" for a, b in apart]
     out += [f"(NestOK 1 {pl_text(a)} {pl_text(b)})" for a in u for b in u]
+    out += [f"(NoPartial {pl_text(a)})" for a in u if not a.is_partial]
     return out
 
 
-def strategy_rules(shape: tuple[int, ...]):
-    """The rules over the program alone (no Held atom: they saturate once, before the physical rules):
-    which layouts each tensor may take (Valid), which collective moves a layout to another over one mesh
-    axis (Move, the registry's Connect where shards still nest outer mesh axis first), and each arity's join
+def program_rules(shape: tuple[int, ...]):
+    """The rules over the program alone (they saturate once, before the physical rules): each tensor is its
+    op's term (Def), the inputs' loads, which layouts each tensor may take (Valid), which collective moves a
+    layout to another over one mesh axis (Move, the registry's Connect where shards still nest outer mesh axis first), and each arity's join
     of the per-axis relation Ax over the mesh axes: a signature's whole-mesh strategies (Strat), where every
     layout fits its shape and a non-nestable row (nestable 0) shares no split tensor axis with another mesh
     axis."""
     m = len(shape)
     L, K = LAYOUTS[m], KERNS[m]
-    t, s, lay = var("t", Tensor), var("s", Shape), var("lay", LayoutSort)
+    t, t2, s, lay = var("t", Tensor), var("t2", Tensor), var("s", Shape), var("lay", LayoutSort)
+    yield erule(Def(t, t2)).then(union(t).with_(t2))
     yield erule(ShapeOf(t, s), Fits(s, lay)).then(Valid(t, lay), Lay(lay))
     yield erule(Valid(t, lay)).then(Lay(lay))
     ps = [var(f"p{k}", Placement) for k in range(m)]
-    q, kind = var("q", Placement), var("kind", String)
+    q, kind, name = var("q", Placement), var("kind", String), var("name", String)
+    yield erule(Lay(L(*ps)), *[NoPartial(p) for p in ps]).then(Whole(L(*ps)))
+    yield erule(Input(t, name), Valid(t, lay), Whole(lay)).then(union(Held(t, lay, 0)).with_(Load(name, lay)))
+    yield erule(LoadIn(t, name, lay)).then(union(Held(t, lay, 0)).with_(Load(name, lay)))
     for j in range(m):  # Move: layout lf becomes lt by collective `kind` over mesh axis j (layouts only: small)
         dst = L(*[q if i == j else ps[i] for i in range(m)])
         nest = [c for i in range(j + 1, m) for c in (Apart(ps[j], ps[i]), Apart(q, ps[i]))]
@@ -290,6 +300,12 @@ def strategy_rules(shape: tuple[int, ...]):
         query += [Fits(x, li) for x, li in zip(sx, lin)] + [Fits(y, lo) for y, lo in zip(sy, lout)]
         query += [NestOK(nst[k], pin[k][i], pin[j][i]) for k in range(m) for i in range(n) for j in range(m) if j != k]
         yield erule(*query).then(STRAT[(n, o)](sig, K(*kern), *lout, *lin))
+    key, kern = var("key", String), var("kern", KernSort)
+    for (n, o) in SITE:  # each application's strategies: the physical rules join Plan with Held alone
+        ys, xs = [var(f"y{j}", Tensor) for j in range(o)], [var(f"x{i}", Tensor) for i in range(n)]
+        lin, lout = [var(f"li{i}", LayoutSort) for i in range(n)], [var(f"lo{j}", LayoutSort) for j in range(o)]
+        yield erule(SITE[(n, o)](key, sig, *ys, *xs), STRAT[(n, o)](sig, kern, *lout, *lin)).then(
+            PLAN[(n, o)](key, kern, *ys, *xs, *lout, *lin))
 
 
 def mesh_rules(shape: tuple[int, ...]):
@@ -303,12 +319,11 @@ def mesh_rules(shape: tuple[int, ...]):
         yield erule(Held(t, lf, k), Move(lf, lt, kind, ax), Valid(t, lt)).then(
             union(Held(t, lt, k + 1)).with_(Coll(kind, ax, lt, Held(t, lf, k))),
             *[union(Held(t, lt, j + 1)).with_(Keep(Held(t, lt, j))) for j in range(k + 1, m)])
-    key, sig, kern = var("key", String), var("sig", String), var("kern", KernSort)
+    key, kern = var("key", String), var("kern", KernSort)
     for (n, o) in SITE:
         ys, xs = [var(f"y{j}", Tensor) for j in range(o)], [var(f"x{i}", Tensor) for i in range(n)]
         lin, lout = [var(f"li{i}", LayoutSort) for i in range(n)], [var(f"lo{j}", LayoutSort) for j in range(o)]
-        query = [SITE[(n, o)](key, sig, *ys, *xs), STRAT[(n, o)](sig, kern, *lout, *lin)]
-        query += [Held(x, li, m) for x, li in zip(xs, lin)]
+        query = [PLAN[(n, o)](key, kern, *ys, *xs, *lout, *lin)] + [Held(x, li, m) for x, li in zip(xs, lin)]
         app = RUN[(n, o)](key, kern, *lout, *[Held(x, li, m) for x, li in zip(xs, lin)])
         # the outputs kept as they are up to level m in the same step: a consumer that needs no collective
         # fires in the next iteration (saturation takes as many iterations as the longest chain of steps)
@@ -321,24 +336,41 @@ def mesh_rules(shape: tuple[int, ...]):
 
 # ---------------------------------------------------------------------- saturate
 
-def _run_text(eg: EGraph, rows: list[str], chunk: int = 400) -> None:
-    """The one private egglog call: run facts given as egglog text. Building a command through the public
+def _run_text(eg: EGraph, rows: list[str], chunk: int = 20) -> None:
+    """The first private egglog call: run facts given as egglog text. Building a command through the public
     API costs about 0.5 ms and grows with the e-graph (8,000 commands: 5.9 s measured with egglog 13.2), text
-    costs about 0.05 ms a fact. The sorts and functions are declared through the public API first."""
+    costs about 0.04 ms a fact, in programs of a few dozen facts (one program's cost grows faster than its
+    length: 400 facts a program cost 3.5 times as much, measured on 96 GPT layers). No fact is a union (Def,
+    Input and LoadIn are relations that a rule turns into unions in one rebuild): a union given as a fact
+    costs a rebuild that grows with the e-graph. The sorts and functions are declared through the public
+    API first."""
     for k in range(0, len(rows), chunk):
         eg._egraph.run_program(*eg._egraph.parse_program("\n".join(rows[k:k + chunk])))
 
 
-def loaded(problem: Problem, rules):
-    """A fresh EGraph holding the problem's facts, with `rules` declared (not yet run); the facts, the tensor
-    index and each expr's signature (encode)."""
+@functools.lru_cache(maxsize=4)
+def _template(shape: tuple[int, ...]):
+    """An EGraph with every sort, function and ruleset for meshes of this shape declared and compiled, and
+    the program and physical rulesets: declaring costs about 0.15 s, a problem loaded into a pushed copy
+    of it (loaded) pays only for its facts."""
+    program = ruleset(*program_rules(shape), name=f"program{shape}")
+    rules = ruleset(*mesh_rules(shape), name=f"mesh{shape}")
+    eg = EGraph()
+    _declare(eg)
+    eg.run(1, ruleset=FAMILIES | program | rules)  # declares the rules' functions before any text arrives
+    return eg, program, rules
+
+
+@contextlib.contextmanager
+def loaded(problem: Problem):
+    """The mesh's template EGraph holding the problem's facts (popped on exit), its program and physical
+    rulesets, the facts, the tensor index and each expr's signature (encode)."""
     facts, ident, sig_of = encode(problem)
     facts = _mesh_facts(problem) + facts
-    eg = EGraph()
-    _declare(eg, facts)
-    eg.run(1, ruleset=rules)  # declares the rules' functions before the text arrives
-    _run_text(eg, facts)
-    return eg, facts, ident, sig_of
+    eg, program, rules = _template(problem.mesh.shape)
+    with eg:
+        _run_text(eg, facts)
+        yield eg, program, rules, facts, ident, sig_of
 
 
 def saturate_typed(problem: Problem) -> PhysGraph:
@@ -353,17 +385,16 @@ def saturate_typed(problem: Problem) -> PhysGraph:
     [('Coll', 'reduce_scatter'), ('Coll', 'slice'), ('Keep', '')]
     """
     t0 = time.perf_counter()
-    strategies = ruleset(*strategy_rules(problem.mesh.shape), name=f"strategies{problem.mesh.shape}")
-    rules = ruleset(*mesh_rules(problem.mesh.shape), name=f"mesh{problem.mesh.shape}")
-    eg, facts, ident, _ = loaded(problem, FAMILIES | strategies | rules)
-    t1 = time.perf_counter()
-    # the families and the joins read only the program's facts: each saturates once, then the physical rules
-    eg.run(FAMILIES.saturate() + strategies.saturate() + rules.saturate())
-    t2 = time.perf_counter()
-    name_of = {v: k for k, v in ident.items()}
-    graph = read_back(eg, problem, name_of)
-    t3 = time.perf_counter()
-    graph.stats.update(encode_s=t1 - t0, saturate_s=t2 - t1, serialize_s=t3 - t2, facts=len(facts))
+    with loaded(problem) as (eg, program, rules, facts, ident, _):
+        t1 = time.perf_counter()
+        # the families and the program rules read only the program's facts: each saturates once, then the
+        # physical rules (Keep, Coll, Run) from the loads
+        report = eg.run(FAMILIES.saturate() + program.saturate() + rules.saturate())
+        t2 = time.perf_counter()
+        graph = read_back(eg, problem, {v: k for k, v in ident.items()})
+        t3 = time.perf_counter()
+    graph.stats.update(encode_s=t1 - t0, saturate_s=t2 - t1, serialize_s=t3 - t2, facts=len(facts),
+                       iterations=len(report.iterations), classes=len(graph.classes), nodes=graph.n_nodes)
     return graph
 
 
@@ -377,10 +408,10 @@ def axis_rows(problem: Problem) -> dict[tuple[str, int], set[tuple]]:
     >>> sorted(axis_rows(build_problem(row_sum(8, 64), ed.DeviceMesh.arange(4)))[("y", 4)])[:2]
     [(('P',), ('P',), '', 1), (('R',), ('R',), '', 1)]
     """
-    eg, _, ident, sig_of = loaded(problem, FAMILIES)
-    eg.run(FAMILIES.saturate())
+    with loaded(problem) as (eg, _, _, _, _, sig_of):
+        eg.run(FAMILIES.saturate())
+        frozen = eg.freeze().decl
     rows: dict[tuple[str, int], set[tuple]] = defaultdict(set)  # by (signature, d)
-    frozen = eg.freeze().decl
     for act in frozen.expr_actions:
         call = act.expr
         name = call.callable.ident.name
@@ -399,23 +430,18 @@ def _placement_decl(call):
     return {"R": R, "P": P, "Pmax": PMAX}.get(head) or S(call.args[0].expr.value)
 
 
-def _declare(eg: EGraph, facts: list[str]) -> None:
+def _declare(eg: EGraph) -> None:
     """egglog-python knows a function once an action through its public API used it: register, through the
-    public API, an action that uses every constructor the text will (an op constructor on literal
-    arguments, in a class no tensor names, which read_back ignores)."""
-    used = {f.split(" ", 2)[1][1:] for f in facts if f.startswith("(union (T")}
-    used |= {w[1:] for f in facts for w in f.split() if w.startswith("(op_")}
-    acts = []
-    for name in sorted(used):
-        if name.startswith("op_"):
-            acts.append(OPS_SORT[name[3:]](*[Lit("declare")] * _arity(name[3:])))
+    public API, an action that uses every constructor text may (each op constructor on literal arguments,
+    in a class no tensor names, which read_back ignores)."""
+    acts = [OPS_SORT[name](*[Lit("declare")] * _arity(name)) for name in sorted(OPS_SORT)]
     acts.append(Out(0, Lit("declare")))
     acts.append(ShapeOf(Lit("declare"), Shp("declare")))
     eg.register(*acts)
     # everything else the text names: a rule that mentions each, run once while they are empty
     key, v, s, pl = var("key", String), var("v", i64), var("s", Shape), var("pl", Placement)
     lay, t, dv = var("lay", LayoutSort), var("t", Tensor), var("dv", D)
-    mention = [AxisMap(key, v, v, v), Reduced(key, v), AttrS(key, key, key), AttrI(key, key, v), Param(key, v, key),
+    mention = [Def(t, t), Input(t, key), LoadIn(t, key, lay), NoPartial(pl), AxisMap(key, v, v, v), Reduced(key, v), AttrS(key, key, key), AttrI(key, key, v), Param(key, v, key),
                ReshapeBlock(key, v, v, v, v), Bcast(key, v, v, pl), Rank(s, v),
                Extent(s, v, v), FloatSize(s, v), MeshSize(v), OpKind(key, key), Fits(s, lay), Valid(t, lay),
                Connect(pl, pl, key), Apart(pl, pl), NestOK(v, pl, pl), eq(pl).to(R_()), eq(pl).to(P_()),
@@ -434,20 +460,21 @@ def _arity(op: str) -> int:
 
 # ---------------------------------------------------------------------- read back
 
-def _frozen_rows(eg: EGraph) -> tuple[dict[str, list], object]:
-    """The second private egglog call: every function's rows as (input values, output value), from the
-    bindings' freeze(), with the bindings' EGraph to read primitive values. The public EGraph.freeze() turns
-    every row of every function into declaration objects first: 0.9 s for a GPT layer on a 2x4 mesh, against
-    4 ms here."""
-    frozen = eg._egraph.freeze()
-    return {name: [(row.inputs, row.output) for row in fn.rows] for name, fn in frozen.functions.items()}, eg._egraph
+def _frozen_rows(eg: EGraph, names) -> tuple[dict[str, list], object]:
+    """The second private egglog call: the rows of the functions `names` as (input values, output value),
+    from the bindings' freeze(), with the bindings' EGraph to read primitive values. The public
+    EGraph.freeze() turns every row of every function into declaration objects first: 0.9 s for a GPT layer
+    on a 2x4 mesh, against 4 ms here."""
+    frozen = eg._egraph.freeze().functions
+    return {name: [(row.inputs, row.output) for row in frozen[name].rows] for name in names if name in frozen}, eg._egraph
 
 
 def read_back(eg: EGraph, problem: Problem, name_of: dict[str, str]) -> PhysGraph:
     """The physical classes of the saturated e-graph as a PhysGraph: each class named by its Held term
     (tensor, layout code, level), its nodes Load, Keep, Coll, Proj and Apply (a Run, mapped onto the
     problem's priced strategy of the same placements and kernels)."""
-    rows, raw = _frozen_rows(eg)
+    rows, raw = _frozen_rows(eg, ["R", "P", "Pmax", "S", "T", "Held", "Load", "Keep", "Coll", "Proj"]
+                             + [f"L{m}" for m in LAYOUTS] + [f"K{m}" for m in KERNS] + [f"Run{n}x{o}" for n, o in RUN])
     strs: dict = {}
 
     def string(v):

@@ -125,6 +125,9 @@ class Shape(Expr):
 def Shp(code: StringLike) -> Shape: ...
 
 
+Def = relation("Def", Tensor, Tensor, egg_fn="Def")  # the tensor is the term (a rule unions them: one rebuild)
+Input = relation("Input", Tensor, String, egg_fn="Input")  # a free input, bound in any whole layout it fits
+LoadIn = relation("LoadIn", Tensor, String, Layout, egg_fn="LoadIn")  # an input bound in this layout (a pin)
 ShapeOf = relation("ShapeOf", Tensor, Shape, egg_fn="ShapeOf")
 Rank = relation("Rank", Shape, i64, egg_fn="Rank")
 Extent = relation("Extent", Shape, i64, i64, egg_fn="Extent")  # shape, axis, extent
@@ -144,6 +147,7 @@ AttrI = relation("AttrI", String, String, i64, egg_fn="AttrI")  # sig, attribute
 # axis i reads the operand's axis in this placement (rewrites/pointwise.py derives it)
 Bcast = relation("Bcast", String, i64, i64, Placement, egg_fn="Bcast")
 ReshapeBlock = relation("ReshapeBlock", String, i64, i64, i64, i64, egg_fn="ReshapeBlock")
+NoPartial = relation("NoPartial", Placement, egg_fn="NoPartial")  # R or a split: no pending reduction
 Apart = relation("Apart", Placement, Placement, egg_fn="Apart")  # not the same split
 NestOK = relation("NestOK", i64, Placement, Placement, egg_fn="NestOK")  # nestable flag, p, q
 Connect = relation("Connect", Placement, Placement, String, egg_fn="Connect")  # src, dst, collective kind
@@ -162,6 +166,10 @@ AX = {(n, o): relation(f"Ax{n}x{o}", String, i64, *([Placement] * (n + o)), Stri
 # the whole mesh so (the join of Ax over the mesh axes, egraph_did.egraph_typed.strategy_rules)
 STRAT = {(n, o): relation(f"Strat{n}x{o}", String, Kern, *([Layout] * (o + n)), egg_fn=f"Strat{n}x{o}")
          for n in (1, 2, 3, 4) for o in (1, 2)}
+# key, kernels, outputs.., operands.., output layouts.., operand layouts..: a strategy of one op application
+# (Site joined with its signature's Strat before the physical rules, which then join it with Held alone)
+PLAN = {(n, o): relation(f"Plan{n}x{o}", String, Kern, *([Tensor] * (o + n)), *([Layout] * (o + n)),
+                         egg_fn=f"Plan{n}x{o}") for n in (1, 2, 3, 4) for o in (1, 2)}
 
 
 class D(Expr):
