@@ -576,6 +576,64 @@ class _Gen:
             return False
         return bool(self.emit("expand", [["x", _tensor_arg(t.name)], ["shape", new]]))
 
+    def g_slice(self):
+        t = self.pick(float_only=False)
+        if t is None:
+            return False
+        d = self.rng.randrange(t.ndim)
+        n = t.shape[d]
+        if n == 0:
+            return False
+        # a non-empty range (an empty one leaves an index nothing to pick: test_ops has that case), written
+        # in torch's bounds: negative from the end, past the end clamps, no end
+        lo = self.rng.randrange(n)
+        hi = self.rng.randint(lo + 1, n)
+        start = lo - n if self.rng.random() < 0.3 else lo
+        end = self.rng.choice([None, n + 3]) if hi == n else (hi - n if self.rng.random() < 0.3 else hi)
+        args = [["x", _tensor_arg(t.name)], ["dim", d - t.ndim if self.rng.random() < 0.3 else d], ["start", start]]
+        if end is not None:
+            args.append(["end", end])
+        return bool(self.emit("slice", args))
+
+    def g_cat(self):
+        a = self.pick(float_only=False, pred=lambda t: t.ndim >= 1)
+        if a is None:
+            return False
+        d = self.rng.randrange(a.ndim)
+        shape = list(a.shape)
+        shape[d] = self.ext(small=True)
+        b = self.pick(float_only=False, new_ok=False, pred=lambda t: t.dtype == a.dtype and t.ndim == a.ndim and all(
+            i == d or x == y for i, (x, y) in enumerate(zip(t.shape, a.shape)))) if self.rng.random() < 0.4 else None
+        if b is None:
+            if math.prod(shape) > self.MAX_ELEMS:
+                return False
+            b = self.new_input(shape, a.dtype if a.dtype != "bool" else None)
+            if b.dtype != a.dtype:
+                return False
+        pair = [a, b] if self.rng.random() < 0.5 else [b, a]
+        return bool(self.emit("cat", [["a", _tensor_arg(pair[0].name)], ["b", _tensor_arg(pair[1].name)],
+                                      ["dim", d - a.ndim if self.rng.random() < 0.3 else d]],
+                              bound=max(a.bound, b.bound)))
+
+    def g_where(self):
+        a = self.pick()
+        if a is None:
+            return False
+        c = self.pick(pred=lambda t: _fits_broadcast(t.shape, a.shape), new_ok=False) or self.new_input(
+            self.bcast_shape(a.shape))
+        (cond,) = self.emit(self.rng.choice(["gt", "lt", "le", "ge", "ne"]), [["a", _tensor_arg(c.name)], ["b", 0.0]])
+        form = self.rng.choice(["tensor", "fill", "fill-left"])
+        if form == "tensor":
+            b = self.pick(pred=lambda t: _fits_broadcast(t.shape, a.shape) and t.dtype == a.dtype,
+                          new_ok=False) or self.new_input(self.bcast_shape(a.shape), a.dtype)
+            ab = [_tensor_arg(a.name), _tensor_arg(b.name)]
+            bound = max(a.bound, b.bound)
+        else:
+            fill = self.rng.choice([0.0, -1.5, 2.0])
+            ab = [_tensor_arg(a.name), fill] if form == "fill" else [fill, _tensor_arg(a.name)]
+            bound = max(a.bound, abs(fill))
+        return bool(self.emit("where", [["cond", _tensor_arg(cond.name)], ["a", ab[0]], ["b", ab[1]]], bound=bound))
+
     def g_broadcast_in_dim(self):
         t = self.pick(float_only=False, pred=lambda t: t.ndim <= 3)
         if t is None:
@@ -600,6 +658,15 @@ def _broadcast(a: tuple, b: tuple) -> tuple:
             raise ValueError("no broadcast")
         out.append(max(x, y) if 1 in (x, y) else x)
     return tuple(out)
+
+
+def _fits_broadcast(a: tuple, b: tuple) -> bool:
+    """Whether a and b broadcast together."""
+    try:
+        _broadcast(a, b)
+        return True
+    except ValueError:
+        return False
 
 
 def _torch_dtype(name: str):

@@ -4,8 +4,8 @@ An entry is one `@op(...)` on the op's shape rule (its signature is the op's sig
 Beside the shape rule it states:
 
 - kind: what the op computes: pointwise | mask | reduction | normalization | matmul | attention |
-  gather | view. Rules, the problem and the lowering select ops by kind (`ops_where(kind="view")`),
-  never by a list of names;
+  gather | view | join (tensors laid side by side: cat). Rules, the problem and the lowering select ops
+  by kind (`ops_where(kind="view")`), never by a list of names;
 - reference: its torch evaluation; decompose (composites): its expansion into other ops, rfactor: a
   decomposition that splits the reduction in blocks;
 - the facts a later stage needs: arity (pointwise), template (the Triton form of a kernel primitive),
@@ -38,7 +38,7 @@ from .errors import DtypeError, PlanError, ShapeError
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INT_DTYPES = (torch.int64, torch.int32)
 SUPPORTED_DTYPES = FLOAT_DTYPES + INT_DTYPES + (torch.bool,)
-KINDS = ("pointwise", "mask", "reduction", "normalization", "matmul", "attention", "gather", "view")
+KINDS = ("pointwise", "mask", "reduction", "normalization", "matmul", "attention", "gather", "view", "join")
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,7 @@ def ops_where(**facts) -> tuple[str, ...]:
     of ops is one of these queries.
 
     >>> ops_where(kind="view", metadata_only=False)
-    ('permute', 'transpose')
+    ('permute', 'transpose', 'slice')
     >>> ops_where(kind="reduction", in_kernels=True)
     ('sum', 'amax')
     """
@@ -471,6 +471,37 @@ def _comparison(name: str, fn: Callable, template: str):
 
 _comparison("gt", lambda a, b: a > b, "{a} > {b}")
 _comparison("eq", lambda a, b: a == b, "{a} == {b}")
+_comparison("ne", lambda a, b: a != b, "{a} != {b}")
+_comparison("lt", lambda a, b: a < b, "{a} < {b}")
+_comparison("le", lambda a, b: a <= b, "{a} <= {b}")
+_comparison("ge", lambda a, b: a >= b, "{a} >= {b}")
+
+
+def _where_ref(cond, a, b):
+    """torch.where with a Python number on either side, promoted as torch promotes a and b."""
+    dt = torch.result_type(a, b)
+    a, b = (torch.as_tensor(v, dtype=dt, device=cond.device) for v in (a, b))
+    return torch.where(cond, a, b)
+
+
+def _vjp_where(ops, g, out, cond, a, b):
+    """g where cond selects the operand, 0 where it selects the other; cond (bool) has none"""
+    return _binary_grads(ops, a, b, lambda: ops.where(cond, g, 0.0), lambda: ops.where(cond, 0.0, g))
+
+
+@op("where", "pointwise", _where_ref, arity=3, vjp=_vjp_where)
+def where(cond, a, b):
+    """a where cond holds, else b (torch.where), broadcasting all three; a and b may be Python numbers."""
+    cond = _need_tensor("where", "cond", cond)
+    _scalar_check("where", (a, b))
+    if cond.dtype != torch.bool:
+        raise DtypeError(f"where({cond.name}, {_desc(a)}, {_desc(b)}): the condition must be bool, got "
+                         f"{str(cond.dtype).replace('torch.', '')}; compare it first (fd.ops.ne(c, 0))")
+    shape, axes = broadcast_specs("where", cond, a, b)
+    if not any(_is_tensor(v) for v in (a, b)):
+        raise ShapeError(f"where({cond.name}, {a!r}, {b!r}): one of a and b must be a tensor of the fusion (the "
+                         f"result's dtype follows it); pass fd.ops.cast of a tensor")
+    return [OutSpec(shape, _result_dtype("where", a, b), axes)]
 
 
 def _as_tensors(a, b):
@@ -1331,6 +1362,64 @@ def unsqueeze(x, dim: int):
     x = _need_tensor("unsqueeze", "x", x)
     d = norm_axis("unsqueeze", x, dim, ndim=x.ndim + 1)
     return [OutSpec(x.shape[:d] + (1,) + x.shape[d:], x.dtype, x.axes[:d] + ("1",) + x.axes[d:])]
+
+
+def _slice_bounds(n: int, start: int, end: int | None) -> tuple[int, int]:
+    """torch's bounds of x[start:end] along an axis of extent n: negatives count from the end, both clamp."""
+    def clamp(v):
+        return min(max(v + n if v < 0 else v, 0), n)
+    lo = clamp(start)
+    return lo, max(lo, clamp(n if end is None else end))
+
+
+def _slice_ref(x, dim, start=0, end=None):
+    lo, hi = _slice_bounds(x.shape[dim], start, end)
+    return x.narrow(dim, lo, hi - lo).contiguous()
+
+
+def _vjp_slice(ops, g, out, x, dim, start=0, end=None):
+    """g between zeros: the slices of x before and after the kept range get no gradient"""
+    d = dim % x.ndim
+    lo, hi = _slice_bounds(x.shape[d], start, end)
+    grad = g
+    if lo > 0:
+        grad = ops.cat(zeros_like(ops, ops.slice(x, d, 0, lo)), grad, d)
+    if hi < x.shape[d]:
+        grad = ops.cat(grad, zeros_like(ops, ops.slice(x, d, hi, x.shape[d])), d)
+    return {"x": grad}
+
+
+@op("slice", "view", _slice_ref, vjp=_vjp_slice)
+def slice_(x, dim: int, start: int = 0, end: int | None = None):
+    """x[..., start:end, ...] along `dim` (step 1), with torch's bounds: negatives count from the end,
+    out-of-range bounds clamp, end=None is the end."""
+    x = _need_tensor("slice", "x", x)
+    d = norm_axis("slice", x, dim)
+    for name, v in (("start", start), ("end", end)):
+        if not (v is None and name == "end") and (not isinstance(v, int) or isinstance(v, bool)):
+            raise ShapeError(f"slice({x.name}): {name} must be an int, got {v!r}")
+    lo, hi = _slice_bounds(x.shape[d], start, end)
+    names = x.axes[:d] + ((x.axes[d] if (lo, hi) == (0, x.shape[d]) else str(hi - lo)),) + x.axes[d + 1:]
+    return [OutSpec(x.shape[:d] + (hi - lo,) + x.shape[d + 1:], x.dtype, names)]
+
+
+@op("cat", "join", lambda a, b, dim: torch.cat((a, b), dim),
+    vjp=lambda ops, g, out, a, b, dim: {"a": ops.slice(g, dim, 0, a.shape[dim % a.ndim]),
+                                        "b": ops.slice(g, dim, a.shape[dim % a.ndim], out.shape[dim % a.ndim])})
+def cat(a, b, dim: int):
+    """a and b joined along `dim` (torch.cat of two tensors; chain it for more): equal extents on every
+    other axis, one dtype."""
+    a, b = _need_tensor("cat", "a", a), _need_tensor("cat", "b", b)
+    what = f"cat({a.name}, {b.name})"
+    d = norm_axis("cat", a, dim)
+    if a.ndim != b.ndim or any(i != d and x != y for i, (x, y) in enumerate(zip(a.shape, b.shape))):
+        raise ShapeError(f"{what}: shapes {a.shape} and {b.shape} must be equal on every axis but {d}, the one "
+                         f"they join along")
+    if a.dtype != b.dtype:
+        raise DtypeError(f"{what}: dtypes {str(a.dtype).replace('torch.', '')} and "
+                         f"{str(b.dtype).replace('torch.', '')} differ; cast one to the other's (fd.ops.cast)")
+    n = a.shape[d] + b.shape[d]
+    return [OutSpec(a.shape[:d] + (n,) + a.shape[d + 1:], a.dtype, a.axes[:d] + (str(n),) + a.axes[d + 1:])]
 
 
 @op("expand", "view", lambda x, shape: x.expand(*shape), metadata_only=True, local_attrs=_local_shape,

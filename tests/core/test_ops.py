@@ -157,6 +157,21 @@ CASES: list[Case] = [
          lambda v: v["x"] == v["x"].amax(1, keepdim=True)),
     Case("eq", "eq-int-scalar", lambda dt: {"x": ints(3, 4, high=3)}, lambda o, t: o.eq(t["x"], 1),
          lambda v: v["x"] == 1, dtypes=(None,)),
+    Case("ne", "ne-broadcast", xy((3, 4), (4,)), lambda o, t: o.ne(t["x"], t["y"]), lambda v: v["x"] != v["y"]),
+    Case("ne", "ne-int-scalar", lambda dt: {"x": ints(3, 4, high=3)}, lambda o, t: o.ne(t["x"], 1),
+         lambda v: v["x"] != 1, dtypes=(None,)),
+    Case("lt", "lt-broadcast", xy((3, 4), (3, 1)), lambda o, t: o.lt(t["x"], t["y"]), lambda v: v["x"] < v["y"]),
+    Case("le", "le-int-tensors", lambda dt: {"x": ints(4, 4, high=3), "y": ints(4, 1, high=3, seed=1)},
+         lambda o, t: o.le(t["x"], t["y"]), lambda v: v["x"] <= v["y"], dtypes=(None,)),
+    Case("ge", "ge-scalar-left", x_(3, 4), lambda o, t: o.ge(0.25, t["x"]), lambda v: 0.25 >= v["x"]),
+    Case("where", "where-broadcast", lambda dt: {"c": rand(3, 1) > 0, "x": rand(3, 4, dtype=dt, seed=1),
+                                                 "y": rand(4, dtype=dt, seed=2)},
+         lambda o, t: o.where(t["c"], t["x"], t["y"]), lambda v: torch.where(v["c"], v["x"], v["y"])),
+    Case("where", "where-number-fills", lambda dt: {"x": rand(3, 4, dtype=dt)},
+         lambda o, t: (o.where(o.gt(t["x"], 0.0), t["x"], float("-inf")), o.where(o.lt(t["x"], 0.0), 0.5, t["x"])),
+         lambda v: (torch.where(v["x"] > 0, v["x"], float("-inf")), torch.where(v["x"] < 0, 0.5, v["x"]))),
+    Case("where", "where-int-and-float-promote", lambda dt: {"c": rand(4) > 0, "i": ints(4, high=9)},
+         lambda o, t: o.where(t["c"], t["i"], 2.5), lambda v: torch.where(v["c"], v["i"], 2.5), dtypes=(None,)),
     # ---- unary pointwise
     unary_case("neg", torch.neg),
     Case("neg", "neg-int64", lambda dt: {"x": ints(3, 4, high=9)}, lambda o, t: o.neg(t["x"]),
@@ -301,6 +316,18 @@ CASES: list[Case] = [
          lambda v: v["x"].transpose(0, -1)),
     Case("unsqueeze", "unsqueeze-end", x_(2, 3), lambda o, t: o.unsqueeze(t["x"], -1), lambda v: v["x"].unsqueeze(-1)),
     Case("unsqueeze", "unsqueeze-front", x_(2, 3), lambda o, t: o.unsqueeze(t["x"], 0), lambda v: v["x"].unsqueeze(0)),
+    Case("slice", "slice-middle", x_(3, 7), lambda o, t: o.slice(t["x"], 1, 2, 5), lambda v: v["x"][:, 2:5]),
+    Case("slice", "slice-negative-and-open-end", x_(4, 3, 6), lambda o, t: (o.slice(t["x"], -1, -2),
+                                                                             o.slice(t["x"], 0, 1, 99)),
+         lambda v: (v["x"][..., -2:], v["x"][1:99])),
+    Case("slice", "slice-empty", x_(3, 4), lambda o, t: o.slice(t["x"], 1, 3, 1), lambda v: v["x"][:, 3:1]),
+    Case("cat", "cat-last-axis", xy((2, 3, 2), (2, 3, 4)), lambda o, t: o.cat(t["x"], t["y"], -1),
+         lambda v: torch.cat((v["x"], v["y"]), -1)),
+    Case("cat", "cat-rotate-half", x_(2, 3, 6),
+         lambda o, t: o.cat(o.neg(o.slice(t["x"], 2, 3)), o.slice(t["x"], 2, 0, 3), 2),
+         lambda v: torch.cat((-v["x"][..., 3:], v["x"][..., :3]), -1)),
+    Case("cat", "cat-int64-axis0", lambda dt: {"x": ints(2, 3, high=9), "y": ints(1, 3, high=9, seed=1)},
+         lambda o, t: o.cat(t["x"], t["y"], 0), lambda v: torch.cat((v["x"], v["y"]), 0), dtypes=(None,)),
     Case("expand", "expand-new-leading", x_(3, 1), lambda o, t: o.expand(t["x"], (2, 3, 4)),
          lambda v: v["x"].expand(2, 3, 4)),
     Case("expand", "expand-keep", x_(3, 1), lambda o, t: o.expand(t["x"], (-1, 5)), lambda v: v["x"].expand(-1, 5)),
@@ -774,3 +801,27 @@ def test_fusion_of_outputs_keeps_definition_order_and_names():
     fd, _ = _relu_fusion()
     assert [str(e) for e in fd.fusion.exprs] == ["linear_0 = linear(x, w)", "y = relu(linear_0)"]
     assert list(fd.fusion.outputs) == ["y"]
+
+
+def test_cat_of_mismatched_shapes_names_the_axis_they_join_along():
+    fd, (a, b) = fdef(("a", (2, 3)), ("b", (4, 2)))
+    with pytest.raises(ShapeError, match=r"cat\(a, b\): shapes \(2, 3\) and \(4, 2\) must be equal on every axis"):
+        fd.ops.cat(a, b, 0)
+
+
+def test_cat_of_two_dtypes_asks_for_a_cast():
+    fd, (a, b) = fdef(("a", (2, 3), F32), ("b", (2, 3), F64))
+    with pytest.raises(DtypeError, match="float32 and float64 differ; cast"):
+        fd.ops.cat(a, b, 1)
+
+
+def test_where_needs_a_bool_condition():
+    fd, (c, x) = fdef(("c", (3,), F32), ("x", (3,)))
+    with pytest.raises(DtypeError, match=r"where\(c, x, 0.0\): the condition must be bool, got float32"):
+        fd.ops.where(c, x, 0.0)
+
+
+def test_slice_of_an_axis_out_of_range_names_the_tensor():
+    fd, (x,) = fdef(("x", (3, 4)))
+    with pytest.raises(ShapeError, match=r"slice\(x\): axis 2 out of range"):
+        fd.ops.slice(x, 2, 0, 1)

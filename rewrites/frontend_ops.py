@@ -1,0 +1,49 @@
+"""Sharding rules of the ops models exported from PyTorch need (egraph_did.frontend): slice and cat
+(rotary embeddings cut the head dimension in halves and join them again, while the heads are split over
+ranks), both along an axis other than the split one. where and the comparisons are pointwise (their
+rules come from the pointwise family by query); a slice of a partial is a partial through the views
+family (slice is a view)."""
+from __future__ import annotations
+
+from .rules import P, S, Case, rule
+
+
+def _dim(e, param: str) -> int:
+    return e.attr("dim") % e[param].ndim
+
+
+def _rotate_half(o, x):
+    """cat(-x[..., h:], x[..., :h]): the rotary embedding's half swap, on the last axis"""
+    h = x.shape[-1] // 2
+    return o.cat(o.neg(o.slice(x, -1, h)), o.slice(x, -1, 0, h), -1)
+
+
+@rule("slice", cases=[
+    Case("rows-kept-uneven", (3,), {"x": (5, 6)}, lambda o, x: o.slice(x, 1, 1, -2)),
+    Case("heads-mesh2x2", (2, 2), {"x": (2, 4, 3, 6)}, lambda o, x: (o.slice(x, -1, 3), o.slice(x, 2, 0, 2))),
+])
+def slice_other_axis(e):
+    """slice(x, dim)[shard of axis a != dim] = slice(x[shard of a], dim): every rank keeps the same range"""
+    for a in range(e["x"].ndim):
+        if a != _dim(e, "x"):
+            yield e.strategy(out=S(a), x=S(a))
+
+
+@rule("cat", cases=[
+    Case("rotate-half-heads", (2,), {"x": (2, 4, 3, 6)}, _rotate_half),
+    Case("rows-uneven-mesh2x2", (2, 2), {"a": (5, 2), "b": (5, 3)}, lambda o, a, b: o.cat(a, b, 1)),
+])
+def cat_other_axis(e):
+    """cat(a, b, dim)[shard of axis k != dim] = cat(a[shard of k], b[shard of k], dim)"""
+    for k in range(e.out.ndim):
+        if k != _dim(e, "a"):
+            yield e.strategy(out=S(k), a=S(k), b=S(k))
+
+
+@rule("cat", cases=[
+    Case("partials", (2,), {"a": (3, 2), "b": (3, 4)}, lambda o, a, b: o.cat(a, b, -1)),
+    Case("partials-mesh2x2", (2, 2), {"a": (2, 3), "b": (1, 3)}, lambda o, a, b: o.cat(a, b, 0)),
+])
+def cat_of_partials(e):
+    """cat(sum_r a_r, sum_r b_r) = sum_r cat(a_r, b_r): joining two partials is a partial"""
+    yield e.strategy(out=P, a=P, b=P)
