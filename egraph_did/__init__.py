@@ -52,3 +52,6 @@ __all__ += ["simulate"]
 from .launcher import LaunchError, launch  # noqa: E402
 
 __all__ += ["launch", "LaunchError"]
+from .frontend import ExportError, TorchFusion, from_torch  # noqa: E402
+
+__all__ += ["from_torch", "TorchFusion", "ExportError"]

@@ -1,7 +1,7 @@
 """Imports point one way: each layer imports only the layers above it (DESIGN.md, "Layers").
 
     core       mesh, layout, shards, ops, local, collectives, cost, errors, physgraph
-    program    ir, fusion, evaluate, sharding, pins, grad
+    program    ir, fusion, evaluate, sharding, pins, grad, frontend
     plan       plan, explain
     rewrites   rewrites/*
     optimizer  problem, egraph, extract, optimize
@@ -28,7 +28,7 @@ PACKAGES = {"egraph_did": ROOT / "egraph_did", "egraph_did.rewrites": ROOT / "re
 
 LAYERS = {
     "core": ["mesh", "layout", "shards", "ops", "local", "collectives", "cost", "errors", "physgraph"],
-    "program": ["ir", "fusion", "evaluate", "sharding", "pins", "grad"],
+    "program": ["ir", "fusion", "evaluate", "sharding", "pins", "grad", "frontend"],
     "plan": ["plan", "explain"],
     "rewrites": ["rewrites"],
     "optimizer": ["problem", "egraph", "egraph_typed", "extract", "optimize"],

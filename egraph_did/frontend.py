@@ -1,0 +1,745 @@
+"""The PyTorch frontend: a torch module or function, exported by torch.export, as a fusion.
+
+`from_torch(module_or_fn, example_inputs)` exports the program (non-strict), walks its ATen graph in
+order and emits each node through a table (ATEN: ATen op -> a function emitting fd.ops calls):
+
+- parameters become fusion inputs named by their module paths ("layers.0.mlp.w1.weight"), user inputs
+  by their argument names, outputs by their place in the returned structure ("out" for one tensor,
+  "logits" for a model output's field, "0", "1" for a tuple);
+- a node whose tensor operands are all known when exporting (buffers, lifted constants, results of
+  arange/full/masks, rotary tables: anything that depends on shapes and constants only) is folded: torch
+  computes it once, here. A folded tensor that feeds the program becomes a constant input named
+  "const.<module path>.<node>" (equal ones shared), passed like a weight: the optimizer lays it out as
+  any input (replicated, or split where that is cheaper). Its value is fixed at export: re-export after
+  changing a buffer. A random op (rand, dropout in training) is never folded: it raises;
+- an op with no mapping raises ExportError naming the op, the source line it came from and what to do.
+
+The fusion is specialized to the example inputs' shapes and dtypes (as torch.export with static shapes).
+"""
+from __future__ import annotations
+
+import math
+import operator
+import os
+import re
+import types
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+from .errors import EgraphDidError
+from .fusion import FusionDefinition
+from .ir import TensorView
+from .ops import canonical_dtype
+
+aten = torch.ops.aten
+
+
+class ExportError(EgraphDidError, ValueError):
+    """from_torch met something it cannot turn into fusion ops: an ATen op without a mapping, an argument a
+    mapping does not support, or a random op; the message names the op and the source line.
+
+    >>> import torch, egraph_did as ed
+    >>> try:
+    ...     ed.from_torch(lambda x: torch.cumsum(x, 0), (torch.ones(3, 4),))
+    ... except ed.ExportError as e:
+    ...     print(str(e).split(" at ")[0])
+    from_torch: aten.cumsum.default
+    """
+
+
+class TorchFusion(FusionDefinition):
+    """A FusionDefinition made by from_torch, with what running it needs: `bind(*args, **kwargs)` gives the
+    full input dict (the user's tensors by argument name, the module's current parameters by path and
+    the folded constants); `user_inputs`, `params` and `constants` name them.
+
+    >>> import torch, egraph_did as ed
+    >>> fd = ed.from_torch(torch.nn.Linear(4, 2), (torch.ones(3, 4),))
+    >>> fd.user_inputs, fd.params, sorted(fd.bind(torch.ones(3, 4)))
+    (('input',), ('weight', 'bias'), ['bias', 'input', 'weight'])
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.user_inputs: tuple[str, ...] = ()
+        self.params: tuple[str, ...] = ()
+        self.constants: dict[str, torch.Tensor] = {}
+        self._module: torch.nn.Module | None = None
+        self._leaves: list[str | None] = []  # per flattened (args, kwargs) leaf: the input it binds, or None
+
+    def bind(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """Every input of the fusion: args and kwargs as given to the module (same structure as the example
+        inputs), the module's parameters as they are now, and the folded constants.
+
+        >>> import torch, egraph_did as ed
+        >>> fd = ed.from_torch(lambda a, b: a * b + 1, (torch.ones(2), torch.ones(2)))
+        >>> ed.evaluate(fd, fd.bind(torch.tensor([1., 2.]), torch.tensor([3., 4.])))["out"]
+        tensor([4., 9.])
+        """
+        leaves, _ = pytree.tree_flatten((args, kwargs))
+        if len(leaves) != len(self._leaves):
+            raise ExportError(f"bind: got {len(leaves)} input leaves, the example inputs had {len(self._leaves)}; "
+                              f"pass the module's arguments in the structure of the example")
+        out = {name: v for name, v in zip(self._leaves, leaves) if name is not None}
+        if self._module is not None:
+            state = dict(self._module.named_parameters(remove_duplicate=False))
+            state |= dict(self._module.named_buffers(remove_duplicate=False))
+            out |= {p: state[p].detach() for p in self.params}
+        return out | self.constants
+
+
+def from_torch(module_or_fn, example_inputs: tuple, kwargs: dict | None = None) -> TorchFusion:
+    """The fusion of a torch module or function on inputs like `example_inputs` (a tuple of positional
+    arguments; `kwargs` keyword ones), through torch.export (non-strict) and the ATEN table.
+
+    >>> import torch, egraph_did as ed
+    >>> mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    >>> fd = ed.from_torch(mlp, (torch.randn(4, 8),))
+    >>> print(fd)
+    inputs: 0.weight[32, 8], 0.bias[32], 2.weight[8, 32], 2.bias[8], input[4, 8]
+      linear_0 = linear(input, 0.weight, 0.bias)
+      gelu_1 = gelu(linear_0)
+      out = linear(gelu_1, 2.weight, 2.bias)
+    outputs: out
+    >>> x = torch.randn(4, 8)
+    >>> torch.testing.assert_close(ed.evaluate(fd, fd.bind(x))["out"], mlp(x))
+    """
+    module = module_or_fn if isinstance(module_or_fn, torch.nn.Module) else _as_module(module_or_fn)
+    if not isinstance(example_inputs, tuple):
+        raise ExportError(f"from_torch: example_inputs must be a tuple of positional arguments, got the "
+                          f"{type(example_inputs).__name__}; write (x,) for one argument")
+    if not torch.cuda.is_available():  # export imports Triton, whose jit reads this once: as the lowering sets it
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    with torch.no_grad():
+        ep = torch.export.export(module, example_inputs, kwargs or {}, strict=False)
+    return _Converter(ep, module if isinstance(module_or_fn, torch.nn.Module) else None).run()
+
+
+def _as_module(fn: Callable) -> torch.nn.Module:
+    """A plain function as a module (torch.export takes modules). Export records the source lines of frames
+    named `forward` only: the forward is a copy of the function under that name, so that an error can
+    name the function's own line."""
+    forward = fn
+    if isinstance(fn, types.FunctionType):
+        forward = types.FunctionType(fn.__code__.replace(co_name="forward"), fn.__globals__, "forward",
+                                     fn.__defaults__, fn.__closure__)
+        forward.__kwdefaults__ = fn.__kwdefaults__
+    return type("Function", (torch.nn.Module,), {"forward": staticmethod(forward)})()
+
+
+# ---------------------------------------------------------------------- where a node came from
+
+def source_line(node) -> str:
+    """'file:line (code)' of the innermost frame of the node's stack trace outside torch itself (the
+    model's own line, in the user's file or in transformers), or 'an unknown line'.
+
+    >>> class N: meta = {"stack_trace": 'File "m.py", line 3, in f\\n    y = x.cumsum(0)'}
+    >>> source_line(N())
+    'm.py:3 (y = x.cumsum(0))'
+    """
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', trace)
+    own = [f for f in frames if f"{torch.__path__[0]}/" not in f[0]] or frames
+    if not own:
+        return "an unknown line"
+    path, line, code = own[-1]
+    return f"{path}:{line} ({code.strip()})"
+
+
+def _module_path(node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [p for p, _ in stack.values() if p]
+    return paths[-1] if paths else ""
+
+
+# ---------------------------------------------------------------------- the walk
+
+@dataclass
+class _Unavailable:
+    """An output of a mapped op that the fusion does not compute (native_layer_norm's mean and rstd)."""
+
+    what: str
+
+
+class _Converter:
+    """Walks an ExportedProgram's graph and builds the TorchFusion."""
+
+    def __init__(self, ep, module):
+        self.ep, self.fd = ep, TorchFusion()
+        self.fd._module = module
+        self.env: dict[str, Any] = {}
+        self.node = None
+        self._consts: list[tuple[torch.Tensor, TensorView]] = []
+
+    def run(self) -> TorchFusion:
+        self._placeholders()
+        for node in self.ep.graph.nodes:
+            self.node = node
+            if node.op == "call_function":
+                self.env[node.name] = self._call(node)
+            elif node.op == "output":
+                self._outputs(node)
+        return _live_copy(self.fd)
+
+    # ------------------------------------------------------------ inputs and outputs
+    def _placeholders(self) -> None:
+        sig, fd = self.ep.graph_signature, self.fd
+        state = self.ep.state_dict | dict(self.ep.constants)
+        users, params = [], []
+        for spec in sig.input_specs:
+            name = spec.arg.name
+            example = self._example(spec)
+            if spec.kind.name == "PARAMETER":
+                self.env[name] = fd.define_tensor(example.shape, example.dtype, spec.target)
+                params.append(spec.target)
+            elif spec.kind.name in ("BUFFER", "CONSTANT_TENSOR"):
+                self.env[name] = _Folded(state[spec.target].detach(), spec.target)
+            elif spec.kind.name == "USER_INPUT":
+                self.env[name] = (fd.define_tensor(example.shape, example.dtype, name)
+                                  if isinstance(example, torch.Tensor) else getattr(spec.arg, "value", None))
+                if isinstance(example, torch.Tensor):
+                    users.append(name)
+            else:
+                raise ExportError(f"from_torch: input {name} is a {spec.kind.name}, which from_torch does not take "
+                                  f"(it maps parameters, buffers, constants and user inputs)")
+        fd.user_inputs, fd.params = tuple(users), tuple(params)
+        leaves = [s for s in sig.input_specs if s.kind.name == "USER_INPUT"]
+        fd._leaves = [s.arg.name if s.arg.name in users else None for s in leaves]
+
+    def _example(self, spec):
+        node = next(n for n in self.ep.graph.nodes if n.op == "placeholder" and n.name == spec.arg.name)
+        return node.meta.get("val")
+
+    def _outputs(self, node) -> None:
+        values = node.args[0]
+        names = _output_names(self.ep.call_spec.out_spec, len(values))
+        seen: set[int] = set()
+        for name, v in zip(names, values):
+            tv = self._tensor(self.env[v.name] if hasattr(v, "name") else v)
+            if tv in self.fd.fusion.inputs or id(tv) in seen:
+                tv = self.fd.ops.cast(tv, tv.dtype)  # an output is its own tensor: a copy of an input or twin
+            seen.add(id(tv))
+            self.fd.add_output(tv, name)
+
+    # ------------------------------------------------------------ one node
+    def _call(self, node):
+        if node.target is operator.getitem:
+            seq, i = self._value(node.args[0]), node.args[1]
+            return seq[i]
+        schema = getattr(node.target, "_schema", None)
+        if schema is None:
+            raise self.error("is not an ATen op", _FIX_UNMAPPED)
+        kwargs = {k: self._value(v) for k, v in _by_schema(schema, node.args, node.kwargs).items()}
+        if not _has_tensor(kwargs):
+            return self._fold(node, kwargs)
+        fn = ATEN.get(node.target) or ATEN.get(getattr(node.target, "overloadpacket", None))
+        if fn is None:
+            raise self.error("has no fusion mapping", _FIX_UNMAPPED)
+        return fn(self, **kwargs)
+
+    def _value(self, v):
+        """An argument of a node: the env's value of a node, recursively through lists and tuples."""
+        if isinstance(v, torch.fx.Node):
+            val = self.env[v.name]
+            if isinstance(val, _Unavailable):
+                raise self.error(f"reads {val.what}, which the fusion does not compute", "use only the op's "
+                                 "first output")
+            return val
+        if isinstance(v, (list, tuple)):
+            return type(v)(self._value(x) for x in v)
+        return v
+
+    def _fold(self, node, kwargs):
+        """The node computed now by torch: every tensor it reads is known at export."""
+        if torch.Tag.nondeterministic_seeded in node.target.tags:
+            raise self.error("is random", "export the module in eval mode (module.eval()); a random op has no "
+                             "value to fold and no fusion op")
+        with torch.no_grad():
+            out = node.target(**_unfold(kwargs))
+        return _wrap(out, f"{_module_path(node)}.{node.name}".lstrip("."))
+
+    # ------------------------------------------------------------ helpers the mappings use
+    @property
+    def ops(self):
+        return self.fd.ops
+
+    def error(self, what: str, fix: str) -> ExportError:
+        """ExportError naming the current node's op and source line."""
+        name = str(self.node.target) if self.node is not None else "?"
+        return ExportError(f"from_torch: {name} at {source_line(self.node)} {what}; {fix}")
+
+    def _tensor(self, v) -> TensorView:
+        """v as a fusion tensor: a folded constant becomes a constant input (equal ones shared)."""
+        if isinstance(v, TensorView):
+            return v
+        if isinstance(v, _Folded):
+            for value, tv in self._consts:
+                if value.shape == v.value.shape and value.dtype == v.value.dtype and torch.equal(value, v.value):
+                    return tv
+            name = f"const.{v.name}"
+            tv = self.fd.define_tensor(tuple(v.value.shape), v.value.dtype, name)
+            self.fd.constants[name] = v.value
+            self._consts.append((v.value, tv))
+            return tv
+        raise self.error(f"needs a tensor and got {v!r}", "report this model to egraph-did")
+
+    def operand(self, v):
+        """v as an operand of a pointwise op: a fusion tensor, or a Python number (a 0-d constant is one)."""
+        if isinstance(v, _Folded) and v.value.ndim == 0:
+            return v.value.item()
+        return v if isinstance(v, (int, float, bool)) else self._tensor(v)
+
+
+_FIX_UNMAPPED = ("map it in egraph_did/frontend.py's ATEN table (onto fd.ops, adding an op to egraph_did/ops.py "
+                 "if none fits), or rewrite that line of the model with ops the table maps")
+
+
+def _live_copy(src: TorchFusion) -> TorchFusion:
+    """src without the ops no output needs (a transpose that mm folded into a linear, a mask's source), nor
+    the parameters and constants no op reads (a tied weight export reads under its other name)."""
+    fusion = src.fusion
+    live = {id(t) for t in fusion.outputs.values()}
+    for e in reversed(fusion.exprs):
+        if any(id(o) in live for o in e.outputs):
+            live |= {id(t) for t in e.inputs}
+    live |= {id(fusion[name]) for name in src.user_inputs}
+    out = TorchFusion()
+    out.user_inputs, out._module, out._leaves = src.user_inputs, src._module, src._leaves
+    out.params = tuple(p for p in src.params if id(fusion[p]) in live)
+    out.constants = {k: v for k, v in src.constants.items() if id(fusion[k]) in live}
+    new = {id(t): out.define_tensor(t.shape, t.dtype, t.name) for t in fusion.inputs if id(t) in live}
+    for e in fusion.exprs:
+        if any(id(o) in live for o in e.outputs):
+            res = out.fusion.emit(e.op.name, **{k: new[id(v)] if isinstance(v, TensorView) else v for k, v in e.args})
+            new |= {id(o): t for o, t in zip(e.outputs, res if isinstance(res, tuple) else (res,))}
+    for name, tv in fusion.outputs.items():
+        out.add_output(new[id(tv)], name)
+    return out
+
+
+@dataclass
+class _Folded:
+    """A tensor known at export (a buffer, a lifted constant, or a folded node's value), and a name for it."""
+
+    value: torch.Tensor
+    name: str
+
+
+def _by_schema(schema, args, kwargs) -> dict:
+    """A node's arguments by their names in the op's schema."""
+    return {a.name: v for a, v in zip(schema.arguments, args)} | dict(kwargs)
+
+
+def _has_tensor(v) -> bool:
+    if isinstance(v, TensorView):
+        return True
+    if isinstance(v, dict):
+        return any(_has_tensor(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_has_tensor(x) for x in v)
+    return False
+
+
+def _unfold(v):
+    if isinstance(v, _Folded):
+        return v.value
+    if isinstance(v, dict):
+        return {k: _unfold(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_unfold(x) for x in v)
+    return v
+
+
+def _wrap(out, name: str):
+    if isinstance(out, torch.Tensor):
+        return _Folded(out, name)
+    if isinstance(out, (list, tuple)):
+        return type(out)(_wrap(x, f"{name}.{i}") for i, x in enumerate(out))
+    return out
+
+
+def _output_names(spec, n: int) -> list[str]:
+    """Names of the flattened outputs: 'out' for one tensor, else each leaf's key path ('logits', '0')."""
+    if n == 1 and spec.is_leaf():
+        return ["out"]
+    paths, _ = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(n)), spec))
+    names = [".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+             for path, _ in paths]
+    return [nm or "out" for nm in names]
+
+
+# ---------------------------------------------------------------------- the table: ATen op -> fusion ops
+
+ATEN: dict[Any, Callable[..., Any]] = {}
+
+
+def maps(*targets):
+    """Register the decorated function as the mapping of these ATen ops (an OpOverloadPacket maps every
+    overload); it gets the converter and the node's arguments by schema name, and returns the value."""
+    def register(fn):
+        for t in targets:
+            ATEN[t] = fn
+        return fn
+    return register
+
+
+def _alpha(c, v, alpha):
+    return v if alpha == 1 else c.ops.mul(c.operand(v), alpha)
+
+
+@maps(aten.add)
+def _add(c, self, other, alpha=1):
+    return c.ops.add(c.operand(self), _alpha(c, c.operand(other), alpha))
+
+
+@maps(aten.sub)
+def _sub(c, self, other, alpha=1):
+    return c.ops.sub(c.operand(self), _alpha(c, c.operand(other), alpha))
+
+
+@maps(aten.rsub)
+def _rsub(c, self, other, alpha=1):
+    return c.ops.sub(c.operand(other), _alpha(c, c.operand(self), alpha))
+
+
+@maps(aten.mul)
+def _mul(c, self, other):
+    return c.ops.mul(c.operand(self), c.operand(other))
+
+
+@maps(aten.div)
+def _div(c, self, other, rounding_mode=None):
+    if rounding_mode is not None:
+        raise c.error(f"rounds (rounding_mode={rounding_mode!r})", "fd.ops has no rounding division; compute it "
+                      "from constants, or map it")
+    return c.ops.div(c.operand(self), c.operand(other))
+
+
+@maps(aten.pow)
+def _pow(c, self, exponent):
+    return c.ops.pow(c.operand(self), c.operand(exponent))
+
+
+@maps(aten.maximum)
+def _maximum(c, self, other):
+    return c.ops.maximum(c.operand(self), c.operand(other))
+
+
+def _binary(op_name):
+    return lambda c, self, other: getattr(c.ops, op_name)(c.operand(self), c.operand(other))
+
+
+for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
+    maps(getattr(aten, _name))(_binary(_name))
+
+
+def _unary(op_name):
+    return lambda c, self: getattr(c.ops, op_name)(c._tensor(self))
+
+
+for _aten, _op in (("neg", "neg"), ("exp", "exp"), ("log", "log"), ("tanh", "tanh"), ("sigmoid", "sigmoid"),
+                   ("relu", "relu"), ("rsqrt", "rsqrt"), ("sqrt", "sqrt"), ("erf", "erf"), ("abs", "abs"),
+                   ("silu", "silu")):
+    maps(getattr(aten, _aten))(_unary(_op))
+
+
+@maps(aten.gelu)
+def _gelu(c, self, approximate="none"):
+    return c.ops.gelu(c._tensor(self), approximate=approximate)
+
+
+@maps(aten.where)
+def _where(c, condition, self, other):
+    return c.ops.where(c._tensor(condition), c.operand(self), c.operand(other))
+
+
+@maps(aten.masked_fill)
+def _masked_fill(c, self, mask, value):
+    x = c._tensor(self)
+    return c.ops.where(c._tensor(mask), c.operand(value), x)
+
+
+# ------------------------------------------------------------ identities and casts
+
+def _identity(c, self, **_):
+    return self
+
+
+for _t in (aten.clone, aten.contiguous, aten.alias, aten.detach, aten.lift_fresh_copy):
+    maps(_t)(_identity)
+
+
+@maps(aten.dropout)
+def _dropout(c, input, p, train):
+    if train and p > 0:
+        raise c.error(f"drops out (p={p}) in training mode", "export the module in eval mode (module.eval())")
+    return input
+
+
+def _cast(c, x, dtype):
+    x = c._tensor(x)
+    return x if dtype is None or canonical_dtype(dtype) == x.dtype else c.ops.cast(x, dtype)
+
+
+@maps(aten._to_copy, aten.to)
+def _to(c, self, dtype=None, other=None, **_):
+    if isinstance(other, TensorView):
+        dtype = other.dtype
+    return _cast(c, self, dtype)
+
+
+@maps(aten.type_as)
+def _type_as(c, self, other):
+    return _cast(c, self, other.dtype)
+
+
+@maps(aten._assert_tensor_metadata)
+def _assert_metadata(c, a, size=None, stride=None, dtype=None, **_):
+    if dtype is not None and isinstance(a, TensorView) and a.dtype != dtype:
+        raise c.error(f"asserts dtype {dtype} of {a.name}, which is {a.dtype}", "report this model to egraph-did")
+    return None
+
+
+# ------------------------------------------------------------ views
+
+@maps(aten.view, aten.reshape, aten._unsafe_view)
+def _reshape(c, self, size=None, shape=None, **_):
+    return c.ops.reshape(c._tensor(self), tuple(size if size is not None else shape))
+
+
+@maps(aten.permute)
+def _permute(c, self, dims):
+    return c.ops.permute(c._tensor(self), tuple(dims))
+
+
+@maps(aten.transpose)
+def _transpose(c, self, dim0, dim1):
+    return c.ops.transpose(c._tensor(self), dim0, dim1)
+
+
+@maps(aten.t)
+def _t(c, self):
+    x = c._tensor(self)
+    return x if x.ndim < 2 else c.ops.transpose(x, 0, 1)
+
+
+@maps(aten.expand)
+def _expand(c, self, size, implicit=False):
+    return c.ops.expand(c._tensor(self), tuple(size))
+
+
+@maps(aten.unsqueeze)
+def _unsqueeze(c, self, dim):
+    return c.ops.unsqueeze(c._tensor(self), dim)
+
+
+@maps(aten.squeeze)
+def _squeeze(c, self, dim=None):
+    x = c._tensor(self)
+    dims = range(x.ndim) if dim is None else ([dim] if isinstance(dim, int) else dim)
+    drop = {d % x.ndim for d in dims if x.shape[d] == 1}
+    return c.ops.reshape(x, tuple(e for i, e in enumerate(x.shape) if i not in drop))
+
+
+@maps(aten.slice)
+def _slice(c, self, dim=0, start=None, end=None, step=1):
+    if step != 1:
+        raise c.error(f"slices with step {step}", "fd.ops.slice takes step 1; slice with step 1, or map it")
+    x = c._tensor(self)
+    end = None if end is None or end >= x.shape[dim] else end  # torch writes "to the end" as 2**63 - 1
+    return c.ops.slice(x, dim, 0 if start is None else start, end)
+
+
+@maps(aten.select)
+def _select(c, self, dim, index):
+    x = c._tensor(self)
+    d = dim % x.ndim
+    row = c.ops.slice(x, d, index, index + 1 if index != -1 else None)
+    return c.ops.reshape(row, x.shape[:d] + x.shape[d + 1:])
+
+
+@maps(aten.split, aten.split_with_sizes)
+def _split(c, self, split_size=None, split_sizes=None, dim=0):
+    x = c._tensor(self)
+    n = x.shape[dim]
+    sizes = list(split_sizes) if split_sizes is not None else [min(split_size, n - i) for i in range(0, n, split_size)]
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return tuple(c.ops.slice(x, dim, lo, hi) for lo, hi in zip(bounds, bounds[1:]))
+
+
+@maps(aten.chunk)
+def _chunk(c, self, chunks, dim=0):
+    n = c._tensor(self).shape[dim]
+    return _split(c, self, split_size=-(-n // chunks), dim=dim)
+
+
+@maps(aten.cat)
+def _cat(c, tensors, dim=0):
+    ts = [c._tensor(t) for t in tensors]
+    dtype = ts[0].dtype
+    for t in ts[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    ts = [t if t.dtype == dtype else c.ops.cast(t, dtype) for t in ts]
+    out = ts[0]
+    for t in ts[1:]:
+        out = c.ops.cat(out, t, dim)
+    return out
+
+
+# ------------------------------------------------------------ reductions and normalizations
+
+def _dims(dim):
+    return None if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0) else (
+        dim if isinstance(dim, int) else tuple(dim))
+
+
+def _reduce(op_name):
+    def fn(c, self, dim=None, keepdim=False, dtype=None):
+        x = _cast(c, self, dtype)
+        return getattr(c.ops, op_name)(x, _dims(dim), keepdim=keepdim)
+    return fn
+
+
+maps(aten.sum)(_reduce("sum"))
+maps(aten.mean)(_reduce("mean"))
+maps(aten.amax)(lambda c, self, dim=(), keepdim=False: c.ops.amax(c._tensor(self), _dims(dim), keepdim=keepdim))
+
+
+@maps(aten._softmax, aten.softmax)
+def _softmax(c, self, dim, half_to_float=False, dtype=None):
+    return c.ops.softmax(_cast(c, self, dtype), dim)
+
+
+@maps(aten.layer_norm)
+def _layer_norm(c, input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+    w, b = (None if t is None else c._tensor(t) for t in (weight, bias))
+    return c.ops.layer_norm(c._tensor(input), tuple(normalized_shape), w, b, eps)
+
+
+@maps(aten.native_layer_norm)
+def _native_layer_norm(c, input, normalized_shape, weight, bias, eps):
+    y = _layer_norm(c, input, normalized_shape, weight, bias, eps)
+    return y, _Unavailable("native_layer_norm's mean"), _Unavailable("native_layer_norm's rstd")
+
+
+@maps(aten.rms_norm)
+def _rms_norm(c, input, normalized_shape, weight=None, eps=None):
+    x = c._tensor(input)
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    return c.ops.rms_norm(x, tuple(normalized_shape), None if weight is None else c._tensor(weight), eps)
+
+
+# ------------------------------------------------------------ matmuls, attention, embedding
+
+def _weight_of(c, t: TensorView) -> TensorView | None:
+    """W where t is W transposed ([in, out] as a view of a parameter [out, in]), else None: mm and addmm
+    on it are a linear, whose sharding rules the optimizer knows."""
+    e = c.fd.fusion.producer(t)
+    if e is None or t.ndim != 2:
+        return None
+    if e.op.name == "permute" and tuple(e.attrs["dims"]) in ((1, 0), (-1, -2), (1, -2), (-1, 0)):
+        return e.inputs[0]
+    if e.op.name == "transpose" and {e.attrs["dim0"] % 2, e.attrs["dim1"] % 2} == {0, 1}:
+        return e.inputs[0]
+    return None
+
+
+def _mm(c, a, b, bias=None):
+    a, b = c._tensor(a), c._tensor(b)
+    w = _weight_of(c, b)
+    if w is not None:
+        return c.ops.linear(a, w, bias)
+    y = c.ops.matmul(a, b)
+    return y if bias is None else c.ops.add(y, bias)
+
+
+@maps(aten.linear)
+def _linear(c, input, weight, bias=None):
+    return c.ops.linear(c._tensor(input), c._tensor(weight), None if bias is None else c._tensor(bias))
+
+
+@maps(aten.mm, aten.bmm)
+def _matmul2(c, self, mat2):
+    return _mm(c, self, mat2)
+
+
+@maps(aten.matmul)
+def _matmul(c, self, other):
+    a, b = c._tensor(self), c._tensor(other)
+    if a.ndim >= 2 and b.ndim >= 2:
+        return _mm(c, a, b)
+    a2 = c.ops.unsqueeze(a, 0) if a.ndim == 1 else a
+    b2 = c.ops.unsqueeze(b, 1) if b.ndim == 1 else b
+    y = c.ops.matmul(a2, b2)
+    shape = y.shape[:-2] + ((y.shape[-2],) if a.ndim > 1 else ()) + ((y.shape[-1],) if b.ndim > 1 else ())
+    return c.ops.reshape(y, shape)
+
+
+@maps(aten.addmm)
+def _addmm(c, self, mat1, mat2, beta=1, alpha=1):
+    bias = c._tensor(self)
+    if beta != 1 or alpha != 1:
+        y = c.ops.mul(_mm(c, mat1, mat2), alpha)
+        return c.ops.add(y, c.ops.mul(bias, beta))
+    if bias.ndim == 1:
+        return _mm(c, mat1, mat2, bias)
+    return c.ops.add(_mm(c, mat1, mat2), bias)
+
+
+@maps(aten.embedding)
+def _embedding(c, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return c.ops.embedding(c._tensor(indices), c._tensor(weight))
+
+
+def _is_causal_mask(mask: torch.Tensor, sq: int, sk: int) -> bool:
+    """Whether an attention mask, bool (True keeps) or additive (0 keeps, -inf drops), is the causal one
+    on every batch and head."""
+    keep = torch.ones(sq, sk, dtype=torch.bool).tril()
+    kept = mask if mask.dtype == torch.bool else (mask == 0)
+    drops_all = mask.dtype == torch.bool or bool(torch.isneginf(mask[~kept.expand(mask.shape)]).all())
+    return sq == sk and drops_all and bool((kept == keep).all())
+
+
+@maps(aten.scaled_dot_product_attention)
+def _sdpa(c, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if dropout_p:
+        raise c.error(f"drops out attention (dropout_p={dropout_p})", "export in eval mode (module.eval())")
+    q, k, v = (c._tensor(t) for t in (query, key, value))
+    if enable_gqa and k.shape[1] != q.shape[1]:
+        k, v = (_repeat_heads(c, t, q.shape[1] // t.shape[1]) for t in (k, v))
+    if attn_mask is None or (isinstance(attn_mask, _Folded) and not is_causal
+                             and _is_causal_mask(attn_mask.value, q.shape[2], k.shape[2])):
+        return c.ops.sdpa(q, k, v, is_causal=bool(is_causal or attn_mask is not None), scale=scale)
+    if is_causal:
+        raise c.error("has both a mask and is_causal", "torch refuses this too; pass one of them")
+    return _sdpa_with_mask(c, q, k, v, c._tensor(attn_mask), scale)
+
+
+def _repeat_heads(c, t: TensorView, n: int) -> TensorView:
+    b, h, s, d = t.shape
+    return c.ops.reshape(c.ops.expand(c.ops.unsqueeze(t, 2), (b, h, n, s, d)), (b, h * n, s, d))
+
+
+def _sdpa_with_mask(c, q, k, v, mask, scale):
+    """softmax(q k^T * scale + mask) v, mask bool (True keeps) or additive: sdpa spelled out."""
+    ops = c.ops
+    s = ops.mul(ops.matmul(q, ops.transpose(k, -2, -1)), scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    s = ops.where(mask, s, -math.inf) if mask.dtype == torch.bool else ops.add(s, ops.cast(mask, s.dtype))
+    return ops.matmul(ops.softmax(s, -1), v)
+
+
+# ------------------------------------------------------------ shape-only values
+
+@maps(aten.zeros_like, aten.ones_like, aten.full_like, aten.new_zeros, aten.new_ones, aten.new_full)
+def _like(c, self, **kwargs):
+    """A value that depends on the operand's shape and dtype only: folded, as if the operand were known."""
+    node = c.node
+    stand_in = torch.zeros(self.shape, dtype=self.dtype)
+    raw = {k: stand_in if k == "self" else _unfold(v) for k, v in kwargs.items()}
+    with torch.no_grad():
+        return _wrap(node.target(**raw), f"{_module_path(node)}.{node.name}".lstrip("."))
+
+
+__all__ = ["from_torch", "TorchFusion", "ExportError", "ATEN", "source_line"]

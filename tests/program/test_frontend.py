@@ -1,0 +1,265 @@
+"""ed.from_torch: a torch module exported by torch.export becomes a fusion whose evaluation is the module's
+forward (float64 to 1e-10, float32 to 1e-5); parameters are inputs named by module path; what depends on
+shapes and constants only is folded into constant inputs; an op with no mapping is refused naming the op
+and the line. The fusions optimize on a 4-rank mesh, simulate and run on 4 gloo processes to the module's
+numbers. transformers' Llama and GPT-2 run when the `models` extra is installed (skipped otherwise).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # torch.export imports Triton, whose jit reads this once
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import egraph_did as ed  # noqa: E402
+from egraph_did.launcher import launch  # noqa: E402
+
+F64, F32 = torch.float64, torch.float32
+TOL = {F64: 1e-10, F32: 1e-5}
+MESH = ed.DeviceMesh.arange(4)
+
+
+class Block(nn.Module):
+    """A GPT-2 block in plain torch: pre-norm causal self-attention and a GELU MLP, each residual."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.fc, self.out = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(h, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, h // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, h))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+def mlp(hidden: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(approximate="tanh"), nn.Linear(4 * hidden, hidden))
+
+
+def assert_close(got, want, dtype):
+    torch.testing.assert_close(got, want.detach(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+# ---------------------------------------------------------------------- the forward is the module's
+
+@pytest.mark.parametrize("dtype", [F64, F32], ids=str)
+@pytest.mark.parametrize("make", [lambda: mlp(8), lambda: Block(16, 4)], ids=["mlp", "gpt_block"])
+def test_forward_equals_the_module(make, dtype):
+    torch.manual_seed(0)
+    module = make().to(dtype).eval()
+    x = torch.randn(2, 5, 8 if isinstance(module, nn.Sequential) else 16, dtype=dtype)
+    fd = ed.from_torch(module, (x,))
+    x2 = torch.randn_like(x)  # another input of the same shape: the fusion is not the example's numbers
+    assert_close(ed.evaluate(fd, fd.bind(x2))["out"], module(x2), dtype)
+
+
+def test_parameters_are_inputs_named_by_module_path_and_the_user_input_by_argument():
+    fd = ed.from_torch(Block(16, 4), (torch.randn(1, 4, 16),))
+    assert fd.user_inputs == ("x",)
+    assert {"qkv.weight", "qkv.bias", "ln1.weight", "out.bias"} <= set(fd.params)
+    assert [t.name for t in fd.fusion.inputs] == list(fd.params) + ["x"]
+    assert [e.op.name for e in fd.fusion.exprs].count("linear") == 4
+    assert [e.op.name for e in fd.fusion.exprs].count("sdpa") == 1  # is_causal, not spelled out
+
+
+def test_bind_reads_the_parameters_as_they_are_now():
+    lin = nn.Linear(3, 2)
+    fd = ed.from_torch(lin, (torch.ones(4, 3),))
+    with torch.no_grad():
+        lin.weight.mul_(2.0)
+    x = torch.randn(4, 3)
+    assert_close(ed.evaluate(fd, fd.bind(x))["out"], lin(x), F32)
+
+
+def test_a_function_exports_with_its_outputs_named_by_their_place():
+    fd = ed.from_torch(lambda a, b: (a * b, {"s": (a - b).exp()}), (torch.ones(3), torch.ones(3)))
+    a, b = torch.randn(3), torch.randn(3)
+    got = ed.evaluate(fd, fd.bind(a, b))
+    assert sorted(got) == ["0", "1.s"]
+    assert_close(got["1.s"], (a - b).exp(), F32)
+
+
+def test_mm_on_a_transposed_parameter_is_a_linear():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(6, 4))
+
+        def forward(self, x):
+            return torch.addmm(torch.ones(6), x, self.w.t())
+    m = M()
+    fd = ed.from_torch(m, (torch.randn(3, 4),))
+    assert [e.op.name for e in fd.fusion.exprs] == ["linear"]
+    x = torch.randn(3, 4)
+    assert_close(ed.evaluate(fd, fd.bind(x))["out"], m(x), F32)
+
+
+# ---------------------------------------------------------------------- folding what depends on shapes only
+
+class Masked(nn.Module):
+    """Attention scores under a mask built from arange, as models build theirs: the mask is folded."""
+
+    def forward(self, s):
+        n = s.shape[-1]
+        pos = torch.arange(n)
+        keep = pos[None, :] <= pos[:, None]
+        return torch.softmax(s.masked_fill(~keep, float("-inf")), -1)
+
+
+def test_a_mask_from_arange_is_folded_into_one_constant_input():
+    fd = ed.from_torch(Masked(), (torch.randn(2, 5, 5),))
+    assert list(fd.constants) == [t.name for t in fd.fusion.inputs if t.name.startswith("const.")]
+    (mask,) = fd.constants.values()
+    assert mask.dtype == torch.bool and torch.equal(mask, ~torch.ones(5, 5, dtype=torch.bool).tril())
+    assert [e.op.name for e in fd.fusion.exprs] == ["where", "softmax"]
+    s = torch.randn(2, 5, 5)
+    assert_close(ed.evaluate(fd, fd.bind(s))["out"], Masked()(s), F32)
+
+
+def test_an_explicit_causal_mask_becomes_causal_sdpa_and_another_mask_is_spelled_out():
+    q = torch.randn(1, 2, 4, 8)
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    band = causal & ~torch.ones(4, 4, dtype=torch.bool).tril(-2)
+    for mask, sdpas in ((causal, 1), (band, 0)):
+        fd = ed.from_torch(lambda a, m=mask: F.scaled_dot_product_attention(a, a, a, attn_mask=m), (q,))
+        assert [e.op.name for e in fd.fusion.exprs].count("sdpa") == sdpas
+        x = torch.randn_like(q)
+        assert_close(ed.evaluate(fd, fd.bind(x))["out"], F.scaled_dot_product_attention(x, x, x, attn_mask=mask), F32)
+
+
+# ---------------------------------------------------------------------- refusals name the op and the line
+
+def test_an_op_without_a_mapping_names_the_op_and_the_source_line():
+    def running_total(x):
+        return torch.cumsum(x * 2, 0)  # the line the error names
+    with pytest.raises(ed.ExportError) as info:
+        ed.from_torch(running_total, (torch.ones(3, 4),))
+    msg = str(info.value)
+    assert msg.startswith("from_torch: aten.cumsum.default at ")
+    assert "test_frontend.py:" in msg and "return torch.cumsum(x * 2, 0)" in msg
+    assert "ATEN table" in msg
+
+
+def test_dropout_in_training_mode_is_refused_not_folded_or_dropped():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).train()
+    with pytest.raises(ed.ExportError, match=r"eval mode \(module.eval\(\)\)"):
+        ed.from_torch(model, (torch.ones(2, 4),))
+    fd = ed.from_torch(model.eval(), (torch.ones(2, 4),))
+    assert [e.op.name for e in fd.fusion.exprs] == ["linear"]
+
+
+def test_a_strided_slice_is_refused_naming_the_step():
+    with pytest.raises(ed.ExportError, match="slices with step 2"):
+        ed.from_torch(lambda x: x[:, ::2] + 1, (torch.ones(3, 4),))
+
+
+# ---------------------------------------------------------------------- gradients, plans, gloo
+
+def test_grad_of_the_exported_block_equals_torch_autograd():
+    torch.manual_seed(0)
+    block = Block(16, 4).double()
+    x = torch.randn(2, 5, 16, dtype=F64)
+    fd = ed.from_torch(block, (x,))
+    fd.add_output(fd.ops.sum(fd.ops.mul(fd["out"], fd["out"])), name="loss")
+    got = ed.evaluate(ed.grad(fd, loss="loss", wrt=["qkv.weight", "ln1.bias", "x"]), fd.bind(x))
+    xl = x.clone().requires_grad_()
+    (block(xl) ** 2).sum().backward()
+    assert_close(got["grad_qkv.weight"], block.qkv.weight.grad, F64)
+    assert_close(got["grad_ln1.bias"], block.ln1.bias.grad, F64)
+    assert_close(got["grad_x"], xl.grad, F64)
+
+
+def _block_plan(x):
+    """(plan, fusion, module): the GPT-2 block's layouts chosen at hidden 2048, sequence 1024 (bf16, on
+    the meta device: no weights), x and out pinned replicated, replayed on the small float32 block."""
+    with torch.device("meta"):
+        big = Block(2048, 16).to(torch.bfloat16)
+    big_fd = ed.from_torch(big, (torch.empty(1, 1024, 2048, dtype=torch.bfloat16, device="meta"),))
+    torch.manual_seed(0)
+    small = Block(16, 4).eval()
+    fd = ed.from_torch(small, (x,))
+    for f in (big_fd, fd):
+        f["x"].set_device_mesh(MESH)
+        f["out"].set_device_mesh(MESH)
+    return ed.optimize(fd, MESH, like=ed.optimize(big_fd, MESH)), fd, small
+
+
+@pytest.fixture(scope="module")
+def block_plan():
+    x = torch.randn(1, 8, 16)
+    plan, fd, module = _block_plan(x)
+    return plan, fd.bind(x), module(x).detach()
+
+
+def test_the_block_plan_shards_and_simulates_to_the_module(block_plan):
+    plan, inputs, want = block_plan
+    assert plan.collectives, "a sharded plan moves data between ranks"
+    assert any("S" in str(v.layout) for v in plan.values.values())
+    assert_close(ed.simulate(plan, inputs)["out"], want, F32)
+
+
+def run_block(rank: int, plan_json: str, inputs: dict):
+    return ed.Plan.from_json(plan_json).run(inputs, inputs="global", outputs="global")["out"]
+
+
+def test_the_block_plan_on_four_gloo_processes_gives_the_module_output(block_plan):
+    plan, inputs, want = block_plan
+    outs = launch(run_block, nprocs=4, backend="gloo", args=(plan.to_json(), inputs), timeout=120)
+    for out in outs:
+        assert_close(out, want, F32)
+
+
+# ---------------------------------------------------------------------- transformers' models (optional)
+
+def _hf(name: str, dtype):
+    transformers = pytest.importorskip("transformers", reason="the `models` extra (pip install -e '.[models]')")
+    torch.manual_seed(0)
+    if name == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                      bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(cfg)
+    return model.to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [F64, F32], ids=str)
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_transformers_model_logits_equal_the_module(name, dtype):
+    model = _hf(name, dtype)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    fd = ed.from_torch(model, (ids,), {"use_cache": False})
+    assert fd.user_inputs == ("input_ids",)
+    other = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
+    got = ed.evaluate(fd, fd.bind(other, use_cache=False))["logits"]
+    assert_close(got, model(other, use_cache=False).logits, dtype)
+
+
+def test_llama_rotary_tables_and_mask_are_folded_and_shared_by_the_layers():
+    fd = ed.from_torch(_hf("llama", F32), (torch.zeros(2, 8, dtype=torch.int64),), {"use_cache": False})
+    assert len(fd.constants) == 2  # cos and sin, once for both layers; the causal mask became is_causal
+    ops = [e.op.name for e in fd.fusion.exprs]
+    assert ops.count("sdpa") == 2 and ops.count("cat") == 4 and ops.count("slice") == 8
+    assert all(e.attrs["is_causal"] for e in fd.fusion.exprs if e.op.name == "sdpa")
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_transformers_model_optimizes_on_four_ranks_and_simulates_to_the_module(name):
+    model = _hf(name, F32)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    fd = ed.from_torch(model, (ids,), {"use_cache": False})
+    fd["input_ids"].set_device_mesh(MESH).outer_split(0, 4).axis(0).parallelize(ed.ParallelType.DIDx)
+    plan = ed.optimize(fd, MESH)
+    assert_close(ed.simulate(plan, fd.bind(ids, use_cache=False))["logits"], model(ids, use_cache=False).logits, F32)
