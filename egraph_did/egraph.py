@@ -1,175 +1,393 @@
-"""The e-graph: encode a Problem in egglog, saturate, serialize, read back a plain graph.
+"""The e-graph (docs/egraph.md): encode a Problem's program over the typed sorts of rewrites/sorts.py,
+saturate the rewrites/ rulesets, read back the physical classes as a plain PhysGraph.
 
-Two sorts (DESIGN.md): T, the logical program (a term per tensor; a composite and its decomposition
-are unioned, so they are one class), and D, the physical program, whose classes are named by the
-unextractable Phys(t, layout, level): every way to hold logical tensor t in `layout`. Levels
-stratify the graph so it stays acyclic: compute ops write level 0 and read level m (= mesh ndim);
-collectives and Keep move one level up, one mesh axis at a time.
+Encoding: one named term per tensor, equal to its op's constructor (Def), shape facts once per distinct
+shape, each op application (Site) and its signature (Sig: op, shapes, attributes; AxisMap, Reduced,
+AttrS, AttrI, ReshapeBlock and Param computed here by op kind: `_axis_facts`), the inputs (Input, or
+LoadIn for a pin). No strategy is a fact: the family rulesets derive the per-mesh-axis relation Ax per
+signature; the rules generated here join it over the mesh axes (Strat, then Plan per application),
+compute level 0 from operands held at level m = mesh ndim (Run) and move one mesh axis a level up by Keep
+or by a collective the registry connects (Move; the graph stays acyclic). The schedule runs the
+families and the program rules once, then the physical rules to saturation.
 
-Rules are few and generic (one per (operand count, output count) for ops, two per level for
-collectives); the per-expr strategies and the moves the collective registry connects are facts.
-Rules run forward from the classes that exist (the pinned inputs and every layout of free ones), so
-saturation builds exactly the reachable layouts. All version-specific egglog calls live in this module.
+Rules with no egglog form (ORACLE_RULES: a family written since, such as grad_ops) still reach egglog as
+Ax rows computed by their Python rule: the switch is explicit. tests/optimizer/test_egraph.py holds the
+graph equal to a plain Python worklist over the problem's priced strategies; tests/rewrites/
+test_egglog_rules.py holds every egglog form equal to its Python rule.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import time
 from collections import defaultdict
-from itertools import product
 
-from egglog import EGraph, Expr, String, StringLike, function, i64, i64Like, relation, rule, ruleset, union, var
+from egglog import EGraph, String, eq, i64, relation, ruleset, union, var
+from egglog import rule as erule
+
+from egraph_did.rewrites import ALL_RULES, RULES, aten, pointwise, reduction, views
+from egraph_did.rewrites.rules import EGGLOG
+from egraph_did.rewrites.sorts import (AX, KERNS, LAYOUTS, OPS_SORT, PLAN, RUN, SIG, SITE, STRAT, Apart, AttrI, AttrS, AxisMap,
+                                       Bcast, Coll, Connect, D, Def, Extent, Fits, FloatSize, Held, Input, Keep, Lit, Load,
+                                       LoadIn, MeshSize, NestOK, NoPartial, OpKind, Out, Param, Placement, Proj, Rank,
+                                       Reduced, ReshapeBlock, Shape, ShapeOf, Shp, T, Tensor, Valid, attr_text)
+from egraph_did.rewrites.sorts import Kern as KernSort, Layout as LayoutSort
+from egraph_did.rewrites.sorts import P as P_, Pmax as Pmax_, R as R_, S as S_
 
 from .collectives import connecting
-from .layout import Layout
+from .layout import PMAX, Layout, P, R, S, is_valid
+from .ops import OPS
 from .physgraph import Node, PhysGraph
-from .problem import Problem
+from .problem import Problem, op_view
+
+Lay = relation("Lay", LayoutSort, egg_fn="Lay")  # a layout some tensor may be held in
+Move = relation("Move", LayoutSort, LayoutSort, String, i64, egg_fn="Move")  # src, dst, collective, mesh axis
+Whole = relation("Whole", LayoutSort, egg_fn="Whole")  # a layout with no pending reduction
+# Open(1): every application takes every strategy its signature's Strat rows give. Absent where the problem
+# was restricted to another plan's strategies (build_problem(like=): a pin on every expr), which then come
+# as Plan rows
+Open = relation("Open", i64, egg_fn="Open")
+
+# The family rulesets, composed into one by the schedule
+FAMILIES = pointwise.pointwise | views.views | reduction.reduction | aten.aten
+# Rules with no egglog form (rules.egglog_form) yet: their Ax rows reach egglog as facts computed by the
+# Python rule (the explicit switch; a family added without egglog forms lands here)
+ORACLE_RULES = frozenset(r.name for r in ALL_RULES if r.name not in EGGLOG)
 
 
-class T(Expr):
-    """A logical tensor."""
+# ---------------------------------------------------------------------- terms as text (the adapter's input)
+
+def _q(s: str) -> str:
+    return '"' + s.replace('"', "'") + '"'  # egglog strings: JSON's quotes become single quotes
 
 
-@function(egg_fn="Tensor")
-def Tensor(name: StringLike) -> T:
-    """The logical tensor called `name` (an index such as "t3": user names may hold any character)."""
+def pl_text(p) -> str:
+    """A placement as an egglog term.
+
+    >>> pl_text(S(1)), pl_text(PMAX)
+    ('(S 1)', '(Pmax)')
+    """
+    return f"(S {p.axis})" if p.is_shard else "(R)" if p.kind == "R" else "(P)" if p.reduce == "sum" else "(Pmax)"
 
 
-class D(Expr):
-    """A physical value: a logical tensor held in some layout on every rank."""
+def lay_text(lay: Layout) -> str:
+    """A layout as an egglog term: (L2 (S 0) (R))."""
+    return f"(L{len(lay)} " + " ".join(pl_text(p) for p in lay) + ")"
 
 
-@function(egg_fn="Phys", unextractable=True)
-def Phys(t: T, layout: StringLike, level: i64Like) -> D:
-    """The class of every way to hold logical tensor t in `layout` at `level` (0..mesh ndim)."""
+def _shape_code(tv) -> str:
+    return f"{str(tv.dtype).replace('torch.', '')}:{','.join(map(str, tv.shape))}"
 
 
-@function(egg_fn="Load")
-def Load(name: StringLike, layout: StringLike) -> D:
-    """Input `name` bound in `layout`: every rank receives its shard."""
+# ---------------------------------------------------------------------- op facts by kind
+
+def _norm(a: int, n: int) -> int:
+    return a % n if n else a
 
 
-@function(egg_fn="Keep")
-def Keep(d: D) -> D:
-    """d unchanged, one level up (a mesh axis on which no collective runs)."""
+def _dims(x_ndim: int, dims) -> tuple[int, ...]:
+    if dims is None:
+        return tuple(range(x_ndim))
+    return tuple(sorted(_norm(d, x_ndim) for d in ((dims,) if isinstance(dims, int) else dims)))
 
 
-@function(egg_fn="Coll")
-def Coll(kind: StringLike, axis: i64Like, dst: StringLike, d: D) -> D:
-    """d after collective `kind` over mesh axis `axis`, which leaves it in layout `dst`."""
+def _axis_facts(e) -> list[tuple]:
+    """The op's axis correspondence (AxisMap: output axis b is operand axis a, unchanged), its reduced or
+    gathered axes (Reduced) and string attributes the rules read (AttrS), by op kind.
+
+    >>> from egraph_did.models import row_sum
+    >>> _axis_facts(row_sum(8, 64).fusion.exprs[0])  # sum over axis 1 keeps axis 0
+    [('AxisMap', 0, 0, 0), ('Reduced', 1)]
+    """
+    args, op = dict(e.args), e.op
+    tensors = [v for _, v in e.args if hasattr(v, "logical_domain")]
+    x = tensors[0]
+    out: list[tuple] = []
+    if op.name in ("sum", "mean", "amax", "var_mean"):
+        dims = _dims(x.ndim, args.get("dims"))
+        kept = [a for a in range(x.ndim) if a not in dims]
+        out += [("AxisMap", 0, a, a if args.get("keepdim") else a - sum(d < a for d in dims)) for a in kept]
+        out += [("Reduced", a) for a in dims]
+    elif op.permutes:
+        out += [("AxisMap", 0, a, b) for b, a in enumerate(op.permutation(args, x.ndim))]
+    elif op.name == "reshape":
+        out += [("ReshapeBlock", *blk) for blk in views.reshape_blocks(x.shape, e.outputs[0].shape)]
+    elif op.name == "welford_blocks":
+        dim = _norm(args["dim"], x.ndim)
+        out += [("AxisMap", 0, a, a) for a in range(x.ndim) if a != dim] + [("Reduced", dim)]
+        out.append(("AttrI", "blocks", args["blocks"]))
+    elif op.name == "unsqueeze":
+        d = _norm(args["dim"], e.outputs[0].ndim)
+        out += [("AxisMap", 0, a, a if a < d else a + 1) for a in range(x.ndim)]
+    elif op.name == "expand":
+        out += [("AxisMap", 0, a, a + e.outputs[0].ndim - x.ndim) for a in range(x.ndim)]
+    elif op.name == "broadcast_in_dim":
+        out += [("AxisMap", 0, a, b) for a, b in enumerate(args["broadcast_dims"])]
+    elif op.name in ("softmax", "take_along_axis"):
+        dim = _norm(args["dim"], x.ndim)
+        out += [("AxisMap", 0, a, a) for a in range(x.ndim) if a != dim] + [("Reduced", dim)]
+    elif op.name in ("layer_norm", "rms_norm"):
+        ns = args.get("normalized_shape")
+        k = (len(args["weight"].shape) if args.get("weight") is not None
+             else 1 if isinstance(ns, int) else len(ns or (1,)))
+        out += [("AxisMap", 0, a, a) for a in range(x.ndim - k)]
+    elif op.name == "welford_merge":
+        rank = x.ndim - 1
+        dim, keep = _norm(args["dim"], rank), args.get("keepdim")
+        out += [("AxisMap", 0, a, a if keep or a < dim else a - 1) for a in range(rank) if a != dim]
+    for name in ("reduction", "is_causal"):
+        if name in args:
+            out.append(("AttrS", name, attr_text(args[name])))
+    return out
 
 
-@function(egg_fn="Proj")
-def Proj(index: i64Like, d: D) -> D:
-    """Output `index` of the multi-output op application d."""
+# ---------------------------------------------------------------------- encode
 
-
-@function(egg_fn="Apply1")
-def Apply1(key: StringLike, sid: i64Like, a: D) -> D:
-    """The expr `key` run under its strategy `sid` on one operand."""
-
-
-@function(egg_fn="Apply2")
-def Apply2(key: StringLike, sid: i64Like, a: D, b: D) -> D:
-    """The expr `key` run under its strategy `sid` on two operands."""
-
-
-@function(egg_fn="Apply3")
-def Apply3(key: StringLike, sid: i64Like, a: D, b: D, c: D) -> D:
-    """The expr `key` run under its strategy `sid` on three operands."""
-
-
-@function(egg_fn="Apply4")
-def Apply4(key: StringLike, sid: i64Like, a: D, b: D, c: D, d: D) -> D:
-    """The expr `key` run under its strategy `sid` on four operands."""
-
-
-APPLY = {1: Apply1, 2: Apply2, 3: Apply3, 4: Apply4}
-Valid = relation("Valid", T, String, egg_fn="Valid")  # t may be held in layout (its shape fits it)
-Trans = relation("Trans", String, String, String, i64, egg_fn="Trans")  # layout -> layout by a collective on a mesh axis
-STRAT = {(n, o): relation(f"Strat{n}x{o}", String, i64, *([T, String] * (o + n)), egg_fn=f"Strat{n}x{o}")
-         for n in APPLY for o in (1, 2)}
-
-
-# ---------------------------------------------------------------------- encode + saturate
-
-def _rules(m: int):
-    rs = ruleset(name=f"sharding{m}")
-    t, l, lf, lt, kind = var("t", T), var("l", String), var("lf", String), var("lt", String), var("kind", String)
-    ax = var("ax", i64)
-    for k in range(m):
-        rs.register(rule(Phys(t, l, k)).then(union(Phys(t, l, k + 1)).with_(Keep(Phys(t, l, k)))))
-        rs.register(rule(Phys(t, lf, k), Trans(lf, lt, kind, ax), Valid(t, lt)).then(
-            union(Phys(t, lt, k + 1)).with_(Coll(kind, ax, lt, Phys(t, lf, k)))))
-    key, sid = var("key", String), var("sid", i64)
-    for (n, o), strat in STRAT.items():
-        outs = [(var(f"o{i}", T), var(f"lo{i}", String)) for i in range(o)]
-        ins = [(var(f"a{i}", T), var(f"la{i}", String)) for i in range(n)]
-        fact = strat(key, sid, *[x for pair in outs + ins for x in pair])
-        node = APPLY[n](key, sid, *[Phys(a, la, m) for a, la in ins])
-        if o == 1:
-            acts = [union(Phys(outs[0][0], outs[0][1], 0)).with_(node)]
-        else:
-            acts = [union(Phys(ot, ol, 0)).with_(Proj(i, node)) for i, (ot, ol) in enumerate(outs)]
-        rs.register(rule(fact, *[Phys(a, la, m) for a, la in ins]).then(*acts))
-    return rs
-
-
-def transitions(problem: Problem) -> list[tuple[str, str, str, int]]:
-    """Every (src layout, dst layout, collective, mesh axis) that changes one mesh axis's placement, where
-    no inner mesh axis splits the same tensor axis (shards nest outer mesh axis first).
+def encode(problem: Problem) -> tuple[list[str], dict[str, str], dict[str, str]]:
+    """The problem's program, shapes, structure and loads as egglog facts (text), the tensor index and each
+    expr's signature (op applications alike, as in the layers of a model, share one: the sharding rules
+    run once per signature).
 
     >>> import egraph_did as ed
     >>> from egraph_did.models import row_sum
     >>> from egraph_did.problem import build_problem
-    >>> moves = transitions(build_problem(row_sum(8, 64), ed.DeviceMesh.arange(4)))
-    >>> ("P", "S0", "reduce_scatter", 0) in moves, ("S0", "R", "allgather", 0) in moves, ("R", "P", "slice", 0) in moves
-    (True, True, False)
+    >>> facts, ident, sig_of = encode(build_problem(row_sum(8, 64), ed.DeviceMesh.arange(4)))
+    >>> [f for f in facts if f.startswith(("(Def", "(Site", "(Sig"))]  # doctest: +NORMALIZE_WHITESPACE
+    ['(Def (T "t1") (op_sum (T "t0") (Lit "1") (Lit "false")))', '(Sig1x1 "g0" "sum" (Shp "float32:8") (Shp "float32:8,64"))',
+     '(Site1x1 "t1" "g0" (T "t1") (T "t0"))']
     """
-    codes: dict[str, Layout] = {}
-    for lays in problem.layouts.values():
-        for lay in lays:
-            codes[lay.code()] = lay
-    out = []
-    for src, dst in product(codes.values(), repeat=2):
-        diff = [m for m in range(len(src)) if src[m] != dst[m]]
-        if len(diff) != 1:
-            continue
-        m = diff[0]
-        inner = src.placements[m + 1:]
-        if any(p.is_shard and p in inner for p in (src[m], dst[m])):
-            continue
-        for k in connecting(src[m], dst[m]):
-            out.append((src.code(), dst.code(), k.name, m))
-    return out
+    fusion, mesh = problem.fusion, problem.mesh
+    ident = {name: f"t{i}" for i, name in enumerate(fusion.tensors)}
 
-
-def _facts(problem: Problem, ident: dict[str, str]) -> list[str]:
-    """The problem as egglog facts (text): equal terms, valid layouts, reshards, loads, strategies."""
     def t(name):
-        return f'(Tensor "{ident[name]}")'
-    out = [f"(union {t(a)} {t(b)})" for a, b in problem.equal]
-    for name, lays in problem.layouts.items():
-        out += [f'(Valid {t(name)} "{lay.code()}")' for lay in lays]
-    out += [f'(Trans "{src}" "{dst}" "{kind}" {ax})' for src, dst, kind, ax in transitions(problem)]
-    for tv in problem.fusion.inputs:
-        out += [f'(union (Phys {t(tv.name)} "{lay.code()}" 0) (Load "{ident[tv.name]}" "{lay.code()}"))'
-                for lay in problem.load_layouts(tv.name)]
-    for key, strats in problem.strategies.items():
+        return f'(T "{ident[name]}")'
+
+    out: list[str] = []
+    shapes: dict[str, object] = {}
+    for name, tv in fusion.tensors.items():
+        code = _shape_code(tv)
+        shapes.setdefault(code, tv)
+        out.append(f"(ShapeOf {t(name)} (Shp {_q(code)}))")
+    for code, tv in shapes.items():
+        s = f"(Shp {_q(code)})"
+        out.append(f"(Rank {s} {tv.ndim})")
+        out += [f"(Extent {s} {a} {n})" for a, n in enumerate(tv.shape)]
+        if tv.dtype.is_floating_point:
+            out.append(f"(FloatSize {s} {tv.dtype.itemsize})")
+        out += [f"(Fits {s} {lay_text(lay)})" for lay in problem.layouts[tv.name] if is_valid(lay, tv.shape, mesh)]
+    for name, lay in problem.pins.items():  # a pin that leaves a rank empty is held, not computed on
+        out.append(f"(Valid {t(name)} {lay_text(lay)})")
+    for d in sorted(set(mesh.shape)):
+        out.append(f"(MeshSize {d})")
+    if problem.input_layouts:  # restricted to a plan's strategies (Problem._restrict_to sets both)
+        out += _allowed_plans(problem, ident)
+    else:
+        out.append("(Open 1)")
+    kinds, sig_of, sigs = set(), {}, {}
+    for key, e in problem.exprs.items():
+        params = list(e.op.signature.parameters)
+        args = dict(e.args)
+        slots = [t(args[p].name) if hasattr(args.get(p), "logical_domain")
+                 else f"(Lit {_q(json.dumps(args.get(p, None), default=str))})" for p in params]
+        app = f"(op_{e.op.name} {' '.join(slots)})"
+        if len(e.outputs) == 1:
+            out.append(f"(Def {t(e.outputs[0].name)} {app})")
+        else:
+            out += [f"(Def {t(o.name)} (Out {i} {app}))" for i, o in enumerate(e.outputs)]
+        tens = [v for _, v in e.args if hasattr(v, "logical_domain")]
+        view = op_view(e, 0)
+        code = repr((view.op, view.operands, view.attrs, view.outputs))  # all a sharding rule sees of e
+        if code not in sigs:  # the first application of this signature: what the rules read of it
+            g = sigs[code] = _q(f"g{len(sigs)}")
+            shp = [f"(Shp {_q(_shape_code(v))})" for v in list(e.outputs) + tens]
+            out.append(f"(Sig{len(tens)}x{len(e.outputs)} {g} {_q(e.op.name)} {' '.join(shp)})")
+            out += [f"(Param {g} {i} {_q(o.param)})" for i, o in enumerate(view.operands)]
+            for f in _axis_facts(e):
+                out.append(f"({f[0]} {g} " + " ".join(_q(v) if isinstance(v, str) else str(v) for v in f[1:]) + ")")
+            out += _oracle_rows(e, g, mesh)
+        sig_of[key] = sigs[code][1:-1]
+        out.append(f"(Site{len(tens)}x{len(e.outputs)} {_q(ident[key])} {sigs[code]} "
+                   + " ".join(t(v.name) for v in list(e.outputs) + tens) + ")")
+        kinds.add(e.op.name)
+    for name in sorted(kinds):
+        op = OPS[name]
+        tags = [op.kind] + (["broadcasts"] if op.kind == "pointwise" or name == "matmul" else [])
+        out += [f"(OpKind {_q(name)} {_q(tag)})" for tag in tags]
+    for a, b in problem.equal:
+        out.append(f"(Def {t(a)} {t(b)})")
+    for tv in fusion.inputs:  # a free input: every whole layout it fits (Problem.load_layouts), by rule
+        if tv.name in problem.pins or tv.name in problem.input_layouts:
+            out += [f'(LoadIn {t(tv.name)} "{ident[tv.name]}" {lay_text(lay)})' for lay in problem.load_layouts(tv.name)]
+        else:
+            out.append(f'(Input {t(tv.name)} "{ident[tv.name]}")')
+    return out, ident, sig_of
+
+
+def _allowed_plans(problem: Problem, ident: dict[str, str]) -> list[str]:
+    """The Plan rows of a problem restricted to another plan's strategies: each allowed strategy of each
+    application, as the rules would have derived it."""
+    out, m = [], problem.mesh.ndim
+    for key, ss in problem.strategies.items():
         e = problem.exprs[key]
         names = [o.name for o in e.outputs] + [v.name for _, v in e.args if hasattr(v, "logical_domain")]
-        rel = f"Strat{len(names) - len(e.outputs)}x{len(e.outputs)}"
-        for s in strats:
-            pairs = " ".join(f'{t(n)} "{lay.code()}"' for n, lay in zip(names, s.outputs + s.inputs))
-            out.append(f'({rel} "{ident[key]}" {s.sid} {pairs})')
+        for s in ss:
+            kern = " ".join(_q(next(iter(f)) if f else "") for f in s.flags)
+            lays = " ".join(lay_text(lay) for lay in s.outputs + s.inputs)
+            out.append(f"(Plan{len(names) - len(e.outputs)}x{len(e.outputs)} {_q(ident[key])} (K{m} {kern}) "
+                       + " ".join(f'(T "{ident[n]}")' for n in names) + f" {lays})")
     return out
 
 
-def saturate(problem: Problem, chunk: int = 200) -> PhysGraph:
-    """Encode, saturate and read back the physical graph (costs are set by the caller).
+def _oracle_rows(e, key: str, mesh) -> list[str]:
+    """Ax rows of the rules not yet written as egglog rules (ORACLE_RULES), from their Python form."""
+    rules = [r for r in RULES.get(e.op.name, []) + RULES.get("*", []) if r.name in ORACLE_RULES]
+    if not rules:
+        return []
+    n, o = sum(hasattr(v, "logical_domain") for _, v in e.args), len(e.outputs)
+    out = []
+    for d in sorted(set(mesh.shape)):
+        view = op_view(e, d)
+        for r in rules:
+            for s in r.strategies(view):
+                kern = s.local.name if s.local else ""
+                out.append(f"(Ax{n}x{o} {key} {d} " + " ".join(pl_text(p) for p in s.inputs + s.outputs)
+                           + f' "{kern}" {int(s.nestable)})')
+    return out
 
-    Facts go in as egglog text, parsed and run a chunk at a time: building each fact through the
-    Python API costs about 0.5 ms, and parsing one long program is quadratic in its length.
+
+# ---------------------------------------------------------------------- generated rules: mesh joins
+
+def _universe(problem: Problem) -> list:
+    rank = max((tv.ndim for tv in problem.fusion.tensors.values()), default=0)
+    return [R, P, PMAX] + [S(a) for a in range(rank)]
+
+
+def _mesh_facts(problem: Problem) -> list[str]:
+    """Which collective connects two placements (the registry's), and which placements nest apart."""
+    return _placement_facts(_universe(problem))
+
+
+def _placement_facts(u: list) -> list[str]:
+    out = [f"(Connect {pl_text(a)} {pl_text(b)} {_q(k.name)})" for a in u for b in u for k in connecting(a, b)]
+    apart = [(a, b) for a in u for b in u if not (a.is_shard and a == b)]
+    out += [f"(Apart {pl_text(a)} {pl_text(b)})" for a, b in apart]
+    out += [f"(NestOK 0 {pl_text(a)} {pl_text(b)})" for a, b in apart]
+    out += [f"(NestOK 1 {pl_text(a)} {pl_text(b)})" for a in u for b in u]
+    out += [f"(NoPartial {pl_text(a)})" for a in u if not a.is_partial]
+    return out
+
+
+def program_rules(shape: tuple[int, ...]):
+    """The rules over the program alone (they saturate once, before the physical rules): each tensor is its
+    op's term (Def), the inputs' loads, which layouts each tensor may take (Valid), which collective moves a
+    layout to another over one mesh axis (Move, the registry's Connect where shards still nest outer mesh axis first), and each arity's join
+    of the per-axis relation Ax over the mesh axes: a signature's whole-mesh strategies (Strat), where every
+    layout fits its shape and a non-nestable row (nestable 0) shares no split tensor axis with another mesh
+    axis."""
+    m = len(shape)
+    L, K = LAYOUTS[m], KERNS[m]
+    t, t2, s, lay = var("t", Tensor), var("t2", Tensor), var("s", Shape), var("lay", LayoutSort)
+    yield erule(Def(t, t2)).then(union(t).with_(t2))
+    yield erule(ShapeOf(t, s), Fits(s, lay)).then(Valid(t, lay), Lay(lay))
+    yield erule(Valid(t, lay)).then(Lay(lay))
+    ps = [var(f"p{k}", Placement) for k in range(m)]
+    q, kind, name = var("q", Placement), var("kind", String), var("name", String)
+    yield erule(Lay(L(*ps)), *[NoPartial(p) for p in ps]).then(Whole(L(*ps)))
+    yield erule(Input(t, name), Valid(t, lay), Whole(lay)).then(union(Held(t, lay, 0)).with_(Load(name, lay)))
+    yield erule(LoadIn(t, name, lay)).then(union(Held(t, lay, 0)).with_(Load(name, lay)))
+    for j in range(m):  # Move: layout lf becomes lt by collective `kind` over mesh axis j (layouts only: small)
+        dst = L(*[q if i == j else ps[i] for i in range(m)])
+        nest = [c for i in range(j + 1, m) for c in (Apart(ps[j], ps[i]), Apart(q, ps[i]))]
+        yield erule(Lay(L(*ps)), Connect(ps[j], q, kind), *nest).then(Move(L(*ps), dst, kind, j))
+    sig, op = var("sig", String), var("op", String)
+    for (n, o) in SIG:
+        sy, sx = [var(f"sy{j}", Shape) for j in range(o)], [var(f"sx{i}", Shape) for i in range(n)]
+        pin = [[var(f"a{k}_{i}", Placement) for i in range(n)] for k in range(m)]
+        pout = [[var(f"b{k}_{j}", Placement) for j in range(o)] for k in range(m)]
+        kern, nst = [var(f"k{k}", String) for k in range(m)], [var(f"n{k}", i64) for k in range(m)]
+        lin = [L(*[pin[k][i] for k in range(m)]) for i in range(n)]
+        lout = [L(*[pout[k][j] for k in range(m)]) for j in range(o)]
+        query = [SIG[(n, o)](sig, op, *sy, *sx)]
+        query += [AX[(n, o)](sig, shape[k], *pin[k], *pout[k], kern[k], nst[k]) for k in range(m)]
+        query += [Fits(x, li) for x, li in zip(sx, lin)] + [Fits(y, lo) for y, lo in zip(sy, lout)]
+        query += [NestOK(nst[k], pin[k][i], pin[j][i]) for k in range(m) for i in range(n) for j in range(m) if j != k]
+        yield erule(*query).then(STRAT[(n, o)](sig, K(*kern), *lout, *lin))
+    key, kern = var("key", String), var("kern", KernSort)
+    for (n, o) in SITE:  # each application's strategies: the physical rules join Plan with Held alone
+        ys, xs = [var(f"y{j}", Tensor) for j in range(o)], [var(f"x{i}", Tensor) for i in range(n)]
+        lin, lout = [var(f"li{i}", LayoutSort) for i in range(n)], [var(f"lo{j}", LayoutSort) for j in range(o)]
+        yield erule(Open(1), SITE[(n, o)](key, sig, *ys, *xs), STRAT[(n, o)](sig, kern, *lout, *lin)).then(
+            PLAN[(n, o)](key, kern, *ys, *xs, *lout, *lin))
+
+
+def mesh_rules(shape: tuple[int, ...]):
+    """The physical rules for one mesh: Keep and collectives move one mesh axis a level up; a strategy
+    (Strat) runs its expr from operands held at level m = mesh ndim into level 0."""
+    m = len(shape)
+    t, lay, kind = var("t", Tensor), var("lay", LayoutSort), var("kind", String)
+    lf, lt, k, ax = var("lf", LayoutSort), var("lt", LayoutSort), var("k", i64), var("ax", i64)
+    for k in range(m):
+        yield erule(Held(t, lay, k)).then(union(Held(t, lay, k + 1)).with_(Keep(Held(t, lay, k))))
+        yield erule(Held(t, lf, k), Move(lf, lt, kind, ax), Valid(t, lt)).then(
+            union(Held(t, lt, k + 1)).with_(Coll(kind, ax, lt, Held(t, lf, k))),
+            *[union(Held(t, lt, j + 1)).with_(Keep(Held(t, lt, j))) for j in range(k + 1, m)])
+    key, kern = var("key", String), var("kern", KernSort)
+    for (n, o) in SITE:
+        ys, xs = [var(f"y{j}", Tensor) for j in range(o)], [var(f"x{i}", Tensor) for i in range(n)]
+        lin, lout = [var(f"li{i}", LayoutSort) for i in range(n)], [var(f"lo{j}", LayoutSort) for j in range(o)]
+        query = [PLAN[(n, o)](key, kern, *ys, *xs, *lout, *lin)] + [Held(x, li, m) for x, li in zip(xs, lin)]
+        app = RUN[(n, o)](key, kern, *lout, *[Held(x, li, m) for x, li in zip(xs, lin)])
+        # the outputs kept as they are up to level m in the same step: a consumer that needs no collective
+        # fires in the next iteration (saturation takes as many iterations as the longest chain of steps)
+        keep = [union(Held(y, lo, k + 1)).with_(Keep(Held(y, lo, k))) for y, lo in zip(ys, lout) for k in range(m)]
+        if o == 1:
+            yield erule(*query).then(union(Held(ys[0], lout[0], 0)).with_(app), *keep)
+        else:
+            yield erule(*query).then(*[union(Held(ys[j], lout[j], 0)).with_(Proj(j, app)) for j in range(o)], *keep)
+
+
+# ---------------------------------------------------------------------- saturate
+
+def _run_text(eg: EGraph, rows: list[str], chunk: int = 20) -> None:
+    """The first private egglog call: run facts given as egglog text. Building a command through the public
+    API costs about 0.5 ms and grows with the e-graph (8,000 commands: 5.9 s measured with egglog 13.2), text
+    costs about 0.04 ms a fact, in programs of a few dozen facts (one program's cost grows faster than its
+    length: 400 facts a program cost 3.5 times as much, measured on 96 GPT layers). No fact is a union (Def,
+    Input and LoadIn are relations that a rule turns into unions in one rebuild): a union given as a fact
+    costs a rebuild that grows with the e-graph. The sorts and functions are declared through the public
+    API first."""
+    for k in range(0, len(rows), chunk):
+        eg._egraph.run_program(*eg._egraph.parse_program("\n".join(rows[k:k + chunk])))
+
+
+@functools.lru_cache(maxsize=4)
+def _template(shape: tuple[int, ...]):
+    """An EGraph with every sort, function and ruleset for meshes of this shape declared and compiled, and
+    the program and physical rulesets: declaring costs about 0.15 s, a problem loaded into a pushed copy
+    of it (loaded) pays only for its facts."""
+    program = ruleset(*program_rules(shape), name=f"program{shape}")
+    rules = ruleset(*mesh_rules(shape), name=f"mesh{shape}")
+    eg = EGraph()
+    _declare(eg)
+    eg.run(1, ruleset=FAMILIES | program | rules)  # declares the rules' functions before any text arrives
+    return eg, program, rules
+
+
+@contextlib.contextmanager
+def loaded(problem: Problem):
+    """The mesh's template EGraph holding the problem's facts (popped on exit), its program and physical
+    rulesets, the facts, the tensor index and each expr's signature (encode)."""
+    facts, ident, sig_of = encode(problem)
+    facts = _mesh_facts(problem) + facts
+    eg, program, rules = _template(problem.mesh.shape)
+    with eg:
+        _run_text(eg, facts)
+        yield eg, program, rules, facts, ident, sig_of
+
+
+def saturate(problem: Problem) -> PhysGraph:
+    """Encode, saturate the rulesets and read back the physical graph (costs are set by the caller).
 
     >>> import egraph_did as ed
     >>> from egraph_did.models import row_sum
@@ -179,78 +397,177 @@ def saturate(problem: Problem, chunk: int = 200) -> PhysGraph:
     >>> sorted((n.op, n.key) for n in ways)  # computed so, or reached from P or R by a collective
     [('Coll', 'reduce_scatter'), ('Coll', 'slice'), ('Keep', '')]
     """
-    m = problem.mesh.ndim
     t0 = time.perf_counter()
-    # egglog sees tensors by index: user names may hold any character
-    ident = {name: f"t{i}" for i, name in enumerate(problem.fusion.tensors)}
-    eg = EGraph()
-    first = problem.fusion.inputs[0]
-    lay0 = problem.load_layouts(first.name)[0].code()
-    eg.register(union(Phys(Tensor(ident[first.name]), lay0, 0)).with_(Load(ident[first.name], lay0)))
-    rules = _rules(m)
-    eg.run(1, ruleset=rules)  # declares every sort, function and rule before the text facts arrive
-    facts = _facts(problem, ident)
-    for k in range(0, len(facts), chunk):
-        eg._egraph.run_program(*eg._egraph.parse_program("\n".join(facts[k:k + chunk])))
-    t1 = time.perf_counter()
-    eg.run(rules.saturate())
-    t2 = time.perf_counter()
-    name_of = {v: k for k, v in ident.items()}
-    graph = _read_back(eg, name_of, prefer=lambda name: (name in problem.origin, name))
-    t3 = time.perf_counter()
-    graph.stats.update(encode_s=t1 - t0, saturate_s=t2 - t1, serialize_s=t3 - t2, facts=len(facts))
+    with loaded(problem) as (eg, program, rules, facts, ident, _):
+        t1 = time.perf_counter()
+        # the families and the program rules read only the program's facts: each saturates once, then the
+        # physical rules (Keep, Coll, Run) from the loads
+        report = eg.run(FAMILIES.saturate() + program.saturate() + rules.saturate())
+        t2 = time.perf_counter()
+        graph = read_back(eg, problem, {v: k for k, v in ident.items()})
+        t3 = time.perf_counter()
+    graph.stats.update(encode_s=t1 - t0, saturate_s=t2 - t1, serialize_s=t3 - t2, facts=len(facts),
+                       iterations=len(report.iterations), classes=len(graph.classes), nodes=graph.n_nodes)
     return graph
 
 
-def _literal(op: str):
-    return json.loads(op)
+def transitions(problem) -> list[tuple[str, str, str, int]]:
+    """Every (src layout, dst layout, collective, mesh axis) the e-graph offers between layouts of the
+    problem's tensors (the Move rows its program rules derive): a collective the registry connects changes
+    one mesh axis, where no inner mesh axis splits the same tensor axis before or after.
 
-
-def _read_back(eg: EGraph, name_of: dict[str, str], prefer) -> PhysGraph:
-    data = json.loads(eg._serialize(split_primitive_outputs=False).to_json())
-    nodes, class_data = data["nodes"], data["class_data"]
-
-    def sort_of(node_id):
-        return class_data[nodes[node_id]["eclass"]]["type"].rsplit(".", 1)[-1]
-
-    names_of: dict[str, list[str]] = defaultdict(list)
-    for nd in nodes.values():
-        if nd["op"] == "Tensor":
-            names_of[nd["eclass"]].append(name_of[_literal(nodes[nd["children"][0]]["op"])])
-    tensor_names = {cls: min(names, key=prefer) for cls, names in names_of.items()}
-    graph = PhysGraph()
-    graph.canonical = {n: tensor_names[cls] for cls, names in names_of.items() for n in names}
-    for nd in nodes.values():
-        if sort_of_class(class_data, nd["eclass"]) != "D":
-            continue
-        op, ch, cls = nd["op"], nd["children"], nd["eclass"]
-        if op == "Phys":
-            ident = (tensor_names[nodes[ch[0]]["eclass"]], _literal(nodes[ch[1]]["op"]), _literal(nodes[ch[2]]["op"]))
-            assert graph.ident.setdefault(cls, ident) == ident, f"layouts {ident} and {graph.ident[cls]} merged"
-            graph.index[ident] = cls
-            graph.classes.setdefault(cls, [])
-            continue
-        d_children = tuple(nodes[c]["eclass"] for c in ch if sort_of(c) == "D")
-        if op.startswith("Apply"):
-            node = Node("Apply", d_children, name_of[_literal(nodes[ch[0]]["op"])], _literal(nodes[ch[1]]["op"]))
-        elif op == "Proj":
-            node = Node("Proj", d_children, sid=_literal(nodes[ch[0]]["op"]))
-        elif op == "Load":
-            node = Node("Load", (), name_of[_literal(nodes[ch[0]]["op"])])
-        elif op == "Keep":
-            node = Node("Keep", d_children)
-        elif op == "Coll":
-            node = Node("Coll", d_children, _literal(nodes[ch[0]]["op"]), _literal(nodes[ch[1]]["op"]))
-        else:  # pragma: no cover - every D constructor is handled above
-            raise AssertionError(f"unexpected physical node {op}")
-        graph.classes.setdefault(cls, []).append(node)
-    return graph
-
-
-def sort_of_class(class_data, cls: str) -> str:
-    """The sort (short name) of e-class `cls` in egglog's serialized class data.
-
-    >>> sort_of_class({"egraph_did.egraph.D-1": {"type": "egraph_did.egraph.D"}}, "egraph_did.egraph.D-1")
-    'D'
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import row_sum
+    >>> from egraph_did.problem import build_problem
+    >>> moves = transitions(build_problem(row_sum(8, 64), ed.DeviceMesh.arange(4)))
+    >>> ("P", "S0", "reduce_scatter", 0) in moves, ("S0", "R", "allgather", 0) in moves, ("R", "P", "slice", 0) in moves
+    (True, True, False)
     """
-    return class_data[cls]["type"].rsplit(".", 1)[-1]
+    lays = {lay.code(): lay for ls in problem.layouts.values() for lay in ls}
+    m = len(next(iter(lays.values())))
+    u = [R, P, PMAX] + sorted({p for lay in lays.values() for p in lay if p.is_shard}, key=lambda p: p.axis)
+    eg, program, _ = _template((1,) * m)  # Move reads the number of mesh axes alone
+    with eg:
+        _run_text(eg, _placement_facts(u) + [f"(Lay {lay_text(lay)})" for lay in lays.values()])
+        eg.run(program.saturate())
+        rows, raw = _frozen_rows(eg, ["Move", "R", "P", "Pmax", "S"] + [f"L{k}" for k in LAYOUTS])
+    place = {out: pl for name, pl in (("R", R), ("P", P), ("Pmax", PMAX)) for _, out in rows.get(name, [])}
+    place.update({out: S(raw.value_to_i64(ins[0])) for ins, out in rows.get("S", [])})
+    code = {out: Layout(tuple(place[v] for v in ins)).code() for k in LAYOUTS for ins, out in rows.get(f"L{k}", [])}
+    moves = [(code[ins[0]], code[ins[1]], raw.value_to_string(ins[2]), raw.value_to_i64(ins[3])) for ins, _ in rows["Move"]]
+    return sorted(mv for mv in moves if mv[1] in lays)
+
+
+def axis_rows(problem: Problem) -> dict[tuple[str, int], set[tuple]]:
+    """What the family rulesets derive, per (expr key, mesh axis size): the Ax rows as (operand placements,
+    output placements, kernel name, nestable) — to hold equal to the Python rules (rules.axis_strategies).
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import row_sum
+    >>> from egraph_did.problem import build_problem
+    >>> sorted(axis_rows(build_problem(row_sum(8, 64), ed.DeviceMesh.arange(4)))[("y", 4)])[:2]
+    [(('P',), ('P',), '', 1), (('R',), ('R',), '', 1)]
+    """
+    with loaded(problem) as (eg, _, _, _, _, sig_of):
+        eg.run(FAMILIES.saturate())
+        frozen = eg.freeze().decl
+    rows: dict[tuple[str, int], set[tuple]] = defaultdict(set)  # by (signature, d)
+    for act in frozen.expr_actions:
+        call = act.expr
+        name = call.callable.ident.name
+        if not (name.startswith("Ax") and name[2].isdigit()):
+            continue
+        n, o = map(int, name[2:].split("x"))
+        args = [x.expr for x in call.args]
+        pls = tuple(_placement_decl(frozen.e_classes[x.value][1][0]).code() for x in args[2:2 + n + o])
+        rows[(args[0].value, args[1].value)].add((pls[:n], pls[n:], args[-2].value, args[-1].value))
+    return {(key, d): rows[(g, d)] for key, g in sig_of.items() for d in set(problem.mesh.shape) if rows[(g, d)]}
+
+
+def _placement_decl(call):
+    """A placement term of a frozen e-graph (a CallDecl) as a layout Placement."""
+    head = call.callable.ident.name
+    return {"R": R, "P": P, "Pmax": PMAX}.get(head) or S(call.args[0].expr.value)
+
+
+def _declare(eg: EGraph) -> None:
+    """egglog-python knows a function once an action through its public API used it: register, through the
+    public API, an action that uses every constructor text may (each op constructor on literal arguments,
+    in a class no tensor names, which read_back ignores)."""
+    acts = [OPS_SORT[name](*[Lit("declare")] * _arity(name)) for name in sorted(OPS_SORT)]
+    acts.append(Out(0, Lit("declare")))
+    acts.append(ShapeOf(Lit("declare"), Shp("declare")))
+    eg.register(*acts)
+    # everything else the text names: a rule that mentions each, run once while they are empty
+    key, v, s, pl = var("key", String), var("v", i64), var("s", Shape), var("pl", Placement)
+    lay, t, dv = var("lay", LayoutSort), var("t", Tensor), var("dv", D)
+    kern = var("kern", KernSort)
+    mention = [Open(v), Def(t, t), Input(t, key), LoadIn(t, key, lay), NoPartial(pl), AxisMap(key, v, v, v), Reduced(key, v), AttrS(key, key, key), AttrI(key, key, v), Param(key, v, key),
+               ReshapeBlock(key, v, v, v, v), Bcast(key, v, v, pl), Rank(s, v),
+               Extent(s, v, v), FloatSize(s, v), MeshSize(v), OpKind(key, key), Fits(s, lay), Valid(t, lay),
+               Connect(pl, pl, key), Apart(pl, pl), NestOK(v, pl, pl), eq(pl).to(R_()), eq(pl).to(P_()),
+               eq(pl).to(Pmax_()), eq(pl).to(S_(v)), eq(t).to(T(key)), eq(dv).to(Load(key, lay)),
+               eq(dv).to(Held(t, lay, v))]
+    mention += [eq(lay).to(L(*[pl] * m)) for m, L in LAYOUTS.items()]
+    mention += [SITE[k](key, key, *[t] * sum(k)) for k in SITE] + [SIG[k](key, key, *[s] * sum(k)) for k in SIG]
+    mention += [AX[k](key, v, *[pl] * sum(k), key, v) for k in AX]
+    mention += [PLAN[k](key, kern, *[t] * sum(k), *[lay] * sum(k)) for k in PLAN]
+    mention += [eq(kern).to(K(*[key] * m)) for m, K in KERNS.items()]
+    mention = ruleset(erule(*mention).then(), name="declare")
+    eg.run(1, ruleset=mention)
+
+
+def _arity(op: str) -> int:
+    return len(OPS[op].signature.parameters)
+
+
+# ---------------------------------------------------------------------- read back
+
+def _frozen_rows(eg: EGraph, names) -> tuple[dict[str, list], object]:
+    """The second private egglog call: the rows of the functions `names` as (input values, output value),
+    from the bindings' freeze(), with the bindings' EGraph to read primitive values. The public
+    EGraph.freeze() turns every row of every function into declaration objects first: 0.9 s for a GPT layer
+    on a 2x4 mesh, against 4 ms here."""
+    frozen = eg._egraph.freeze().functions
+    return {name: [(row.inputs, row.output) for row in frozen[name].rows] for name in names if name in frozen}, eg._egraph
+
+
+def read_back(eg: EGraph, problem: Problem, name_of: dict[str, str]) -> PhysGraph:
+    """The physical classes of the saturated e-graph as a PhysGraph: each class named by its Held term
+    (tensor, layout code, level), its nodes Load, Keep, Coll, Proj and Apply (a Run, mapped onto the
+    problem's priced strategy of the same placements and kernels)."""
+    rows, raw = _frozen_rows(eg, ["R", "P", "Pmax", "S", "T", "Held", "Load", "Keep", "Coll", "Proj"]
+                             + [f"L{m}" for m in LAYOUTS] + [f"K{m}" for m in KERNS] + [f"Run{n}x{o}" for n, o in RUN])
+    strs: dict = {}
+
+    def string(v):
+        if v not in strs:
+            strs[v] = raw.value_to_string(v)
+        return strs[v]
+
+    place = {out: pl for name, pl in (("R", R), ("P", P), ("Pmax", PMAX)) for _, out in rows.get(name, [])}
+    place.update({out: S(raw.value_to_i64(ins[0])) for ins, out in rows.get("S", [])})
+    lays = {out: Layout(tuple(place[v] for v in ins)).code() for m in LAYOUTS for ins, out in rows.get(f"L{m}", [])}
+    kerns = {out: tuple(string(v) for v in ins) for m in KERNS for ins, out in rows.get(f"K{m}", [])}
+    names: dict = defaultdict(list)
+    for ins, out in rows["T"]:
+        names[out].append(name_of[string(ins[0])])
+    prefer = lambda name: (name in problem.origin, name)  # noqa: E731
+    tensor = {v: min(ns, key=prefer) for v, ns in names.items()}
+    graph = PhysGraph()
+    graph.canonical = {n: tensor[v] for v, ns in names.items() for n in ns}
+    cid: dict = {}
+
+    def cls(v) -> str:
+        if v not in cid:
+            cid[v] = f"c{len(cid)}"
+            graph.classes[cid[v]] = []
+        return cid[v]
+
+    for ins, out in rows["Held"]:
+        ident = (tensor[ins[0]], lays[ins[1]], raw.value_to_i64(ins[2]))
+        c = cls(out)
+        assert graph.ident.setdefault(c, ident) == ident, f"layouts {ident} and {graph.ident[c]} merged"
+        graph.index[ident] = c
+    for ins, out in rows.get("Load", []):
+        graph.classes[cls(out)].append(Node("Load", (), name_of[string(ins[0])]))
+    for ins, out in rows.get("Keep", []):
+        graph.classes[cls(out)].append(Node("Keep", (cls(ins[0]),)))
+    axis = {}
+    for ins, out in rows.get("Coll", []):
+        if ins[1] not in axis:
+            axis[ins[1]] = raw.value_to_i64(ins[1])
+        graph.classes[cls(out)].append(Node("Coll", (cls(ins[3]),), string(ins[0]), axis[ins[1]]))
+    for ins, out in rows.get("Proj", []):
+        graph.classes[cls(out)].append(Node("Proj", (cls(ins[1]),), sid=raw.value_to_i64(ins[0])))
+    strategies = {(k, tuple(x.code() for x in s.inputs), tuple(x.code() for x in s.outputs), s.flags): s.sid
+                  for k, ss in problem.strategies.items() for s in ss}
+    for (n, o) in RUN:  # Run{n}x{o}(key, kern, outs.., ins..)
+        for ins, out in rows.get(f"Run{n}x{o}", []):
+            key = name_of[string(ins[0])]
+            flags = tuple(frozenset({k}) if k else frozenset() for k in kerns[ins[1]])
+            children = tuple(cls(v) for v in ins[2 + o:])
+            sig = (key, tuple(graph.ident[c][1] for c in children), tuple(lays[v] for v in ins[2:2 + o]), flags)
+            assert sig in strategies, f"the rulesets derived a strategy the Python rules do not: {sig}"
+            graph.classes[cls(out)].append(Node("Apply", children, key, strategies[sig]))
+    return graph

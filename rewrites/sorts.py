@@ -18,7 +18,7 @@ its members. Placements are R, P, Pmax and S(axis); a layout is L1/L2/L3 of one 
 
 Sharding rules derive `Ax{n}x{o}(sig, d, operand placements.., output placements.., kernel, nestable)`:
 on one mesh axis of d devices the op runs locally with these placements (kernel: the rank-local
-variant's name, "" for the reference). egraph_did.egraph_typed joins them over the mesh axes.
+variant's name, "" for the reference). egraph_did.egraph joins them over the mesh axes.
 
 >>> str(Held(T("x"), L2(S(0), R()), 1))
 'Held(T("x"), L2(S(0), R()), 1)'
@@ -163,7 +163,7 @@ AX = {(n, o): relation(f"Ax{n}x{o}", String, i64, *([Placement] * (n + o)), Stri
       for n in (1, 2, 3, 4) for o in (1, 2)}
 
 # signature, per-axis kernels, output layouts.., operand layouts..: op applications of this signature run on
-# the whole mesh so (the join of Ax over the mesh axes, egraph_did.egraph_typed.strategy_rules)
+# the whole mesh so (the join of Ax over the mesh axes, egraph_did.egraph.program_rules)
 STRAT = {(n, o): relation(f"Strat{n}x{o}", String, Kern, *([Layout] * (o + n)), egg_fn=f"Strat{n}x{o}")
          for n in (1, 2, 3, 4) for o in (1, 2)}
 # key, kernels, outputs.., operands.., output layouts.., operand layouts..: a strategy of one op application

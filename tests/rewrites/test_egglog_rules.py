@@ -1,13 +1,13 @@
 """Every rule's egglog form (rewrites/: `@egglog_form(rule)`) derives exactly the per-mesh-axis rows of its
 Python rule: on every numeric case of every rule and on the models, the Ax rows saturated by the family
-rulesets (egraph_typed.axis_rows) equal, expr by expr and mesh axis size by size, the strategies of
+rulesets (egraph.axis_rows) equal, expr by expr and mesh axis size by size, the strategies of
 rules.axis_strategies (placements, local kernel, nestable)."""
 from __future__ import annotations
 
 import pytest
 
 from egraph_did import models
-from egraph_did.egraph_typed import ORACLE_RULES, axis_rows
+from egraph_did.egraph import ORACLE_RULES, axis_rows
 from egraph_did.problem import build_problem, op_view
 from egraph_did.rewrites import ALL_RULES, axis_strategies
 from egraph_did.rewrites.rules import EGGLOG
