@@ -92,10 +92,6 @@ def main() -> None:
     ap.add_argument("--show", type=int, default=5, help="print the worst N cases")
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    import functools
-    import sys
-    from egraph_did.extract import exact
-    sys.modules["egraph_did.optimize"].exact = functools.partial(exact, time_limit=args.time_limit)
     rows, failed = [], []
     t_start = time.perf_counter()
     for i in range(args.cases):
@@ -104,7 +100,7 @@ def main() -> None:
             t0 = time.perf_counter()
             greedy = ed.optimize(fd, mesh)
             t1 = time.perf_counter()
-            plan = ed.optimize(fd, mesh, extractor="exact")
+            plan = ed.optimize(fd, mesh, extractor="exact", time_limit=args.time_limit)
         except ed.PlanError as e:
             failed.append((i, desc, str(e)[:120]))
             continue

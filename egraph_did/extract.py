@@ -74,6 +74,18 @@ def with_roots(graph: PhysGraph, outputs: dict[str, list[str]]) -> list[str]:
     return [ROOT]
 
 
+def _size(nbytes: float) -> str:
+    """Bytes in the largest unit that keeps them >= 1, so tiny bounds do not print as 0.00 GiB.
+
+    >>> _size(80 * 2**30), _size(1536), _size(96)
+    ('80 GiB', '1.5 KiB', '96 B')
+    """
+    for unit, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= f:
+            return f"{nbytes / f:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 def _total(choice: dict[str, Node]) -> tuple[float, float]:
     return sum(n.cost for n in choice.values()), sum(n.memory for n in choice.values())
 
@@ -387,8 +399,8 @@ def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = 
                 break
             hi *= 4
         if best_fit is None:
-            raise PlanError(f"no plan fits the memory bound of {memory_limit / 2**30:.2f} GiB per device "
-                            f"(the smallest found needs {_total(trial)[1] / 2**30:.2f} GiB)")
+            raise PlanError(f"no plan fits the memory bound of {_size(memory_limit)} per device (the smallest "
+                            f"found needs {_size(_total(trial)[1])}); raise the cost model's memory_limit")
         for _ in range(40):
             mid = (lo + hi) / 2
             trial = _best_of(graph, order, mid, improve=False)

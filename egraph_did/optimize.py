@@ -66,12 +66,14 @@ def collective_cost(problem: Problem, kind: str, axis: int, tensor: str, src: La
 
 
 def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extractor: str = "greedy",
-             like: Plan | None = None) -> Plan:
+             like: Plan | None = None, time_limit: float | None = None) -> Plan:
     """Lay out every tensor of `fd` on `mesh` at the least predicted time.
 
     Tensors given a mesh (set_device_mesh, plus DID splits) are pinned exactly; the rest are free.
     extractor: "greedy" (greedy-DAG) or "exact" (0/1 program, HiGHS). like: pin every tensor to the
-    layout another plan chose (a plan of the same fusion at other shapes).
+    layout another plan chose (a plan of the same fusion at other shapes). time_limit: seconds the
+    exact extractor's solver may run (default 60); past it the plan is the best found, with
+    plan.method "exact-unproven" (extractor="exact" only).
 
     >>> import egraph_did as ed
     >>> with ed.FusionDefinition() as fd:
@@ -85,6 +87,7 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     ['allreduce']
     """
     check_optimize_args(fd, mesh, cost_model, extractor, like)
+    time_limit = _check_time_limit(time_limit, extractor)
     t0 = time.perf_counter()
     cm = cost_model or CostModel.h200()
     pins = None if like is None else {name: like.values[v].layout for name, v in like.outputs.items()}
@@ -110,7 +113,7 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     if extractor == "greedy":
         sel = greedy_dag(graph, roots, cm.memory_limit)
     elif extractor == "exact":
-        sel = exact(graph, roots, cm.memory_limit)
+        sel = exact(graph, roots, cm.memory_limit, time_limit=time_limit)
     else:
         raise PlanError(f"unknown extractor {extractor!r}; use 'greedy' or 'exact'")
     t3 = time.perf_counter()
@@ -120,6 +123,27 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     plan.stats.update(build_s=t1 - t0, egraph_s=t2 - t1, extract_s=t3 - t2, total_s=time.perf_counter() - t0,
                       classes=len(graph.classes), nodes=graph.n_nodes)
     return plan
+
+
+def _check_time_limit(time_limit, extractor: str) -> float:
+    """The exact extractor's time limit in seconds: 60 if None; a positive finite number otherwise.
+
+    >>> _check_time_limit(None, "exact"), _check_time_limit(5, "exact")
+    (60.0, 5.0)
+    >>> _check_time_limit(5, "greedy")
+    Traceback (most recent call last):
+    ...
+    egraph_did.errors.PlanError: optimize: time_limit bounds the exact extractor's solver; greedy extraction has none: drop time_limit or pass extractor='exact'
+    """
+    if time_limit is None:
+        return 60.0
+    if extractor != "exact":
+        raise PlanError("optimize: time_limit bounds the exact extractor's solver; greedy extraction has none: "
+                        "drop time_limit or pass extractor='exact'")
+    if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not 0 < time_limit < float("inf"):
+        raise PlanError(f"optimize: time_limit must be a positive number of seconds, got {time_limit!r} "
+                        f"(e.g. time_limit=10)")
+    return float(time_limit)
 
 
 def canonical(graph: PhysGraph, problem: Problem, tensor: str) -> str:

@@ -117,6 +117,15 @@ def test_memory_bound_is_a_constraint_for_both_extractors():
             extract(g, roots, memory_limit=5.0)
 
 
+def test_a_tiny_memory_bound_is_reported_in_a_readable_unit_not_0_00_gib():
+    g = PhysGraph()
+    g.classes = {"out": [Node("Apply", (), cost=1.0, memory=3000.0), Node("Apply", (), cost=2.0, memory=1536.0)]}
+    with pytest.raises(ed.PlanError) as err:
+        greedy_dag(g, with_roots(g, {"out": ["out"]}), memory_limit=512.0)
+    assert "memory bound of 512 B per device" in str(err.value) and "needs 1.5 KiB" in str(err.value)
+    assert "0.00 GiB" not in str(err.value) and "memory_limit" in str(err.value)
+
+
 MESH3 = ed.DeviceMesh(torch.arange(8).reshape(2, 2, 2))
 MESH2 = ed.DeviceMesh(torch.arange(8).reshape(2, 4))
 
@@ -216,3 +225,19 @@ def test_greedy_matches_exact_on_the_mlp_with_backward_where_values_are_shared()
     best = ed.optimize(fd, mesh, extractor="exact")
     assert best.method == "exact"
     assert ed.optimize(fd, mesh).predicted_time == pytest.approx(best.predicted_time, rel=1e-9)
+
+
+def test_optimize_passes_its_time_limit_to_the_exact_solver_and_checks_it(monkeypatch):
+    seen = []
+    real = extract._ilp
+    monkeypatch.setattr(extract, "_ilp", lambda *a, **k: seen.append(a[3]) or real(*a, **k))
+    fd = models.row_sum(8, 64)
+    mesh = ed.DeviceMesh.arange(2)
+    assert ed.optimize(fd, mesh, extractor="exact", time_limit=7).method == "exact"
+    ed.optimize(fd, mesh, extractor="exact")
+    assert seen == [7.0, 60.0]  # the default is unchanged
+    for bad in (0, -1, float("inf"), float("nan"), "10", True):
+        with pytest.raises(ed.PlanError, match="time_limit must be a positive number of seconds"):
+            ed.optimize(fd, mesh, extractor="exact", time_limit=bad)
+    with pytest.raises(ed.PlanError, match="time_limit bounds the exact extractor"):
+        ed.optimize(fd, mesh, time_limit=5)
