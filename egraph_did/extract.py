@@ -312,11 +312,12 @@ def _switch(choice: dict[str, Node], refs: dict[str, int], fallback: dict[str, N
 
 
 def _improve(graph: PhysGraph, choice: dict[str, Node], fallback: dict[str, Node], penalty: float,
-             budget: int = 2_000_000) -> dict[str, Node]:
+             budget: int = 2_000_000, memory_limit: float | None = None) -> dict[str, Node]:
     """Local search: switch one class's node at a time (completing what it newly needs from `fallback`)
-    while the whole DAG's cost drops. Readers are counted, so a try walks only what it changes; `budget`
-    bounds the classes walked over all tries."""
+    while the whole DAG's cost drops (and, with memory_limit, its memory stays within it). Readers are
+    counted, so a try walks only what it changes; `budget` bounds the classes walked over all tries."""
     choice = dict(choice)
+    memory = _total(choice)[1]
     refs: dict[str, int] = {ROOT: 1}
     for m in choice.values():
         for ch in set(m.children):
@@ -334,7 +335,14 @@ def _improve(graph: PhysGraph, choice: dict[str, Node], fallback: dict[str, Node
                 budget -= 1 + len(added) + len(removed)
                 if budget < 0:
                     return choice
+                if memory_limit is not None:
+                    grown = n.memory - choice[c].memory + sum(m.memory for m in added.values()) \
+                        - sum(choice[r].memory for r in removed)
+                    if memory + grown > memory_limit:
+                        continue
                 if delta < -1e-15:
+                    if memory_limit is not None:
+                        memory += grown
                     choice[c] = n
                     choice.update(added)
                     for ch, k in dref.items():
@@ -408,9 +416,13 @@ def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = 
                 best_fit, hi = trial, mid
             else:
                 lo = mid
+        unbounded = chosen
         polished = _best_of(graph, order, hi)
         chosen = polished if _total(polished)[1] <= memory_limit and \
             _dag_weight(polished, hi) <= _dag_weight(best_fit, hi) else best_fit
+        # the price of a byte is one number for the whole plan; spend what the bound leaves on time
+        fallback = {**unbounded, **best_fit, **polished}
+        chosen = _improve(graph, chosen, fallback, 0.0, memory_limit=memory_limit)
         cost, mem = _total(chosen)
     return Selection(chosen, cost, mem, "greedy-dag")
 
