@@ -235,8 +235,10 @@ def test_seeded_slice_passes():
     """CI_CASES cases of seed CI_SEED over the families correct today (see the module docstring); any
     failure prints its class and a minimized repro."""
     lines: list[str] = []
+    # exact gets 10 s a case here (an unproven exact plan must still be no worse than greedy); whether
+    # exact proves optimality within its default 60 s is for the long runs of bench/fuzz.py (issue 12)
     camp = fuzz.Campaign(seed=CI_SEED, ops=CI_OPS, minimize_per_class=1, minimize_budget=60, timeout=120,
-                         log=lines.append, **CI_PROFILE)
+                         log=lines.append, exact_time_limit=10.0, **CI_PROFILE)
     try:
         camp.run(range(CI_CASES))
     finally:
