@@ -1422,7 +1422,7 @@ def cat(a, b, dim: int):
     return [OutSpec(a.shape[:d] + (n,) + a.shape[d + 1:], a.dtype, a.axes[:d] + (str(n),) + a.axes[d + 1:])]
 
 
-@op("expand", "view", lambda x, shape: x.expand(*shape), metadata_only=True, local_attrs=_local_shape,
+@op("expand", "view", lambda x, shape: x.expand(tuple(shape)), metadata_only=True, local_attrs=_local_shape,
     vjp=lambda ops, g, out, x, shape: {"x": sum_to(ops, g, x.shape)})
 def expand(x, shape):
     """Broadcast axes of extent 1 to `shape` (-1 keeps an axis; new leading axes allowed), as torch.expand."""

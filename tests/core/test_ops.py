@@ -331,6 +331,7 @@ CASES: list[Case] = [
     Case("expand", "expand-new-leading", x_(3, 1), lambda o, t: o.expand(t["x"], (2, 3, 4)),
          lambda v: v["x"].expand(2, 3, 4)),
     Case("expand", "expand-keep", x_(3, 1), lambda o, t: o.expand(t["x"], (-1, 5)), lambda v: v["x"].expand(-1, 5)),
+    Case("expand", "expand-0d-to-0d", lambda dt: {"x": rand(1, dtype=dt).reshape(())}, lambda o, t: o.expand(t["x"], ()), lambda v: v["x"].expand(())),
     Case("broadcast_in_dim", "broadcast_in_dim", x_(3), lambda o, t: o.broadcast_in_dim(t["x"], (2, 3, 4), (1,)),
          lambda v: v["x"].reshape(1, 3, 1).expand(2, 3, 4)),
     Case("broadcast_in_dim", "broadcast_in_dim-size1", x_(1, 4),
