@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from .errors import DtypeError, ShapeError, UnknownNameError
-from .fusion import Fusion, FusionDefinition, Ops, _did_you_mean, as_fusion
+from .fusion import Fusion, FusionDefinition, Ops, _did_you_mean, as_fusion, replay
 from .ir import TensorView
 from .ops import FLOAT_DTYPES, zeros_like
 
@@ -142,15 +142,7 @@ def _differentiate(src: Fusion, loss: str, wrt, keep_outputs: bool) -> FusionDef
 def _forward_and_backward(src: Fusion, loss: str, wrt: list[str], where: str):
     """(work fusion, its ops, {id(src tensor): work tensor}, {wrt name: gradient}): src copied into a new
     fusion, then the backward; an input the loss does not reach gets zeros."""
-    work = Fusion()
-    ops = Ops(work)
-    new: dict[int, TensorView] = {}
-    for tv in src.inputs:
-        new[id(tv)] = work.define_tensor(tv.shape, tv.dtype, tv.name, [d.name for d in tv.logical_domain])
-    for e in src.exprs:
-        outs = work.emit(e.op.name, **_bind(e, new))
-        for old, tv in zip(e.outputs, outs if isinstance(outs, tuple) else (outs,)):
-            new[id(old)] = tv
+    work, ops, new = replay(src, lambda ops, e, args: ops._fusion.emit(e.op.name, **args))
     grads = _backward(src, ops, new, _needs_grad(src, wrt), loss, where)
     out = {w: grads.get(id(src[w])) for w in wrt}
     return work, ops, new, {w: zeros_like(ops, new[id(src[w])]) if g is None else g for w, g in out.items()}

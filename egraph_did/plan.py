@@ -218,6 +218,22 @@ class Plan:
         """Seconds, summed over steps (no overlap assumed)."""
         return sum(s.time for s in self.steps)
 
+    def move(self, c: Collective) -> Move:
+        """What collective c does to its tensor, as the registry's entries take it: the global shape,
+        source and destination layouts, mesh axis and pending reduction.
+
+        >>> import egraph_did as ed
+        >>> from egraph_did.models import row_sum
+        >>> fd, mesh = row_sum(8, 64), ed.DeviceMesh.arange(4)
+        >>> _ = fd["x"].set_device_mesh(mesh).outer_split(1, 4).axis(1).parallelize(ed.ParallelType.DIDx)
+        >>> plan = ed.optimize(fd, mesh)
+        >>> move = plan.move(plan.collectives[0])  # y = sum(x, 1) is a partial sum: reduce-scatter it
+        >>> move.shape, str(move.src), str(move.dst), [move.cut(r) for r in range(4)]
+        ((8,), '[P]', '[S(0)]', [(0, 2), (2, 4), (4, 6), (6, 8)])
+        """
+        src, dst = self.values[c.src], self.values[c.dst]
+        return Move(self.mesh, src.shape, src.layout, dst.layout, c.mesh_axis, c.reduce)
+
     def count(self, kind: str) -> int:
         """How many collectives of `kind` (e.g. 'allreduce') the plan runs; PlanError for a kind that does
         not exist (a typo would otherwise count 0).

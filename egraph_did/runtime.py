@@ -230,8 +230,7 @@ def _bind_collective(plan: Plan, rank: int, timeout: float | None):
     found once (run_collective finds them, and checks the shard's shape, on every call)."""
     def bind(c):
         entry = collectives.get(c.kind, f"run: {c.kind}[{c.mesh_axis_name}] {c.tensor}")
-        src, dst = plan.values[c.src], plan.values[c.dst]
-        move = collectives.Move(plan.mesh, src.shape, src.layout, dst.layout, c.mesh_axis, c.reduce)
+        move = plan.move(c)
         group, run = axis_group(plan.mesh, c.mesh_axis, rank), entry.run
         return (lambda t: run(move, t, group, timeout)), (lambda t: run_collective(plan, c, t, rank, timeout=timeout))
     return bind

@@ -29,8 +29,7 @@ def collective(plan: Plan, c: Collective, local: dict[int, torch.Tensor]) -> dic
     ('reduce_scatter', tensor([4., 4.]))
     """
     entry = collectives.get(c.kind, f"simulate: {c.kind}[{c.mesh_axis_name}] {c.tensor}")
-    src, dst = plan.values[c.src], plan.values[c.dst]
-    move = collectives.Move(plan.mesh, src.shape, src.layout, dst.layout, c.mesh_axis, c.reduce)
+    move = plan.move(c)
     return {r: entry.simulate(move, [local[q] for q in plan.mesh.ranks_along(c.mesh_axis, r)], r).contiguous()
             for r in plan.mesh.ranks}
 

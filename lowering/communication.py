@@ -173,8 +173,7 @@ def run_collective(plan: Plan, c: Collective, local: torch.Tensor, rank: int, *,
     if tuple(local.shape) != want:
         raise ShapeError(f"{c.kind}[{c.mesh_axis_name}] {c.tensor}: rank {rank} holds a shard of shape "
                          f"{tuple(local.shape)}, but {c.src}'s layout gives it {want}")
-    src, dst = plan.values[c.src], plan.values[c.dst]
-    move = collectives.Move(plan.mesh, src.shape, src.layout, dst.layout, c.mesh_axis, c.reduce)
+    move = plan.move(c)
     return entry.run(move, local, axis_group(plan.mesh, c.mesh_axis, rank), timeout)
 
 

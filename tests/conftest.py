@@ -7,6 +7,7 @@ must be what its shape says.
 """
 import pytest
 
+from egraph_did import collectives
 from egraph_did.fusion import ALL_TENSORS
 
 
@@ -21,3 +22,11 @@ def no_logical_device_axes():
     bad = {tv.name: [str(d) for d in logical_device_axes(tv)] for tv in list(ALL_TENSORS)
            if logical_device_axes(tv)}
     assert not bad, f"tensors with a device or partial axis in their logical domain: {bad}"
+
+
+def stand_in(plan, c, t, rank):
+    """A deterministic collective without host syncs, for single-process runs of one rank's program: the
+    registry entry's semantics as if rank i of c's group held t * (1 + 0.25 i)."""
+    group = plan.mesh.ranks_along(c.mesh_axis, rank)
+    return collectives.get(c.kind, str(c)).simulate(plan.move(c), [t * (1 + 0.25 * i) for i, _ in enumerate(group)],
+                                                   rank).contiguous()

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import egraph_did as ed
-from egraph_did import collectives, models
+from conftest import stand_in
+from egraph_did import models
 from egraph_did.layout import Layout, S
 from egraph_did.lowering.graphs import Captured, NotCaptured, run_graphed
 from egraph_did.lowering.program import prepare, program_inputs
@@ -16,15 +17,6 @@ from egraph_did.shards import Operand, RankContext
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 MESH = ed.DeviceMesh.arange(4)
-
-
-def stand_in(plan, c, t, rank):
-    """A deterministic collective without host syncs: its registry semantics as if every rank held t."""
-    entry = collectives.get(c.kind, str(c))
-    src, dst = plan.values[c.src], plan.values[c.dst]
-    move = collectives.Move(plan.mesh, src.shape, src.layout, dst.layout, c.mesh_axis, c.reduce)
-    group = plan.mesh.ranks_along(c.mesh_axis, rank)
-    return entry.simulate(move, [t * (1 + 0.25 * i) for i, _ in enumerate(group)], rank).contiguous()
 
 
 def gpt_plan():

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import egraph_did as ed
-from egraph_did import collectives, models
+from conftest import stand_in
+from egraph_did import models
 from egraph_did.errors import ShapeError
 from egraph_did.layout import Layout, S
 from egraph_did.lowering.execute import run_rank
@@ -24,15 +25,6 @@ def sp(build, *args):
     for name in ("x", "y"):
         apply_layout(fd[name], Layout((S(1),)), MESH)
     return fd
-
-
-def stand_in(plan, c, t, rank):
-    """A deterministic collective: its registry semantics as if every rank of the group held t."""
-    entry = collectives.get(c.kind, str(c))
-    src, dst = plan.values[c.src], plan.values[c.dst]
-    move = collectives.Move(plan.mesh, src.shape, src.layout, dst.layout, c.mesh_axis, c.reduce)
-    group = plan.mesh.ranks_along(c.mesh_axis, rank)
-    return entry.simulate(move, [t * (1 + 0.25 * i) for i, _ in enumerate(group)], rank).contiguous()
 
 
 def local_inputs(plan, rank, seed=0):
