@@ -10,9 +10,9 @@ compute level 0 from operands held at level m = mesh ndim (Run) and move one mes
 or by a collective the registry connects (Move; the graph stays acyclic). The schedule runs the
 families and the program rules once, then the physical rules to saturation.
 
-Rules with no egglog form (ORACLE_RULES: a family written since, such as grad_ops) still reach egglog as
-Ax rows computed by their Python rule: the switch is explicit. tests/optimizer/test_egraph.py holds the
-graph equal to a plain Python worklist over the problem's priced strategies; tests/rewrites/
+Every registered rule has an egglog form (rules.egglog_form): a rule without one is an error naming it
+(check_egglog_forms), never a silent fallback to rows its Python rule computes. tests/optimizer/test_egraph.py
+holds the graph equal to a plain Python worklist over the problem's priced strategies; tests/rewrites/
 test_egglog_rules.py holds every egglog form equal to its Python rule.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections import defaultdict
 from egglog import EGraph, String, eq, i64, relation, ruleset, union, var
 from egglog import rule as erule
 
-from egraph_did.rewrites import ALL_RULES, RULES, aten, pointwise, reduction, views
+from egraph_did.rewrites import ALL_RULES, aten, frontend_ops, grad_ops, pointwise, reduction, views
 from egraph_did.rewrites.rules import EGGLOG
 from egraph_did.rewrites.sorts import (AX, KERNS, LAYOUTS, OPS_SORT, PLAN, RUN, SIG, SITE, STRAT, Apart, AttrI, AttrS, AxisMap,
                                        Bcast, Coll, Connect, D, Def, Extent, Fits, FloatSize, Held, Input, Keep, Lit, Load,
@@ -49,11 +49,30 @@ Whole = relation("Whole", LayoutSort, egg_fn="Whole")  # a layout with no pendin
 # as Plan rows
 Open = relation("Open", i64, egg_fn="Open")
 
-# The family rulesets, composed into one by the schedule
-FAMILIES = pointwise.pointwise | views.views | reduction.reduction | aten.aten
-# Rules with no egglog form (rules.egglog_form) yet: their Ax rows reach egglog as facts computed by the
-# Python rule (the explicit switch; a family added without egglog forms lands here)
-ORACLE_RULES = frozenset(r.name for r in ALL_RULES if r.name not in EGGLOG)
+# The family rulesets (rules.family_ruleset, one per module of rewrites/), composed into one by the schedule
+FAMILIES = (pointwise.pointwise | views.views | reduction.reduction | aten.aten | grad_ops.grad_ops
+            | frontend_ops.frontend_ops)
+
+
+def check_egglog_forms(rules=None, forms=None) -> None:
+    """Raise, naming them, if registered sharding rules have no egglog form (rules.egglog_form): the e-graph
+    derives every strategy by its rulesets, and a rule without one would silently offer nothing there.
+    Defaults: every registered rule (rewrites.ALL_RULES) against the declared forms (rules.EGGLOG).
+
+    >>> check_egglog_forms()  # every rule of rewrites/ has one
+    >>> check_egglog_forms([r for r in ALL_RULES if r.name == "cat_of_partials"], {})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    RuntimeError: sharding rules without an egglog form: cat_of_partials (frontend_ops); write ...
+    """
+    rules, forms = ALL_RULES if rules is None else rules, EGGLOG if forms is None else forms
+    missing = [f"{r.name} ({r.family})" for r in rules if r.name not in forms]
+    if missing:
+        raise RuntimeError(f"sharding rules without an egglog form: {', '.join(missing)}; write an "
+                           f"@egglog_form(rule) beside each in its family module (docs/egraph.md, Adding a rule)")
+
+
+check_egglog_forms()  # at import, with every family of rewrites/ registered (FAMILIES holds their rulesets)
 
 
 # ---------------------------------------------------------------------- terms as text (the adapter's input)
@@ -94,7 +113,8 @@ def _dims(x_ndim: int, dims) -> tuple[int, ...]:
 
 def _axis_facts(e) -> list[tuple]:
     """The op's axis correspondence (AxisMap: output axis b is operand axis a, unchanged), its reduced or
-    gathered axes (Reduced) and string attributes the rules read (AttrS), by op kind.
+    gathered axes (Reduced), a reshape's groups (ReshapeBlock) and attributes the rules read (AttrS, AttrI:
+    welford's blocks, scatter_add's dim), by op kind.
 
     >>> from egraph_did.models import row_sum
     >>> _axis_facts(row_sum(8, 64).fusion.exprs[0])  # sum over axis 1 keeps axis 0
@@ -132,6 +152,11 @@ def _axis_facts(e) -> list[tuple]:
         k = (len(args["weight"].shape) if args.get("weight") is not None
              else 1 if isinstance(ns, int) else len(ns or (1,)))
         out += [("AxisMap", 0, a, a) for a in range(x.ndim - k)]
+    elif op.name in ("slice", "cat", "scatter_add"):  # every axis but dim unchanged (cat: in both operands)
+        dim = _norm(args["dim"], x.ndim)
+        out += [("AxisMap", j, a, a) for j in range(2 if op.name == "cat" else 1) for a in range(x.ndim) if a != dim]
+        if op.name == "scatter_add":
+            out.append(("AttrI", "dim", dim))
     elif op.name == "welford_merge":
         rank = x.ndim - 1
         dim, keep = _norm(args["dim"], rank), args.get("keepdim")
@@ -205,7 +230,6 @@ def encode(problem: Problem) -> tuple[list[str], dict[str, str], dict[str, str]]
             out += [f"(Param {g} {i} {_q(o.param)})" for i, o in enumerate(view.operands)]
             for f in _axis_facts(e):
                 out.append(f"({f[0]} {g} " + " ".join(_q(v) if isinstance(v, str) else str(v) for v in f[1:]) + ")")
-            out += _oracle_rows(e, g, mesh)
         sig_of[key] = sigs[code][1:-1]
         out.append(f"(Site{len(tens)}x{len(e.outputs)} {_q(ident[key])} {sigs[code]} "
                    + " ".join(t(v.name) for v in list(e.outputs) + tens) + ")")
@@ -236,23 +260,6 @@ def _allowed_plans(problem: Problem, ident: dict[str, str]) -> list[str]:
             lays = " ".join(lay_text(lay) for lay in s.outputs + s.inputs)
             out.append(f"(Plan{len(names) - len(e.outputs)}x{len(e.outputs)} {_q(ident[key])} (K{m} {kern}) "
                        + " ".join(f'(T "{ident[n]}")' for n in names) + f" {lays})")
-    return out
-
-
-def _oracle_rows(e, key: str, mesh) -> list[str]:
-    """Ax rows of the rules not yet written as egglog rules (ORACLE_RULES), from their Python form."""
-    rules = [r for r in RULES.get(e.op.name, []) + RULES.get("*", []) if r.name in ORACLE_RULES]
-    if not rules:
-        return []
-    n, o = sum(hasattr(v, "logical_domain") for _, v in e.args), len(e.outputs)
-    out = []
-    for d in sorted(set(mesh.shape)):
-        view = op_view(e, d)
-        for r in rules:
-            for s in r.strategies(view):
-                kern = s.local.name if s.local else ""
-                out.append(f"(Ax{n}x{o} {key} {d} " + " ".join(pl_text(p) for p in s.inputs + s.outputs)
-                           + f' "{kern}" {int(s.nestable)})')
     return out
 
 

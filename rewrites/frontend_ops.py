@@ -5,7 +5,11 @@ rules come from the pointwise family by query); a slice of a partial is a partia
 family (slice is a view)."""
 from __future__ import annotations
 
-from .rules import P, S, Case, rule
+from egglog import rule as erule
+
+from .rules import P, S, Case, egglog_form, family_ruleset, rule
+from .sorts import P as P_, S as S_
+from .sorts import AxisMap, MeshSize, a, ax, b, d, sig, site
 
 
 def _dim(e, param: str) -> int:
@@ -47,3 +51,29 @@ def cat_other_axis(e):
 def cat_of_partials(e):
     """cat(sum_r a_r, sum_r b_r) = sum_r cat(a_r, b_r): joining two partials is a partial"""
     yield e.strategy(out=P, a=P, b=P)
+
+
+# ---------------------------------------------------------------------- the same identities as egglog rules
+# Each derives the per-mesh-axis relation Ax (rewrites/sorts.py) from the op's axis facts (egraph._axis_facts:
+# AxisMap(sig, operand, a, a) for every axis but the sliced or joined one). cat's operands: a, b.
+
+@egglog_form(slice_other_axis)
+def _slice_other_axis(spec):
+    """slice(x, dim)[shard of axis a != dim] = slice(x[shard of a], dim)"""
+    yield erule(site("slice"), AxisMap(sig, 0, a, b), MeshSize(d)).then(ax([S_(a)], [S_(b)]))
+
+
+@egglog_form(cat_other_axis)
+def _cat_other_axis(spec):
+    """cat(a, b, dim)[shard of axis k != dim] = cat(a[shard of k], b[shard of k], dim)"""
+    yield erule(site("cat", 2), AxisMap(sig, 0, a, b), AxisMap(sig, 1, a, b), MeshSize(d)).then(
+        ax([S_(a), S_(a)], [S_(b)]))
+
+
+@egglog_form(cat_of_partials)
+def _cat_of_partials(spec):
+    """cat(sum_r a_r, sum_r b_r) = sum_r cat(a_r, b_r)"""
+    yield erule(site("cat", 2), MeshSize(d)).then(ax([P_(), P_()], [P_()]))
+
+
+frontend_ops = family_ruleset("frontend_ops")

@@ -4,9 +4,13 @@ embedding, take_along_axis and cross_entropy). With the rows of an embedding's i
 split over its rows (vocab parallel), each rank scatters the ids it owns."""
 from __future__ import annotations
 
+from egglog import rule as erule
+
 from egraph_did.ops import SCATTER_ADD_LOCAL
 
-from .rules import P, S, Case, indices, rule
+from .rules import P, S, Case, egglog_form, family_ruleset, indices, rule
+from .sorts import P as P_, R as R_, S as S_
+from .sorts import AttrI, AxisMap, MeshSize, a, ax, b, d, sig, site
 
 
 def _dim(e) -> int:
@@ -53,3 +57,32 @@ def scatter_into_owned_positions(e):
     """x.scatter_add(d, i, s)[rank r's part along d] = x_r.scatter_add(d, i - start_r, s where i is in
     r's part): each rank adds the sources it owns (vocab-parallel embedding gradient)"""
     yield e.strategy(out=S(_dim(e)), x=S(_dim(e)), local=SCATTER_ADD_LOCAL)
+
+
+# ---------------------------------------------------------------------- the same identities as egglog rules
+# Each derives the per-mesh-axis relation Ax (rewrites/sorts.py) for scatter_add from its axis facts
+# (egraph._axis_facts: AttrI(sig, "dim", the scatter axis), AxisMap(sig, 0, a, a) for every other axis). The
+# tensor operands are positional, in the op's signature order: x, index, src.
+
+@egglog_form(scatter_other_axis)
+def _scatter_other_axis(spec):
+    """x.scatter_add(d, i, s)[shard of axis a != d] = x[shard].scatter_add(d, i[shard], s[shard])"""
+    yield erule(site("scatter_add", 3), AxisMap(sig, 0, a, b), MeshSize(d)).then(ax([S_(a)] * 3, [S_(b)]))
+
+
+@egglog_form(scatter_sources_partial)
+def _scatter_sources_partial(spec):
+    """x.scatter_add(d, i, s) = sum_r x_r.scatter_add(d, i_r, s_r), sources split along d: a partial (x a
+    partial, or replicated and added on one rank only)"""
+    yield erule(site("scatter_add", 3), AttrI(sig, "dim", a), MeshSize(d)).then(
+        ax([P_(), S_(a), S_(a)], [P_()]), ax([R_(), S_(a), S_(a)], [P_()], SCATTER_ADD_LOCAL))
+
+
+@egglog_form(scatter_into_owned_positions)
+def _scatter_into_owned_positions(spec):
+    """x.scatter_add(d, i, s)[rank r's part along d] = x_r.scatter_add(d, i - start_r, s where i is r's)"""
+    yield erule(site("scatter_add", 3), AttrI(sig, "dim", a), MeshSize(d)).then(
+        ax([S_(a), R_(), R_()], [S_(a)], SCATTER_ADD_LOCAL))
+
+
+grad_ops = family_ruleset("grad_ops")
