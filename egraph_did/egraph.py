@@ -36,6 +36,7 @@ from egraph_did.rewrites.sorts import Kern as KernSort, Layout as LayoutSort
 from egraph_did.rewrites.sorts import P as P_, Pmax as Pmax_, R as R_, S as S_
 
 from .collectives import connecting
+from .egglog_io import frozen_rows, run_text
 from .layout import PMAX, Layout, P, R, S, is_valid
 from .ops import OPS
 from .physgraph import Node, PhysGraph
@@ -356,18 +357,6 @@ def mesh_rules(shape: tuple[int, ...]):
 
 # ---------------------------------------------------------------------- saturate
 
-def _run_text(eg: EGraph, rows: list[str], chunk: int = 20) -> None:
-    """The first private egglog call: run facts given as egglog text. Building a command through the public
-    API costs about 0.5 ms and grows with the e-graph (8,000 commands: 5.9 s measured with egglog 13.2), text
-    costs about 0.04 ms a fact, in programs of a few dozen facts (one program's cost grows faster than its
-    length: 400 facts a program cost 3.5 times as much, measured on 96 GPT layers). No fact is a union (Def,
-    Input and LoadIn are relations that a rule turns into unions in one rebuild): a union given as a fact
-    costs a rebuild that grows with the e-graph. The sorts and functions are declared through the public
-    API first."""
-    for k in range(0, len(rows), chunk):
-        eg._egraph.run_program(*eg._egraph.parse_program("\n".join(rows[k:k + chunk])))
-
-
 @functools.lru_cache(maxsize=4)
 def _template(shape: tuple[int, ...]):
     """An EGraph with every sort, function and ruleset for meshes of this shape declared and compiled, and
@@ -389,7 +378,7 @@ def loaded(problem: Problem):
     facts = _mesh_facts(problem) + facts
     eg, program, rules = _template(problem.mesh.shape)
     with eg:
-        _run_text(eg, facts)
+        run_text(eg, facts)
         yield eg, program, rules, facts, ident, sig_of
 
 
@@ -437,9 +426,9 @@ def transitions(problem) -> list[tuple[str, str, str, int]]:
     u = [R, P, PMAX] + sorted({p for lay in lays.values() for p in lay if p.is_shard}, key=lambda p: p.axis)
     eg, program, _ = _template((1,) * m)  # Move reads the number of mesh axes alone
     with eg:
-        _run_text(eg, _placement_facts(u) + [f"(Lay {lay_text(lay)})" for lay in lays.values()])
+        run_text(eg, _placement_facts(u) + [f"(Lay {lay_text(lay)})" for lay in lays.values()])
         eg.run(program.saturate())
-        rows, raw = _frozen_rows(eg, ["Move", "R", "P", "Pmax", "S"] + [f"L{k}" for k in LAYOUTS])
+        rows, raw = frozen_rows(eg, ["Move", "R", "P", "Pmax", "S"] + [f"L{k}" for k in LAYOUTS])
     place = {out: pl for name, pl in (("R", R), ("P", P), ("Pmax", PMAX)) for _, out in rows.get(name, [])}
     place.update({out: S(raw.value_to_i64(ins[0])) for ins, out in rows.get("S", [])})
     code = {out: Layout(tuple(place[v] for v in ins)).code() for k in LAYOUTS for ins, out in rows.get(f"L{k}", [])}
@@ -512,20 +501,11 @@ def _arity(op: str) -> int:
 
 # ---------------------------------------------------------------------- read back
 
-def _frozen_rows(eg: EGraph, names) -> tuple[dict[str, list], object]:
-    """The second private egglog call: the rows of the functions `names` as (input values, output value),
-    from the bindings' freeze(), with the bindings' EGraph to read primitive values. The public
-    EGraph.freeze() turns every row of every function into declaration objects first: 0.9 s for a GPT layer
-    on a 2x4 mesh, against 4 ms here."""
-    frozen = eg._egraph.freeze().functions
-    return {name: [(row.inputs, row.output) for row in frozen[name].rows] for name in names if name in frozen}, eg._egraph
-
-
 def read_back(eg: EGraph, problem: Problem, name_of: dict[str, str]) -> PhysGraph:
     """The physical classes of the saturated e-graph as a PhysGraph: each class named by its Held term
     (tensor, layout code, level), its nodes Load, Keep, Coll, Proj and Apply (a Run, mapped onto the
     problem's priced strategy of the same placements and kernels)."""
-    rows, raw = _frozen_rows(eg, ["R", "P", "Pmax", "S", "T", "Held", "Load", "Keep", "Coll", "Proj"]
+    rows, raw = frozen_rows(eg, ["R", "P", "Pmax", "S", "T", "Held", "Load", "Keep", "Coll", "Proj"]
                              + [f"L{m}" for m in LAYOUTS] + [f"K{m}" for m in KERNS] + [f"Run{n}x{o}" for n, o in RUN])
     strs: dict = {}
 

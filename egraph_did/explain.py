@@ -21,7 +21,7 @@ def explain_plan(plan) -> str:
     >>> print(explain_plan(ed.optimize(row_sum(8, 64), ed.DeviceMesh.arange(2))).splitlines()[2])
     tensor layouts (loop domain):
     """
-    return "\n".join([_header(plan), "", *_layouts(plan), "", *_table(plan)])
+    return "\n".join([_header(plan), "", *_layouts(plan), "", *_rewrites(plan), *_table(plan)])
 
 
 def _header(plan) -> str:
@@ -37,6 +37,18 @@ def _layouts(plan) -> list[str]:
         pinned = " (pinned)" if tensor in plan.pins else ""
         lines.append(f"  {tensor:<14} {plan.loop_domain(tensor)}{pinned}")
     return lines
+
+
+def _rewrites(plan) -> list[str]:
+    """The steps that compute a program the rewrites of rewrites/algebra.py added, by rewrite (nothing when
+    the plan runs the program as written)."""
+    rewritten = getattr(plan, "rewrites", {})
+    steps = [s for s in plan.steps if s.kind == "compute" and s.key in rewritten]
+    if not steps:
+        return []
+    lines = ["program rewrites (the plan computes an equal program):"]
+    lines += [f"  {rewritten[s.key]:<22} {s}" for s in steps]
+    return lines + [""]
 
 
 def _table(plan) -> list[str]:

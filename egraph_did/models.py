@@ -86,6 +86,25 @@ def gpt_layer(batch: int, seq: int, hidden: int, heads: int, dtype=torch.float32
     return fd
 
 
+def parallel_residual_layer(batch: int, seq: int, hidden: int, heads: int, dtype=torch.float32
+                            ) -> FusionDefinition:
+    """A GPT-J / PaLM layer: attention and MLP read one layer norm in parallel, y = x + attn(ln(x)) +
+    mlp(ln(x)), added left to right as written; x [batch, seq, hidden].
+
+    >>> fd = parallel_residual_layer(batch=2, seq=8, hidden=16, heads=4)
+    >>> str(fd.fusion.exprs[-1]), fd["y"].shape  # (x + attn) + mlp
+    ('y = add(add_14, linear_17)', (2, 8, 16))
+    """
+    with FusionDefinition() as fd:
+        x = fd.define_tensor((batch, seq, hidden), dtype, name="x", axis_names=("b", "s", "h"))
+        g = fd.define_tensor((hidden,), dtype, name="ln_w", axis_names=("h",))
+        b = fd.define_tensor((hidden,), dtype, name="ln_b", axis_names=("h",))
+        h = fd.ops.layer_norm(x, weight=g, bias=b)
+        a = _attention_body(fd, h, batch, seq, hidden, heads, dtype)
+        fd.add_output(fd.ops.add(fd.ops.add(x, a), _mlp_body(fd, h, hidden, dtype)), name="y")
+    return fd
+
+
 def gpt_training_step(batch: int, seq: int, hidden: int, heads: int, dtype=torch.float32, layers: int = 1,
                       optimizer=None) -> FusionDefinition:
     """One training step of gpt_layer as one fusion: forward, loss = mean((y - target)^2), backward, and

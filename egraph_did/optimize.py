@@ -8,6 +8,7 @@ from . import collectives
 from .cost import CostModel
 from .egraph import saturate
 from .errors import PlanError
+from .expand import check_rewrites
 from .explain import why
 from .physgraph import Node, PhysGraph
 from .extract import ROOT, Selection, exact, greedy_dag, with_roots
@@ -66,14 +67,15 @@ def collective_cost(problem: Problem, kind: str, axis: int, tensor: str, src: La
 
 
 def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extractor: str = "greedy",
-             like: Plan | None = None, time_limit: float | None = None) -> Plan:
+             like: Plan | None = None, time_limit: float | None = None, rewrites=None) -> Plan:
     """Lay out every tensor of `fd` on `mesh` at the least predicted time.
 
     Tensors given a mesh (set_device_mesh, plus DID splits) are pinned exactly; the rest are free.
     extractor: "greedy" (greedy-DAG) or "exact" (0/1 program, HiGHS). like: pin every tensor to the
     layout another plan chose (a plan of the same fusion at other shapes). time_limit: seconds the
     exact extractor's solver may run (default 60); past it the plan is the best found, with
-    plan.method "exact-unproven" (extractor="exact" only).
+    plan.method "exact-unproven" (extractor="exact" only). rewrites: the program rewrites of
+    rewrites/algebra.py the e-graph may apply, by name (None: all; (): none, the program as written).
 
     >>> import egraph_did as ed
     >>> with ed.FusionDefinition() as fd:
@@ -88,10 +90,11 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     """
     check_optimize_args(fd, mesh, cost_model, extractor, like)
     time_limit = _check_time_limit(time_limit, extractor)
+    rewrites = check_rewrites(rewrites)
     t0 = time.perf_counter()
     cm = cost_model or CostModel.h200()
     pins = None if like is None else {name: like.values[v].layout for name, v in like.outputs.items()}
-    problem = build_problem(fd, mesh, cm, pins=pins, like=like)
+    problem = build_problem(fd, mesh, cm, pins=pins, like=like, rewrites=rewrites)
     t1 = time.perf_counter()
     graph = saturate(problem)
     t2 = time.perf_counter()
@@ -237,8 +240,10 @@ def build_plan(problem: Problem, graph: PhysGraph, sel: Selection) -> Plan:
         v = f"{canonical(graph, problem, name)}:{lay.code()}"
         if v in values:
             pins[name] = v
+    rewrites = {s.key: problem.rewritten[s.key] for s in steps
+                if isinstance(s, ComputeStep) and s.key in problem.rewritten}
     plan = Plan(mesh, problem.cost_model, values, _explain_why(steps, values, outputs, problem), inputs, outputs,
-                memory=sel.memory, method=sel.method, pins=pins)
+                memory=sel.memory, method=sel.method, pins=pins, rewrites=rewrites)
     plan.validate()
     return plan
 

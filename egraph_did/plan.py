@@ -201,6 +201,8 @@ class Plan:
     method: str = ""
     stats: dict[str, float] = field(default_factory=dict)
     pins: dict[str, str] = field(default_factory=dict)  # pinned tensor -> the value holding it in its pin
+    # tensor a program rewrite (rewrites/algebra.py) added, computed by the plan -> the rewrite's name
+    rewrites: dict[str, str] = field(default_factory=dict)
 
     # ------------------------------------------------------------ queries
     @property
@@ -466,7 +468,7 @@ class Plan:
             "format": FORMAT, "mesh": self.mesh.to_dict(), "cost_model": self.cost_model.to_dict(),
             "values": {k: v.to_dict() for k, v in self.values.items()},
             "steps": steps, "inputs": self.inputs, "outputs": self.outputs, "memory": self.memory,
-            "method": self.method, "stats": self.stats, "pins": self.pins}, indent=1)
+            "method": self.method, "stats": self.stats, "pins": self.pins, "rewrites": self.rewrites}, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -582,7 +584,7 @@ class Plan:
                 raise PlanError(f"plan JSON: outputs[{name!r}] must name a value (a key of 'values'), got {v!r}")
         plan = cls(mesh, cost_model, values, steps,
                    {k: list(v) for k, v in d["inputs"].items()}, dict(d["outputs"]), d.get("memory", 0.0),
-                   d.get("method", ""), d.get("stats", {}), dict(d.get("pins", {})))
+                   d.get("method", ""), d.get("stats", {}), dict(d.get("pins", {})), dict(d.get("rewrites", {})))
         for name, v in plan.pins.items():
             if v not in values:
                 raise PlanError(f"plan JSON: pins[{name!r}] must name a value (a key of 'values'), got {v!r}")

@@ -15,6 +15,7 @@ from egraph_did.rewrites import AxisStrategy, Operand, OpView, axis_strategies
 
 from .cost import CostModel
 from .errors import PlanError
+from .expand import expand
 from .fusion import Expr, Fusion, Ops, as_fusion, replay
 from .ir import TensorView
 from .layout import Layout, canonical_layout, is_valid, valid_layouts
@@ -73,6 +74,7 @@ class Problem:
     layouts: dict[str, list[Layout]] = field(default_factory=dict)  # every valid layout, partials included
     origin: dict[str, str] = field(default_factory=dict)  # decomposition tensor -> the composite it expands
     input_layouts: dict[str, list[Layout]] = field(default_factory=dict)  # overrides load_layouts()
+    rewritten: dict[str, str] = field(default_factory=dict)  # tensor a program rewrite added -> the rewrite
 
     def tensor(self, name: str) -> TensorView:
         """The working copy's tensor called `name`."""
@@ -237,9 +239,10 @@ def expr_strategies(e: Expr, mesh: DeviceMesh, cm: CostModel, problem: Problem) 
 # ---------------------------------------------------------------------- build
 
 def build_problem(fd, mesh: DeviceMesh, cost_model: CostModel | None = None,
-                  pins: dict[str, Layout] | None = None, like=None) -> Problem:
+                  pins: dict[str, Layout] | None = None, like=None, rewrites=()) -> Problem:
     """Working fusion, pins read from the user's loop domains (plus `pins`), strategies for every expr.
     like: a Plan of the same fusion (at any shapes) whose layouts and strategies are the only ones kept.
+    rewrites: the program rewrites (rewrites/algebra.py) whose equal programs the working fusion gains.
 
     >>> import egraph_did as ed
     >>> with ed.FusionDefinition() as fd:
@@ -263,6 +266,11 @@ def build_problem(fd, mesh: DeviceMesh, cost_model: CostModel | None = None,
             raise PlanError(f"pin for unknown tensor {name!r}")
         problem.pins[name] = canonical_layout(lay, mesh)
     _add_decompositions(work, ops, mesh, problem)
+    for eq in expand(work, ops, rewrites):
+        problem.rewritten[eq.new] = eq.rewrite
+        problem.origin[eq.new] = eq.old or eq.new  # the program's own name stays the class's name
+        if eq.old is not None:
+            problem.equal.append((eq.old, eq.new))
     for tv in work.all_tensors():
         problem.layouts[tv.name] = list(valid_layouts(tv.shape, mesh, partial=True))
     for name, lay in problem.pins.items():

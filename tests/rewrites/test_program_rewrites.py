@@ -1,0 +1,75 @@
+"""Program rewrites (rewrites/algebra.py): every term a rewrite adds evaluates equal to the tensor it
+joins, on every example (float64, random inputs); a rewrite applies to the program, never to its own
+results; names are checked."""
+import pytest
+import torch
+
+import egraph_did as ed
+from egraph_did.errors import PlanError
+from egraph_did.evaluate import evaluate
+from egraph_did.expand import check_rewrites, expand
+from egraph_did.problem import clone_fusion
+from egraph_did.models import row_sum
+from egraph_did.rewrites.algebra import REWRITES
+
+EXAMPLES = [(name, ex) for name, rw in sorted(REWRITES.items()) for ex in rw.examples]
+
+
+def example_fusion(ex):
+    with ed.FusionDefinition() as fd:
+        tensors = [fd.define_tensor(shape, torch.float64, name=n) for n, shape in ex.inputs.items()]
+        outs = ex.build(fd.ops, *tensors)
+        for i, out in enumerate(outs if isinstance(outs, tuple) else (outs,)):
+            fd.add_output(out, name=f"out{i}")
+    return fd
+
+
+@pytest.mark.parametrize("name,ex", EXAMPLES, ids=[f"{n}-{ex.name}" for n, ex in EXAMPLES])
+def test_every_added_term_equals_the_tensor_it_joins(name, ex):
+    fd = example_fusion(ex)
+    work, ops = clone_fusion(fd.fusion)
+    before = len(work.exprs)
+    added = expand(work, ops, [name])
+    assert added and all(eq.rewrite == name for eq in added), "the example must exercise the rewrite"
+    assert len(work.exprs) == before + len(added)
+    joined = [eq for eq in added if eq.old is not None]
+    assert joined, "a rewrite adds a program equal to some tensor of the program"
+    for eq in joined:
+        work.outputs[f"new:{eq.new}"] = work.tensors[eq.new]
+        work.outputs[f"old:{eq.old}"] = work.tensors[eq.old]
+    g = torch.Generator().manual_seed(0)
+    inputs = {t.name: torch.randn(t.shape, generator=g, dtype=torch.float64) for t in work.inputs}
+    got = evaluate(work, inputs)
+    for eq in joined:
+        torch.testing.assert_close(got[f"new:{eq.new}"], got[f"old:{eq.old}"], rtol=1e-12, atol=1e-12)
+
+
+def test_a_rewrite_never_applies_to_its_own_terms():
+    """A chain of n adds gains one bracketing per add of the program, not every bracketing."""
+    with ed.FusionDefinition() as fd:
+        xs = [fd.define_tensor((3,), name=f"x{i}") for i in range(6)]
+        h = xs[0]
+        for x in xs[1:]:
+            h = fd.ops.add(h, x)
+        fd.add_output(h, name="y")
+    work, ops = clone_fusion(fd.fusion)
+    added = expand(work, ops, ["sum_partials_first"])
+    assert len([eq for eq in added if eq.old is not None]) == 4  # (h + x) + x' for 4 of the 5 adds
+    assert len(added) == 8  # each with its one new inner add
+
+
+def test_numbers_and_other_shapes_are_left_alone():
+    """x + a + 1.0 is not reassociated (a number is no tensor); nor a broadcast bias (another shape)."""
+    with ed.FusionDefinition() as fd:
+        x, a, b = fd.define_tensor((3, 4), name="x"), fd.define_tensor((3, 4), name="a"), fd.define_tensor((4,), name="b")
+        fd.add_output(fd.ops.add(fd.ops.add(x, a), 1.0), name="y")
+        fd.add_output(fd.ops.add(fd.ops.add(x, a), b), name="z")
+    work, ops = clone_fusion(fd.fusion)
+    assert expand(work, ops, ["sum_partials_first"]) == []
+
+
+def test_rewrite_names_are_checked():
+    assert check_rewrites(()) == ()
+    assert check_rewrites("sum_partials_first") == ("sum_partials_first",)
+    with pytest.raises(PlanError, match="unknown program rewrite 'fold'.*sum_partials_first"):
+        ed.optimize(row_sum(8, 64), ed.DeviceMesh.arange(2), rewrites=["fold"])
