@@ -634,6 +634,68 @@ class _Gen:
             bound = max(a.bound, abs(fill))
         return bool(self.emit("where", [["cond", _tensor_arg(cond.name)], ["a", ab[0]], ["b", ab[1]]], bound=bound))
 
+    # masks and positions (issue 11): a mask from a comparison, combined, reduced or scanned
+    def _mask(self, like=None) -> _T | None:
+        t = self.pick() if like is None else (self.pick(pred=lambda t: _fits_broadcast(t.shape, like.shape),
+                                                        new_ok=False) or self.new_input(self.bcast_shape(like.shape)))
+        if t is None:
+            return None
+        (m,) = self.emit(self.rng.choice(["gt", "lt", "ne"]), [["a", _tensor_arg(t.name)], ["b", 0.0]])
+        return m
+
+    def _bitwise(self, op):
+        m = self._mask()
+        if m is None:
+            return False
+        other = self.rng.choice([True, False]) if self.rng.random() < 0.3 else _tensor_arg(self._mask(m).name)
+        ab = [_tensor_arg(m.name), other] if self.rng.random() < 0.5 else [other, _tensor_arg(m.name)]
+        return bool(self.emit(op, [["a", ab[0]], ["b", ab[1]]], bound=1.0))
+
+    def g_bitwise_and(self):
+        return self._bitwise("bitwise_and")
+
+    def g_bitwise_or(self):
+        return self._bitwise("bitwise_or")
+
+    def g_bitwise_xor(self):
+        return self._bitwise("bitwise_xor")
+
+    def _truth(self, op):
+        m = self._mask()
+        if m is None:
+            return False
+        args = [["x", _tensor_arg(m.name)], ["dims", self.dims(m)]]
+        if self.rng.random() < 0.5:
+            args.append(["keepdim", True])
+        return bool(self.emit(op, args, bound=1.0))
+
+    def g_any(self):
+        return self._truth("any")
+
+    def g_all(self):
+        return self._truth("all")
+
+    def g_amin(self):
+        return self.g_reduce("amin")
+
+    def g_prod(self):
+        t = self.pick()
+        if t is None:
+            return False
+        t = self.tame(t, 1.0)  # |values| <= 1: the product of any count stays finite
+        args = [["x", _tensor_arg(t.name)], ["dims", self.dims(t)]]
+        if self.rng.random() < 0.5:
+            args.append(["keepdim", True])
+        return bool(self.emit("prod", args, bound=max(t.bound, 1.0)))
+
+    def g_cumsum(self):
+        t = self.pick(pred=lambda t: t.ndim >= 1)
+        if t is None:
+            return False
+        d = self.rng.randrange(t.ndim)
+        args = [["x", _tensor_arg(t.name)], ["dim", d - t.ndim if self.rng.random() < 0.3 else d]]
+        return bool(self.emit("cumsum", args, bound=t.bound * t.shape[d]))
+
     def g_broadcast_in_dim(self):
         t = self.pick(float_only=False, pred=lambda t: t.ndim <= 3)
         if t is None:

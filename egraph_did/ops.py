@@ -3,8 +3,8 @@
 An entry is one `@op(...)` on the op's shape rule (its signature is the op's signature in `fd.ops`).
 Beside the shape rule it states:
 
-- kind: what the op computes: pointwise | mask | reduction | normalization | matmul | attention |
-  gather | view | join (tensors laid side by side: cat). Rules, the problem and the lowering select ops
+- kind: what the op computes: pointwise | mask | reduction | scan (a running reduction along an axis:
+  cumsum) | normalization | matmul | attention | gather | view | join (tensors laid side by side: cat). Rules, the problem and the lowering select ops
   by kind (`ops_where(kind="view")`), never by a list of names;
 - reference: its torch evaluation; decompose (composites): its expansion into other ops, rfactor: a
   decomposition that splits the reduction in blocks;
@@ -38,7 +38,8 @@ from .errors import DtypeError, PlanError, ShapeError
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INT_DTYPES = (torch.int64, torch.int32)
 SUPPORTED_DTYPES = FLOAT_DTYPES + INT_DTYPES + (torch.bool,)
-KINDS = ("pointwise", "mask", "reduction", "normalization", "matmul", "attention", "gather", "view", "join")
+KINDS = ("pointwise", "mask", "reduction", "scan", "normalization", "matmul", "attention", "gather", "view",
+         "join")
 
 
 @dataclass(frozen=True)
@@ -512,6 +513,79 @@ def _as_tensors(a, b):
                  for v in (a, b))
 
 
+# Logic and bit ops: masks (a causal mask built from cumsum, eq, and, not; a padding mask reduced by
+# any) compute on bool and integer tensors. Their outputs are not real-valued: no gradient flows.
+_NOT_REAL = "its output is bool or integer (a mask, bits), so no gradient flows through it"
+_INTEGRAL = (torch.bool,) + INT_DTYPES
+
+
+def _bit_operands(name: str, a, b) -> None:
+    """bitwise ops take bool and integer tensors and Python ints/bools, as torch does."""
+    for v in (a, b):
+        dt = v.dtype if _is_tensor(v) else (torch.bool if isinstance(v, bool) else
+                                            torch.int64 if isinstance(v, int) else torch.float64)
+        if dt not in _INTEGRAL:
+            raise DtypeError(f"{name}({_desc(a)}, {_desc(b)}): {_desc(v)} is "
+                             f"{str(dt).replace('torch.', '')}; {name} takes bool and integer operands (as "
+                             f"torch); compare a float first (fd.ops.ne(x, 0)) or cast it to an integer type")
+
+
+def _bitwise(name: str, fn: Callable):
+    def infer(a, b):
+        _scalar_check(name, (a, b))
+        _bit_operands(name, a, b)
+        shape, axes = broadcast_specs(name, a, b)
+        return [OutSpec(shape, _result_dtype(name, a, b), axes)]
+    infer.__name__ = name
+    infer.__doc__ = (f"Elementwise {name}(a, b) of bool or integer operands with numpy broadcasting (torch's "
+                     f"type promotion); either side may be a Python int or bool.")
+    # No Triton template: the kernels take bool tensors only through cast (lowering/schedulers.py), and
+    # models apply these to bool masks; such a step runs through torch (a mask is cheap, and replicated
+    # or sharded by the pointwise rules all the same)
+    op(name, "pointwise", fn, arity=2, no_grad=_NOT_REAL)(infer)
+
+
+_bitwise("bitwise_and", lambda a, b: a & b)
+_bitwise("bitwise_or", lambda a, b: a | b)
+_bitwise("bitwise_xor", lambda a, b: a ^ b)
+
+
+def _truth(v, like: torch.Tensor) -> torch.Tensor:
+    """v (a tensor or a Python number) as a bool tensor: nonzero is true."""
+    return v != 0 if isinstance(v, torch.Tensor) else torch.as_tensor(bool(v), device=like.device)
+
+
+def _logical(name: str, fn: Callable, template: str):
+    def infer(a, b):
+        _scalar_check(name, (a, b))
+        shape, axes = broadcast_specs(name, a, b)
+        return [OutSpec(shape, torch.bool, axes)]
+    infer.__name__ = name
+    infer.__doc__ = (f"Elementwise {name}(a, b) -> bool of any operands (nonzero is true), numpy broadcasting; "
+                     f"either side may be a Python number.")
+
+    def ref(a, b):
+        like = a if isinstance(a, torch.Tensor) else b
+        return fn(_truth(a, like), _truth(b, like))
+    op(name, "pointwise", ref, arity=2, template=template, no_grad=_NOT_REAL)(infer)
+
+
+_logical("logical_and", torch.logical_and, "({a} != 0) & ({b} != 0)")
+_logical("logical_or", torch.logical_or, "({a} != 0) | ({b} != 0)")
+
+
+@op("logical_not", "pointwise", torch.logical_not, arity=1, template="{x} == 0", no_grad=_NOT_REAL)
+def logical_not(x):
+    """Elementwise not x -> bool (x == 0) of any dtype, as torch.logical_not; on a bool tensor it is
+    torch's bitwise_not (~mask), on an integer one bitwise_not is bitwise_xor(x, -1).
+
+    >>> logical_not(TensorSpec("x", (3,), torch.float32, ("s",)))
+    [OutSpec(shape=(3,), dtype=torch.bool, axes=('s',))]
+    """
+    x = _need_tensor("logical_not", "x", x)
+    return [OutSpec(x.shape, torch.bool, x.axes)]
+
+
 def _unary(name: str, fn: Callable, template: str | None = None, float_only: bool = True, doc: str = "",
            vjp: Callable | None = None):
     def infer(x):
@@ -664,6 +738,101 @@ def amax(x, dims=None, keepdim: bool = False):
     """Maximum over `dims`."""
     x = _need_tensor("amax", "x", x)
     return [_reduced(x, norm_axes("amax", x, dims), keepdim)]
+
+
+# Reductions with no partial placement (no pending min, product or or): sharded only along the axes they
+# keep (rewrites/scans.py); a sharded reduced axis is gathered first. They run through torch (their
+# kind's Triton form combines sums and maxima only).
+
+def _dims_arg(x, dims) -> tuple[int, ...]:
+    """dims as torch's dim argument: every axis for None."""
+    return tuple(range(x.ndim)) if dims is None else dims
+
+
+@op("amin", "reduction", lambda x, dims=None, keepdim=False: torch.amin(x, dim=_dims_arg(x, dims), keepdim=keepdim),
+    vjp=_vjp_amax)  # the same rule: the gradient splits evenly between the elements that attain the minimum
+def amin(x, dims=None, keepdim: bool = False):
+    """Minimum over `dims` (an int, a tuple, or None for all axes), as torch.amin.
+
+    >>> amin(TensorSpec("x", (3, 4), torch.float32, ("s", "h")), -1, keepdim=True)
+    [OutSpec(shape=(3, 1), dtype=torch.float32, axes=('s', '1'))]
+    """
+    x = _need_tensor("amin", "x", x)
+    return [_reduced(x, norm_axes("amin", x, dims), keepdim)]
+
+
+def _prod_ref(x, dims=None, keepdim=False):
+    """torch.prod over several axes: torch's takes one, so one axis at a time (the last first, so that
+    the axes left keep their positions)."""
+    if dims is None:
+        out = torch.prod(x)
+        return out.reshape((1,) * x.ndim) if keepdim else out
+    for d in sorted(((dims,) if isinstance(dims, int) else dims), key=lambda d: d % x.ndim, reverse=True):
+        x = torch.prod(x, d % x.ndim, keepdim=keepdim)
+    return x
+
+
+def _vjp_prod(ops, g, out, x, dims=None, keepdim=False):
+    """d prod / d x_i = the product of the others: out / x_i where x_i != 0; where x_i is the only zero of
+    its slice, the product of the non-zeros; 0 where its slice holds another zero (as torch)"""
+    zero = ops.eq(x, 0.0)
+    n_zeros = ops.sum(_as_float(ops, zero, x.dtype), dims, keepdim=True)
+    others = ops.prod(ops.where(zero, 1.0, x), dims, keepdim=True)
+    at_zero = ops.where(ops.eq(n_zeros, 1.0), others, 0.0)
+    share = ops.where(zero, at_zero, ops.div(unreduce(ops, out, x.shape, dims, keepdim), x))
+    return {"x": ops.mul(unreduce(ops, g, x.shape, dims, keepdim), share)}
+
+
+@op("prod", "reduction", _prod_ref, vjp=_vjp_prod)
+def prod(x, dims=None, keepdim: bool = False):
+    """Product over `dims` (an int, a tuple, or None for all axes); integers and bools widen to int64, as
+    torch.prod.
+
+    >>> prod(TensorSpec("x", (3, 4), torch.int32, ("s", "h")), (0, 1))
+    [OutSpec(shape=(), dtype=torch.int64, axes=())]
+    """
+    x = _need_tensor("prod", "x", x)
+    dtype = torch.int64 if x.dtype in _INTEGRAL else x.dtype
+    return [_reduced(x, norm_axes("prod", x, dims), keepdim, dtype)]
+
+
+def _truth_reduction(name: str, fn: Callable):
+    def infer(x, dims=None, keepdim: bool = False):
+        x = _need_tensor(name, "x", x)
+        return [_reduced(x, norm_axes(name, x, dims), keepdim, torch.bool)]
+    infer.__name__ = name
+    infer.__doc__ = (f"Whether {'any element' if name == 'any' else 'every element'} over `dims` (an int, a "
+                     f"tuple, or None for all axes) is nonzero -> bool, as torch.{name}.")
+    op(name, "reduction", lambda x, dims=None, keepdim=False: fn(x, dim=_dims_arg(x, dims), keepdim=keepdim),
+       no_grad=_NOT_REAL)(infer)
+
+
+_truth_reduction("any", torch.any)
+_truth_reduction("all", torch.all)
+
+
+# ------------------------------------------------------------------ scans
+
+def _vjp_cumsum(ops, g, out, x, dim):
+    """the reversed cumulative sum of g: sum(g) - cumsum(g) + g along dim"""
+    d = dim % max(x.ndim, 1)
+    if not x.ndim:
+        return {"x": g}
+    return {"x": ops.add(ops.sub(ops.sum(g, d, keepdim=True), ops.cumsum(g, d)), g)}
+
+
+@op("cumsum", "scan", lambda x, dim: torch.cumsum(x, dim), vjp=_vjp_cumsum)
+def cumsum(x, dim: int):
+    """Cumulative sum along `dim`, as torch.cumsum: integers and bools widen to int64 (positions from a
+    mask: cumsum(mask, -1) - 1).
+
+    >>> cumsum(TensorSpec("mask", (2, 5), torch.bool, ("b", "s")), -1)
+    [OutSpec(shape=(2, 5), dtype=torch.int64, axes=('b', 's'))]
+    """
+    x = _need_tensor("cumsum", "x", x)
+    norm_axis("cumsum", x, dim, ndim=max(x.ndim, 1))  # a 0-d tensor scans its one element, as torch
+    dtype = torch.int64 if x.dtype in _INTEGRAL else x.dtype
+    return [OutSpec(x.shape, dtype, x.axes)]
 
 
 def _count(x, dims) -> int:
