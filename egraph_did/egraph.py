@@ -26,7 +26,7 @@ from collections import defaultdict
 from egglog import EGraph, String, eq, i64, relation, ruleset, union, var
 from egglog import rule as erule
 
-from egraph_did.rewrites import ALL_RULES, aten, frontend_ops, grad_ops, pointwise, reduction, views
+from egraph_did.rewrites import ALL_RULES, aten, frontend_ops, grad_ops, pointwise, reduction, scans, views
 from egraph_did.rewrites.rules import EGGLOG
 from egraph_did.rewrites.sorts import (AX, KERNS, LAYOUTS, OPS_SORT, PLAN, RUN, SIG, SITE, STRAT, Apart, AttrI, AttrS, AxisMap,
                                        Bcast, Coll, Connect, D, Def, Extent, Fits, FloatSize, Held, Input, Keep, Lit, Load,
@@ -52,7 +52,7 @@ Open = relation("Open", i64, egg_fn="Open")
 
 # The family rulesets (rules.family_ruleset, one per module of rewrites/), composed into one by the schedule
 FAMILIES = (pointwise.pointwise | views.views | reduction.reduction | aten.aten | grad_ops.grad_ops
-            | frontend_ops.frontend_ops)
+            | frontend_ops.frontend_ops | scans.scans)
 
 
 def check_egglog_forms(rules=None, forms=None) -> None:
