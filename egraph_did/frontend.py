@@ -43,10 +43,10 @@ class ExportError(EgraphDidError, ValueError):
 
     >>> import torch, egraph_did as ed
     >>> try:
-    ...     ed.from_torch(lambda x: torch.cumsum(x, 0), (torch.ones(3, 4),))
+    ...     ed.from_torch(lambda x: torch.flip(x, (0,)), (torch.ones(3, 4),))
     ... except ed.ExportError as e:
     ...     print(str(e).split(" at ")[0])
-    from_torch: aten.cumsum.default
+    from_torch: aten.flip.default
     """
 
 
@@ -217,7 +217,12 @@ class _Converter:
         names = _output_names(self.ep.call_spec.out_spec, len(values))
         seen: set[int] = set()
         for name, v in zip(names, values):
-            tv = self._tensor(self.env[v.name] if hasattr(v, "name") else v)
+            val = self.env[v.name] if hasattr(v, "name") else v
+            if isinstance(val, _Unavailable):  # name the op that made it (getitem's source) and its line
+                self.node = v.args[0] if v.target is operator.getitem else v
+                raise self.error(f"gives {val.what} as an output, which the fusion does not compute",
+                                 "return only the op's first output")
+            tv = self._tensor(val)
             if tv in self.fd.fusion.inputs or id(tv) in seen:
                 tv = self.fd.ops.cast(tv, tv.dtype)  # an output is its own tensor: a copy of an input or twin
             seen.add(id(tv))
@@ -605,6 +610,61 @@ def _reduce(op_name):
 maps(aten.sum)(_reduce("sum"))
 maps(aten.mean)(_reduce("mean"))
 maps(aten.amax)(lambda c, self, dim=(), keepdim=False: c.ops.amax(c._tensor(self), _dims(dim), keepdim=keepdim))
+maps(aten.amin)(lambda c, self, dim=(), keepdim=False: c.ops.amin(c._tensor(self), _dims(dim), keepdim=keepdim))
+maps(aten.prod)(_reduce("prod"))
+maps(aten.any)(lambda c, self, dim=None, keepdim=False: c.ops.any(c._tensor(self), _dims(dim), keepdim=keepdim))
+maps(aten.all)(lambda c, self, dim=None, keepdim=False: c.ops.all(c._tensor(self), _dims(dim), keepdim=keepdim))
+
+
+def _minimum(c, a, b):
+    """torch.minimum as -max(-a, -b): negation is exact and keeps NaN, and ties split the gradient in
+    half as torch's minimum does."""
+    return c.ops.neg(c.ops.maximum(c.ops.neg(a), c.ops.neg(b)))
+
+
+@maps(aten.minimum)
+def _minimum_op(c, self, other):
+    return _minimum(c, c.operand(self), c.operand(other))
+
+
+def _extremum(name: str):
+    """torch.min/torch.max: over every axis (amin/amax), along dim (the values; the indices, arg{name}, are
+    not computed: reading them is refused), or of two tensors (minimum/maximum)."""
+    def fn(c, self, dim=None, keepdim=False, other=None):
+        x = c._tensor(self)
+        if other is not None:
+            y = c.operand(other)
+            return c.ops.maximum(x, y) if name == "max" else _minimum(c, x, y)
+        reduce = c.ops.amax if name == "max" else c.ops.amin
+        if dim is None:
+            return reduce(x, None)
+        return reduce(x, dim, keepdim=keepdim), _Unavailable(f"{name}'s indices (torch.arg{name})")
+    return fn
+
+
+maps(aten.min)(_extremum("min"))
+maps(aten.max)(_extremum("max"))
+
+
+# ------------------------------------------------------------ masks: scans, logic and bits
+
+@maps(aten.cumsum)
+def _cumsum(c, self, dim, dtype=None):
+    return c.ops.cumsum(_cast(c, self, dtype), dim)
+
+
+for _name in ("bitwise_and", "bitwise_or", "bitwise_xor", "logical_and", "logical_or"):
+    maps(getattr(aten, _name))(_binary(_name))
+for _aten, _op in (("__and__", "bitwise_and"), ("__or__", "bitwise_or"), ("__xor__", "bitwise_xor")):
+    maps(getattr(aten, _aten))(_binary(_op))
+maps(aten.logical_not)(_unary("logical_not"))
+
+
+@maps(aten.bitwise_not)
+def _bitwise_not(c, self):
+    """~x: not, of a bool mask; x xor -1 (every bit flipped), of an integer tensor."""
+    x = c._tensor(self)
+    return c.ops.logical_not(x) if x.dtype == torch.bool else c.ops.bitwise_xor(x, -1)
 
 
 @maps(aten._softmax, aten.softmax)

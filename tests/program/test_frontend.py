@@ -137,17 +137,85 @@ def test_an_explicit_causal_mask_becomes_causal_sdpa_and_another_mask_is_spelled
         assert_close(ed.evaluate(fd, fd.bind(x))["out"], F.scaled_dot_product_attention(x, x, x, attn_mask=mask), F32)
 
 
+# ---------------------------------------------------------------------- masks: scans, logic, min/max/prod
+
+class MaskOps(nn.Module):
+    """What a model's masks and positions are made of (issue 11): positions by cumsum of a padding mask,
+    a causal-and-padding mask by comparisons and bitwise and/or/not, rows without a key found by any,
+    min/max/amin/prod/all reductions, torch.minimum; they weigh the scores of a linear layer."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x, pad):
+        t = x.shape[1]
+        pos = pad.long().cumsum(-1) - 1                                   # [b, t] positions of the tokens
+        causal = pos[:, None, :] <= pos[:, :, None]                        # [b, t, t]
+        keep = causal & pad[:, None, :].bool() & ~(pad[:, :, None] == 0)
+        keep = keep | (pos[:, :, None] < 0).logical_not().logical_and(torch.eye(t, dtype=torch.bool))
+        empty = (~keep).all(-1, keepdim=True) ^ keep.any(-1, keepdim=True).logical_not()
+        h = self.proj(x)
+        scores = torch.where(keep, h @ h.transpose(1, 2), -1e4).softmax(-1)
+        spread = h.amax(-1, keepdim=True) - h.amin(-1, keepdim=True) + torch.min(h, -1, keepdim=True).values
+        total = torch.prod(torch.sigmoid(h), dim=1) + torch.max(h) + torch.min(h) + h.cumsum(1)[:, -1]
+        return scores @ h + spread + total[:, None, :] + torch.minimum(h, x) + empty.to(h.dtype)
+
+
+def _masked_inputs(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 6, 8, generator=g, dtype=dtype)
+    pad = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]])
+    return x, pad
+
+
+@pytest.mark.parametrize("dtype", [F64, F32], ids=str)
+def test_masks_from_scans_logic_and_min_max_prod_equal_the_module(dtype):
+    torch.manual_seed(0)
+    module = MaskOps(8).to(dtype).eval()
+    x, pad = _masked_inputs(dtype)
+    fd = ed.from_torch(module, (x, pad))
+    ops = {e.op.name for e in fd.fusion.exprs}
+    assert {"cumsum", "bitwise_and", "bitwise_or", "logical_not", "logical_and", "all", "any", "bitwise_xor",
+            "amin", "amax", "prod"} <= ops, ops
+    x2, pad2 = torch.randn_like(x), torch.tensor([[1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1]])  # not the example's
+    assert_close(ed.evaluate(fd, fd.bind(x2, pad2))["out"], module(x2, pad2), dtype)
+
+
+def test_the_masked_module_plan_shards_and_simulates_to_the_module():
+    torch.manual_seed(0)
+    module = MaskOps(8).eval()
+    x, pad = _masked_inputs(F32)
+    fd = ed.from_torch(module, (x, pad))
+    fd["x"].set_device_mesh(MESH)
+    fd["out"].set_device_mesh(MESH)
+    plan = ed.optimize(fd, MESH)
+    assert_close(ed.simulate(plan, fd.bind(x, pad))["out"], module(x, pad), F32)
+
+
 # ---------------------------------------------------------------------- refusals name the op and the line
 
 def test_an_op_without_a_mapping_names_the_op_and_the_source_line():
-    def running_total(x):
-        return torch.cumsum(x * 2, 0)  # the line the error names
+    def reversed_rows(x):
+        return torch.flip(x * 2, (0,))  # the line the error names
     with pytest.raises(ed.ExportError) as info:
-        ed.from_torch(running_total, (torch.ones(3, 4),))
+        ed.from_torch(reversed_rows, (torch.ones(3, 4),))
     msg = str(info.value)
-    assert msg.startswith("from_torch: aten.cumsum.default at ")
-    assert "test_frontend.py:" in msg and "return torch.cumsum(x * 2, 0)" in msg
+    assert msg.startswith("from_torch: aten.flip.default at ")
+    assert "test_frontend.py:" in msg and "return torch.flip(x * 2, (0,))" in msg
     assert "ATEN table" in msg
+
+
+def test_reading_the_indices_of_min_along_an_axis_is_refused_naming_the_line():
+    def argmin_rows(x):
+        return torch.min(x, 1).indices  # the line the error names
+    with pytest.raises(ed.ExportError) as info:
+        ed.from_torch(argmin_rows, (torch.randn(3, 4),))
+    msg = str(info.value)
+    assert msg.startswith("from_torch: aten.min.dim at ") and "return torch.min(x, 1).indices" in msg
+    assert "gives min's indices (torch.argmin) as an output, which the fusion does not compute" in msg
+    fd = ed.from_torch(lambda x: torch.min(x, 1).values, (torch.randn(3, 4),))  # the values map onto amin
+    assert [e.op.name for e in fd.fusion.exprs] == ["amin"]
 
 
 def test_dropout_in_training_mode_is_refused_not_folded_or_dropped():
