@@ -232,6 +232,18 @@ class Writer:
         self.names: set[str] = set()
         self.loaded: dict[tuple, str] = {}
         self.spans: dict[str, frozenset[Group]] = {}
+        # Cache hints (set by the scheduler): a tensor as large as the loop is read once, so its loads
+        # evict first; a smaller one (a weight broadcast over rows) is re-read by every program and
+        # stays (evict_last). Stores take store_policy when it is set.
+        self.hints = False
+        self.store_policy: str | None = None
+
+    def policy(self, shape: tuple[int, ...], loop: tuple[int, ...]) -> str:
+        """The eviction-policy argument of a load of a tensor of `shape` in a loop of `loop` ('' unhinted)."""
+        if not self.hints:
+            return ""
+        return ', eviction_policy="evict_first"' if math.prod(shape) >= math.prod(loop) else \
+            ', eviction_policy="evict_last"'
 
     def emit(self, line: str) -> None:
         self.lines.append("    " * self.indent + line)
@@ -255,10 +267,11 @@ class Writer:
         var = self.fresh(name)
         ptr = f"{self.in_params[name]} + {idx}" if idx != "0" else self.in_params[name]
         up = ".to(tl.float32)" if dt in (torch.float16, torch.bfloat16) else ""
+        hint = self.policy(shape, phase.loop)
         if mask:
-            self.emit(f"{var} = tl.load({ptr}, mask={mask}, other=0){up}")
+            self.emit(f"{var} = tl.load({ptr}, mask={mask}, other=0{hint}){up}")
         else:
-            self.emit(f"{var} = tl.load({ptr}){up}")
+            self.emit(f"{var} = tl.load({ptr}{hint}){up}")
         self.loaded[k] = var
         self.spans[var] = frozenset(used)
         return var
@@ -279,7 +292,8 @@ class Writer:
             f" + 0 * {g.flat}" for g in extra)
         v = value if COMPUTE_TYPE[dt] == STORAGE_TYPE[dt] else f"{value}.to({STORAGE_TYPE[dt]})"
         mask = " & ".join(dict.fromkeys(conds))
-        self.emit(f"tl.store({ptr}, {v}, mask={mask})" if mask else f"tl.store({ptr}, {v})")
+        hint = f', eviction_policy="{self.store_policy}"' if self.store_policy else ""
+        self.emit(f"tl.store({ptr}, {v}, mask={mask}{hint})" if mask else f"tl.store({ptr}, {v}{hint})")
 
     def reduce(self, op: str, x: str, axis: int, keep_dims: bool, out: str, note: str = "") -> str:
         """Emit sum or amax of the block x along one tile dimension into a fresh variable for `out`."""
@@ -323,8 +337,11 @@ class Writer:
         self.spans[var] = frozenset().union(*(self.spans.get(v, frozenset()) for v in vals.values()))
         return var
 
-    def source(self, header: str, signature: str) -> str:
-        helpers = "".join(HELPERS[h] for h in sorted(self.helpers))
+    def source(self, header: str, signature: str, more: tuple["Writer", str, str] | None = None) -> str:
+        """The kernel's module; `more` = (writer, name, signature) adds a second jitted function (the
+        finishing pass of a split reduction)."""
+        helpers = "".join(HELPERS[h] for h in sorted(self.helpers | (more[0].helpers if more else set())))
         body = "\n".join(self.lines)
+        extra = f"\n\n@triton.jit\ndef {more[1]}({more[2]}):\n" + "\n".join(more[0].lines) + "\n" if more else ""
         return (f"{header}\nimport triton\nimport triton.language as tl\n{helpers}\n\n"
-                f"@triton.jit\ndef kernel({signature}):\n{body}\n")
+                f"@triton.jit\ndef kernel({signature}):\n{body}\n{extra}")

@@ -8,7 +8,10 @@ Four schedulers, in the spirit of nvFuser's:
               fits on chip (<= 16384 elements): a row stays in registers between its reductions
               (softmax, layer_norm, rms_norm, residual add + layer_norm in one kernel).
 - reduction:  one sum/amax over trailing axes of any length (inner: a loop over column blocks) or over
-              leading axes (outer, e.g. a column sum), with a pointwise prologue and epilogue.
+              leading axes (outer, e.g. a column sum), with a pointwise prologue and epilogue. A long
+              outer reduction over few column blocks splits (outer_split): row chunks reduce apart into
+              an fp32 workspace, and a second jitted function of the module (`finish`) reduces those
+              partials and runs the epilogue (SplitLaunch launches both).
 - transpose:  one permute/transpose that moves the last axis, with pointwise ops before and after; tiles
               load along the input's contiguous axis and store along the output's.
 
@@ -18,6 +21,7 @@ blocks are then large, since the interpreter costs per program, not per element.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import math
 import os
@@ -38,6 +42,36 @@ from .kernel_spec import (KERNEL_OPS, POINTWISE_BINARY, REDUCTIONS, TRANSPOSES, 
 
 PERSISTENT_MAX_ROW = 16384  # elements of a row a persistent kernel holds on chip
 _BIG = 2**31 - 2**20       # past this many elements, offsets are computed in int64
+
+# Source-level choices, measured on one H200 (bf16 [16384, 12288], bench/sweep_reductions.py, 2026-12-03).
+# Eviction hints (inductor's evict_first / evict_last) bought nothing there: rms_norm 0.2049 vs 0.2045 ms,
+# softmax 0.2067 vs 0.1993, add+layer_norm 0.4144 vs 0.3938, row sum 0.1026 vs 0.1012; they stay off.
+PERSISTENT_HINTS = False     # eviction hints in persistent kernels
+REDUCTION_HINTS = False      # eviction hints in reduction kernels
+# Column sum [16384, 12288]: one pass 256 x 32 (384 programs) 0.1130 ms; split into row chunks with a
+# finishing pass 0.1088-0.1100 ms over 12 configurations (64..128 columns, 1536..6144 programs, 4 warps),
+# torch.compile 0.1084 ms.
+SPLIT_BLOCK_N = 64           # columns a program of a split outer reduction sums
+SPLIT_PROGRAMS = 1536        # a split outer reduction aims at this many programs (~12 per H200 SM)
+SPLIT_MIN_ROWS = 1024        # and gives each at least this many rows
+SPLIT_TILE = 8192            # elements of a split reduction's tile (BLOCK_K x BLOCK_N)
+SPLIT_FINISH_BLOCK = 256     # columns a program of the finishing pass sums
+
+
+def outer_split(kk: int, cols: int) -> int:
+    """Row chunks of an outer reduction over kk rows and cols columns (a column sum), reduced apart into
+    an fp32 workspace and then summed by a finishing pass: doubled while SPLIT_BLOCK_N-wide column blocks
+    times chunks stay under SPLIT_PROGRAMS and each chunk keeps SPLIT_MIN_ROWS rows; 1 (one pass) when the
+    columns alone fill the GPU or the rows are short.
+
+    >>> outer_split(16384, 12288), outer_split(16384, 10 ** 6), outer_split(1000, 12288)
+    (8, 1, 1)
+    """
+    nb = -(-cols // SPLIT_BLOCK_N)
+    split = 1
+    while nb * split < SPLIT_PROGRAMS and kk // (2 * split) >= SPLIT_MIN_ROWS and split < 64:
+        split *= 2
+    return split
 
 
 class Unsupported(PlanError):
@@ -60,6 +94,8 @@ class Schedule:
     after: set[str] = field(default_factory=set)
     pivot: KernelOp | None = None  # the reduction of a reduction kernel, the permute of a transpose
     outer: bool = False            # reduction over leading axes (a column sum)
+    split: int = 1                 # outer reduction: row chunks reduced apart, then a finishing pass
+    hints: bool = False            # cache hints: streamed loads evict_first, broadcast operands evict_last
 
     @property
     def base(self) -> tuple[int, ...]:
@@ -249,6 +285,10 @@ def _reduction(spec: KernelSpec, r: KernelOp) -> Schedule:
                           f"scheduler takes trailing (inner) or leading (outer) axes")
     s.after = _downstream(spec, r)
     _check_epilogue(spec, s, "reduction")
+    if s.outer:
+        k = len(s.red_axes)
+        s.split = outer_split(math.prod(s.loop[:k]), math.prod(s.loop[k:]))
+    s.hints = REDUCTION_HINTS
     return s
 
 
@@ -273,6 +313,7 @@ def _persistent(spec: KernelSpec, reds: list[KernelOp]) -> Schedule:
     if row > PERSISTENT_MAX_ROW:
         raise Unsupported(f"rows of {row} elements do not fit on chip (the persistent scheduler takes up to "
                           f"{PERSISTENT_MAX_ROW})")
+    s.hints = PERSISTENT_HINTS
     return s
 
 
@@ -363,6 +404,19 @@ def heuristics(spec: KernelSpec, s: Schedule, interpret: bool | None = None) -> 
         k = len(s.red_axes)
         if s.outer:
             kk, cols = math.prod(L[:k]), math.prod(L[k:])
+            if s.split > 1:
+                chunk = -(-kk // s.split)
+                if interpret:
+                    bn = min(_p2(cols), 1024)
+                    bk = min(_p2(chunk), max(1, 65536 // bn))
+                    bf = min(_p2(cols), max(1, 65536 // _p2(s.split)))
+                else:
+                    bn = min(_p2(cols), SPLIT_BLOCK_N)
+                    bk = min(_p2(chunk), max(1, SPLIT_TILE // bn))
+                    bf = min(_p2(cols), SPLIT_FINISH_BLOCK)
+                warps = 4  # H200, split 8, 128 x 64: 4 warps 0.1089 ms, 8 warps 0.1099
+                return LaunchConfig(-(-cols // bn) * s.split, (("BLOCK_K", bk), ("BLOCK_N", bn), ("BLOCK_F", bf)),
+                                    warps)
             if interpret:
                 bn = min(_p2(cols), 1024)
                 bk = min(_p2(kk), max(1, 65536 // bn))
@@ -447,12 +501,14 @@ def generate_source(spec: KernelSpec, s: Schedule | None = None) -> str:
     s = s or schedule(spec)
     ins, outs, params = _params(spec)
     w = Writer(spec, ins, outs)
+    w.hints = s.hints
     L = s.loop
     n = len(L)
     big = max([math.prod(L)] + [math.prod(sh) for _, sh, _ in spec.tensors]) > _BIG
     i64 = ".to(tl.int64)" if big else ""
     env: dict[str, str] = {}
     ops = list(spec.ops)
+    finish = None
     w.emit(f"pid = {_pid(big)}")
 
     if s.kind == "pointwise":
@@ -498,11 +554,20 @@ def generate_source(spec: KernelSpec, s: Schedule | None = None) -> str:
         if s.outer:
             consts = ["BLOCK_K", "BLOCK_N"]
             kk, cols = math.prod(L[:k]), math.prod(L[k:])
-            w.emit("offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)")
+            if s.split > 1:
+                # programs [chunk of rows, column block], column blocks fastest; each sums its chunk
+                w.emit(f"nb = ({cols} + BLOCK_N - 1) // BLOCK_N")
+                w.emit(f"chunk = ({kk} + {s.split} * BLOCK_K - 1) // ({s.split} * BLOCK_K) * BLOCK_K")
+                w.emit("pid_k = pid // nb")
+                w.emit("offs_n = (pid % nb) * BLOCK_N + tl.arange(0, BLOCK_N)")
+                loop = "range(pid_k * chunk, pid_k * chunk + chunk, BLOCK_K)"
+            else:
+                w.emit("offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)")
+                loop = f"range(0, {kk}, BLOCK_K)"
             w.emit("cols = offs_n[None, :]")
             w.emit(f"cols_mask = cols < {cols}")
             w.emit(f"acc = tl.full([BLOCK_K, BLOCK_N], {fill}, tl.float32)")
-            w.emit(f"for k0 in range(0, {kk}, BLOCK_K):")
+            w.emit(f"for k0 in {loop}:")
             w.indent += 1
             w.emit(f"ks = (k0 + tl.arange(0, BLOCK_K)[:, None]){i64}")
             w.emit(f"ks_mask = ks < {kk}")
@@ -531,13 +596,35 @@ def generate_source(spec: KernelSpec, s: Schedule | None = None) -> str:
         w.emit("acc = " + OPS[r.op].template.format(a="acc", b=f"tl.where(ks_mask, {v}, {fill})"))
         w.indent -= 1
         epi = Phase(L, [epi_group])
+        epi_ops = [op for op in ops if op.out in s.after]
         w.emit(f"{epi_group.mask} = {epi_group.flat} < {math.prod(L[a] for a in epi_group.axes)}")
-        var = w.reduce(r.op, "acc", red_axis, False, r.out, f"  # {r.op} of {x}")
-        w.spans[var] = frozenset({epi_group})
-        env[r.out] = var
-        if r.out in outs:
-            w.store(r.out, var, s.out_frame[r.out], epi)
-        _emit_ops(w, spec, s, [op for op in ops if op.out in s.after], epi, "epi", env, outs)
+        if s.outer and s.split > 1:
+            # the chunk's partial result goes to the fp32 workspace [split, cols]; `finish` reduces it
+            var = w.reduce(r.op, "acc", red_axis, False, r.out + "_part", f"  # {r.op} of {x}, this chunk")
+            w.emit(f"tl.store(ws + pid_k * {cols} + offs_n, {var}, mask=offs_n_mask)")
+            params = params + ["ws"]
+            f = Writer(spec, ins, outs)
+            f.hints = s.hints
+            f.emit(f"pid = {_pid(big)}")
+            f.emit("offs_n = pid * BLOCK_F + tl.arange(0, BLOCK_F)")
+            f.emit(f"offs_n_mask = offs_n < {cols}")
+            f.emit(f"parts = tl.arange(0, {_p2(s.split)})[:, None]")
+            f.emit(f"v_parts = tl.load(ws + parts * {cols} + offs_n[None, :], "
+                   f"mask=(parts < {s.split}) & offs_n_mask[None, :], other={fill})")
+            var = f.reduce(r.op, "v_parts", 0, False, r.out, f"  # {r.op} of {x}: the chunks' partials")
+            f.spans[var] = frozenset({epi_group})
+            env = {r.out: var}
+            if r.out in outs:
+                f.store(r.out, var, s.out_frame[r.out], epi)
+            _emit_ops(f, spec, s, epi_ops, epi, "epi", env, outs)
+            finish = (f, "finish", ", ".join(params + ["BLOCK_F: tl.constexpr"]))
+        else:
+            var = w.reduce(r.op, "acc", red_axis, False, r.out, f"  # {r.op} of {x}")
+            w.spans[var] = frozenset({epi_group})
+            env[r.out] = var
+            if r.out in outs:
+                w.store(r.out, var, s.out_frame[r.out], epi)
+            _emit_ops(w, spec, s, epi_ops, epi, "epi", env, outs)
 
     else:  # transpose
         consts = ["BLOCK_A", "BLOCK_B", "NA", "NB"]
@@ -561,7 +648,7 @@ def generate_source(spec: KernelSpec, s: Schedule | None = None) -> str:
     header = (f"# egraph-did kernel {spec.key()} ({s.kind}), generated by lowering/schedulers.py\n"
               f"# inputs: {shapes(spec.inputs)}\n# outputs: {shapes(dict.fromkeys(spec.outputs))}\n"
               + "".join(f"# {op.out} = {op.op}({', '.join(f'{k}={v}' for k, v in op.args)})\n" for op in ops))
-    return w.source(header, sig)
+    return w.source(header, sig, finish)
 
 
 # ------------------------------------------------------------------ compile, cache, launch
@@ -602,6 +689,22 @@ def _import(path: Path, key: str):
     sys.modules[name] = module
     mod_spec.loader.exec_module(module)
     return module
+
+
+class SplitLaunch:
+    """The launch of a split outer reduction, called as a jitted kernel is (`fn[grid](*inputs, *outputs,
+    BLOCK_K=, BLOCK_N=, BLOCK_F=, num_warps=)`): the partial pass over a fresh fp32 workspace
+    [split, cols] on the grid given, then the finishing pass over column blocks of BLOCK_F."""
+
+    def __init__(self, partial, finish, split: int, cols: int):
+        self.partial, self.finish, self.split, self.cols = partial, finish, split, cols
+
+    def __getitem__(self, grid):
+        def launch(*args, BLOCK_K: int, BLOCK_N: int, BLOCK_F: int, num_warps: int = 4):
+            ws = torch.empty((self.split, self.cols), dtype=torch.float32, device=args[-1].device)
+            self.partial[grid](*args, ws, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, num_warps=num_warps)
+            self.finish[(-(-self.cols // BLOCK_F),)](*args, ws, BLOCK_F=BLOCK_F, num_warps=4)
+        return launch
 
 
 class Kernel:
@@ -674,19 +777,33 @@ def compile_kernel(spec: KernelSpec) -> Kernel:
     if hit is not None:
         _STATS["hits"] += 1
         return hit
-    s = schedule(spec)
+    kernel = load_kernel(spec, schedule(spec))
+    _KERNELS[key] = kernel
+    _STATS["compiled"] += 1
+    return kernel
+
+
+def load_kernel(spec: KernelSpec, s: Schedule) -> Kernel:
+    """A Kernel of spec under schedule s (compile_kernel's, or one with other source-level choices:
+    split, hints), written to cache_dir() under its key and a hash of its source; not cached
+    in this process."""
     _ensure_backend()
     source = generate_source(spec, s)
+    key = spec.key()
+    if s != schedule(spec):
+        key += "_" + hashlib.sha256(source.encode()).hexdigest()[:8]
     path = cache_dir() / f"{key}.py"
     if not path.exists() or path.read_text() != source:
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             f.write(source)
         os.replace(tmp, path)  # atomic: concurrent ranks never import a half-written file
-    kernel = Kernel(spec, s, source, path, _import(path, key).kernel)
-    _KERNELS[key] = kernel
-    _STATS["compiled"] += 1
-    return kernel
+    module = _import(path, key)
+    fn = module.kernel
+    if s.outer and s.split > 1:
+        k = len(s.red_axes)
+        fn = SplitLaunch(module.kernel, module.finish, s.split, math.prod(s.loop[k:]))
+    return Kernel(spec, s, source, path, fn)
 
 
 # ------------------------------------------------------------------ eager reference
@@ -713,4 +830,5 @@ def run_eager(spec: KernelSpec, inputs: dict[str, torch.Tensor]) -> dict[str, to
 
 
 __all__ = ["classify", "compile_kernel", "run_eager", "schedule", "generate_source", "heuristics",
-           "cache_dir", "cache_info", "clear_cache", "Kernel", "Schedule", "Unsupported", "PERSISTENT_MAX_ROW"]
+           "cache_dir", "cache_info", "clear_cache", "load_kernel", "outer_split", "Kernel", "LaunchConfig",
+           "Schedule", "SplitLaunch", "Unsupported", "PERSISTENT_MAX_ROW"]

@@ -9,6 +9,7 @@ On a GPU machine, `TRITON_INTERPRET=0 pytest tests/lowering/test_schedulers.py` 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import tempfile
@@ -537,3 +538,100 @@ def test_pow_with_a_tensor_exponent_of_any_broadcast_shape_matches_eager(xshape,
     x, e = b.input("x", xshape), b.input("e", eshape)
     spec = b.spec(b.pow(x, e), b.pow(b.abs(x), b.neg(e)), b.pow(2.0, e))
     check(spec, kind="pointwise")
+
+
+# ------------------------------------------------------------------ split reductions, cache hints
+
+def check_schedule(spec, s, cfg=None, inputs=None):
+    """load_kernel(spec, s) (optionally launched with cfg) equals run_eager, as check does."""
+    kernel = sch.load_kernel(spec, s)
+    if cfg is not None:
+        kernel._config = cfg
+    inputs = make_inputs(spec) if inputs is None else inputs
+    got = kernel(inputs)
+    up = {n: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for n, t in inputs.items()}
+    want = sch.run_eager(spec, up)
+    for n in spec.outputs:
+        rtol, atol = TOL[spec.dtype(n)]
+        torch.testing.assert_close(got[n], want[n].to(spec.dtype(n)), rtol=rtol, atol=atol, equal_nan=True)
+    return got
+
+
+def split_schedule(spec, split):
+    s = sch.schedule(spec)
+    assert s.outer
+    return dataclasses.replace(s, split=split)
+
+
+@pytest.mark.parametrize("shape", [(4100, 7), (1000, 5), (64, 300)])
+@pytest.mark.parametrize("split", [2, 3, 8])
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_split_column_sum_matches_eager(shape, split, keepdim):
+    """Row chunks summed apart into the fp32 workspace, then the finishing pass (uneven chunks: 4100 rows
+    in 3; a chunk past the rows when 64 rows split 8 with blocks of 64)."""
+    spec = col_reduce(shape, "sum", keepdim)
+    s = split_schedule(spec, split)
+    src = sch.generate_source(spec, s)
+    assert "def finish(" in src and "ws" in src
+    check_schedule(spec, s)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_split_column_sum_in_16_bit_keeps_fp32_partials(dtype):
+    spec = col_reduce((2000, 33), dtype=dtype)
+    check_schedule(spec, split_schedule(spec, 4))
+
+
+def test_split_column_sum_with_small_blocks_and_many_programs():
+    """A GPU-like launch under the interpreter: blocks of 16 x 4 columns, grid = column blocks x chunks."""
+    spec = col_reduce((300, 10))
+    s = split_schedule(spec, 4)
+    cfg = sch.LaunchConfig(-(-10 // 4) * 4, (("BLOCK_K", 16), ("BLOCK_N", 4), ("BLOCK_F", 4)), 4)
+    check_schedule(spec, s, cfg)
+
+
+def test_split_amax_propagates_nan_and_matches_eager():
+    spec = col_reduce((900, 6), "amax")
+    s = split_schedule(spec, 4)
+    check_schedule(spec, s)
+    ins = make_inputs(spec)
+    ins["x"][700, 2] = float("nan")   # in the last chunk only
+    got = check_schedule(spec, s, inputs=ins)[spec.outputs[0]]
+    assert got[2].isnan() and not got[3].isnan()
+
+
+def test_split_column_sum_with_prologue_outputs_and_epilogue():
+    """relu(sum(x * s, 0) - 1) with x * s also an output: the prologue output is stored by every chunk's
+    programs (each element once), the epilogue runs in the finishing pass."""
+    b = Build()
+    x, sc = b.input("x", (2100, 7)), b.input("s", (2100, 1))
+    h = b.mul(x, sc)
+    spec = b.spec(h, b.relu(b.sub(b.sum(h, 0, True), 1.0)))
+    check_schedule(spec, split_schedule(spec, 4))
+
+
+def test_outer_split_is_chosen_by_shape():
+    """Long column sums over few column blocks split; short ones, or ones whose columns fill the GPU, do not."""
+    assert sch.outer_split(16384, 12288) > 1
+    assert sch.outer_split(16384, 12288) * -(-12288 // sch.SPLIT_BLOCK_N) >= sch.SPLIT_PROGRAMS
+    assert sch.outer_split(1000, 12288) == 1 and sch.outer_split(16384, 10 ** 6) == 1
+    assert 16384 // sch.outer_split(16384, 16) >= sch.SPLIT_MIN_ROWS
+    big = col_reduce((16384, 12288), dtype=torch.bfloat16)
+    s = sch.schedule(big)
+    cfg = sch.heuristics(big, s, False)
+    c = dict(cfg.constexprs)
+    assert s.split == sch.outer_split(16384, 12288)
+    assert cfg.grid == -(-12288 // c["BLOCK_N"]) * s.split and c["BLOCK_K"] * c["BLOCK_N"] <= 16384
+    assert sch.schedule(col_reduce((13, 7))).split == 1
+    assert "def finish(" not in sch.generate_source(col_reduce((13, 7)))
+
+
+def test_cache_hints_mark_streamed_loads_evict_first_and_broadcast_operands_evict_last():
+    spec = rms_norm((64, 70), torch.bfloat16)
+    s = dataclasses.replace(sch.schedule(spec), hints=True)
+    src = sch.generate_source(spec, s)
+    x_load = next(line for line in src.splitlines() if "v_x = tl.load(" in line)
+    w_load = next(line for line in src.splitlines() if "v_w = tl.load(" in line)
+    assert 'eviction_policy="evict_first"' in x_load and 'eviction_policy="evict_last"' in w_load
+    check_schedule(spec, s)
+    assert "eviction_policy" not in sch.generate_source(spec)   # off by default (measured no gain)
