@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from egglog import EGraph
 
-from egraph_did.rewrites.algebra import REWRITES, Rewrote, rewrite_ruleset
+from egraph_did.rewrites.algebra import REWRITES, Bucket, Rewrote, rewrite_ruleset
 from egraph_did.rewrites.sorts import OPS_SORT, Def, Lit, ShapeOf, Shp, T
 
 from .egglog_io import frozen_rows, run_text
@@ -34,15 +35,42 @@ class Equal:
     rewrite: str
 
 
+@dataclass(frozen=True)
+class RewriteSet:
+    """The program rewrites an optimization may apply (iterates over their names), and the pairs of tensors
+    bucket_pair may send in one buffer.
+
+    >>> rs = RewriteSet(("bucket_pair",), (("dw1", "dw2"),))
+    >>> list(rs), "bucket_pair" in rs, rs.with_buckets([("a", "b")]).buckets
+    (['bucket_pair'], True, (('a', 'b'),))
+    """
+
+    names: tuple[str, ...]
+    buckets: tuple[tuple[str, str], ...] = ()
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __contains__(self, name) -> bool:
+        return name in self.names
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def with_buckets(self, pairs) -> "RewriteSet":
+        """The same rewrites with these bucket pairs."""
+        return RewriteSet(self.names, tuple((a, b) for a, b in pairs))
+
+
 def check_rewrites(rewrites) -> tuple[str, ...]:
     """The program rewrites to apply, by name: all of them for None, none for ().
 
     >>> check_rewrites(None)
-    ('sum_partials_first',)
+    ('bucket_pair', 'sum_partials_first')
     >>> check_rewrites(["sum_partial_first"])
     Traceback (most recent call last):
     ...
-    egraph_did.errors.PlanError: optimize: unknown program rewrite 'sum_partial_first'; rewrites= takes names from ['sum_partials_first'] (None: all of them, (): none)
+    egraph_did.errors.PlanError: optimize: unknown program rewrite 'sum_partial_first'; rewrites= takes names from ['bucket_pair', 'sum_partials_first'] (None: all of them, (): none)
     """
     if rewrites is None:
         return ALL_REWRITES
@@ -63,7 +91,7 @@ def _template(names: tuple[str, ...]):
     rules = rewrite_ruleset(names)
     eg = EGraph()
     junk = Lit("declare")  # a class no program names: read back never emits a term that uses it
-    eg.register(ShapeOf(junk, Shp("declare")), Rewrote(junk, "declare"), Def(T("declare"), junk),
+    eg.register(ShapeOf(junk, Shp("declare")), Rewrote(junk, "declare"), Def(T("declare"), junk), Bucket(*[junk] * 8),
                 *[Def(junk, OPS_SORT[op](*[junk] * len(OPS[op].signature.parameters))) for op in sorted(OPS_SORT)])
     eg.run(1, ruleset=rules)
     return eg, rules
@@ -77,9 +105,11 @@ def _shape_code(tv) -> str:
     return f"{str(tv.dtype).replace('torch.', '')}:{','.join(map(str, tv.shape))}"
 
 
-def expand(work: Fusion, ops: Ops, rewrites: Iterable[str]) -> list[Equal]:
+def expand(work: Fusion, ops: Ops, rewrites: Iterable[str], buckets: Sequence[tuple[str, str]] = ()
+           ) -> list[Equal]:
     """Add to `work` every term the named rewrites derive from its ops, as new ops (emitted through
-    `ops`); returns what each new tensor equals.
+    `ops`); returns what each new tensor equals. buckets: pairs of tensors (of one dtype, neither computed
+    from the other) that bucket_pair may send in one buffer.
 
     >>> import egraph_did as ed
     >>> with ed.FusionDefinition() as fd:
@@ -92,6 +122,7 @@ def expand(work: Fusion, ops: Ops, rewrites: Iterable[str]) -> list[Equal]:
     >>> [str(e) for e in work.exprs[-2:]]
     ['add_2 = add(a, b)', 'add_3 = add(x, add_2)']
     """
+    buckets = tuple(buckets) or getattr(rewrites, "buckets", ())
     names = tuple(sorted(rewrites))
     if not names or not work.exprs:
         return []
@@ -106,6 +137,14 @@ def expand(work: Fusion, ops: Ops, rewrites: Iterable[str]) -> list[Equal]:
         return f"(Lit {text})"
 
     facts = [f'(ShapeOf (T "{ident[n]}") (Shp {_q(_shape_code(tv))}))' for n, tv in work.tensors.items()]
+    if "bucket_pair" in names:
+        for a, b in buckets:
+            ta, tb = work.tensors[a], work.tensors[b]
+            assert ta.dtype == tb.dtype, f"bucket_pair: {a} and {b} differ in dtype"
+            na, nb = math.prod(ta.shape), math.prod(tb.shape)
+            literals = [(na,), (nb,), tuple(ta.shape), tuple(tb.shape), na, na + nb]
+            slot(0)  # the cat's axis and the first slice's start
+            facts.append(f'(Bucket (T "{ident[a]}") (T "{ident[b]}") {" ".join(slot(v) for v in literals)})')
     for e in work.exprs:
         if len(e.outputs) != 1:
             continue  # multi-output ops are no rewrite's subject yet (their terms are Out(i, app))
@@ -115,6 +154,8 @@ def expand(work: Fusion, ops: Ops, rewrites: Iterable[str]) -> list[Equal]:
         run_text(eg, facts)
         eg.run(rules.saturate())
         ops_used = sorted({e.op.name for e in work.exprs} | {"add"})
+        if "bucket_pair" in names:
+            ops_used = sorted(set(ops_used) | {"cat", "reshape", "slice"})
         rows, raw = frozen_rows(eg, ["T", "Lit", "Rewrote"] + [f"op_{op}" for op in ops_used])
     name_of = {v: k for k, v in ident.items()}
     tclass = {name_of[raw.value_to_string(ins[0])]: out for ins, out in rows.get("T", [])
@@ -151,4 +192,4 @@ def expand(work: Fusion, ops: Ops, rewrites: Iterable[str]) -> list[Equal]:
     return [Equal(old_name, new, rule[out]) for out, _, old_name, new in made]
 
 
-__all__ = ["ALL_REWRITES", "Equal", "check_rewrites", "expand"]
+__all__ = ["ALL_REWRITES", "Equal", "RewriteSet", "check_rewrites", "expand"]

@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 from . import collectives
 from .cost import CostModel
 from .egraph import saturate
 from .errors import PlanError
-from .expand import check_rewrites
+from .expand import RewriteSet, check_rewrites
 from .explain import why
 from .physgraph import Node, PhysGraph
+from .fusion import as_fusion
 from .extract import ROOT, Selection, exact, greedy_dag, with_roots
 from .layout import Layout
 from .mesh import DeviceMesh
@@ -90,13 +92,30 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     """
     check_optimize_args(fd, mesh, cost_model, extractor, like)
     time_limit = _check_time_limit(time_limit, extractor)
-    rewrites = check_rewrites(rewrites)
+    names = check_rewrites(rewrites)
     t0 = time.perf_counter()
     cm = cost_model or CostModel.h200()
     pins = None if like is None else {name: like.values[v].layout for name, v in like.outputs.items()}
+    offered = RewriteSet(names, tuple(map(tuple, like.buckets)) if like is not None else ())
+    plan = _optimize_once(fd, mesh, cm, pins, like, offered, extractor, time_limit)
+    pairs = bucket_candidates(plan, as_fusion(fd)) if "bucket_pair" in names and like is None else []
+    if pairs:  # a second e-graph, offered to send these pairs in one buffer: kept where it is cheaper
+        bucketed = _optimize_once(fd, mesh, cm, pins, like, offered.with_buckets(pairs), extractor, time_limit)
+        if bucketed.predicted_time < plan.predicted_time:
+            plan = bucketed
+            plan.buckets = [list(p) for p in pairs]
+    plan.stats.update(total_s=time.perf_counter() - t0, bucket_pairs_offered=len(pairs))
+    return plan
+
+
+def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit) -> Plan:
+    """Problem, e-graph, extraction and plan, under the given rewrites (optimize's one pass)."""
+    t0 = time.perf_counter()
     problem = build_problem(fd, mesh, cm, pins=pins, like=like, rewrites=rewrites)
     t1 = time.perf_counter()
     graph = saturate(problem)
+    if rewrites.buckets:
+        drop_cycles(graph, [k for k, r in problem.rewritten.items() if r == "bucket_pair"], _bucket_priority(problem))
     t2 = time.perf_counter()
     price(graph, problem)
     m = mesh.ndim
@@ -126,6 +145,107 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     plan.stats.update(build_s=t1 - t0, egraph_s=t2 - t1, extract_s=t3 - t2, total_s=time.perf_counter() - t0,
                       classes=len(graph.classes), nodes=graph.n_nodes)
     return plan
+
+
+def _bucket_priority(problem: Problem):
+    """The order drop_cycles tries bucket_pair's nodes in: packing from partial or split layouts first, then
+    unpacking from whole ones (the buffer's collective sits between: what a bucket is for), then the rest."""
+    def priority(graph: PhysGraph, node: Node) -> int:
+        e = problem.exprs[node.key]
+        lays = [Layout.from_code(graph.ident[c][1]) for c in node.children]
+        packs = e.op.name == "cat" or (e.op.name == "reshape" and e.args[0][1].name not in problem.rewritten)
+        if packs and any(p.kind != "R" for lay in lays for p in lay):
+            return 0
+        if not packs and not any(lay.has_partial for lay in lays):
+            return 1
+        return 2
+    return priority
+
+
+def drop_cycles(graph: PhysGraph, keys: list[str], priority=lambda graph, node: 0) -> None:
+    """Keep the physical graph acyclic where a rewrite made a class equal to a term that reads it (bucket_pair:
+    a = unflat(flat(a) ++ flat(b))): the nodes of the exprs `keys` are added back one at a time, producers
+    first (by `priority`(graph, node), then the order of `keys`), each only where no class it reads is computed
+    from its own class; then classes left with no node,
+    and the nodes that read them, go.
+
+    >>> g = PhysGraph({"a": [Node("Load", (), "a")], "b": [Node("Apply", ("a",), "pack")],
+    ...                "a2": [Node("Apply", ("b",), "unpack"), Node("Apply", ("a",), "copy")]},
+    ...               ident={"a": ("a", "P", 0), "b": ("b", "P", 0), "a2": ("a", "P", 1)})
+    >>> g.classes["a"].append(Node("Apply", ("a2",), "unpack"))  # a from itself, through the buffer
+    >>> drop_cycles(g, ["pack", "unpack"])
+    >>> [n.key for n in g.classes["a"]], [n.key for n in g.classes["a2"]]
+    (['a'], ['copy', 'unpack'])
+    """
+    order = {k: i for i, k in enumerate(keys)}
+    held = {c: [n for n in ns if n.op == "Apply" and n.key in order] for c, ns in graph.classes.items()}
+    for c, ns in held.items():
+        graph.classes[c] = [n for n in graph.classes[c] if n not in ns]
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, stack = set(), [start]
+        while stack:
+            c = stack.pop()
+            if c == goal:
+                return True
+            if c not in seen:
+                seen.add(c)
+                stack.extend(ch for n in graph.classes.get(c, ()) for ch in n.children)
+        return False
+
+    candidates = [(c, n) for c, ns in held.items() for n in ns]
+    for c, n in sorted(candidates, key=lambda cn: (priority(graph, cn[1]), order[cn[1].key])):
+        if not any(reaches(ch, c) for ch in n.children):
+            graph.classes[c].append(n)
+    while True:
+        empty = {c for c, ns in graph.classes.items() if not ns}
+        if not empty:
+            return
+        for c in empty:
+            del graph.classes[c]
+            graph.index.pop(graph.ident.pop(c, None), None)
+        for c, ns in graph.classes.items():
+            graph.classes[c] = [n for n in ns if not empty.intersection(n.children)]
+
+
+def bucket_candidates(plan: Plan, fusion) -> list[tuple[str, str]]:
+    """Pairs of tensors a plan moves by collectives of one kind on one mesh axis, one after the other in
+    its order, that could travel in one buffer: tensors of the user's program, of one dtype, neither
+    computed from the other (bucket_pair's precondition: the pair's buffer reads both).
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import mlp_with_backward
+    >>> from egraph_did.layout import Layout, S
+    >>> from egraph_did.pins import apply_layout
+    >>> mesh = ed.DeviceMesh.arange(4)
+    >>> fd = mlp_with_backward(tokens=8192, hidden=256)
+    >>> for n in ("x", "dy", "y", "dx"): _ = apply_layout(fd[n], Layout((S(0),)), mesh)
+    >>> for n in ("dw1", "dw2"): _ = fd[n].set_device_mesh(mesh)
+    >>> bucket_candidates(ed.optimize(fd, mesh, rewrites=()), fd.fusion)  # data parallel: two weight gradients
+    [('dw2', 'dw1')]
+    """
+    producer = {o.name: e for e in fusion.exprs for o in e.outputs}
+
+    @functools.lru_cache(maxsize=None)
+    def ancestors(t: str) -> frozenset:
+        e = producer.get(t)
+        if e is None:
+            return frozenset()
+        ins = [v.name for _, v in e.args if hasattr(v, "logical_domain")]
+        return frozenset(ins).union(*(ancestors(i) for i in ins))
+
+    last: dict[tuple, str] = {}
+    pairs = []
+    for c in plan.collectives:
+        t = c.tensor
+        if t not in fusion.tensors:
+            continue  # a decomposition's or a rewrite's tensor: named anew by each problem
+        group = (c.kind, c.mesh_axis, plan.values[c.src].dtype, c.reduce)
+        prev = last.get(group)
+        if prev is not None and prev != t and prev not in ancestors(t) and t not in ancestors(prev):
+            pairs.append((prev, t))
+        last[group] = t
+    return list(dict.fromkeys(pairs))
 
 
 def _check_time_limit(time_limit, extractor: str) -> float:

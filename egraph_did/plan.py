@@ -203,6 +203,7 @@ class Plan:
     pins: dict[str, str] = field(default_factory=dict)  # pinned tensor -> the value holding it in its pin
     # tensor a program rewrite (rewrites/algebra.py) added, computed by the plan -> the rewrite's name
     rewrites: dict[str, str] = field(default_factory=dict)
+    buckets: list = field(default_factory=list)  # [a, b] pairs bucket_pair sends in one buffer (optimize(like=) replays them)
 
     # ------------------------------------------------------------ queries
     @property
@@ -336,7 +337,10 @@ class Plan:
         return layout_view(v.tensor, v.shape, canonical_dtype(v.dtype), v.layout, self.mesh, v.axes)
 
     def loop_domain(self, tensor: str) -> str:
-        """The loop domain of a tensor as the plan lays it out, e.g. '[s, DIDx{4}, h/4]'."""
+        """The loop domain of a tensor as the plan lays it out, e.g. '[s, DIDx{4}, h/4]'. A pinned tensor's is
+        its pinned value's, which may go by another name (two equal terms of the program share one value)."""
+        if tensor in self.pins:
+            return self.value_view(self.pins[tensor]).loop_str()
         layout = self.layout_of(tensor)
         for v in self.values.values():
             if v.tensor == tensor and v.layout == layout:
@@ -468,7 +472,8 @@ class Plan:
             "format": FORMAT, "mesh": self.mesh.to_dict(), "cost_model": self.cost_model.to_dict(),
             "values": {k: v.to_dict() for k, v in self.values.items()},
             "steps": steps, "inputs": self.inputs, "outputs": self.outputs, "memory": self.memory,
-            "method": self.method, "stats": self.stats, "pins": self.pins, "rewrites": self.rewrites}, indent=1)
+            "method": self.method, "stats": self.stats, "pins": self.pins, "rewrites": self.rewrites,
+            "buckets": self.buckets}, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -584,7 +589,8 @@ class Plan:
                 raise PlanError(f"plan JSON: outputs[{name!r}] must name a value (a key of 'values'), got {v!r}")
         plan = cls(mesh, cost_model, values, steps,
                    {k: list(v) for k, v in d["inputs"].items()}, dict(d["outputs"]), d.get("memory", 0.0),
-                   d.get("method", ""), d.get("stats", {}), dict(d.get("pins", {})), dict(d.get("rewrites", {})))
+                   d.get("method", ""), d.get("stats", {}), dict(d.get("pins", {})), dict(d.get("rewrites", {})),
+                   [list(p) for p in d.get("buckets", [])])
         for name, v in plan.pins.items():
             if v not in values:
                 raise PlanError(f"plan JSON: pins[{name!r}] must name a value (a key of 'values'), got {v!r}")

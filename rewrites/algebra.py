@@ -13,7 +13,7 @@ the user's program (and the decompositions), never to its own results, so a chai
 terms, not every bracketing of the chain.
 
 >>> sorted(REWRITES)
-['sum_partials_first']
+['bucket_pair', 'sum_partials_first']
 >>> REWRITES["sum_partials_first"].identity
 '(x + a) + b = x + (a + b): partial sums add before their collective (one all-reduce, not two)'
 """
@@ -25,14 +25,18 @@ from typing import Callable, Iterable
 from egglog import String, eq, relation, ruleset, union, var
 from egglog import rule as erule
 
-from .sorts import OPS_SORT, Def, Shape, ShapeOf, Tensor
+from .sorts import OPS_SORT, Def, Lit, Shape, ShapeOf, Tensor
 
 # Rewrote(t, name): rewrite `name` added a term to the class of t (explain names it)
 Rewrote = relation("Rewrote", Tensor, String, egg_fn="Rewrote")
+# Bucket(a, b, flat a, flat b, shape a, shape b, n_a, n_a + n_b): a and b may travel in one buffer (the
+# literals of their flat and real shapes and of the split point come with it). The optimizer names the
+# pairs: two collectives of one kind on one mesh axis that a plan without buckets runs (egraph_did/expand.py)
+Bucket = relation("Bucket", *[Tensor] * 8, egg_fn="Bucket")
 
 t, x, y, z = (var(v, Tensor) for v in ("t", "x", "y", "z"))
 s = var("s", Shape)
-add = OPS_SORT["add"]
+add, cat, reshape, slice_ = OPS_SORT["add"], OPS_SORT["cat"], OPS_SORT["reshape"], OPS_SORT["slice"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class Example:
     name: str
     inputs: dict[str, tuple[int, ...]]
     build: Callable
+    buckets: tuple[tuple[int, int], ...] = ()  # pairs of outputs (by index) offered to bucket_pair
 
 
 @dataclass(frozen=True)
@@ -114,4 +119,19 @@ def sum_partials_first():
     yield rewrite("sum_partials_first", add(add(x, y), z), add(x, add(y, z)), *same)
 
 
-__all__ = ["REWRITES", "Example", "ProgramRewrite", "Rewrote", "program_rewrite", "rewrite", "rewrite_ruleset"]
+
+@program_rewrite(
+    Example("two-gradients", {"a": (4, 6), "b": (5,)}, lambda o, a, b: (o.mul(a, 2.0), o.mul(b, 3.0)), ((0, 1),)),
+    Example("three-sums", {"a": (3, 4, 2), "b": (3, 4), "c": (2, 5)},
+            lambda o, a, b, c: (o.sum(a, 0), o.sum(b, 1), o.sum(c, 1)), ((0, 1), (1, 2))),
+)
+def bucket_pair():
+    """a = unflat(flat(a) ++ flat(b))[:n_a], b likewise: two tensors travel in one buffer (one collective's latency, not two)"""
+    fa, fb, sha, shb, k, n = (var(v, Tensor) for v in ("fa", "fb", "sha", "shb", "k", "n"))
+    buffer = cat(reshape(x, fa), reshape(y, fb), Lit("0"))
+    yield erule(Bucket(x, y, fa, fb, sha, shb, k, n)).then(
+        union(x).with_(reshape(slice_(buffer, Lit("0"), Lit("0"), k), sha)), Rewrote(x, String("bucket_pair")),
+        union(y).with_(reshape(slice_(buffer, Lit("0"), k, n), shb)), Rewrote(y, String("bucket_pair")))
+
+
+__all__ = ["Bucket", "REWRITES", "Example", "ProgramRewrite", "Rewrote", "program_rewrite", "rewrite", "rewrite_ruleset"]

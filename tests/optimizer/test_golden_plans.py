@@ -119,8 +119,11 @@ def test_mlp_backward_needs_one_allreduce_for_the_input_gradient():
     fd = models.mlp_with_backward(32, 8192, BF16)
     for name in ("x", "dy", "y", "dx"):
         pin(fd, name)
-    plan = both_extractors_agree(fd)
-    assert [(c.kind, c.tensor) for c in plan.collectives] == [("allreduce", "y"), ("allreduce", "dx")]
+    written = ed.optimize(fd, MESH, rewrites=())  # Megatron's f and g: one all-reduce forward, one backward
+    assert [(c.kind, c.tensor) for c in written.collectives] == [("allreduce", "y"), ("allreduce", "dx")]
+    plan = both_extractors_agree(fd)  # y and dx are independent: bucket_pair sends them in one buffer
+    assert kinds(plan) == ["allreduce"] and plan.buckets == [["y", "dx"]]
+    assert plan.collectives[0].bytes == 2 * 32 * 8192 * 2
     # weight gradients stay sharded like their weights: no communication
     assert plan.layout_of("dw1") == plan.layout_of("w1") == Layout((S(0),))
     assert plan.layout_of("dw2") == plan.layout_of("w2") == Layout((S(1),))

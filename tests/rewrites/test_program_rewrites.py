@@ -29,7 +29,8 @@ def test_every_added_term_equals_the_tensor_it_joins(name, ex):
     fd = example_fusion(ex)
     work, ops = clone_fusion(fd.fusion)
     before = len(work.exprs)
-    added = expand(work, ops, [name])
+    outs = list(work.outputs.values())
+    added = expand(work, ops, [name], [(outs[i].name, outs[j].name) for i, j in ex.buckets])
     assert added and all(eq.rewrite == name for eq in added), "the example must exercise the rewrite"
     assert len(work.exprs) == before + len(added)
     joined = [eq for eq in added if eq.old is not None]
