@@ -98,6 +98,7 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     pins = None if like is None else {name: like.values[v].layout for name, v in like.outputs.items()}
     offered = RewriteSet(names, tuple(map(tuple, like.buckets)) if like is not None else ())
     plan = _optimize_once(fd, mesh, cm, pins, like, offered, extractor, time_limit)
+    plan.buckets = [list(p) for p in offered.buckets]  # a replay (like=) keeps the plan's pairs
     pairs = bucket_candidates(plan, as_fusion(fd)) if "bucket_pair" in names and like is None else []
     if pairs:  # a second e-graph, offered to send these pairs in one buffer: kept where it is cheaper
         bucketed = _optimize_once(fd, mesh, cm, pins, like, offered.with_buckets(pairs), extractor, time_limit)

@@ -62,6 +62,11 @@ def cases():
         "layer_norm": (models.layer_norm, {"x": sp, "y": sp}, (1024, 65536), (6, 18), MESH, None),
         "mlp_2d": (models.mlp, {"x": Layout((S(0), R)), "y": Layout((S(0), R))}, (64, 8192), (7, 16), MESH2,
                    ed.CostModel.h200_multinode()),
+        # program rewrites: x + (attn + mlp), one all-reduce; both weight gradients in one bucket
+        "parallel_residual": (models.parallel_residual_layer, {"x": None, "y": None}, (1, 32, 8192, 64),
+                              (1, 7, 16, 4), MESH, None),
+        "mlp_backward_dp": (models.mlp_with_backward, {**dict.fromkeys(("x", "dy", "y", "dx"), Layout((S(0),))),
+                                                       "dw1": None, "dw2": None}, (8192, 256), (14, 8), MESH, None),
     }
     for name, (build, pins, big_args, small_args, mesh, cm) in specs.items():
         plan, fd = replay(build, pins, big_args, small_args, mesh, cm)
@@ -158,7 +163,7 @@ def assert_close(got, want, what):
     assert err <= 1e-5, f"{what}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt", "layer_norm", "mlp_2d"])
+@pytest.mark.parametrize("name", ["mlp", "gpt", "layer_norm", "mlp_2d", "parallel_residual", "mlp_backward_dp"])
 def test_plan_on_four_gloo_ranks_matches_the_reference_in_every_form(name, cases, results):
     plan, _, _, ref = cases[name]
     for rank, res in enumerate(results):
@@ -188,6 +193,8 @@ def test_the_plans_use_the_golden_collectives(cases):
     assert kinds["gpt"] == ["allgather", "allgather", "reduce_scatter", "reduce_scatter"]
     assert kinds["layer_norm"] == ["allgather"]
     assert {c.mesh_axis_name for c in cases["mlp_2d"][0].collectives} == {"dp", "tp"}
+    assert kinds["parallel_residual"] == ["allreduce"] and cases["parallel_residual"][0].rewrites
+    assert kinds["mlp_backward_dp"] == ["allreduce"] and cases["mlp_backward_dp"][0].buckets == [["dw2", "dw1"]]
 
 
 def test_dtensor_inputs_are_bound_or_resharded(cases, results):
