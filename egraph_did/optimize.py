@@ -12,7 +12,6 @@ from .errors import PlanError
 from .expand import RewriteSet, check_rewrites
 from .explain import why
 from .physgraph import Node, PhysGraph
-from .fusion import as_fusion
 from .extract import ROOT, Selection, exact, greedy_dag, with_roots
 from .layout import Layout
 from .mesh import DeviceMesh
@@ -97,11 +96,11 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     cm = cost_model or CostModel.h200()
     pins = None if like is None else {name: like.values[v].layout for name, v in like.outputs.items()}
     offered = RewriteSet(names, tuple(map(tuple, like.buckets)) if like is not None else ())
-    plan = _optimize_once(fd, mesh, cm, pins, like, offered, extractor, time_limit)
+    plan, problem = _optimize_once(fd, mesh, cm, pins, like, offered, extractor, time_limit)
     plan.buckets = [list(p) for p in offered.buckets]  # a replay (like=) keeps the plan's pairs
-    pairs = bucket_candidates(plan, as_fusion(fd)) if "bucket_pair" in names and like is None else []
+    pairs = bucket_candidates(plan, problem) if "bucket_pair" in names and like is None else []
     if pairs:  # a second e-graph, offered to send these pairs in one buffer: kept where it is cheaper
-        bucketed = _optimize_once(fd, mesh, cm, pins, like, offered.with_buckets(pairs), extractor, time_limit)
+        bucketed, _ = _optimize_once(fd, mesh, cm, pins, like, offered.with_buckets(pairs), extractor, time_limit)
         if bucketed.predicted_time < plan.predicted_time:
             plan = bucketed
             plan.buckets = [list(p) for p in pairs]
@@ -109,7 +108,7 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     return plan
 
 
-def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit) -> Plan:
+def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit) -> tuple[Plan, Problem]:
     """Problem, e-graph, extraction and plan, under the given rewrites (optimize's one pass)."""
     t0 = time.perf_counter()
     problem = build_problem(fd, mesh, cm, pins=pins, like=like, rewrites=rewrites)
@@ -145,7 +144,7 @@ def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit) ->
     plan.stats.update(sel.stats, extract_method=sel.method, extract_cost=sel.cost)  # exact: proven or not
     plan.stats.update(build_s=t1 - t0, egraph_s=t2 - t1, extract_s=t3 - t2, total_s=time.perf_counter() - t0,
                       classes=len(graph.classes), nodes=graph.n_nodes)
-    return plan
+    return plan, problem
 
 
 def _bucket_priority(problem: Problem):
@@ -209,10 +208,11 @@ def drop_cycles(graph: PhysGraph, keys: list[str], priority=lambda graph, node: 
             graph.classes[c] = [n for n in ns if not empty.intersection(n.children)]
 
 
-def bucket_candidates(plan: Plan, fusion) -> list[tuple[str, str]]:
+def bucket_candidates(plan: Plan, problem: Problem) -> list[tuple[str, str]]:
     """Pairs of tensors a plan moves by collectives of one kind on one mesh axis, one after the other in
-    its order, that could travel in one buffer: tensors of the user's program, of one dtype, neither
-    computed from the other (bucket_pair's precondition: the pair's buffer reads both).
+    its order, that could travel in one buffer: tensors of the program or of its decompositions (named
+    alike by every problem of the fusion; a rewrite's are not), of one dtype, neither computed from the
+    other (bucket_pair's precondition: the pair's buffer reads both).
 
     >>> import egraph_did as ed
     >>> from egraph_did.models import mlp_with_backward
@@ -222,9 +222,11 @@ def bucket_candidates(plan: Plan, fusion) -> list[tuple[str, str]]:
     >>> fd = mlp_with_backward(tokens=8192, hidden=256)
     >>> for n in ("x", "dy", "y", "dx"): _ = apply_layout(fd[n], Layout((S(0),)), mesh)
     >>> for n in ("dw1", "dw2"): _ = fd[n].set_device_mesh(mesh)
-    >>> bucket_candidates(ed.optimize(fd, mesh, rewrites=()), fd.fusion)  # data parallel: two weight gradients
+    >>> plan = ed.optimize(fd, mesh, rewrites=())
+    >>> bucket_candidates(plan, build_problem(fd, mesh))  # data parallel: two weight gradients
     [('dw2', 'dw1')]
     """
+    fusion = problem.fusion
     producer = {o.name: e for e in fusion.exprs for o in e.outputs}
 
     @functools.lru_cache(maxsize=None)
@@ -239,8 +241,8 @@ def bucket_candidates(plan: Plan, fusion) -> list[tuple[str, str]]:
     pairs = []
     for c in plan.collectives:
         t = c.tensor
-        if t not in fusion.tensors:
-            continue  # a decomposition's or a rewrite's tensor: named anew by each problem
+        if t not in fusion.tensors or t in problem.rewritten:
+            continue  # a rewrite's tensor: named anew by each problem
         group = (c.kind, c.mesh_axis, plan.values[c.src].dtype, c.reduce)
         prev = last.get(group)
         if prev is not None and prev != t and prev not in ancestors(t) and t not in ancestors(prev):
