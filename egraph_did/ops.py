@@ -570,8 +570,10 @@ def _logical(name: str, fn: Callable, template: str):
     op(name, "pointwise", ref, arity=2, template=template, no_grad=_NOT_REAL)(infer)
 
 
-_logical("logical_and", torch.logical_and, "({a} != 0) & ({b} != 0)")
-_logical("logical_or", torch.logical_or, "({a} != 0) | ({b} != 0)")
+# the truth values combine as int32 and compare back: Triton's interpreter cannot `&` a comparison of a
+# scalar load (an operand broadcast from one element) with a block of them (fuzz issue 12)
+_logical("logical_and", torch.logical_and, "((({a} != 0).to(tl.int32) & ({b} != 0).to(tl.int32)) != 0)")
+_logical("logical_or", torch.logical_or, "((({a} != 0).to(tl.int32) | ({b} != 0).to(tl.int32)) != 0)")
 
 
 @op("logical_not", "pointwise", torch.logical_not, arity=1, template="{x} == 0", no_grad=_NOT_REAL)
@@ -767,8 +769,9 @@ def _prod_ref(x, dims=None, keepdim=False):
     if dims is None:
         out = torch.prod(x)
         return out.reshape((1,) * x.ndim) if keepdim else out
-    for d in sorted(((dims,) if isinstance(dims, int) else dims), key=lambda d: d % x.ndim, reverse=True):
-        x = torch.prod(x, d % x.ndim, keepdim=keepdim)
+    nd = x.ndim  # each axis against the input's rank: x loses one per step (without keepdim)
+    for d in sorted({d % nd for d in ((dims,) if isinstance(dims, int) else dims)}, reverse=True):
+        x = torch.prod(x, d, keepdim=keepdim)
     return x
 
 
