@@ -688,6 +688,16 @@ class _Gen:
             args.append(["keepdim", True])
         return bool(self.emit("prod", args, bound=max(t.bound, 1.0)))
 
+    def g_opaque(self):
+        t = self.pick(float_only=False, pred=lambda t: t.ndim >= 1)
+        if t is None:
+            return False
+        dims = sorted(self.rng.sample(range(t.ndim), self.rng.randint(1, t.ndim)))
+        call = json.dumps({"args": [{"tensor": 0}, dims]})  # torch.flip(t, dims): an ATen op with no fusion op
+        args = [["a", _tensor_arg(t.name)], ["target", "aten.flip.default"], ["call", call],
+                ["shape", list(t.shape)], ["dtype", t.dtype]]
+        return bool(self.emit("opaque", args, bound=t.bound))
+
     def g_cumsum(self):
         t = self.pick(pred=lambda t: t.ndim >= 1)
         if t is None:
@@ -1696,7 +1706,7 @@ def repro(spec: dict, failure: dict, memory_limit: float | None = None) -> str:
     tol = _tolerance(dt for _, dt in (infer_shapes(spec) or {}).values())
     cmp = (f"ref = ed.evaluate(fd, inputs)\n"
            f"for k in ref:\n"
-           f"    torch.testing.assert_close(got[k], ref[k], rtol={tol}, atol={tol} * max(1.0, ref[k].abs().max().item()), "
+           f"    torch.testing.assert_close(got[k], ref[k], rtol={tol}, atol={tol} * max(1.0, ref[k].double().abs().max().item()), "
            f"equal_nan=True, msg=k)")
     if cls.startswith(("optimize", "timeout in optimize", "worker-died in optimize")):
         tail = f"{opt}  # {cls}"
@@ -1765,6 +1775,8 @@ class Campaign:
         self.refusals: Counter = Counter()
         self.refusal_examples: dict[str, str] = {}
         self.gaps: list[float] = []
+        self.gap_cases: list[dict] = []  # per case where both extractors planned: index, gap, ops, mesh
+        self.case_times: list[float] = []
         self.op_counts: Counter = Counter()
         self.started = time.monotonic()
         self.times: Counter = Counter()
@@ -1793,8 +1805,12 @@ class Campaign:
             self.op_counts.update(o["op"] for o in spec["ops"])
             for k, v in res.get("times", {}).items():
                 self.times[k] += v
+            self.case_times.append(dt)
             if res.get("gap") is not None:
                 self.gaps.append(res["gap"])
+                self.gap_cases.append({"case": i, "gap": res["gap"], "mesh": spec["mesh"],
+                                       "ops": [o["op"] for o in spec["ops"]], "cost": spec["cost"],
+                                       "methods": res.get("methods", {})})
             if res.get("refusal") and not res["failures"]:
                 key = _normalize(res["refusal"])
                 self.refusals[key] += 1
@@ -1807,7 +1823,7 @@ class Campaign:
                 self.failures[cls].append((i, f))
                 if len(self.minimized[cls]) < self.minimize_per_class:
                     self._minimize(i, spec, f, res)
-            if self.report_path and (classes or self.n_cases % 25 == 0):
+            if self.report_path and (classes or self.n_cases % 5 == 0):
                 self.write_report(self.report_path)
 
     def _minimize(self, index: int, spec: dict, failure: dict, res: dict) -> None:
@@ -1860,6 +1876,17 @@ class Campaign:
                 lines.append(f"  {n:5d}  {k[:160]}")
         return "\n".join(lines)
 
+    def to_json(self) -> dict:
+        """What a campaign found, as plain data: campaigns run in shards (--start) are merged from these."""
+        return {"seed": self.seed, "n_cases": self.n_cases, "seconds": time.monotonic() - self.started,
+                "case_times": self.case_times,
+                "failures": {cls: [{"case": i, "detail": f["detail"][:600], "extractor": f.get("extractor")}
+                                   for i, f in items] for cls, items in self.failures.items()},
+                "minimized": {cls: [{k: m[k] for k in ("case", "detail", "size_before", "size_after", "repro")}
+                                    for m in ms] for cls, ms in self.minimized.items()},
+                "refusals": dict(self.refusals), "refusal_examples": self.refusal_examples,
+                "gaps": self.gap_cases, "times": dict(self.times), "op_counts": dict(self.op_counts)}
+
     def write_report(self, path: str) -> None:
         out = ["# egraph-did differential fuzzer: failures by class", "",
                f"Command: `.venv/bin/python bench/fuzz.py --seed {self.seed} --cases {self.n_cases} ...` "
@@ -1874,6 +1901,10 @@ class Campaign:
                 out += ["```", items[0][1]["detail"][:1500], "```", ""]
         with open(path, "w") as f:
             f.write("\n".join(out))
+        jpath = os.path.splitext(path)[0] + ".json"  # beside it: for merging shards (bench/fuzz_parallel.py)
+        with open(jpath + ".tmp", "w") as f:
+            json.dump(self.to_json(), f)
+        os.replace(jpath + ".tmp", jpath)  # a shard killed at its deadline leaves the last whole state
 
 
 def _normalize(msg: str) -> str:
