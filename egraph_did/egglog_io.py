@@ -46,4 +46,24 @@ def frozen_rows(eg: EGraph, names) -> tuple[dict[str, list], object]:
     return {name: [(row.inputs, row.output) for row in frozen[name].rows] for name in names if name in frozen}, eg._egraph
 
 
-__all__ = ["run_text", "frozen_rows"]
+def held_string(text: str) -> str:
+    """The string egglog holds for `text`: double quotes become single ones (egglog strings have no escaped
+    double quote), so a JSON literal stays one string.
+
+    >>> held_string('{"dims": [0]}')
+    "{'dims': [0]}"
+    """
+    return text.replace('"', "'")
+
+
+def string_term(text: str) -> str:
+    r"""`text` as an egglog string literal in program text (a backslash escaped): what egglog reads back is
+    held_string(text).
+
+    >>> print(string_term('say "hi" \\ ok'))
+    "say 'hi' \\ ok"
+    """
+    return '"' + held_string(text).replace("\\", "\\\\") + '"'
+
+
+__all__ = ["run_text", "frozen_rows", "held_string", "string_term"]

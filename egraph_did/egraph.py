@@ -36,7 +36,7 @@ from egraph_did.rewrites.sorts import Kern as KernSort, Layout as LayoutSort
 from egraph_did.rewrites.sorts import P as P_, Pmax as Pmax_, R as R_, S as S_
 
 from .collectives import connecting
-from .egglog_io import frozen_rows, run_text
+from .egglog_io import frozen_rows, run_text, string_term
 from .layout import PMAX, Layout, P, R, S, is_valid
 from .ops import OPS
 from .physgraph import Node, PhysGraph
@@ -79,7 +79,7 @@ check_egglog_forms()  # at import, with every family of rewrites/ registered (FA
 # ---------------------------------------------------------------------- terms as text (the adapter's input)
 
 def _q(s: str) -> str:
-    return '"' + s.replace('"', "'") + '"'  # egglog strings: JSON's quotes become single quotes
+    return string_term(s)  # egglog strings: JSON's quotes become single quotes, a backslash is escaped
 
 
 def pl_text(p) -> str:

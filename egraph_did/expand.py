@@ -17,7 +17,7 @@ from egglog import EGraph
 from egraph_did.rewrites.algebra import REWRITES, Bucket, Rewrote, rewrite_ruleset
 from egraph_did.rewrites.sorts import OPS_SORT, Def, Lit, ShapeOf, Shp, T
 
-from .egglog_io import frozen_rows, run_text
+from .egglog_io import frozen_rows, held_string, run_text, string_term
 from .errors import PlanError
 from .fusion import Fusion, Ops
 from .ops import OPS
@@ -97,10 +97,6 @@ def _template(names: tuple[str, ...]):
     return eg, rules
 
 
-def _q(text: str) -> str:
-    return '"' + text.replace('"', "'") + '"'
-
-
 def _shape_code(tv) -> str:
     return f"{str(tv.dtype).replace('torch.', '')}:{','.join(map(str, tv.shape))}"
 
@@ -132,11 +128,11 @@ def expand(work: Fusion, ops: Ops, rewrites: Iterable[str], buckets: Sequence[tu
     def slot(v) -> str:
         if hasattr(v, "logical_domain"):
             return f'(T "{ident[v.name]}")'
-        text = _q(json.dumps(v, default=str))
-        lits.setdefault(text[1:-1], v)
-        return f"(Lit {text})"
+        text = json.dumps(v, default=str)
+        lits.setdefault(held_string(text), v)
+        return f"(Lit {string_term(text)})"
 
-    facts = [f'(ShapeOf (T "{ident[n]}") (Shp {_q(_shape_code(tv))}))' for n, tv in work.tensors.items()]
+    facts = [f'(ShapeOf (T "{ident[n]}") (Shp {string_term(_shape_code(tv))}))' for n, tv in work.tensors.items()]
     if "bucket_pair" in names:
         for a, b in buckets:
             ta, tb = work.tensors[a], work.tensors[b]
@@ -168,7 +164,7 @@ def expand(work: Fusion, ops: Ops, rewrites: Iterable[str], buckets: Sequence[tu
     by = {ins[0]: raw.value_to_string(ins[1]) for ins, _ in rows.get("Rewrote", [])}
 
     def class_of(v):
-        return tclass[v.name] if hasattr(v, "logical_domain") else lclass[_q(json.dumps(v, default=str))[1:-1]]
+        return tclass[v.name] if hasattr(v, "logical_domain") else lclass[held_string(json.dumps(v, default=str))]
 
     old = {(e.op.name, tuple(class_of(v) for _, v in e.args)) for e in work.exprs if len(e.outputs) == 1}
     pending = [(op, tuple(ins), out) for op in ops_used for ins, out in rows.get(f"op_{op}", [])]

@@ -18,6 +18,7 @@ The fusion is specialized to the example inputs' shapes and dtypes (as torch.exp
 """
 from __future__ import annotations
 
+import json
 import math
 import operator
 import os
@@ -32,7 +33,7 @@ import torch.utils._pytree as pytree
 from .errors import EgraphDidError
 from .fusion import FusionDefinition
 from .ir import TensorView
-from .ops import canonical_dtype
+from .ops import SUPPORTED_DTYPES, canonical_dtype
 
 aten = torch.ops.aten
 
@@ -43,7 +44,7 @@ class ExportError(EgraphDidError, ValueError):
 
     >>> import torch, egraph_did as ed
     >>> try:
-    ...     ed.from_torch(lambda x: torch.flip(x, (0,)), (torch.ones(3, 4),))
+    ...     ed.from_torch(lambda x: torch.flip(x, (0,)), (torch.ones(3, 4),), strict=True)
     ... except ed.ExportError as e:
     ...     print(str(e).split(" at ")[0])
     from_torch: aten.flip.default
@@ -90,9 +91,12 @@ class TorchFusion(FusionDefinition):
         return out | self.constants
 
 
-def from_torch(module_or_fn, example_inputs: tuple, kwargs: dict | None = None) -> TorchFusion:
+def from_torch(module_or_fn, example_inputs: tuple, kwargs: dict | None = None, strict: bool = False
+               ) -> TorchFusion:
     """The fusion of a torch module or function on inputs like `example_inputs` (a tuple of positional
-    arguments; `kwargs` keyword ones), through torch.export (non-strict) and the ATEN table.
+    arguments; `kwargs` keyword ones), through torch.export (non-strict) and the ATEN table. An ATen op
+    the table does not map becomes an opaque step (fd.ops.opaque: torch runs it on whole, replicated
+    operands; the plan names it with its source line); strict=True refuses it with an ExportError instead.
 
     >>> import torch, egraph_did as ed
     >>> mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
@@ -114,7 +118,7 @@ def from_torch(module_or_fn, example_inputs: tuple, kwargs: dict | None = None) 
         os.environ.setdefault("TRITON_INTERPRET", "1")
     with torch.no_grad():
         ep = torch.export.export(module, example_inputs, kwargs or {}, strict=False)
-    return _Converter(ep, module if isinstance(module_or_fn, torch.nn.Module) else None).run()
+    return _Converter(ep, module if isinstance(module_or_fn, torch.nn.Module) else None, strict).run()
 
 
 def _as_module(fn: Callable) -> torch.nn.Module:
@@ -166,8 +170,8 @@ class _Unavailable:
 class _Converter:
     """Walks an ExportedProgram's graph and builds the TorchFusion."""
 
-    def __init__(self, ep, module):
-        self.ep, self.fd = ep, TorchFusion()
+    def __init__(self, ep, module, strict: bool = False):
+        self.ep, self.fd, self.strict = ep, TorchFusion(), strict
         self.fd._module = module
         self.env: dict[str, Any] = {}
         self.node = None
@@ -241,8 +245,44 @@ class _Converter:
             return self._fold(node, kwargs)
         fn = ATEN.get(node.target) or ATEN.get(getattr(node.target, "overloadpacket", None))
         if fn is None:
-            raise self.error("has no fusion mapping", _FIX_UNMAPPED)
+            if self.strict:
+                raise self.error("has no fusion mapping", _FIX_UNMAPPED)
+            return self._opaque(node, kwargs)
         return fn(self, **kwargs)
+
+    def _opaque(self, node, kwargs):
+        """An op the table does not map, as an opaque step: torch runs it on whole operands (replicated), with
+        the call's arguments as JSON (opaque_call) and the output's shape and dtype as export recorded."""
+        if torch.Tag.nondeterministic_seeded in node.target.tags:
+            raise self.error("is random and has no fusion mapping", "export the module in eval mode "
+                             "(module.eval()), or map it (an opaque step would draw other numbers on every rank)")
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            n = len(val) if isinstance(val, (list, tuple)) else 0
+            raise self.error(f"has no fusion mapping and gives {n or 'no'} tensors (an opaque step gives one)",
+                             _FIX_UNMAPPED)
+        if val.dtype not in SUPPORTED_DTYPES:
+            raise self.error(f"has no fusion mapping and gives a {val.dtype} tensor", _FIX_UNMAPPED)
+        tensors: list[TensorView] = []
+
+        def enc(v):
+            if isinstance(v, (TensorView, _Folded)):
+                tensors.append(self._tensor(v))
+                return {"tensor": len(tensors) - 1}
+            if isinstance(v, torch.dtype):
+                return {"dtype": str(v).replace("torch.", "")}
+            if isinstance(v, (list, tuple)):
+                return [enc(x) for x in v]
+            if v is None or isinstance(v, (bool, int, float, str)):
+                return v
+            raise self.error(f"has no fusion mapping and an argument an opaque step cannot hold ({v!r:.40})",
+                             _FIX_UNMAPPED)
+        call = json.dumps({"args": [], "kwargs": {k: enc(v) for k, v in kwargs.items()}})
+        if len(tensors) > 4:
+            raise self.error(f"has no fusion mapping and reads {len(tensors)} tensors (an opaque step reads up "
+                             f"to 4)", _FIX_UNMAPPED)
+        return self.ops.opaque(*tensors, target=str(node.target), call=call, shape=tuple(int(e) for e in val.shape),
+                               dtype=val.dtype, source=source_line(node))
 
     def _value(self, v):
         """An argument of a node: the env's value of a node, recursively through lists and tuples."""

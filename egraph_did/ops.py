@@ -4,7 +4,8 @@ An entry is one `@op(...)` on the op's shape rule (its signature is the op's sig
 Beside the shape rule it states:
 
 - kind: what the op computes: pointwise | mask | reduction | scan (a running reduction along an axis:
-  cumsum) | normalization | matmul | attention | gather | view | join (tensors laid side by side: cat). Rules, the problem and the lowering select ops
+  cumsum) | normalization | matmul | attention | gather | view | join (tensors laid side by side: cat) |
+  opaque (an ATen op run as torch runs it, on whole operands: only the replicated rule applies). Rules, the problem and the lowering select ops
   by kind (`ops_where(kind="view")`), never by a list of names;
 - reference: its torch evaluation; decompose (composites): its expansion into other ops, rfactor: a
   decomposition that splits the reduction in blocks;
@@ -26,6 +27,7 @@ namespace to emit primitives with; local kernels see one rank's tensors (egraph_
 from __future__ import annotations
 
 import inspect
+import json
 import math
 from dataclasses import dataclass, fields
 from typing import Any, Callable
@@ -39,7 +41,7 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INT_DTYPES = (torch.int64, torch.int32)
 SUPPORTED_DTYPES = FLOAT_DTYPES + INT_DTYPES + (torch.bool,)
 KINDS = ("pointwise", "mask", "reduction", "scan", "normalization", "matmul", "attention", "gather", "view",
-         "join")
+         "join", "opaque")
 
 
 @dataclass(frozen=True)
@@ -572,8 +574,8 @@ def _logical(name: str, fn: Callable, template: str):
 
 # the truth values combine as int32 and compare back: Triton's interpreter cannot `&` a comparison of a
 # scalar load (an operand broadcast from one element) with a block of them (fuzz issue 12)
-_logical("logical_and", torch.logical_and, "((({a} != 0).to(tl.int32) & ({b} != 0).to(tl.int32)) != 0)")
-_logical("logical_or", torch.logical_or, "((({a} != 0).to(tl.int32) | ({b} != 0).to(tl.int32)) != 0)")
+_logical("logical_and", torch.logical_and, "(((({a} != 0) * 1) & (({b} != 0) * 1)) != 0)")
+_logical("logical_or", torch.logical_or, "(((({a} != 0) * 1) | (({b} != 0) * 1)) != 0)")
 
 
 @op("logical_not", "pointwise", torch.logical_not, arity=1, template="{x} == 0", no_grad=_NOT_REAL)
@@ -1644,6 +1646,89 @@ def broadcast_in_dim(x, shape, broadcast_dims):
         if x.shape[i] == shape[d]:
             names[d] = x.axes[i]
     return [OutSpec(shape, x.dtype, tuple(names))]
+
+
+# ------------------------------------------------------------------ opaque: an ATen op egraph-did does not map
+
+def aten_overload(target: str):
+    """The ATen overload called `target` ('aten.flip.default'), or a ShapeError naming it.
+
+    >>> aten_overload("aten.flip.default") is torch.ops.aten.flip.default
+    True
+    """
+    ns, _, rest = target.partition(".")
+    name, _, overload = rest.partition(".")
+    try:
+        return getattr(getattr(getattr(torch.ops, ns), name), overload or "default")
+    except (AttributeError, RuntimeError):
+        raise ShapeError(f"opaque: {target!r} is no ATen op of this torch ({torch.__version__}); an opaque step "
+                         f"names one as namespace.op.overload, e.g. 'aten.flip.default'") from None
+
+
+def opaque_call(call: str, tensors) -> tuple[list, dict]:
+    """The positional and keyword arguments of an opaque step's call: its JSON template with each
+    {"tensor": i} replaced by the i-th tensor operand and each {"dtype": name} by the torch dtype.
+
+    >>> opaque_call('{"args": [{"tensor": 0}, [0, 1]], "kwargs": {"dtype": {"dtype": "float32"}}}', ["x"])
+    (['x', [0, 1]], {'dtype': torch.float32})
+    """
+    def fill(v):
+        if isinstance(v, dict) and set(v) == {"tensor"}:
+            return tensors[v["tensor"]]
+        if isinstance(v, dict) and set(v) == {"dtype"}:
+            return getattr(torch, v["dtype"])
+        if isinstance(v, list):
+            return [fill(x) for x in v]
+        return v
+    spec = json.loads(call)
+    return fill(spec.get("args", [])), {k: fill(v) for k, v in spec.get("kwargs", {}).items()}
+
+
+def _opaque_ref(a, b=None, c=None, d=None, target="", call="{}", shape=(), dtype=None, source=""):
+    args, kwargs = opaque_call(call, [t for t in (a, b, c, d) if t is not None])
+    out = aten_overload(target)(*args, **kwargs)
+    want_dtype = canonical_dtype(dtype)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(shape) or out.dtype != want_dtype:
+        got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ShapeError(f"opaque {target} ({source}): gave {got}, but export recorded {tuple(shape)} {want_dtype}")
+    return out
+
+
+@op("opaque", "opaque", _opaque_ref,
+    no_grad="an opaque ATen step has no gradient rule: map the op in egraph_did/frontend.py (onto fd.ops) to "
+            "differentiate through it")
+def opaque(a, b=None, c=None, d=None, target: str = "", call: str = "{}", shape: tuple = (), dtype=None,
+           source: str = ""):
+    """An ATen op with no fusion mapping, run as torch runs it (`target`, e.g. 'aten.flip.default') on its
+    whole operands (up to 4 tensors a..d; `call`: the JSON of its arguments, see opaque_call), giving one
+    tensor of the `shape` and `dtype` export recorded; `source` is its line in the model. Every rank runs
+    it on replicated operands: no sharding rule applies but `replicated`. from_torch emits it.
+
+    >>> import egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     x = fd.define_tensor((2, 3), name="x")
+    ...     y = fd.ops.opaque(x, target="aten.flip.default", call='{"args": [{"tensor": 0}, [1]]}',
+    ...                       shape=(2, 3), dtype="float32", source="model.py:7")
+    ...     fd.add_output(y, name="y")
+    >>> ed.evaluate(fd, {"x": torch.tensor([[1., 2., 3.], [4., 5., 6.]])})["y"]
+    tensor([[3., 2., 1.],
+            [6., 5., 4.]])
+    """
+    tensors = [t for t in (a, b, c, d) if t is not None]
+    if not tensors or not all(_is_tensor(t) for t in tensors):
+        raise ShapeError(f"opaque {target}: its operands a..d must be tensors of the fusion (at least a)")
+    aten_overload(target)
+    try:
+        spec = json.loads(call)
+    except (TypeError, ValueError):
+        raise ShapeError(f"opaque {target}: call must be the JSON of the op's arguments, got {call!r:.60}") from None
+    if not isinstance(spec, dict) or set(spec) - {"args", "kwargs"}:
+        raise ShapeError(f"opaque {target}: call must be a JSON object with 'args' and 'kwargs', got {call!r:.60}")
+    if not isinstance(shape, (tuple, list)) or not all(isinstance(e, int) and e >= 0 for e in shape):
+        raise ShapeError(f"opaque {target}: shape must be the output's extents, got {shape!r}")
+    shape = tuple(shape)
+    same = next((t for t in tensors if t.shape == shape), None)  # flip, roll, ...: the operand's axes
+    return [OutSpec(shape, canonical_dtype(dtype), same.axes if same else tuple(str(e) for e in shape))]
 
 
 # ------------------------------------------------------------------ literal arguments

@@ -397,6 +397,13 @@ CASES: list[Case] = [
          lambda v: (v["m"].cumsum(-1) - 1, v["i"].cumsum(0)), dtypes=(None,)),
     Case("cumsum", "cumsum-0d", lambda dt: {"x": rand(1, dtype=dt).reshape(())}, lambda o, t: o.cumsum(t["x"], 0),
          lambda v: v["x"].cumsum(0)),
+    # ---- opaque: an ATen op from_torch does not map, run as torch runs it (issue 11)
+    Case("opaque", "opaque-flip", x_(3, 4), lambda o, t: o.opaque(
+        t["x"], target="aten.flip.default", call='{"args": [{"tensor": 0}, [0, 1]]}', shape=(3, 4),
+        dtype=t["x"].dtype, source="model.py:3"), lambda v: v["x"].flip(0, 1)),
+    Case("opaque", "opaque-two-operands-and-a-list", xy((3, 4), (3, 4)), lambda o, t: o.opaque(
+        t["x"], t["y"], target="aten.stack.default", call='{"args": [[{"tensor": 0}, {"tensor": 1}]], "kwargs": {"dim": 1}}',
+        shape=(3, 2, 4), dtype=t["x"].dtype), lambda v: torch.stack([v["x"], v["y"]], 1)),
 ]
 
 

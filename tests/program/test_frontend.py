@@ -195,15 +195,52 @@ def test_the_masked_module_plan_shards_and_simulates_to_the_module():
 
 # ---------------------------------------------------------------------- refusals name the op and the line
 
-def test_an_op_without_a_mapping_names_the_op_and_the_source_line():
+def test_an_op_without_a_mapping_names_the_op_and_the_source_line_under_strict():
     def reversed_rows(x):
         return torch.flip(x * 2, (0,))  # the line the error names
     with pytest.raises(ed.ExportError) as info:
-        ed.from_torch(reversed_rows, (torch.ones(3, 4),))
+        ed.from_torch(reversed_rows, (torch.ones(3, 4),), strict=True)
     msg = str(info.value)
     assert msg.startswith("from_torch: aten.flip.default at ")
     assert "test_frontend.py:" in msg and "return torch.flip(x * 2, (0,))" in msg
     assert "ATEN table" in msg
+
+
+def test_an_unmapped_op_runs_as_an_opaque_replicated_step_named_by_its_line():
+    """torch.flip has no fusion op: it becomes an opaque step, which torch runs on whole operands on every
+    rank; the ops around it still shard, and the plan says where the step came from."""
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
+
+        def forward(self, x):
+            h = torch.flip(self.up(x), (0,))  # reverse the tokens: no fusion op
+            return self.down(torch.relu(h))
+
+    torch.manual_seed(0)
+    module, x = Model().double(), torch.randn(6, 8, dtype=torch.float64)
+    fd = ed.from_torch(module, (x,))
+    (step,) = [e for e in fd.fusion.exprs if e.op.name == "opaque"]
+    args = dict(step.args)
+    assert args["target"] == "aten.flip.default" and "torch.flip(self.up(x), (0,))" in args["source"]
+    assert_close(ed.evaluate(fd, fd.bind(x))["out"], module(x), F64)
+    plan = ed.optimize(fd, MESH)
+    (run,) = [s for s in plan.compute_steps if s.op == "opaque"]
+    assert all(plan.values[v].layout.code() == "R" for v in (*run.reads, *run.outputs))  # replicated
+    assert "aten.flip.default" in plan.explain()
+    assert_close(ed.simulate(plan, fd.bind(x))["out"], module(x), F64)
+    assert_close(ed.simulate(ed.Plan.from_json(plan.to_json()), fd.bind(x))["out"], module(x), F64)
+
+
+def test_an_unmapped_op_with_two_outputs_is_refused_naming_the_line():
+    def sorted_rows(x):
+        return torch.sort(x, 0).values  # the line the error names
+    with pytest.raises(ed.ExportError) as info:
+        ed.from_torch(sorted_rows, (torch.randn(3, 4),))
+    msg = str(info.value)
+    assert msg.startswith("from_torch: aten.sort.default at ") and "gives 2 tensors" in msg
+    assert "return torch.sort(x, 0).values" in msg
 
 
 def test_reading_the_indices_of_min_along_an_axis_is_refused_naming_the_line():
