@@ -12,6 +12,7 @@ from .errors import PlanError
 from .expand import RewriteSet, check_rewrites
 from .explain import why
 from .physgraph import Node, PhysGraph
+from .fusion import as_fusion
 from .extract import ROOT, Selection, exact, greedy_dag, with_roots
 from .layout import Layout
 from .mesh import DeviceMesh
@@ -104,6 +105,9 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
         if bucketed.predicted_time < plan.predicted_time:
             plan = bucketed
             plan.buckets = [list(p) for p in pairs]
+    for tv in as_fusion(fd).all_tensors():  # pins as the user wrote them (Plan.loop_domain reports them so)
+        if tv.mesh is not None and tv.name in problem.pins:
+            plan.pinned_loops[tv.name] = [tv.loop_str(), problem.pins[tv.name].code()]
     plan.stats.update(total_s=time.perf_counter() - t0, bucket_pairs_offered=len(pairs))
     return plan
 

@@ -204,6 +204,9 @@ class Plan:
     # tensor a program rewrite (rewrites/algebra.py) added, computed by the plan -> the rewrite's name
     rewrites: dict[str, str] = field(default_factory=dict)
     buckets: list = field(default_factory=list)  # [a, b] pairs bucket_pair sends in one buffer (optimize(like=) replays them)
+    # pinned tensor -> [its loop domain as pinned, that pin's layout code]: a split or a partial over a mesh
+    # axis of size 1 is R's data, and loop_domain reports it as pinned
+    pinned_loops: dict[str, list] = field(default_factory=dict)
 
     # ------------------------------------------------------------ queries
     @property
@@ -338,7 +341,10 @@ class Plan:
 
     def loop_domain(self, tensor: str) -> str:
         """The loop domain of a tensor as the plan lays it out, e.g. '[s, DIDx{4}, h/4]'. A pinned tensor's is
-        its pinned value's, which may go by another name (two equal terms of the program share one value)."""
+        its pinned value's, which may go by another name (two equal terms of the program share one value), in the
+        words of the pin where the plan holds it in the pin's layout."""
+        if tensor in self.pinned_loops and self.layout_of(tensor).code() == self.pinned_loops[tensor][1]:
+            return self.pinned_loops[tensor][0]
         if tensor in self.pins:
             return self.value_view(self.pins[tensor]).loop_str()
         layout = self.layout_of(tensor)
@@ -473,7 +479,7 @@ class Plan:
             "values": {k: v.to_dict() for k, v in self.values.items()},
             "steps": steps, "inputs": self.inputs, "outputs": self.outputs, "memory": self.memory,
             "method": self.method, "stats": self.stats, "pins": self.pins, "rewrites": self.rewrites,
-            "buckets": self.buckets}, indent=1)
+            "buckets": self.buckets, "pinned_loops": self.pinned_loops}, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -590,7 +596,8 @@ class Plan:
         plan = cls(mesh, cost_model, values, steps,
                    {k: list(v) for k, v in d["inputs"].items()}, dict(d["outputs"]), d.get("memory", 0.0),
                    d.get("method", ""), d.get("stats", {}), dict(d.get("pins", {})), dict(d.get("rewrites", {})),
-                   [list(p) for p in d.get("buckets", [])])
+                   [list(p) for p in d.get("buckets", [])],
+                   {k: list(v) for k, v in d.get("pinned_loops", {}).items()})
         for name, v in plan.pins.items():
             if v not in values:
                 raise PlanError(f"plan JSON: pins[{name!r}] must name a value (a key of 'values'), got {v!r}")

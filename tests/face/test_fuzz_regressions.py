@@ -50,10 +50,6 @@ def test_prod_over_a_negative_and_a_positive_dim_reduces_those_axes():
     torch.testing.assert_close(out["t2"], x.prod(2, keepdim=True).prod(0, keepdim=True))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12, fuzz class pins-reported-differently: Plan.loop_domain "
-                   "rebuilds a pinned tensor's loop domain from its canonical layout (R on a mesh axis of "
-                   "size 1), dropping the pin's DID{1} split or partial; the fix is in plan.py/optimize.py "
-                   "(keep the pinned loop string), which this suite does not own")
 def test_a_pin_over_a_mesh_axis_of_size_1_is_reported_as_pinned():
     """`pins-reported-differently` (seed 7: 14 of 320 cases of 9375..9694, every one on a mesh with an axis
     of size 1): x pinned [DIDy{1}, 7/1] on a (1, 4) mesh is reported by plan.loop_domain as [7]. The data
