@@ -55,3 +55,6 @@ __all__ += ["launch", "LaunchError"]
 from .frontend import ExportError, TorchFusion, from_torch  # noqa: E402
 
 __all__ += ["from_torch", "TorchFusion", "ExportError"]
+from .parallelize import ParallelModule, ParallelizeError, parallelize  # noqa: E402
+
+__all__ += ["parallelize", "ParallelModule", "ParallelizeError"]
