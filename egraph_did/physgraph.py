@@ -2,7 +2,32 @@
 Kept apart from egraph.py so that loading and running plans never imports egglog."""
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass, field
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """No cyclic garbage collection inside (restored as it was on exit; reference counting frees as always).
+    The optimizer's stages (build_problem, saturate, greedy_dag) allocate many objects that live on, and
+    the collector scanned the growing heap again and again while they did (measured on 96 GPT-3 layers:
+    0.3 s of build_problem's 0.8 s, 0.6 s of saturate and read back, 0.25 s of greedy extraction).
+
+    >>> import gc
+    >>> with gc_paused():
+    ...     gc.isenabled()
+    False
+    >>> gc.isenabled()
+    True
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @dataclass

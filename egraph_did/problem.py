@@ -19,6 +19,7 @@ from .expand import expand
 from .fusion import Expr, Fusion, Ops, as_fusion, replay
 from .ir import TensorView
 from .layout import Layout, canonical_layout, is_valid, valid_layouts
+from .physgraph import gc_paused
 from .pins import layout_of
 from .shards import local_extents
 from .mesh import DeviceMesh
@@ -75,15 +76,22 @@ class Problem:
     origin: dict[str, str] = field(default_factory=dict)  # decomposition tensor -> the composite it expands
     input_layouts: dict[str, list[Layout]] = field(default_factory=dict)  # overrides load_layouts()
     rewritten: dict[str, str] = field(default_factory=dict)  # tensor a program rewrite added -> the rewrite
+    _nbytes: dict = field(default_factory=dict, repr=False, compare=False)  # nbytes: (name, layout) -> (tensor, mesh, bytes)
 
     def tensor(self, name: str) -> TensorView:
         """The working copy's tensor called `name`."""
         return self.fusion.tensors[name]
 
     def nbytes(self, name: str, layout: Layout) -> float:
-        """Bytes of the largest shard of `name` under `layout` (what one device holds)."""
-        tv = self.tensor(name)
-        return math.prod(local_extents(tv.shape, layout, self.mesh)) * tv.dtype.itemsize
+        """Bytes of the largest shard of `name` under `layout` (what one device holds). Remembered per
+        (name, layout) for this tensor object and mesh (pricing asks again for every node of a class)."""
+        tv = self.fusion.tensors[name]
+        hit = self._nbytes.get((name, layout))
+        if hit is not None and hit[0] is tv and hit[1] is self.mesh:
+            return hit[2]
+        n = math.prod(local_extents(tv.shape, layout, self.mesh)) * tv.dtype.itemsize
+        self._nbytes[(name, layout)] = (tv, self.mesh, n)
+        return n
 
     def deliverable(self, name: str) -> list[Layout]:
         """Layouts `name` may be delivered in (an output, or a pinned tensor the plan must materialize):
@@ -196,8 +204,25 @@ def _nesting_ok(combo: tuple[AxisStrategy, ...], ins: tuple[Layout, ...]) -> boo
     return True
 
 
-def expr_strategies(e: Expr, mesh: DeviceMesh, cm: CostModel, problem: Problem) -> list[Strategy]:
+def signature(e: Expr) -> tuple:
+    """Everything `expr_strategies` reads of e: the op, each operand's parameter, shape and dtype, each
+    attribute (by type and repr: 1, 1.0 and True stay apart), each output's shape and dtype. Exprs of one
+    signature (the layers of a model) have the same strategies on a mesh, but for their key.
+
+    >>> from egraph_did.models import gpt_layer
+    >>> sigs = [signature(e) for e in gpt_layer(batch=1, seq=8, hidden=16, heads=2, layers=2).fusion.exprs]
+    >>> len(sigs), len(set(sigs))  # the second layer repeats the first's signatures
+    (40, 11)
+    """
+    args = tuple((k, v.shape, v.dtype) if isinstance(v, TensorView) else (k, type(v), repr(v)) for k, v in e.args)
+    return (e.op.name, id(e.op), args, tuple((o.shape, o.dtype) for o in e.outputs))
+
+
+def expr_strategies(e: Expr, mesh: DeviceMesh, cm: CostModel, problem: Problem | None = None,
+                    priced: dict | None = None) -> list[Strategy]:
     """Every strategy of e on the mesh: the product of its one-axis rules, valid shapes only, priced.
+    priced: a cache by signature (see `signature`) of the rows, for exprs priced on this mesh and cost
+    model (build_problem keeps one per problem).
 
     >>> import egraph_did as ed
     >>> from egraph_did.models import row_sum
@@ -207,10 +232,22 @@ def expr_strategies(e: Expr, mesh: DeviceMesh, cm: CostModel, problem: Problem) 
     >>> len(strategies), strategies[1].rules  # 4 rules per mesh axis, every pair fits
     (16, ('reduce_other_axis', 'sum_over_sharded_axis'))
     """
+    if priced is None:
+        rows = _priced_rows(e, mesh, cm)
+    else:
+        sig = signature(e)
+        rows = priced.get(sig)
+        if rows is None:
+            rows = priced[sig] = _priced_rows(e, mesh, cm)
+    key = e.outputs[0].name
+    return [Strategy(key, sid, *row) for sid, row in enumerate(rows)]
+
+
+def _priced_rows(e: Expr, mesh: DeviceMesh, cm: CostModel) -> list[tuple]:
+    """(inputs, outputs, flags, rules, time, memory) of each of e's strategies, in strategy id order."""
     operands = [v for _, v in e.args if isinstance(v, TensorView)]
     per_axis: list[list[AxisStrategy]] = [axis_strategies(op_view(e, size)) for size in mesh.shape]
-    key = e.outputs[0].name
-    out: list[Strategy] = []
+    out: list[tuple] = []
     for combo in itertools.product(*per_axis):
         ins = tuple(Layout(tuple(c.inputs[i] for c in combo)) for i in range(len(operands)))
         outs = tuple(Layout(tuple(c.outputs[i] for c in combo)) for i in range(len(e.outputs)))
@@ -231,8 +268,7 @@ def expr_strategies(e: Expr, mesh: DeviceMesh, cm: CostModel, problem: Problem) 
             dtype = operands[0].dtype if operands[0].dtype.is_floating_point else e.outputs[0].dtype
             time = cm.compute_time(local_flops(e, in_shapes, out_shapes), in_bytes + out_bytes, dtype)
             mem = float(out_bytes)
-        out.append(Strategy(key, len(out), ins, outs, tuple(c.flags for c in combo),
-                            tuple(c.rule for c in combo), time, mem))
+        out.append((ins, outs, tuple(c.flags for c in combo), tuple(c.rule for c in combo), time, mem))
     return out
 
 
@@ -255,6 +291,12 @@ def build_problem(fd, mesh: DeviceMesh, cost_model: CostModel | None = None,
     user = as_fusion(fd)
     if not user.outputs:
         raise PlanError("the fusion has no outputs; call fd.add_output(tensor, name=...)")
+    with gc_paused():
+        return _build(user, mesh, cost_model, pins, like, rewrites)
+
+
+def _build(user: Fusion, mesh: DeviceMesh, cost_model: CostModel | None, pins, like, rewrites) -> Problem:
+    """build_problem's work (the collector paused around it)."""
     cm = cost_model or CostModel.h200()
     work, ops = clone_fusion(user)
     problem = Problem(work, mesh, cm)
@@ -271,17 +313,22 @@ def build_problem(fd, mesh: DeviceMesh, cost_model: CostModel | None = None,
         problem.origin[eq.new] = eq.old or eq.new  # the program's own name stays the class's name
         if eq.old is not None:
             problem.equal.append((eq.old, eq.new))
+    by_shape: dict[tuple[int, ...], list[Layout]] = {}  # the layouts of a shape, on this mesh
     for tv in work.all_tensors():
-        problem.layouts[tv.name] = list(valid_layouts(tv.shape, mesh, partial=True))
+        shape = tuple(tv.shape)
+        if shape not in by_shape:
+            by_shape[shape] = list(valid_layouts(shape, mesh, partial=True))
+        problem.layouts[tv.name] = list(by_shape[shape])
     for name, lay in problem.pins.items():
         if not is_valid(lay, work.tensors[name].shape, mesh, allow_empty=True):
             raise PlanError(f"{name}: pinned layout {lay} does not fit its shape {work.tensors[name].shape}")
         if lay not in problem.layouts[name]:  # a pin whose shards leave a rank empty: held as given, and
             problem.layouts[name].append(lay)  # resharded before any op reads it (ops take valid layouts)
+    priced: dict[tuple, list[tuple]] = {}  # signature -> its strategies' rows, on this mesh and cost model
     for e in work.exprs:
         key = e.outputs[0].name
         problem.exprs[key] = e
-        problem.strategies[key] = expr_strategies(e, mesh, cm, problem)
+        problem.strategies[key] = expr_strategies(e, mesh, cm, problem, priced)
     if like is not None:
         _restrict_to(problem, like)
     return problem
@@ -303,4 +350,4 @@ def _restrict_to(problem: Problem, like) -> None:
         problem.input_layouts[name] = [canonical_layout(like.values[v].layout, problem.mesh) for v in vals]
 
 
-__all__ = ["Problem", "Strategy", "build_problem", "expr_strategies", "clone_fusion", "REDUCING_COMPOSITES"]
+__all__ = ["Problem", "Strategy", "build_problem", "expr_strategies", "signature", "clone_fusion", "REDUCING_COMPOSITES"]
