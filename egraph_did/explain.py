@@ -21,7 +21,23 @@ def explain_plan(plan) -> str:
     >>> print(explain_plan(ed.optimize(row_sum(8, 64), ed.DeviceMesh.arange(2))).splitlines()[2])
     tensor layouts (loop domain):
     """
-    return "\n".join([_header(plan), "", *_layouts(plan), "", *_rewrites(plan), *_table(plan)])
+    return "\n".join([_header(plan), "", *_layouts(plan), "", *_memory(plan), *_rewrites(plan), *_table(plan)])
+
+
+def _memory(plan) -> list[str]:
+    """Per-device bytes by category (plan.memory_breakdown), for a plan of a training step: one that takes
+    weights (inputs it outputs again as next.<name>); nothing for other plans."""
+    mem = plan.memory_breakdown()
+    if not mem["weights"]:
+        return []
+    bound = plan.cost_model.memory_limit
+    lines = [f"memory per device (every value the plan holds; bound {'none' if bound is None else _mib(bound)}):"]
+    lines += [f"  {k:<18} {_mib(v)}" for k, v in mem.items()]
+    return lines + [""]
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:10.1f} MiB"
 
 
 def _header(plan) -> str:

@@ -179,8 +179,10 @@ def _backward(src: Fusion, ops: Ops, new: dict, need: set[int], loss: str, where
     return grads
 
 
-def _live_copy(work: Fusion, results: dict[str, TensorView]) -> FusionDefinition:
-    """A FusionDefinition with work's inputs and only the ops `results` needs, outputs named as given."""
+def _live_copy(work: Fusion, results: dict[str, TensorView], names: dict[str, TensorView] | None = None
+               ) -> FusionDefinition:
+    """A FusionDefinition with work's inputs and only the ops `results` needs, outputs named as given;
+    `names` renames intermediate tensors (not inputs or outputs) of the copy: {new name: work tensor}."""
     live = {id(t) for t in results.values()}
     for e in reversed(work.exprs):
         if any(id(o) in live for o in e.outputs):
@@ -199,6 +201,14 @@ def _live_copy(work: Fusion, results: dict[str, TensorView]) -> FusionDefinition
         if (out in fd.fusion.inputs and out.name != name) or any(o is out for o in fd.fusion.outputs.values()):
             out = fd.ops.cast(out, out.dtype)  # an input, or one tensor under two names: output a copy
         fd.add_output(out, name)
+    for name, tv in (names or {}).items():
+        t = new.get(id(tv))
+        f = fd.fusion
+        if t is None or t in f.inputs or any(o is t for o in f.outputs.values()) or name in f.tensors:
+            continue  # not in the copy, an input or an output (named already), or the name is taken
+        del f.tensors[t.name]
+        t.name = name
+        f.tensors[name] = t
     return fd
 
 
@@ -264,7 +274,8 @@ def training_step(fd: FusionDefinition | Fusion, loss: str, params: Sequence[str
     """One training step as one fusion: the forward, the backward of `loss` and the optimizer's update of
     each input in params. Inputs: fd's, then each optimizer state as `<state>.<param>` (zeros before the
     first step) and `step` (float64 scalar: steps taken). Outputs: the loss, `next.<param>`,
-    `next.<state>.<param>` and `next.step`; feed them back as the next step's inputs.
+    `next.<state>.<param>` and `next.step`; feed them back as the next step's inputs. The gradient of
+    each param is the intermediate tensor `grad_<param>` (so plans and plan.memory_breakdown name it).
 
     >>> import torch, egraph_did as ed
     >>> with ed.FusionDefinition() as fd:
@@ -292,7 +303,7 @@ def training_step(fd: FusionDefinition | Fusion, loss: str, params: Sequence[str
         results[NEXT + p] = p_next
         results.update({f"{NEXT}{s}.{p}": v for s, v in s_next.items()})
     results[NEXT + STEP] = t
-    return _live_copy(work, results)
+    return _live_copy(work, results, {GRAD_PREFIX + p: grads[p] for p in params})
 
 
 def _check_free_names(src: Fusion, params: list[str], optimizer) -> None:

@@ -122,6 +122,21 @@ def gpt_training_step(batch: int, seq: int, hidden: int, heads: int, dtype=torch
     return training_step(fd, "loss", weights, optimizer or AdamW())
 
 
+def mlp_training_step(tokens: int, hidden: int, dtype=torch.float32, optimizer=None) -> FusionDefinition:
+    """One training step of mlp as one fusion: loss = mean((y - target)^2), backward, and the optimizer's
+    update (AdamW by default) of w1 and w2 (x and target are data).
+
+    >>> fd = mlp_training_step(tokens=8, hidden=4)
+    >>> [t.name for t in fd.fusion.inputs][:4], list(fd.fusion.outputs)[:2], fd["grad_w1"].shape
+    (['x', 'w1', 'w2', 'target'], ['loss', 'next.w1'], (16, 4))
+    """
+    fd = mlp(tokens, hidden, dtype)
+    target = fd.define_tensor((tokens, hidden), dtype, name="target", axis_names=("s", "h"))
+    err = fd.ops.sub(fd["y"], target)
+    fd.add_output(fd.ops.mean(fd.ops.mul(err, err)), name="loss")
+    return training_step(fd, "loss", ["w1", "w2"], optimizer or AdamW())
+
+
 def mlp_with_backward(tokens: int, hidden: int, dtype=torch.float32) -> FusionDefinition:
     """The MLP forward and a hand-written backward (exact gelu): outputs y, dx, dw1, dw2 given dy.
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -21,6 +22,7 @@ from .fusion import as_fusion
 from .ir import TensorView
 from .layout import Layout
 from .pins import apply_layout, layout_view
+from .shards import local_extents
 from .mesh import DeviceMesh, check_mesh
 from .ops import OPS, canonical_dtype
 
@@ -31,6 +33,9 @@ from .ops import OPS, canonical_dtype
 FORMAT_NAME = "egraph-did-plan"
 FORMAT_VERSION = 2
 FORMAT = f"{FORMAT_NAME}/{FORMAT_VERSION}"
+
+# names ed.training_step gives (egraph_did/grad.py; the plan layer does not import it): memory_breakdown reads them
+NEXT_PREFIX, GRAD_PREFIX = "next.", "grad_"
 
 
 @dataclass(frozen=True)
@@ -254,6 +259,59 @@ class Plan:
         if kind not in communicating():
             raise PlanError(f"count: unknown collective kind {kind!r}; kinds are {', '.join(communicating())}")
         return sum(1 for c in self.collectives if c.kind == kind)
+
+    def memory_breakdown(self) -> dict[str, float]:
+        """Bytes one device holds, by category: the plan's values summed as the memory model sums them
+        (every value the plan holds, the largest shard of each, views of another value at no bytes; no
+        liveness: a value is held for the whole step), grouped by tensor name; "total" is their sum.
+
+        Categories are recognized from names alone, as ed.training_step makes them:
+          weights     an input `p` the plan also outputs as `next.p` (and `next.p` itself), unless a
+                      state's: its values in every layout;
+          optimizer states  an input `<state>.<p>` (exp_avg.w1, momentum_buffer.w1) output as `next.<state>.<p>`,
+                      where `p` is a weight (and the `next.` outputs);
+          gradients   the tensors named `grad_<p>` (training_step names each weight's gradient so; ed.grad
+                      outputs them so);
+          activations/other  everything else: data, activations saved or not, the update's temporaries,
+                      the `step` counter.
+        A plan of another fusion has weights, states and gradients only where its names say so.
+
+        >>> import torch, egraph_did as ed
+        >>> from egraph_did.models import mlp_training_step
+        >>> fd = mlp_training_step(tokens=64, hidden=16)  # x [64, 16], w1 [64, 16], w2 [16, 64], AdamW
+        >>> mesh = ed.DeviceMesh.arange(4)
+        >>> for n in ("x", "target"):
+        ...     _ = fd[n].set_device_mesh(mesh).outer_split(0, 4).axis(0).parallelize(ed.ParallelType.DIDx)
+        >>> for n in ("w1", "w2", "next.w1", "next.w2"): _ = fd[n].set_device_mesh(mesh)  # replicated
+        >>> plan = ed.optimize(fd, mesh)
+        >>> mem = plan.memory_breakdown()
+        >>> mem["weights"] >= 2 * 2 * 64 * 16 * 4, mem["total"] == plan.memory  # w1, w2, next.w1, next.w2 whole
+        (True, True)
+        >>> sorted(mem)
+        ['activations/other', 'gradients', 'optimizer states', 'total', 'weights']
+        """
+        carried = {n for n in self.inputs if NEXT_PREFIX + n in self.outputs}
+        states = {n for n in carried if "." in n and n.split(".", 1)[1] in carried}  # '<state>.<p>': no dot in <state>
+        weights = carried - states - {n for n in carried if n == "step"}
+
+        def category(tensor: str) -> str:
+            base = tensor[len(NEXT_PREFIX):] if tensor.startswith(NEXT_PREFIX) else tensor
+            if base in weights:
+                return "weights"
+            if base in states:
+                return "optimizer states"
+            if tensor.startswith(GRAD_PREFIX):
+                return "gradients"
+            return "activations/other"
+        out = dict.fromkeys(("weights", "gradients", "optimizer states", "activations/other"), 0.0)
+        views = {v for s in self.compute_steps if OPS[s.op].metadata_only for v in s.outputs}
+        for v in self.values.values():
+            if v.name in views:
+                continue  # a reshape, expand or other view: the memory model prices it at no bytes
+            held = math.prod(local_extents(v.shape, v.layout, self.mesh)) * canonical_dtype(v.dtype).itemsize
+            out[category(v.tensor)] += held
+        out["total"] = sum(out.values())
+        return out
 
     def layout_of(self, tensor: str) -> Layout:
         """The layout a tensor is pinned to, or else produced (or, for an output, delivered) in."""
