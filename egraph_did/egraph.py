@@ -29,8 +29,8 @@ from egglog import rule as erule
 from egraph_did.rewrites import ALL_RULES, aten, frontend_ops, grad_ops, pointwise, reduction, scans, views
 from egraph_did.rewrites.rules import EGGLOG
 from egraph_did.rewrites.sorts import (AX, KERNS, LAYOUTS, OPS_SORT, PLAN, RUN, SIG, SITE, STRAT, Apart, AttrI, AttrS, AxisMap,
-                                       Bcast, Coll, Connect, D, Def, Extent, Fits, FloatSize, Held, Input, Keep, Lit, Load,
-                                       LoadIn, MeshSize, NestOK, NoPartial, OpKind, Out, Param, Placement, Proj, Rank,
+                                       Bcast, Connect, D, Def, Extent, Fits, FloatSize, Held, Input, Lit, Load,
+                                       LoadIn, MeshSize, NestOK, NoPartial, OpKind, Out, Param, Placement, Rank,
                                        Reduced, ReshapeBlock, Shape, ShapeOf, Shp, T, Tensor, Valid, attr_text)
 from egraph_did.rewrites.sorts import Kern as KernSort, Layout as LayoutSort
 from egraph_did.rewrites.sorts import P as P_, Pmax as Pmax_, R as R_, S as S_
@@ -39,7 +39,7 @@ from .collectives import connecting
 from .egglog_io import frozen_rows, run_text, string_term
 from .layout import PMAX, Layout, P, R, S, is_valid
 from .ops import OPS
-from .physgraph import Node, PhysGraph
+from .physgraph import Node, PhysGraph, gc_paused
 from .problem import Problem, op_view
 
 Lay = relation("Lay", LayoutSort, egg_fn="Lay")  # a layout some tensor may be held in
@@ -49,6 +49,16 @@ Whole = relation("Whole", LayoutSort, egg_fn="Whole")  # a layout with no pendin
 # was restricted to another plan's strategies (build_problem(like=): a pin on every expr), which then come
 # as Plan rows
 Open = relation("Open", i64, egg_fn="Open")
+# The physical nodes as edges into the class they make (its Held term), not as terms unioned with it: the
+# physical rules never union, so no iteration pays egglog's rebuild (canonicalizing every table that holds
+# a D) for them (96 GPT-3 layers: saturation 2.8 s -> 1.4 s, the same classes and nodes). A multi-output
+# op's run stays a term (the class of its tuple), which ProjOf edges read.
+KeepOf = relation("KeepOf", D, D, egg_fn="KeepOf")  # dst, src: src unchanged, one level up
+CollOf = relation("CollOf", D, String, i64, LayoutSort, D, egg_fn="CollOf")  # dst, collective, mesh axis, dst layout, src
+ProjOf = relation("ProjOf", D, i64, D, egg_fn="ProjOf")  # dst, output index, the run's tuple
+# dst, key, kernels, output layout, operands..: a single-output op run rank-locally into dst
+RUN_OF = {(n, o): relation(f"RunOf{n}x{o}", D, String, KernSort, LayoutSort, *([D] * n), egg_fn=f"RunOf{n}x{o}")
+          for (n, o) in RUN if o == 1}
 
 # The family rulesets (rules.family_ruleset, one per module of rewrites/), composed into one by the schedule
 FAMILIES = (pointwise.pointwise | views.views | reduction.reduction | aten.aten | grad_ops.grad_ops
@@ -331,28 +341,30 @@ def program_rules(shape: tuple[int, ...]):
 
 def mesh_rules(shape: tuple[int, ...]):
     """The physical rules for one mesh: Keep and collectives move one mesh axis a level up; a strategy
-    (Strat) runs its expr from operands held at level m = mesh ndim into level 0."""
+    (Plan) runs its expr from operands held at level m = mesh ndim into level 0. Each node is an edge
+    (KeepOf, CollOf, RunOf, ProjOf) into its class's Held term."""
     m = len(shape)
     t, lay, kind = var("t", Tensor), var("lay", LayoutSort), var("kind", String)
-    lf, lt, k, ax = var("lf", LayoutSort), var("lt", LayoutSort), var("k", i64), var("ax", i64)
+    lf, lt, ax = var("lf", LayoutSort), var("lt", LayoutSort), var("ax", i64)
     for k in range(m):
-        yield erule(Held(t, lay, k)).then(union(Held(t, lay, k + 1)).with_(Keep(Held(t, lay, k))))
+        yield erule(Held(t, lay, k)).then(KeepOf(Held(t, lay, k + 1), Held(t, lay, k)))
         yield erule(Held(t, lf, k), Move(lf, lt, kind, ax), Valid(t, lt)).then(
-            union(Held(t, lt, k + 1)).with_(Coll(kind, ax, lt, Held(t, lf, k))),
-            *[union(Held(t, lt, j + 1)).with_(Keep(Held(t, lt, j))) for j in range(k + 1, m)])
+            CollOf(Held(t, lt, k + 1), kind, ax, lt, Held(t, lf, k)),
+            *[KeepOf(Held(t, lt, j + 1), Held(t, lt, j)) for j in range(k + 1, m)])
     key, kern = var("key", String), var("kern", KernSort)
     for (n, o) in SITE:
         ys, xs = [var(f"y{j}", Tensor) for j in range(o)], [var(f"x{i}", Tensor) for i in range(n)]
         lin, lout = [var(f"li{i}", LayoutSort) for i in range(n)], [var(f"lo{j}", LayoutSort) for j in range(o)]
         query = [PLAN[(n, o)](key, kern, *ys, *xs, *lout, *lin)] + [Held(x, li, m) for x, li in zip(xs, lin)]
-        app = RUN[(n, o)](key, kern, *lout, *[Held(x, li, m) for x, li in zip(xs, lin)])
+        operands = [Held(x, li, m) for x, li in zip(xs, lin)]
         # the outputs kept as they are up to level m in the same step: a consumer that needs no collective
         # fires in the next iteration (saturation takes as many iterations as the longest chain of steps)
-        keep = [union(Held(y, lo, k + 1)).with_(Keep(Held(y, lo, k))) for y, lo in zip(ys, lout) for k in range(m)]
+        keep = [KeepOf(Held(y, lo, k + 1), Held(y, lo, k)) for y, lo in zip(ys, lout) for k in range(m)]
         if o == 1:
-            yield erule(*query).then(union(Held(ys[0], lout[0], 0)).with_(app), *keep)
+            yield erule(*query).then(RUN_OF[(n, o)](Held(ys[0], lout[0], 0), key, kern, lout[0], *operands), *keep)
         else:
-            yield erule(*query).then(*[union(Held(ys[j], lout[j], 0)).with_(Proj(j, app)) for j in range(o)], *keep)
+            app = RUN[(n, o)](key, kern, *lout, *operands)
+            yield erule(*query).then(*[ProjOf(Held(ys[j], lout[j], 0), j, app) for j in range(o)], *keep)
 
 
 # ---------------------------------------------------------------------- saturate
@@ -396,7 +408,7 @@ def saturate(problem: Problem) -> PhysGraph:
     t0 = time.perf_counter()
     _template(problem.mesh.shape)  # built once per mesh shape and process: its time is reported apart
     tt = time.perf_counter()
-    with loaded(problem) as (eg, program, rules, facts, ident, _):
+    with gc_paused(), loaded(problem) as (eg, program, rules, facts, ident, _):
         t1 = time.perf_counter()
         # the families and the program rules read only the program's facts: each saturates once, then the
         # physical rules (Keep, Coll, Run) from the loads
@@ -504,9 +516,10 @@ def _arity(op: str) -> int:
 def read_back(eg: EGraph, problem: Problem, name_of: dict[str, str]) -> PhysGraph:
     """The physical classes of the saturated e-graph as a PhysGraph: each class named by its Held term
     (tensor, layout code, level), its nodes Load, Keep, Coll, Proj and Apply (a Run, mapped onto the
-    problem's priced strategy of the same placements and kernels)."""
-    rows, raw = frozen_rows(eg, ["R", "P", "Pmax", "S", "T", "Held", "Load", "Keep", "Coll", "Proj"]
-                             + [f"L{m}" for m in LAYOUTS] + [f"K{m}" for m in KERNS] + [f"Run{n}x{o}" for n, o in RUN])
+    problem's priced strategy of the same placements and kernels), read from the edges into it."""
+    run_rows = [f"RunOf{n}x{o}" if o == 1 else f"Run{n}x{o}" for n, o in RUN]
+    rows, raw = frozen_rows(eg, ["R", "P", "Pmax", "S", "T", "Held", "Load", "KeepOf", "CollOf", "ProjOf"]
+                            + [f"L{m}" for m in LAYOUTS] + [f"K{m}" for m in KERNS] + run_rows)
     strs: dict = {}
 
     def string(v):
@@ -525,38 +538,63 @@ def read_back(eg: EGraph, problem: Problem, name_of: dict[str, str]) -> PhysGrap
     tensor = {v: min(ns, key=prefer) for v, ns in names.items()}
     graph = PhysGraph()
     graph.canonical = {n: tensor[v] for v, ns in names.items() for n in ns}
+    classes = graph.classes
     cid: dict = {}
 
     def cls(v) -> str:
-        if v not in cid:
-            cid[v] = f"c{len(cid)}"
-            graph.classes[cid[v]] = []
-        return cid[v]
+        c = cid.get(v)
+        if c is None:
+            c = cid[v] = f"c{len(cid)}"
+            classes[c] = []
+        return c
 
+    levels = {}
     for ins, out in rows["Held"]:
-        ident = (tensor[ins[0]], lays[ins[1]], raw.value_to_i64(ins[2]))
+        if ins[2] not in levels:
+            levels[ins[2]] = raw.value_to_i64(ins[2])
+        ident = (tensor[ins[0]], lays[ins[1]], levels[ins[2]])
         c = cls(out)
         assert graph.ident.setdefault(c, ident) == ident, f"layouts {ident} and {graph.ident[c]} merged"
         graph.index[ident] = c
     for ins, out in rows.get("Load", []):
-        graph.classes[cls(out)].append(Node("Load", (), name_of[string(ins[0])]))
-    for ins, out in rows.get("Keep", []):
-        graph.classes[cls(out)].append(Node("Keep", (cls(ins[0]),)))
+        classes[cls(out)].append(Node("Load", (), name_of[string(ins[0])]))
+    get = cid.get  # every Held term's class exists by now: cls() below makes only tuple classes
+    for ins, _ in rows.get("KeepOf", []):
+        classes[get(ins[0]) or cls(ins[0])].append(Node("Keep", (get(ins[1]) or cls(ins[1]),)))
     axis = {}
-    for ins, out in rows.get("Coll", []):
-        if ins[1] not in axis:
-            axis[ins[1]] = raw.value_to_i64(ins[1])
-        graph.classes[cls(out)].append(Node("Coll", (cls(ins[3]),), string(ins[0]), axis[ins[1]]))
-    for ins, out in rows.get("Proj", []):
-        graph.classes[cls(out)].append(Node("Proj", (cls(ins[1]),), sid=raw.value_to_i64(ins[0])))
-    strategies = {(k, tuple(x.code() for x in s.inputs), tuple(x.code() for x in s.outputs), s.flags): s.sid
-                  for k, ss in problem.strategies.items() for s in ss}
-    for (n, o) in RUN:  # Run{n}x{o}(key, kern, outs.., ins..)
-        for ins, out in rows.get(f"Run{n}x{o}", []):
+    for ins, _ in rows.get("CollOf", []):
+        if ins[2] not in axis:
+            axis[ins[2]] = raw.value_to_i64(ins[2])
+        classes[get(ins[0]) or cls(ins[0])].append(Node("Coll", (get(ins[4]) or cls(ins[4]),), string(ins[1]), axis[ins[2]]))
+    index = {}
+    for ins, _ in rows.get("ProjOf", []):
+        if ins[1] not in index:
+            index[ins[1]] = raw.value_to_i64(ins[1])
+        classes[cls(ins[0])].append(Node("Proj", (cls(ins[2]),), sid=index[ins[1]]))
+    codes: dict = {}  # id(layouts tuple) -> its codes (the exprs of one signature share their strategies' tuples)
+
+    def code(lays: tuple) -> tuple:
+        got = codes.get(id(lays))
+        if got is None:
+            got = codes[id(lays)] = (lays, tuple(x.code() for x in lays))
+        return got[1]
+
+    strategies = {(k, code(s.inputs), code(s.outputs), s.flags): s.sid for k, ss in problem.strategies.items() for s in ss}
+    flags_of: dict = {}
+    ident = graph.ident
+    for (n, o), name in zip(RUN, run_rows):
+        # RunOf{n}x1(dst, key, kern, out layout, operands..); Run{n}x{o}(key, kern, outs.., operands..) -> tuple
+        for ins, out in rows.get(name, []):
+            if o == 1:
+                dst, ins = ins[0], ins[1:]
+            else:
+                dst = out
             key = name_of[string(ins[0])]
-            flags = tuple(frozenset({k}) if k else frozenset() for k in kerns[ins[1]])
-            children = tuple(cls(v) for v in ins[2 + o:])
-            sig = (key, tuple(graph.ident[c][1] for c in children), tuple(lays[v] for v in ins[2:2 + o]), flags)
+            flags = flags_of.get(ins[1])
+            if flags is None:
+                flags = flags_of[ins[1]] = tuple(frozenset({k}) if k else frozenset() for k in kerns[ins[1]])
+            children = tuple(get(v) or cls(v) for v in ins[2 + o:])
+            sig = (key, tuple(ident[c][1] for c in children), tuple(lays[v] for v in ins[2:2 + o]), flags)
             assert sig in strategies, f"the rulesets derived a strategy the Python rules do not: {sig}"
-            graph.classes[cls(out)].append(Node("Apply", children, key, strategies[sig]))
+            classes[get(dst) or cls(dst)].append(Node("Apply", children, key, strategies[sig]))
     return graph
