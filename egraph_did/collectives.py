@@ -29,7 +29,7 @@ from __future__ import annotations
 import datetime
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import torch
 import torch.distributed as dist
@@ -182,6 +182,11 @@ def _sum(parts: Sequence[torch.Tensor], reduce: str) -> torch.Tensor:
     return out
 
 
+def _done(out: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A finish for a collective that completed when it started (a group of one rank, nothing to move)."""
+    return lambda: out
+
+
 # ---------------------------------------------------------------------------- the registry
 
 @dataclass(frozen=True)
@@ -232,10 +237,25 @@ class Kind:
         """`rank`'s result, given every member's tensor of its group on axis m, in mesh order."""
         raise NotImplementedError
 
-    def run(self, move: Move, t: torch.Tensor, group: AxisGroup, timeout: float | None = None
-            ) -> torch.Tensor:  # pragma: no cover - every kind overrides
-        """This rank's result over torch.distributed, given its own tensor: simulate's, for this rank."""
-        raise NotImplementedError
+    def run(self, move: Move, t: torch.Tensor, group: AxisGroup, timeout: float | None = None) -> torch.Tensor:
+        """This rank's result over torch.distributed, given its own tensor: simulate's, for this rank (a kind
+        overrides start, or run where nothing waits)."""
+        return self.start(move, t, group, timeout)()
+
+    def start(self, move: Move, t: torch.Tensor, group: AxisGroup, timeout: float | None = None
+              ) -> Callable[[], torch.Tensor]:
+        """Issue this rank's part of the collective and return `finish`, which waits for it and gives run's
+        result: what the program does between the two (compute that does not read the result) overlaps
+        the transfer (lowering/program.py places finish before the first reader). A kind that moves
+        nothing runs whole here.
+
+        >>> move = Move(DeviceMesh.arange(2), (4,), Layout((R,)), Layout((S(0),)), 0)
+        >>> finish = KINDS["slice"].start(move, torch.arange(4.), AxisGroup((0, 1), 1, None))
+        >>> finish()
+        tensor([2., 3.])
+        """
+        out = self.run(move, t, group, timeout)
+        return lambda: out
 
 
 KINDS: dict[str, Kind] = {}
@@ -268,21 +288,23 @@ class Allgather(Kind):
     def simulate(self, move, parts, rank):
         return torch.cat(list(parts), dim=move.src[move.m].axis)
 
-    def run(self, move, t, group, timeout=None):
+    def start(self, move, t, group, timeout=None):
         if group.pg is None:
-            return self.simulate(move, [t], group.rank).contiguous()
+            return _done(self.simulate(move, [t], group.rank).contiguous())
         dim = move.src[move.m].axis
         sizes = [move.held(r) for r in group.members]
         front = _front(t, dim)
         chunk = max(sizes)
-        buf = to_wire(padded(front, chunk))
+        buf = to_wire(padded(front, chunk)).contiguous()
         out = buf.new_empty((group.size * chunk,) + tuple(front.shape[1:]))
-        if out.numel():
-            wait(_all_gather_single(out, buf.contiguous(), group=group.pg, async_op=True), timeout,
-                 f"allgather over ranks {group.members}")
-        out = from_wire(out, t.dtype)
-        pieces = [out[group.slot(i) * chunk: group.slot(i) * chunk + n] for i, n in enumerate(sizes)]
-        return torch.cat(pieces, 0).movedim(0, dim).contiguous()
+        work = _all_gather_single(out, buf, group=group.pg, async_op=True) if out.numel() else None
+
+        def finish(sent=buf):  # the send buffer lives until the transfer is done
+            wait(work, timeout, f"allgather over ranks {group.members}")
+            got = from_wire(out, t.dtype)
+            pieces = [got[group.slot(i) * chunk: group.slot(i) * chunk + n] for i, n in enumerate(sizes)]
+            return torch.cat(pieces, 0).movedim(0, dim).contiguous()
+        return finish
 
 
 @register
@@ -303,9 +325,9 @@ class ReduceScatter(Kind):
     def simulate(self, move, parts, rank):
         return _cut(_sum(parts, move.reduce), move, rank)
 
-    def run(self, move, t, group, timeout=None):
+    def start(self, move, t, group, timeout=None):
         if group.pg is None:
-            return self.simulate(move, [t], group.rank).contiguous()
+            return _done(self.simulate(move, [t], group.rank).contiguous())
         dim = move.dst[move.m].axis
         bounds = [move.cut(r) for r in group.members]
         front = _front(t, dim)
@@ -316,11 +338,14 @@ class ReduceScatter(Kind):
             s = group.slot(i) * chunk
             buf[s: s + b - a] = front[a:b]
         out = buf.new_empty((chunk,) + rest)
-        if out.numel():
-            wait(_reduce_scatter_single(out, buf, op=_REDUCE_OPS[move.reduce], group=group.pg, async_op=True),
-                 timeout, f"reduce_scatter over ranks {group.members}")
-        lo, hi = bounds[group.me]
-        return out[: hi - lo].movedim(0, dim).contiguous()
+        work = (_reduce_scatter_single(out, buf, op=_REDUCE_OPS[move.reduce], group=group.pg, async_op=True)
+                if out.numel() else None)
+
+        def finish(sent=buf):  # the send buffer lives until the transfer is done
+            wait(work, timeout, f"reduce_scatter over ranks {group.members}")
+            lo, hi = bounds[group.me]
+            return out[: hi - lo].movedim(0, dim).contiguous()
+        return finish
 
 
 @register
@@ -342,15 +367,18 @@ class Allreduce(Kind):
     def simulate(self, move, parts, rank):
         return _sum(parts, move.reduce)
 
-    def run(self, move, t, group, timeout=None):
+    def start(self, move, t, group, timeout=None):
         out = t.contiguous().clone()
         if group.pg is None or not out.numel():
-            return out
+            return _done(out)
         if move.reduce not in _REDUCE_OPS:
             raise PlanError(f"allreduce: unknown reduction {move.reduce!r} (sum or max)")
-        wait(dist.all_reduce(out, op=_REDUCE_OPS[move.reduce], group=group.pg, async_op=True), timeout,
-             f"allreduce({move.reduce}) over ranks {group.members}")
-        return out
+        work = dist.all_reduce(out, op=_REDUCE_OPS[move.reduce], group=group.pg, async_op=True)
+
+        def finish():
+            wait(work, timeout, f"allreduce({move.reduce}) over ranks {group.members}")
+            return out
+        return finish
 
 
 @register
@@ -372,9 +400,9 @@ class Alltoall(Kind):
     def simulate(self, move, parts, rank):
         return _cut(torch.cat(list(parts), dim=move.src[move.m].axis), move, rank)
 
-    def run(self, move, t, group, timeout=None):
+    def start(self, move, t, group, timeout=None):
         if group.pg is None:
-            return self.simulate(move, [t], group.rank).contiguous()
+            return _done(self.simulate(move, [t], group.rank).contiguous())
         src_dim, dst_dim = move.src[move.m].axis, move.dst[move.m].axis
         sizes = [move.held(r) for r in group.members]
         bounds = [move.cut(r) for r in group.members]
@@ -386,17 +414,19 @@ class Alltoall(Kind):
             send[group.slot(i)][tuple(slice(0, n) for n in piece.shape)] = piece
         send = to_wire(send)
         recv = torch.empty_like(send)
-        if recv.numel():
-            wait(dist.all_to_all_single(recv, send, group=group.pg, async_op=True), timeout,
-                 f"alltoall over ranks {group.members}")
-        recv = from_wire(recv, t.dtype)
-        lo, hi = bounds[group.me]
-        pieces = []
-        for i, n in enumerate(sizes):
-            shape = list(t.shape)
-            shape[src_dim], shape[dst_dim] = n, hi - lo
-            pieces.append(recv[group.slot(i)][tuple(slice(0, k) for k in shape)])
-        return torch.cat(pieces, src_dim).contiguous()
+        work = dist.all_to_all_single(recv, send, group=group.pg, async_op=True) if recv.numel() else None
+
+        def finish(sent=send):  # the send buffer lives until the transfer is done
+            wait(work, timeout, f"alltoall over ranks {group.members}")
+            got = from_wire(recv, t.dtype)
+            lo, hi = bounds[group.me]
+            pieces = []
+            for i, n in enumerate(sizes):
+                shape = list(t.shape)
+                shape[src_dim], shape[dst_dim] = n, hi - lo
+                pieces.append(got[group.slot(i)][tuple(slice(0, k) for k in shape)])
+            return torch.cat(pieces, src_dim).contiguous()
+        return finish
 
 
 @register

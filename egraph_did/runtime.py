@@ -23,7 +23,7 @@ from .errors import EgraphDidError, PlanError, ShapeError
 from .layout import Layout
 from . import collectives
 from .lowering.communication import (axis_group, check_world, world_key, ensure_groups, gather_to_all, local_shape,
-                                     run_collective)
+                                     run_collective, check_shard)
 from .lowering.graphs import run_graphed
 from .lowering.program import SegmentFailed, program_for, program_inputs
 from .lowering.segment import eager_segments
@@ -225,14 +225,24 @@ def _bind_inputs(plan: Plan, inputs: Mapping[str, Any], kind: str, rank: int, de
     return env
 
 
-def _bind_collective(plan: Plan, rank: int, timeout: float | None):
-    """c -> (lean call, checked call) of one tensor: the registry entry, the move and the process group
-    found once (run_collective finds them, and checks the shard's shape, on every call)."""
+def _bind_collective(plan: Plan, rank: int, timeout: float | None, overlap: bool = True):
+    """c -> (lean call, checked call, start, checked start) of one tensor: the registry entry, the move and
+    the process group found once (run_collective finds them, and checks the shard's shape, on every call).
+    start(t) issues the collective and returns its finish (the program runs independent compute between:
+    lowering/program.py's _overlap); with overlap=False, or a step timeout (whose stall report names the
+    collective it waits at), there is no start."""
     def bind(c):
         entry = collectives.get(c.kind, f"run: {c.kind}[{c.mesh_axis_name}] {c.tensor}")
         move = plan.move(c)
-        group, run = axis_group(plan.mesh, c.mesh_axis, rank), entry.run
-        return (lambda t: run(move, t, group, timeout)), (lambda t: run_collective(plan, c, t, rank, timeout=timeout))
+        group, run, start = axis_group(plan.mesh, c.mesh_axis, rank), entry.run, entry.start
+        lean, checked = (lambda t: run(move, t, group, timeout)), (lambda t: run_collective(plan, c, t, rank, timeout=timeout))
+        if not overlap or timeout is not None:
+            return lean, checked, None, None
+
+        def checked_start(t):
+            check_shard(plan, c, t, rank)
+            return start(move, t, group, timeout)
+        return lean, checked, (lambda t: start(move, t, group, timeout)), checked_start
     return bind
 
 

@@ -169,13 +169,29 @@ def run_collective(plan: Plan, c: Collective, local: torch.Tensor, rank: int, *,
         ed.launch(work, nprocs=4, args=(plan, torch.ones(8)))  # tensor([4., 4.]) on every rank
     """
     entry = collectives.get(c.kind, f"run: {c.kind}[{c.mesh_axis_name}] {c.tensor}")
-    want = local_shape(plan, c.src, rank)
-    if tuple(local.shape) != want:
-        raise ShapeError(f"{c.kind}[{c.mesh_axis_name}] {c.tensor}: rank {rank} holds a shard of shape "
-                         f"{tuple(local.shape)}, but {c.src}'s layout gives it {want}")
+    check_shard(plan, c, local, rank)
     move = plan.move(c)
     return entry.run(move, local, axis_group(plan.mesh, c.mesh_axis, rank), timeout)
 
 
+def check_shard(plan: Plan, c: Collective, local: torch.Tensor, rank: int) -> None:
+    """ShapeError unless `local` has the shape c.src's layout gives `rank` (what run_collective checks).
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import row_sum
+    >>> fd, mesh = row_sum(8, 64), ed.DeviceMesh.arange(4)
+    >>> _ = fd["x"].set_device_mesh(mesh).outer_split(1, 4).axis(1).parallelize(ed.ParallelType.DIDx)
+    >>> plan = ed.optimize(fd, mesh)
+    >>> check_shard(plan, plan.collectives[0], torch.ones(3), rank=0)
+    Traceback (most recent call last):
+    ...
+    egraph_did.errors.ShapeError: reduce_scatter[x] y: rank 0 holds a shard of shape (3,), but y:P's layout gives it (8,)
+    """
+    want = local_shape(plan, c.src, rank)
+    if tuple(local.shape) != want:
+        raise ShapeError(f"{c.kind}[{c.mesh_axis_name}] {c.tensor}: rank {rank} holds a shard of shape "
+                         f"{tuple(local.shape)}, but {c.src}'s layout gives it {want}")
+
+
 __all__ = ["AxisGroup", "axis_group", "ensure_groups", "check_world", "world_key", "gather_to_all", "local_shape",
-           "run_collective"]
+           "run_collective", "check_shard"]

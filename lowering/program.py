@@ -39,7 +39,7 @@ from .compute import check_step_indices
 from .segment import Segment, kernel_spec, lowered_plan
 
 CollectiveFn = Callable[[Plan, Collective, torch.Tensor, int], torch.Tensor]
-BindCollective = Callable[[Collective], Callable[[torch.Tensor], torch.Tensor]]
+BindCollective = Callable[[Collective], tuple]  # (fn, checked fn[, start, checked start]): see prepare
 
 
 class SegmentFailed(PlanError):
@@ -296,14 +296,43 @@ def _aten_calls(plan: Plan, step: ComputeStep, ctx: RankContext, check_indices: 
     return calls
 
 
-def _comm_call(plan: Plan, c: Collective, rank: int, collective: CollectiveFn | None,
-               bind: BindCollective | None) -> tuple:
+def _comm_calls(plan: Plan, c: Collective, rank: int, collective: CollectiveFn | None,
+                bind: BindCollective | None) -> list[tuple]:
+    """One call, or two where the binding can split the collective (start, then finish: see _overlap)."""
     if bind is not None:
-        fn, first = bind(c)
-        return (lambda t: (fn(t),)), (lambda t: (first(t),)), (c.src,), (c.dst,), False
+        fn, first, *split = bind(c)
+        if split and split[0] is not None:
+            start, first_start = split
+            pending = f"{c.dst}@pending"
+            return [((lambda t: (start(t),)), (lambda t: (first_start(t),)), (c.src,), (pending,), False),
+                    ((lambda finish: (finish(),)), None, (pending,), (c.dst,), False)]
+        return [((lambda t: (fn(t),)), (lambda t: (first(t),)), (c.src,), (c.dst,), False)]
     if collective is None:
         raise PlanError(f"prepare: the plan has collective {c} but no collective function was given")
-    return (lambda t: (collective(plan, c, t, rank),)), None, (c.src,), (c.dst,), False
+    return [((lambda t: (collective(plan, c, t, rank),)), None, (c.src,), (c.dst,), False)]
+
+
+def _overlap(raw_calls: list[tuple]) -> list[tuple]:
+    """Each collective's finish (a call that reads a '@pending' slot) moved down to just before the first
+    call that reads what it gives (or the end): the compute between runs while the transfer is in flight.
+    Every rank moves the same calls, so collectives still start in one order on every rank.
+
+    >>> calls = [(None, None, ("a",), ("y@pending",), False), (None, None, ("y@pending",), ("y",), False),
+    ...          (None, None, ("b",), ("z",), False), (None, None, ("y", "z"), ("w",), False)]
+    >>> [c[3][0] for c in _overlap(calls)]  # z is computed while y travels
+    ['y@pending', 'z', 'y', 'w']
+    """
+    out, waiting = [], []
+    for call in raw_calls:
+        reads = call[2]
+        if any(r.endswith("@pending") for r in reads):
+            waiting.append(call)
+            continue
+        due = [w for w in waiting if set(w[3]) & set(reads)]
+        out += due
+        waiting = [w for w in waiting if w not in due]
+        out.append(call)
+    return out + waiting
 
 
 def prepare(plan: Plan, rank: int, inputs: Sequence[torch.Tensor], collective: CollectiveFn | None, *,
@@ -311,7 +340,8 @@ def prepare(plan: Plan, rank: int, inputs: Sequence[torch.Tensor], collective: C
             check_indices: bool = True) -> Program:
     """Rank's program for inputs like these (program_inputs(plan) order), as flat calls. collective:
     run_rank's function (plan, c, local, rank) -> local result; or bind_collective(c) -> (fn, checked fn)
-    of one tensor, bound once. segments: the lowered plan's by default (eager_segments for torch only).
+    of one tensor, bound once, or (fn, checked fn, start, checked start) where start(t) issues the collective
+    and returns its finish(): finish runs just before the first call that reads the result (_overlap). segments: the lowered plan's by default (eager_segments for torch only).
 
     >>> import torch, egraph_did as ed
     >>> from egraph_did.models import row_sum
@@ -329,12 +359,13 @@ def prepare(plan: Plan, rank: int, inputs: Sequence[torch.Tensor], collective: C
     raw_calls: list[tuple] = []  # (fn, first_fn, reads, writes, raw, segment index, comm)
     for i, seg in enumerate(segments):
         if seg.kind == "comm":
-            built = [_comm_call(plan, seg.steps[0], rank, collective, bind_collective)]
+            built = _comm_calls(plan, seg.steps[0], rank, collective, bind_collective)
         elif seg.kind == "fused":
             built = _fused_calls(plan, seg, rank, device, ctx, check_indices)
         else:
             built = _aten_calls(plan, seg.steps[0], ctx, check_indices)
         raw_calls += [(*b, i, seg.kind == "comm") for b in built]
+    raw_calls = _overlap(raw_calls)
     outputs = tuple(plan.outputs.values())
     for _, _, reads, writes, *_ in raw_calls:
         for v in (*reads, *writes):

@@ -137,3 +137,40 @@ def test_a_learned_view_replays_as_strided_and_falls_back_when_the_input_is_laid
     assert torch.equal(flat(x * 2)[0], (x * 2).reshape(3, 2))  # replayed as a strided view of the new input
     t = torch.arange(6.).reshape(3, 2).t()  # same shape, other strides: the op runs again, not the replay
     assert torch.equal(flat(t)[0], t.reshape(3, 2))
+
+
+def test_a_split_collective_finishes_just_before_its_first_reader_with_the_same_results():
+    """A binding with start/finish (the runtime's, over torch.distributed) lets independent compute run while
+    a collective is in flight: in the data-parallel MLP backward, dw2's all-reduce starts after its matmul
+    and finishes at the end, after the whole dx and dw1 computation; the outputs are the unsplit
+    program's."""
+    def backward(tokens, hidden, dtype):
+        fd = models.mlp_with_backward(tokens, hidden, dtype)
+        for n in ("x", "dy", "y", "dx"):
+            apply_layout(fd[n], Layout((S(0),)), MESH)
+        for n in ("dw1", "dw2"):
+            fd[n].set_device_mesh(MESH)
+        return fd
+    big = ed.optimize(backward(8192, 256, torch.bfloat16), MESH, rewrites=())  # no bucket: two all-reduces
+    plan = ed.optimize(backward(16, 8, torch.float32), MESH, like=big)
+    assert [c.tensor for c in plan.collectives] == ["dw2", "dw1"]
+    order = []
+
+    def bind(c):
+        fn = lambda t: stand_in(plan, c, t, 0)  # noqa: E731
+
+        def start(t):
+            order.append(f"start {c.tensor}")
+            out = fn(t)
+            return lambda: (order.append(f"finish {c.tensor}"), out)[1]
+        return fn, fn, start, start
+
+    ins = local_inputs(plan, 0)
+    whole = prepare(plan, 0, ins, lambda p, c, t, r: stand_in(p, c, t, 0))
+    split = prepare(plan, 0, ins, None, bind_collective=bind)
+    assert len(split.calls) == len(whole.calls) + 2
+    for got, want in zip(split.run(ins), whole.run(ins)):
+        assert torch.equal(got, want)
+    assert order == ["start dw2", "start dw1", "finish dw2", "finish dw1"]
+    comm = [i for i, c in enumerate(split.calls) if c.comm]
+    assert comm[1] - comm[0] > 5  # dx's and dw1's compute runs while dw2 travels
