@@ -68,7 +68,8 @@ class TorchFusion(FusionDefinition):
         self.params: tuple[str, ...] = ()
         self.constants: dict[str, torch.Tensor] = {}
         self._module: torch.nn.Module | None = None
-        self._leaves: list[str | None] = []  # per flattened (args, kwargs) leaf: the input it binds, or None
+        self.leaves: list[str | None] = []  # per flattened (args, kwargs) leaf: the input it binds, or None
+        self.output_skeleton: Any = None  # the module's output structure, its leaves the output indices
 
     def bind(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """Every input of the fusion: args and kwargs as given to the module (same structure as the example
@@ -80,15 +81,29 @@ class TorchFusion(FusionDefinition):
         tensor([4., 9.])
         """
         leaves, _ = pytree.tree_flatten((args, kwargs))
-        if len(leaves) != len(self._leaves):
-            raise ExportError(f"bind: got {len(leaves)} input leaves, the example inputs had {len(self._leaves)}; "
+        if len(leaves) != len(self.leaves):
+            raise ExportError(f"bind: got {len(leaves)} input leaves, the example inputs had {len(self.leaves)}; "
                               f"pass the module's arguments in the structure of the example")
-        out = {name: v for name, v in zip(self._leaves, leaves) if name is not None}
+        out = {name: v for name, v in zip(self.leaves, leaves) if name is not None}
         if self._module is not None:
             state = dict(self._module.named_parameters(remove_duplicate=False))
             state |= dict(self._module.named_buffers(remove_duplicate=False))
             out |= {p: state[p].detach() for p in self.params}
         return out | self.constants
+
+    def structure(self, outputs: dict[str, Any]) -> Any:
+        """The outputs (by name, as ed.evaluate / plan.run give them) in the module's own output structure:
+        a tensor, a tuple, a dict or a ModelOutput, as the export recorded it.
+
+        >>> import torch, egraph_did as ed
+        >>> fd = ed.from_torch(lambda a: (a + 1, {"double": a * 2}), (torch.ones(2),))
+        >>> fd.structure(ed.evaluate(fd, fd.bind(torch.ones(2))))
+        (tensor([2., 2.]), {'double': tensor([2., 2.])})
+        """
+        names = list(self.fusion.outputs)
+        if self.output_skeleton is None:
+            return dict(outputs)
+        return pytree.tree_map(lambda i: outputs[names[i]], self.output_skeleton)
 
 
 def from_torch(module_or_fn, example_inputs: tuple, kwargs: dict | None = None, strict: bool = False
@@ -210,7 +225,7 @@ class _Converter:
                                   f"(it maps parameters, buffers, constants and user inputs)")
         fd.user_inputs, fd.params = tuple(users), tuple(params)
         leaves = [s for s in sig.input_specs if s.kind.name == "USER_INPUT"]
-        fd._leaves = [s.arg.name if s.arg.name in users else None for s in leaves]
+        fd.leaves = [s.arg.name if s.arg.name in users else None for s in leaves]
 
     def _example(self, spec):
         node = next(n for n in self.ep.graph.nodes if n.op == "placeholder" and n.name == spec.arg.name)
@@ -218,7 +233,9 @@ class _Converter:
 
     def _outputs(self, node) -> None:
         values = node.args[0]
-        names = _output_names(self.ep.call_spec.out_spec, len(values))
+        spec = self.ep.call_spec.out_spec
+        names = _output_names(spec, len(values))
+        self.fd.output_skeleton = pytree.tree_unflatten(list(range(len(values))), spec) if spec is not None else None
         seen: set[int] = set()
         for name, v in zip(names, values):
             val = self.env[v.name] if hasattr(v, "name") else v
@@ -351,7 +368,8 @@ def _live_copy(src: TorchFusion) -> TorchFusion:
             live |= {id(t) for t in e.inputs}
     live |= {id(fusion[name]) for name in src.user_inputs}
     out = TorchFusion()
-    out.user_inputs, out._module, out._leaves = src.user_inputs, src._module, src._leaves
+    out.user_inputs, out._module, out.leaves = src.user_inputs, src._module, src.leaves
+    out.output_skeleton = src.output_skeleton
     out.params = tuple(p for p in src.params if id(fusion[p]) in live)
     out.constants = {k: v for k, v in src.constants.items() if id(fusion[k]) in live}
     new = {id(t): out.define_tensor(t.shape, t.dtype, t.name) for t in fusion.inputs if id(t) in live}

@@ -36,7 +36,7 @@ from .cost import CostModel
 from .errors import DtypeError, EgraphDidError, ShapeError
 from .fusion import Fusion, replay
 from .ir import TensorView
-from .frontend import TorchFusion, _output_names, from_torch
+from .frontend import TorchFusion, from_torch
 from .grad import GRAD_PREFIX, value_and_grad
 from .layout import Layout, R
 from .mesh import DeviceMesh
@@ -216,8 +216,8 @@ def _export_and_optimize(module, mesh, args, kwargs, cm, extractor) -> tuple[Tor
     replicated = Layout(tuple(R for _ in range(mesh.ndim)))  # a parameter the plan never loads
     layouts = {p: plan.values[plan.inputs[p][0]].layout if p in plan.inputs else replicated for p in fd.params}
     diff = tuple(n for n, t in outputs.items() if t.dtype in FLOAT_DTYPES)
-    return fd, _Program(fd.params, fd.user_inputs, list(fd._leaves), fd.constants, tuple(outputs), diff,
-                        _out_skeleton(module, args, kwargs, list(outputs)), plan, layouts)
+    return fd, _Program(fd.params, fd.user_inputs, list(fd.leaves), fd.constants, tuple(outputs), diff,
+                        fd.output_skeleton, plan, layouts)
 
 
 @dataclass
@@ -315,23 +315,6 @@ def _dt(dtype) -> str:
 
 def _describe(spec) -> str:
     return str(spec).replace("\n", " ")[:120]
-
-
-def _out_skeleton(module, args, kwargs, names: list[str]):
-    """The module's output structure with its leaves numbered (a plain object, broadcast as such: a
-    TreeSpec's pickling is deprecated), from a call on fake tensors (no compute); None (outputs as a
-    dict by name) where that call fails or its leaves are not the fusion's outputs."""
-    from torch._subclasses.fake_tensor import FakeTensorMode  # torch's own tracer, as torch.export uses it
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
-            fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
-            out = module(*fake[0], **fake[1])
-        leaves, spec = pytree.tree_flatten(out)
-    except Exception:  # noqa: BLE001 - the structure is a convenience: fall back to a dict
-        return None
-    if len(leaves) != len(names) or _output_names(spec, len(leaves)) != names:
-        return None
-    return pytree.tree_unflatten(list(range(len(leaves))), spec)
 
 
 # ---------------------------------------------------------------------- the backward fusion
