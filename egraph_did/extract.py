@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .physgraph import Node, PhysGraph
+from .physgraph import Node, PhysGraph, gc_paused
 from .errors import PlanError
 
 ROOT = "__root__"
@@ -90,17 +90,59 @@ def _total(choice: dict[str, Node]) -> tuple[float, float]:
     return sum(n.cost for n in choice.values()), sum(n.memory for n in choice.values())
 
 
+class _Skeleton:
+    """What the greedy passes read of the graph, whatever the price of a byte: the classes in topological
+    order, their nodes numbered (a node is a bit of a set), each node's distinct children (in the order
+    set(children) gives them, as the passes always took them), and which tensors and classes read each
+    class. Built once per extraction; the passes loop over it instead of the graph's Node objects."""
+
+    def __init__(self, graph: PhysGraph, order: list[str]):
+        self.graph, self.order = graph, order
+        self.nodes = [n for c in order for n in graph.classes[c]]
+        self.index = {id(n): i for i, n in enumerate(self.nodes)}  # id(node) -> bit
+        self.entries: dict[str, list[tuple[Node, int, list[str]]]] = {}  # class -> (node, bit, distinct children)
+        i = 0
+        for c in order:
+            es = self.entries[c] = []
+            for n in graph.classes[c]:
+                es.append((n, i, list(set(n.children))))
+                i += 1
+        self._readers = None
+
+    def readers(self) -> tuple[dict[str, set], dict[str, dict]]:
+        """For each class: the tensors whose nodes read it, and the classes that do (a dict for a stable
+        order: the seeds' scores are float sums, and a set's order changes from run to run)."""
+        if self._readers is None:
+            ident = self.graph.ident
+            tensors: dict[str, set] = {}
+            parents: dict[str, dict] = {}
+            for c in self.order:
+                t = ident[c][0] if c in ident else c
+                for n in self.graph.classes[c]:
+                    for ch in n.children:
+                        ts = tensors.get(ch)
+                        if ts is None:
+                            ts = tensors[ch] = set()
+                            parents[ch] = {}
+                        ts.add(t)
+                        parents[ch][c] = None
+            self._readers = (tensors, parents)
+        return self._readers
+
+
 @dataclass
 class _Weighted:
     """The classes in topological order, their nodes numbered (a node is a bit of a set) and weighted."""
     order: list[str]
     index: dict[int, int]  # id(node) -> bit
     weight: list[float]  # cost + penalty * memory, by bit
+    skeleton: _Skeleton | None = None
 
     @classmethod
-    def of(cls, graph: PhysGraph, order: list[str], penalty: float) -> "_Weighted":
-        nodes = [n for c in order for n in graph.classes[c]]
-        return cls(order, {id(n): i for i, n in enumerate(nodes)}, [n.cost + penalty * n.memory for n in nodes])
+    def of(cls, graph: PhysGraph, order: list[str], penalty: float, skeleton: _Skeleton | None = None
+           ) -> "_Weighted":
+        sk = skeleton if skeleton is not None else _Skeleton(graph, order)
+        return cls(order, sk.index, [n.cost + penalty * n.memory for n in sk.nodes], sk)
 
 
 Best = dict[str, tuple[float, int, Node]]  # class -> (cost of its set, its set as a bitset, its node)
@@ -111,37 +153,49 @@ def _greedy_sets(graph: PhysGraph, w: _Weighted, paid: dict[str, Node] | None = 
     """Each class's cheapest set of nodes, shared descendants counted once. Classes in `paid` are held
     at their given node and cost nothing (their value is bought anyway); with `base`, only `affected`
     classes are recomputed (the others' sets cannot change)."""
+    sk = w.skeleton if w.skeleton is not None else _Skeleton(graph, w.order)
     weight = w.weight
     if paid:
         weight = list(weight)
         for n in paid.values():
             weight[w.index[id(n)]] = 0.0
     best: Best = dict(base) if base is not None else {}
+    entries = sk.entries
     for c in w.order:
         if affected is not None and c not in affected:
             continue
         best.pop(c, None)
         pick = None
-        for n in [paid[c]] if paid and c in paid else graph.classes[c]:
-            if any(ch not in best for ch in n.children):
-                continue
-            i = w.index[id(n)]
-            # start from the costliest child's set as a whole; walk only what the others add to it,
-            # so a residual chain (each set holding the previous one) stays linear
-            kids = sorted(set(n.children), key=lambda ch: best[ch][0], reverse=True)
-            mask, cost = 1 << i, weight[i]
-            if kids:
-                mask |= best[kids[0]][1]
-                cost += best[kids[0]][0]
-            for ch in kids[1:]:
-                new = best[ch][1] & ~mask
-                mask |= new
-                while new:
-                    low = new & -new
-                    cost += weight[low.bit_length() - 1]
-                    new ^= low
-            if pick is None or cost < pick[0] - 1e-15:
-                pick = (cost, mask, n)
+        if paid and c in paid:
+            n = paid[c]
+            es = [e for e in entries[c] if e[0] is n]
+        else:
+            es = entries[c]
+        for n, i, kids in es:
+            for ch in kids:
+                if ch not in best:
+                    break
+            else:
+                if not kids:
+                    mask, cost = 1 << i, weight[i]
+                elif len(kids) == 1:
+                    b = best[kids[0]]
+                    mask, cost = (1 << i) | b[1], weight[i] + b[0]
+                else:
+                    # start from the costliest child's set as a whole; walk only what the others add to it,
+                    # so a residual chain (each set holding the previous one) stays linear
+                    kids = sorted(kids, key=lambda ch: best[ch][0], reverse=True)
+                    b = best[kids[0]]
+                    mask, cost = (1 << i) | b[1], weight[i] + b[0]
+                    for ch in kids[1:]:
+                        new = best[ch][1] & ~mask
+                        mask |= new
+                        while new:
+                            low = new & -new
+                            cost += weight[low.bit_length() - 1]
+                            new ^= low
+                if pick is None or cost < pick[0] - 1e-15:
+                    pick = (cost, mask, n)
         if pick is not None:
             best[c] = pick
     return best
@@ -152,29 +206,41 @@ def _chosen(best: Best, w: _Weighted, cls: str = ROOT) -> dict[str, Node] | None
     before any set that contains it is built)."""
     if cls not in best:
         return None
-    mask = best[cls][1]
-    return {c: best[c][2] for c in w.order if c in best and mask >> w.index[id(best[c][2])] & 1}
+    bits = bin(best[cls][1])  # '0b1...': bit k is bits[-1 - k] (one conversion, not a shift per class)
+    top = len(bits) - 2
+    index = w.index
+    out = {}
+    for c in w.order:
+        b = best.get(c)
+        if b is not None:
+            k = index[id(b[2])]
+            if k < top and bits[-1 - k] == "1":
+                out[c] = b[2]
+    return out
 
 
-def _amortized(graph: PhysGraph, order: list[str], penalty: float) -> dict[str, Node] | None:
+def _amortized(graph: PhysGraph, order: list[str], penalty: float, skeleton: _Skeleton | None = None
+               ) -> dict[str, Node] | None:
     """Tree-cost greedy where a class's cost is split among the logical consumers that may read it: a value
     several consumers share looks cheaper to each (the case plain greedy-DAG misses: b and c each
     alone prefer their own copy, together they prefer one shared a)."""
-    tensor_of = {c: graph.ident[c][0] if c in graph.ident else c for c in order}
-    readers: dict[str, set] = {c: set() for c in order}
-    for c in order:
-        for n in graph.classes[c]:
-            for ch in n.children:
-                readers[ch].add(tensor_of[c])
+    sk = skeleton if skeleton is not None else _Skeleton(graph, order)
+    tensors, _ = sk.readers()
+    share = {c: max(len(ts), 1) for c, ts in tensors.items()}  # classes no node reads are never a child
     best: dict[str, tuple[float, Node]] = {}
     for c in order:
         pick = None
         for n in graph.classes[c]:
-            if any(ch not in best for ch in n.children):
-                continue
-            cost = n.cost + penalty * n.memory + sum(best[ch][0] / max(len(readers[ch]), 1) for ch in n.children)
-            if pick is None or cost < pick[0] - 1e-15:
-                pick = (cost, n)
+            total = 0  # the sum of the children's shares, in the children's order (as sum() added them)
+            for ch in n.children:
+                b = best.get(ch)
+                if b is None:
+                    break
+                total += b[0] / share[ch]
+            else:
+                cost = n.cost + penalty * n.memory + total
+                if pick is None or cost < pick[0] - 1e-15:
+                    pick = (cost, n)
         if pick is not None:
             best[c] = pick
     if ROOT not in best:
@@ -191,15 +257,7 @@ def _amortized(graph: PhysGraph, order: list[str], penalty: float) -> dict[str, 
 def _readers(graph: PhysGraph, order: list[str]) -> tuple[dict[str, set], dict[str, dict]]:
     """For each class: the tensors whose nodes read it, and the classes that do (a dict for a stable
     order: the seeds' scores are float sums, and a set's order changes from run to run)."""
-    tensor_of = {c: graph.ident[c][0] if c in graph.ident else c for c in order}
-    tensors: dict[str, set] = {}
-    parents: dict[str, dict] = {}
-    for c in order:
-        for n in graph.classes[c]:
-            for ch in n.children:
-                tensors.setdefault(ch, set()).add(tensor_of[c])
-                parents.setdefault(ch, {})[c] = None
-    return tensors, parents
+    return _Skeleton(graph, order).readers()
 
 
 def _shared_seeds(graph: PhysGraph, w: _Weighted, best: Best, tensors: dict[str, set],
@@ -248,7 +306,7 @@ def _seeded(graph: PhysGraph, w: _Weighted, best: Best, budget: int) -> dict[str
     all tries (deterministic, unlike a clock). Returns the cheapest plan found if it beats `best`."""
     if ROOT not in best:
         return None
-    tensors, parents = _readers(graph, w.order)
+    tensors, parents = (w.skeleton or _Skeleton(graph, w.order)).readers()
     paid: dict[str, Node] = {}
     found = None
     for _ in range(3):  # rounds: the best try of a round is the base of the next
@@ -356,12 +414,13 @@ def _improve(graph: PhysGraph, choice: dict[str, Node], fallback: dict[str, Node
     return choice
 
 
-def _best_of(graph: PhysGraph, order: list[str], penalty: float, improve: bool = True) -> dict[str, Node] | None:
+def _best_of(graph: PhysGraph, order: list[str], penalty: float, improve: bool = True,
+             skeleton: _Skeleton | None = None) -> dict[str, Node] | None:
     """The cheapest of greedy-DAG, amortized greedy and (improve) greedy with shared values bought up
-    front, then (improve) polished by local search."""
-    w = _Weighted.of(graph, order, penalty)
+    front, then (improve) polished by local search. skeleton: the graph's, if built already."""
+    w = _Weighted.of(graph, order, penalty, skeleton)
     best = _greedy_sets(graph, w)
-    found = [c for c in (_chosen(best, w), _amortized(graph, order, penalty)) if c is not None]
+    found = [c for c in (_chosen(best, w), _amortized(graph, order, penalty, w.skeleton)) if c is not None]
     if not found:
         return None
     if improve:
@@ -392,8 +451,15 @@ def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = 
     >>> round(sel.cost * 1e6), sel.choice["y"].sid  # one allgather serves y and z: 20 + 1 + 1 us
     (22, 0)
     """
+    with gc_paused():
+        return _greedy_dag(graph, roots, memory_limit)
+
+
+def _greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None) -> Selection:
+    """greedy_dag's work (the collector paused around it)."""
     order = _topo_order(graph, roots)
-    chosen = _best_of(graph, order, 0.0)
+    skeleton = _Skeleton(graph, order)
+    chosen = _best_of(graph, order, 0.0, skeleton=skeleton)
     if chosen is None:
         raise PlanError("no plan computes every output from the pinned inputs: a pin cannot be honoured")
     cost, mem = _total(chosen)
@@ -401,7 +467,7 @@ def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = 
         lo, hi = 0.0, 1e-12
         best_fit = None
         for _ in range(60):  # grow the price of a byte until the plan fits, then bisect (no local search
-            trial = _best_of(graph, order, hi, improve=False)  # inside the loop: it is the costly part)
+            trial = _best_of(graph, order, hi, False, skeleton)  # inside the loop: it is the costly part)
             if _total(trial)[1] <= memory_limit:
                 best_fit = trial
                 break
@@ -411,13 +477,13 @@ def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = 
                             f"found needs {_size(_total(trial)[1])}); raise the cost model's memory_limit")
         for _ in range(40):
             mid = (lo + hi) / 2
-            trial = _best_of(graph, order, mid, improve=False)
+            trial = _best_of(graph, order, mid, False, skeleton)
             if _total(trial)[1] <= memory_limit:
                 best_fit, hi = trial, mid
             else:
                 lo = mid
         unbounded = chosen
-        polished = _best_of(graph, order, hi)
+        polished = _best_of(graph, order, hi, skeleton=skeleton)
         chosen = polished if _total(polished)[1] <= memory_limit and \
             _dag_weight(polished, hi) <= _dag_weight(best_fit, hi) else best_fit
         # the price of a byte is one number for the whole plan; spend what the bound leaves on time
