@@ -63,6 +63,19 @@ class PlanError(EgraphDidError, ValueError):
     """
 
 
+class MemoryBoundError(PlanError):
+    """No plan fits the cost model's memory bound (per device); the message says what the smallest plan
+    found needs. A PlanError too.
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import mlp
+    >>> ed.optimize(mlp(8, 16), ed.DeviceMesh.arange(2), ed.CostModel.h200(memory_limit=64))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    egraph_did.errors.MemoryBoundError: no plan fits the memory bound of 64 B per device ...
+    """
+
+
 class CostModelError(PlanError):
     """A cost model that cannot price a plan: a bad field (memory_limit, a link's bandwidth), an object
     without CostModel's methods, or links that do not match the mesh. A PlanError too.

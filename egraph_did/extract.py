@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .physgraph import Node, PhysGraph, gc_paused
-from .errors import PlanError
+from .errors import MemoryBoundError, PlanError
 
 ROOT = "__root__"
 
@@ -473,7 +473,7 @@ def _greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None) 
                 break
             hi *= 4
         if best_fit is None:
-            raise PlanError(f"no plan fits the memory bound of {_size(memory_limit)} per device (the smallest "
+            raise MemoryBoundError(f"no plan fits the memory bound of {_size(memory_limit)} per device (the smallest "
                             f"found needs {_size(_total(trial)[1])}); raise the cost model's memory_limit")
         for _ in range(40):
             mid = (lo + hi) / 2
@@ -779,7 +779,8 @@ def exact(graph: PhysGraph, roots: list[str], memory_limit: float | None = None,
     if info["choice"] is None:
         if greedy is None:
             if info["proven"]:
-                raise PlanError("no plan satisfies the pins" + (" and the memory bound" if memory_limit else "")
+                raise (MemoryBoundError if memory_limit else PlanError)(
+                    "no plan satisfies the pins" + (" and the memory bound" if memory_limit else "")
                                 + f" (proven by the 0/1 program: {info['status']})")
             raise PlanError(f"the 0/1 program found no plan within {time_limit:.0f} s and greedy extraction "
                             "found none either" + (" under the memory bound" if memory_limit else "")

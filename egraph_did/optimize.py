@@ -8,15 +8,16 @@ import time
 from . import collectives
 from .cost import CostModel
 from .egraph import saturate
-from .errors import PlanError
+from .errors import MemoryBoundError, PlanError
 from .expand import RewriteSet, check_rewrites
 from .explain import why
 from .physgraph import Node, PhysGraph
 from .fusion import as_fusion
 from .extract import ROOT, Selection, exact, greedy_dag, with_roots
-from .layout import Layout
+from .layout import Layout, R
 from .mesh import DeviceMesh
 from .plan import Collective, ComputeStep, Plan, Value, check_optimize_args
+from .grad import NEXT
 from .problem import Problem, build_problem
 
 
@@ -97,7 +98,29 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     cm = cost_model or CostModel.h200()
     pins = None if like is None else {name: like.values[v].layout for name, v in like.outputs.items()}
     offered = RewriteSet(names, tuple(map(tuple, like.buckets)) if like is not None else ())
-    plan, problem = _optimize_once(fd, mesh, cm, pins, like, offered, extractor, time_limit)
+    try:
+        plan, problem = _optimize_once(fd, mesh, cm, pins, like, offered, extractor, time_limit)
+        loops = [] if like is not None else loop_pins(plan, problem)
+    except MemoryBoundError:  # a training step may fit as a loop: the loops of the plan with no bound
+        if like is not None or not loop_ties(as_fusion(fd)):
+            raise
+        free, problem = _optimize_once(fd, mesh, dataclasses.replace(cm, memory_limit=None), pins, like, offered,
+                                       extractor, time_limit)
+        loops = loop_pins(free, problem) or [loop_layouts(free, problem)]
+        plan = None
+    if loops:  # a training step whose next.<x> is not laid out as x: the cheaper of the loops it could be
+        tried, unfit = [], None
+        for extra in loops:
+            try:
+                tried.append((*_optimize_once(fd, mesh, cm, {**(pins or {}), **extra}, like, offered, extractor,
+                                              time_limit), extra))
+            except MemoryBoundError as e:
+                unfit = e
+        if not tried and plan is None:
+            raise unfit
+        if tried:
+            plan, problem, extra = min(tried, key=lambda t: t[0].predicted_time)
+            pins = {**(pins or {}), **extra}
     plan.buckets = [list(p) for p in offered.buckets]  # a replay (like=) keeps the plan's pairs
     pairs = bucket_candidates(plan, problem) if "bucket_pair" in names and like is None else []
     if pairs:  # a second e-graph, offered to send these pairs in one buffer: kept where it is cheaper
@@ -108,8 +131,63 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     for tv in as_fusion(fd).all_tensors():  # pins as the user wrote them (Plan.loop_domain reports them so)
         if tv.mesh is not None and tv.name in problem.pins:
             plan.pinned_loops[tv.name] = [tv.loop_str(), problem.pins[tv.name].code()]
-    plan.stats.update(total_s=time.perf_counter() - t0, bucket_pairs_offered=len(pairs))
+    plan.stats.update(total_s=time.perf_counter() - t0, bucket_pairs_offered=len(pairs), loops_tried=len(loops))
     return plan
+
+
+def loop_ties(fusion) -> dict[str, str]:
+    """{input x: output 'next.x'}: a training step's outputs that are its next step's inputs
+    (ed.training_step's names), which a plan must deliver as it takes them.
+
+    >>> from egraph_did.models import mlp_training_step
+    >>> sorted(loop_ties(mlp_training_step(8, 16).fusion).items())[:2]
+    [('exp_avg.w1', 'next.exp_avg.w1'), ('exp_avg.w2', 'next.exp_avg.w2')]
+    """
+    inputs = {t.name for t in fusion.inputs}
+    return {o[len(NEXT):]: o for o in fusion.outputs if o.startswith(NEXT) and o[len(NEXT):] in inputs}
+
+
+def loop_layouts(plan: Plan, problem: Problem) -> dict[str, Layout]:
+    """Pins that keep every tied pair (loop_ties) where plan holds it: the layout it takes x in."""
+    replicated = Layout(tuple(R for _ in range(problem.mesh.ndim)))
+    out = {}
+    for x, o in loop_ties(problem.fusion).items():
+        out[x] = out[o] = plan.values[plan.inputs[x][0]].layout if x in plan.inputs else replicated
+    return out
+
+
+def loop_pins(plan: Plan, problem: Problem) -> list[dict[str, Layout]]:
+    """Where plan takes some x in one layout and delivers next.x in another (not a loop: the next step would
+    reshard x first, and nothing pays for it), two sets of pins that make it one: every tied pair in the
+    layout the plan takes x in, or every pair that differs in the layout it delivers next.x in (a pin the
+    user gave on either side wins). [] where the plan is a loop already.
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import mlp_training_step
+    >>> fd = mlp_training_step(8, 16)
+    >>> mesh = ed.DeviceMesh.arange(2)
+    >>> loop_pins(ed.optimize(fd, mesh), build_problem(fd, mesh))  # optimize already made it a loop
+    []
+    """
+    ties = loop_ties(problem.fusion)
+    replicated = Layout(tuple(R for _ in range(problem.mesh.ndim)))
+
+    def taken(x):
+        return plan.values[plan.inputs[x][0]].layout if x in plan.inputs else replicated
+
+    loose = {x for x, o in ties.items() if o in plan.outputs and taken(x) != plan.layout_of(o)}
+    if not loose:
+        return []
+    out = []
+    for deliver in (False, True):
+        extra = {}
+        for x, o in ties.items():
+            lay = problem.pins.get(x) or problem.pins.get(o) or (
+                plan.layout_of(o) if deliver and x in loose else taken(x))
+            extra[x] = extra[o] = lay
+        if extra not in out:
+            out.append(extra)
+    return out
 
 
 def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit) -> tuple[Plan, Problem]:
