@@ -84,6 +84,9 @@ def step_row(i: int, step) -> str:
     """
     if step.kind == "compute":
         moved, reason = "", "/".join(step.rules) + "".join(f" +{f}" for f, _ in step.flags)
+        if step.op == "opaque":  # an ATen op from_torch does not map: say which, and where the model has it
+            args = dict(step.args)
+            reason += f" ({args.get('target')} at {args.get('source') or 'an unknown line'})"
     else:
         moved, reason = f"{step.bytes:.0f}", step.why
     return f"{i:>3}  {_fit(str(step)):<{STEP_WIDTH}}{moved:>12}{step.time * 1e6:>10.2f}  {reason}"
