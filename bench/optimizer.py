@@ -2,9 +2,13 @@
 sizes and saturation iterations, for 1, 8, 32 and 96 GPT-3-shaped layers (hidden 12288, 96 heads,
 sequence 2048, bf16) on 8 H200s, tensor+sequence parallel pins (x and y sequence-sharded), greedy-DAG
 extraction. template_s: declaring the sorts and compiling the rulesets, once per mesh shape and process
-(the first row pays it; optimize_s includes it).
+(the first row pays it; optimize_s includes it). The stage columns are those of the pass whose plan was
+kept; optimize_s is the whole call: where bucket_pairs > 0, optimize ran a second pass offering those
+pairs to the bucket_pair rewrite (optimize.py).
 
-    .venv/bin/python bench/optimizer.py [--layers 1 8 32 96] [--mesh 8]
+    .venv/bin/python bench/optimizer.py [--layers 1 8 32 96] [--mesh 8] [--rewrites sum_partials_first]
+
+--rewrites: the program rewrites optimize may apply, by name (default: all of them; `--rewrites` alone: none).
 """
 from __future__ import annotations
 
@@ -19,14 +23,14 @@ from egraph_did.layout import Layout, S
 from egraph_did.pins import apply_layout
 
 
-def run(layers: int, ndev: int, seq: int, hidden: int, heads: int, extractor: str) -> dict:
+def run(layers: int, ndev: int, seq: int, hidden: int, heads: int, extractor: str, rewrites=None) -> dict:
     mesh = ed.DeviceMesh.arange(ndev)
     t0 = time.perf_counter()
     fd = models.gpt_layer(1, seq, hidden, heads, torch.bfloat16, layers=layers)
     apply_layout(fd["x"], Layout((S(1),)), mesh)
     apply_layout(fd["y"], Layout((S(1),)), mesh)
     t1 = time.perf_counter()
-    plan = ed.optimize(fd, mesh, extractor=extractor)
+    plan = ed.optimize(fd, mesh, extractor=extractor, rewrites=rewrites)
     t2 = time.perf_counter()
     st = plan.stats
     kinds = {}
@@ -35,7 +39,8 @@ def run(layers: int, ndev: int, seq: int, hidden: int, heads: int, extractor: st
     return {"layers": layers, "exprs": len(fd.fusion.exprs), "define_s": t1 - t0, "build_s": st["build_s"],
             "template_s": st["template_s"], "encode_s": st["encode_s"], "iterations": st["iterations"], "saturate_s": st["saturate_s"], "serialize_s": st["serialize_s"],
             "extract_s": st["extract_s"], "optimize_s": t2 - t1, "facts": st["facts"], "classes": st["classes"],
-            "nodes": st["nodes"], "collectives": kinds, "predicted_ms": plan.predicted_time * 1e3}
+            "nodes": st["nodes"], "bucket_pairs": st.get("bucket_pairs_offered", 0), "collectives": kinds,
+            "predicted_ms": plan.predicted_time * 1e3}
 
 
 def main() -> None:
@@ -46,14 +51,16 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=12288)
     ap.add_argument("--heads", type=int, default=96)
     ap.add_argument("--extractor", default="greedy", choices=["greedy", "exact"])
+    ap.add_argument("--rewrites", nargs="*", default=None, help="program rewrites by name (default: all)")
     args = ap.parse_args()
     cols = ["layers", "exprs", "facts", "iterations", "classes", "nodes", "build_s", "template_s", "encode_s",
-            "saturate_s", "serialize_s", "extract_s", "optimize_s", "predicted_ms"]
+            "saturate_s", "serialize_s", "extract_s", "bucket_pairs", "optimize_s", "predicted_ms"]
     print(f"GPT layers, seq {args.seq}, hidden {args.hidden}, {args.heads} heads, bf16, {args.mesh} ranks, "
-          f"x/y sequence-sharded, {args.extractor} extraction")
+          f"x/y sequence-sharded, {args.extractor} extraction, rewrites "
+          f"{'all' if args.rewrites is None else ', '.join(args.rewrites) or 'none'}")
     print(" | ".join(f"{c:>11}" for c in cols) + " | collectives")
     for n in args.layers:
-        r = run(n, args.mesh, args.seq, args.hidden, args.heads, args.extractor)
+        r = run(n, args.mesh, args.seq, args.hidden, args.heads, args.extractor, args.rewrites)
         cells = [f"{r[c]:>11.3f}" if isinstance(r[c], float) else f"{r[c]:>11}" for c in cols]
         print(" | ".join(cells) + " | " + ", ".join(f"{v} {k}" for k, v in sorted(r["collectives"].items())),
               flush=True)
