@@ -688,6 +688,12 @@ class _Gen:
             args.append(["keepdim", True])
         return bool(self.emit("prod", args, bound=max(t.bound, 1.0)))
 
+    def g_full(self):
+        shape = [self.rng.choice([1, 2, 3, 4, 5, 6]) for _ in range(self.rng.randint(0, 3))]
+        dtype = self.rng.choice(["float32", "float64"])
+        value = self.rng.choice([0.0, 1.0, -2.5, 0.125])
+        return bool(self.emit("full", [["shape", shape], ["value", value], ["dtype", dtype]], bound=abs(value)))
+
     def g_opaque(self):
         t = self.pick(float_only=False, pred=lambda t: t.ndim >= 1)
         if t is None:

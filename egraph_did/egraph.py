@@ -133,6 +133,8 @@ def _axis_facts(e) -> list[tuple]:
     """
     args, op = dict(e.args), e.op
     tensors = [v for _, v in e.args if hasattr(v, "logical_domain")]
+    if not tensors:  # a constant (full): no operand axis maps to its output's
+        return []
     x = tensors[0]
     out: list[tuple] = []
     if op.name in ("sum", "mean", "amax", "var_mean"):

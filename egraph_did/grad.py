@@ -155,7 +155,9 @@ def _bind(e, new: dict[int, TensorView]) -> dict:
 def _backward(src: Fusion, ops: Ops, new: dict, need: set[int], loss: str, where: str) -> dict[int, TensorView]:
     """{id(src tensor): its gradient in the new fusion}, seeded with d loss / d loss = 1."""
     seed = new[id(src.outputs[loss])]
-    grads: dict[int, TensorView] = {id(src.outputs[loss]): ops.add(zeros_like(ops, seed), 1.0)}
+    # a constant: the backward reads the loss only where its ops do (a seed computed from the loss would
+    # make every gradient depend on the forward's output, and order collectives that need not be)
+    grads: dict[int, TensorView] = {id(src.outputs[loss]): ops.full(tuple(seed.shape), 1.0, seed.dtype)}
     for e in reversed(src.exprs):
         gs = [grads.get(id(o)) for o in e.outputs]
         wanted = [(p, v) for p, v in e.args if isinstance(v, TensorView) and id(v) in need]

@@ -5,7 +5,8 @@ Beside the shape rule it states:
 
 - kind: what the op computes: pointwise | mask | reduction | scan (a running reduction along an axis:
   cumsum) | normalization | matmul | attention | gather | view | join (tensors laid side by side: cat) |
-  opaque (an ATen op run as torch runs it, on whole operands: only the replicated rule applies). Rules, the problem and the lowering select ops
+  opaque (an ATen op run as torch runs it, on whole operands: only the replicated rule applies) |
+  constant (no operand: full). Rules, the problem and the lowering select ops
   by kind (`ops_where(kind="view")`), never by a list of names;
 - reference: its torch evaluation; decompose (composites): its expansion into other ops, rfactor: a
   decomposition that splits the reduction in blocks;
@@ -41,7 +42,7 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INT_DTYPES = (torch.int64, torch.int32)
 SUPPORTED_DTYPES = FLOAT_DTYPES + INT_DTYPES + (torch.bool,)
 KINDS = ("pointwise", "mask", "reduction", "scan", "normalization", "matmul", "attention", "gather", "view",
-         "join", "opaque")
+         "join", "opaque", "constant")
 
 
 @dataclass(frozen=True)
@@ -1646,6 +1647,29 @@ def broadcast_in_dim(x, shape, broadcast_dims):
         if x.shape[i] == shape[d]:
             names[d] = x.axes[i]
     return [OutSpec(shape, x.dtype, tuple(names))]
+
+
+# ------------------------------------------------------------------ constants
+
+@op("full", "constant", lambda shape=(), value=0.0, dtype=None: torch.full(tuple(shape), value, dtype=canonical_dtype(dtype)),
+    local_attrs=lambda args, outs: {"shape": outs[0]}, vjp=lambda ops, g, out, **_: {})
+def full(shape: tuple = (), value: float = 0.0, dtype=torch.float32):
+    """A tensor of `shape` holding `value` everywhere (torch.full): it reads nothing, so every rank makes its
+    own shard of it, and nothing is computed from another tensor (ed.grad seeds d loss / d loss with it).
+
+    >>> import egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     fd.add_output(fd.ops.full((2, 3), 0.5, "float64"), name="half")
+    >>> ed.evaluate(fd, {})["half"]
+    tensor([[0.5000, 0.5000, 0.5000],
+            [0.5000, 0.5000, 0.5000]], dtype=torch.float64)
+    """
+    if not isinstance(shape, (tuple, list)) or not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0
+                                                     for e in shape):
+        raise ShapeError(f"full: shape must be a tuple of extents, got {shape!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ShapeError(f"full: value must be a number, got {value!r}")
+    return [OutSpec(tuple(shape), canonical_dtype(dtype), tuple(str(e) for e in shape))]
 
 
 # ------------------------------------------------------------------ opaque: an ATen op egraph-did does not map

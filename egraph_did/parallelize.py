@@ -48,7 +48,6 @@ from .runtime import torch_device_mesh
 
 COTANGENT = "cotangent."  # the backward fusion's input holding d(loss)/d(output <name>)
 LOSS = "parallelize.loss"  # sum over outputs of sum(output * cotangent): differentiated, never computed
-FALSE = "parallelize.false"  # a 0-d False: the backward's seed is built from it, not from the loss
 
 
 class ParallelizeError(EgraphDidError, RuntimeError):
@@ -333,16 +332,15 @@ def vjp_fusion(fd, outputs: Sequence[str], wrt: Sequence[str], layouts: dict[str
     >>> mesh = ed.DeviceMesh.arange(2)
     >>> g = vjp_fusion(fd, ["out"], ["weight"], {"weight": ed.Layout.from_code("S0")}, mesh)
     >>> print(g)  # the forward's linear is not recomputed: no gradient needs its output
-    inputs: weight[2, 4], input[3, 4], cotangent.out[3, 2], parallelize.false[]
-      cast_0 = cast(parallelize.false, torch.float32)
-      add_1 = add(cast_0, 1.0)
-      reshape_2 = reshape(add_1, (1, 1))
-      expand_3 = expand(reshape_2, (3, 2))
-      mul_4 = mul(expand_3, cotangent.out)
-      reshape_5 = reshape(mul_4, (-1, 2))
-      transpose_6 = transpose(reshape_5, 0, 1)
-      reshape_7 = reshape(input, (-1, 4))
-      grad_weight = matmul(transpose_6, reshape_7)
+    inputs: weight[2, 4], input[3, 4], cotangent.out[3, 2]
+      full_0 = full(value=1.0)
+      reshape_1 = reshape(full_0, (1, 1))
+      expand_2 = expand(reshape_1, (3, 2))
+      mul_3 = mul(expand_2, cotangent.out)
+      reshape_4 = reshape(mul_3, (-1, 2))
+      transpose_5 = transpose(reshape_4, 0, 1)
+      reshape_6 = reshape(input, (-1, 4))
+      grad_weight = matmul(transpose_5, reshape_6)
     outputs: grad_weight
     >>> g["grad_weight"].loop_str()
     '[DIDx{2}, 2/2, 4]'
@@ -370,19 +368,12 @@ def vjp_fusion(fd, outputs: Sequence[str], wrt: Sequence[str], layouts: dict[str
 
 
 def _drop_output(src: Fusion, drop: str) -> Fusion:
-    """src without the output `drop` and the ops only it needs (the loss: its value is never used).
-
-    grad seeds d loss / d loss = 1 as zeros_like(loss) + 1, zeros_like being x > x: it reads the loss,
-    which would keep the whole forward alive. x > x is false for every value, so a 0-d `gt(x, x)` is
-    read instead from the input FALSE (a 0-d False, which _Run passes), and the forward ops no gradient
-    needs are dropped."""
-    def constant_false(e) -> bool:
-        a, b = e.inputs if len(e.inputs) == 2 else (None, None)
-        return e.op.name == "gt" and a is b and a.shape == ()
+    """src without the output `drop` and the ops only it needs (the loss: its value is never used; grad
+    seeds d loss / d loss with a constant, so the forward ops no gradient needs are dropped)."""
     keep = {n: t for n, t in src.outputs.items() if n != drop}
     live = {id(t) for t in keep.values()}
     for e in reversed(src.exprs):
-        if any(id(o) in live for o in e.outputs) and not constant_false(e):
+        if any(id(o) in live for o in e.outputs):
             live |= {id(t) for t in e.inputs}
 
     dst = Fusion()
@@ -390,9 +381,6 @@ def _drop_output(src: Fusion, drop: str) -> Fusion:
            for t in src.inputs}
     for e in src.exprs:
         if not any(id(o) in live for o in e.outputs):
-            continue
-        if constant_false(e):
-            new[id(e.outputs[0])] = dst.tensors.get(FALSE) or dst.define_tensor((), torch.bool, FALSE)
             continue
         outs = dst.emit(e.op.name, **{k: new[id(v)] if isinstance(v, TensorView) else v for k, v in e.args})
         new |= {id(o): t for o, t in zip(e.outputs, outs if isinstance(outs, tuple) else (outs,))}
@@ -452,7 +440,7 @@ class _Run(torch.autograd.Function):
         wrt = [n for n, w in zip(names, need) if w]
         plan = state.backward_plan(wrt)
         prog = state.program
-        values = dict(zip(names, ctx.saved_tensors)) | prog.constants | {FALSE: torch.zeros((), dtype=torch.bool)}
+        values = dict(zip(names, ctx.saved_tensors)) | prog.constants
         values |= {COTANGENT + n: c.contiguous() for n, c in zip(prog.outputs, cotangents) if n in prog.differentiable}
         grads = plan.run({k: v for k, v in values.items() if k in plan.inputs}, inputs="global", outputs="dtensor")
         out = []

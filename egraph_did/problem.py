@@ -265,7 +265,7 @@ def _priced_rows(e: Expr, mesh: DeviceMesh, cm: CostModel) -> list[tuple]:
         if e.op.metadata_only:
             time, mem = 0.0, 0.0
         else:
-            dtype = operands[0].dtype if operands[0].dtype.is_floating_point else e.outputs[0].dtype
+            dtype = operands[0].dtype if operands and operands[0].dtype.is_floating_point else e.outputs[0].dtype
             time = cm.compute_time(local_flops(e, in_shapes, out_shapes), in_bytes + out_bytes, dtype)
             mem = float(out_bytes)
         out.append((ins, outs, tuple(c.flags for c in combo), tuple(c.rule for c in combo), time, mem))

@@ -106,6 +106,16 @@ def partial_through_linear_unary(e):
         yield e.strategy(out=P, x=P)
 
 
+@rule(*ops_where(kind="constant"), cases=[
+    Case("full-split-uneven", (3,), {}, lambda o: o.full((5, 4), 2.5)),
+    Case("full-mesh2x2", (2, 2), {}, lambda o: o.full((4, 6), -1.0, "float64")),
+])
+def constant_sharded(e):
+    """full(shape, v)[shard] = full(local shape, v): every rank makes its own shard of a constant"""
+    for a in range(e.out.ndim):
+        yield e.strategy(out=S(a))
+
+
 # ---------------------------------------------------------------------- the same identities as egglog rules
 # Each derives the per-mesh-axis relation Ax (rewrites/sorts.py) for the ops its Python rule covers.
 
@@ -167,6 +177,13 @@ def _partial_through_linear_unary(spec):
     bx, by = var("bx", i64), var("by", i64)
     yield erule(site("neg"), MeshSize(d)).then(ax([P_()], [P_()]))
     yield erule(site("cast"), MeshSize(d), FloatSize(sx0, bx), FloatSize(sy, by), bx <= by).then(ax([P_()], [P_()]))
+
+
+
+@egglog_form(constant_sharded)
+def _constant_sharded(spec):
+    """full(shape, v)[shard of axis a] = full(local shape, v)"""
+    yield erule(SIG[(0, 1)](sig, op, sy), OpKind(op, "constant"), MeshSize(d), Extent(sy, a, n)).then(ax([], [S_(a)]))
 
 
 pointwise = family_ruleset("pointwise")

@@ -154,22 +154,22 @@ Connect = relation("Connect", Placement, Placement, String, egg_fn="Connect")  #
 
 # key, signature, outputs.., tensor operands..: an op application of the program
 SITE = {(n, o): relation(f"Site{n}x{o}", String, String, *([Tensor] * (o + n)), egg_fn=f"Site{n}x{o}")
-        for n in (1, 2, 3, 4) for o in (1, 2)}
+        for n in (0, 1, 2, 3, 4) for o in (1, 2)}
 # signature, op, output shapes.., operand shapes..: what the sharding rules see of an op application (its op,
 # shapes and, in AxisMap/Reduced/AttrS/AttrI/ReshapeBlock/Param, attributes): applications alike share one
 SIG = {(n, o): relation(f"Sig{n}x{o}", String, String, *([Shape] * (o + n)), egg_fn=f"Sig{n}x{o}")
-       for n in (1, 2, 3, 4) for o in (1, 2)}
+       for n in (0, 1, 2, 3, 4) for o in (1, 2)}
 AX = {(n, o): relation(f"Ax{n}x{o}", String, i64, *([Placement] * (n + o)), String, i64, egg_fn=f"Ax{n}x{o}")
-      for n in (1, 2, 3, 4) for o in (1, 2)}
+      for n in (0, 1, 2, 3, 4) for o in (1, 2)}
 
 # signature, per-axis kernels, output layouts.., operand layouts..: op applications of this signature run on
 # the whole mesh so (the join of Ax over the mesh axes, egraph_did.egraph.program_rules)
 STRAT = {(n, o): relation(f"Strat{n}x{o}", String, Kern, *([Layout] * (o + n)), egg_fn=f"Strat{n}x{o}")
-         for n in (1, 2, 3, 4) for o in (1, 2)}
+         for n in (0, 1, 2, 3, 4) for o in (1, 2)}
 # key, kernels, outputs.., operands.., output layouts.., operand layouts..: a strategy of one op application
 # (Site joined with its signature's Strat before the physical rules, which then join it with Held alone)
 PLAN = {(n, o): relation(f"Plan{n}x{o}", String, Kern, *([Tensor] * (o + n)), *([Layout] * (o + n)),
-                         egg_fn=f"Plan{n}x{o}") for n in (1, 2, 3, 4) for o in (1, 2)}
+                         egg_fn=f"Plan{n}x{o}") for n in (0, 1, 2, 3, 4) for o in (1, 2)}
 
 
 class D(Expr):
@@ -215,7 +215,7 @@ def _constructor(name: str, params: list[tuple[str, type]], out: type, doc: str)
 RUN = {(n, o): _constructor(f"Run{n}x{o}", [("key", StringLike), ("kern", Kern)] + [(f"out{i}", Layout) for i in range(o)]
                             + [(f"in{i}", D) for i in range(n)], D,
                             f"An expr run rank-locally ({n} operands, {o} outputs) under per-axis kernels kern.")
-       for n in (1, 2, 3, 4) for o in (1, 2)}
+       for n in (0, 1, 2, 3, 4) for o in (1, 2)}
 
 # One logical constructor per op of the op table, every parameter a Tensor (a literal: Lit(json)).
 OPS_SORT = {name: _constructor(f"op_{name}", [(p, Tensor) for p in op.signature.parameters], Tensor,

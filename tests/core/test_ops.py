@@ -397,6 +397,11 @@ CASES: list[Case] = [
          lambda v: (v["m"].cumsum(-1) - 1, v["i"].cumsum(0)), dtypes=(None,)),
     Case("cumsum", "cumsum-0d", lambda dt: {"x": rand(1, dtype=dt).reshape(())}, lambda o, t: o.cumsum(t["x"], 0),
          lambda v: v["x"].cumsum(0)),
+    # ---- constants (issue 11): full reads nothing; ed.grad seeds d loss / d loss with it
+    Case("full", "full-added", x_(3, 4), lambda o, t: o.add(t["x"], o.full((3, 4), 1.5, t["x"].dtype)),
+         lambda v: v["x"] + 1.5),
+    Case("full", "full-0d-int", lambda dt: {}, lambda o, t: o.full((), 7, "int64"),
+         lambda v: torch.tensor(7), dtypes=(None,)),
     # ---- opaque: an ATen op from_torch does not map, run as torch runs it (issue 11)
     Case("opaque", "opaque-flip", x_(3, 4), lambda o, t: o.opaque(
         t["x"], target="aten.flip.default", call='{"args": [{"tensor": 0}, [0, 1]]}', shape=(3, 4),
