@@ -290,6 +290,9 @@ def drop_cycles(graph: PhysGraph, keys: list[str], priority=lambda graph, node: 
             graph.classes[c] = [n for n in ns if not empty.intersection(n.children)]
 
 
+MAX_BUCKET_PAIRS = 32  # the pairs a second e-graph is offered, those that save most first (drop_cycles grows with them)
+
+
 def bucket_candidates(plan: Plan, problem: Problem) -> list[tuple[str, str]]:
     """Pairs of tensors a plan moves by collectives of one kind on one mesh axis, one after the other in
     its order, that could travel in one buffer: tensors of the program or of its decompositions (named
@@ -319,7 +322,8 @@ def bucket_candidates(plan: Plan, problem: Problem) -> list[tuple[str, str]]:
         ins = [v.name for _, v in e.args if hasattr(v, "logical_domain")]
         return frozenset(ins).union(*(ancestors(i) for i in ins))
 
-    last: dict[tuple, str] = {}
+    cm, mesh = problem.cost_model, problem.mesh
+    last: dict[tuple, Collective] = {}
     pairs = []
     for c in plan.collectives:
         t = c.tensor
@@ -327,10 +331,18 @@ def bucket_candidates(plan: Plan, problem: Problem) -> list[tuple[str, str]]:
             continue  # a rewrite's tensor: named anew by each problem
         group = (c.kind, c.mesh_axis, plan.values[c.src].dtype, c.reduce)
         prev = last.get(group)
-        if prev is not None and prev != t and prev not in ancestors(t) and t not in ancestors(prev):
-            pairs.append((prev, t))
-        last[group] = t
-    return list(dict.fromkeys(pairs))
+        last[group] = c
+        if prev is None or prev.tensor == t or prev.tensor in ancestors(t) or t in ancestors(prev.tensor):
+            continue
+        # worth a second e-graph only where one collective of both plus the copies in and out (a kernel
+        # each, reading and writing what they copy) costs less than the two
+        copy = lambda nbytes: cm.compute_time(0.0, 2 * nbytes, problem.tensor(t).dtype)  # noqa: E731
+        joint = cm.collective_time(c.kind, prev.bytes + c.bytes, mesh.shape[c.mesh_axis], c.mesh_axis, mesh.ndim)
+        saving = prev.time + c.time - joint - copy(prev.bytes + c.bytes) - copy(prev.bytes) - copy(c.bytes)
+        if saving > 0:
+            pairs.append((saving, prev.tensor, t))
+    best = sorted(dict.fromkeys(pairs), key=lambda p: -p[0])[:MAX_BUCKET_PAIRS]
+    return [(a, b) for _, a, b in sorted(best, key=lambda p: pairs.index(p))]
 
 
 def _check_time_limit(time_limit, extractor: str) -> float:

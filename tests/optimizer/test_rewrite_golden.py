@@ -74,4 +74,4 @@ def test_no_bucket_where_copies_cost_more_than_the_latency():
     pin(fd, "dw1"), pin(fd, "dw2")
     plan = ed.optimize(fd, MESH)
     assert kinds(plan) == ["allreduce", "allreduce"]
-    assert not plan.buckets and plan.stats["bucket_pairs_offered"] == 1
+    assert not plan.buckets and plan.stats["bucket_pairs_offered"] == 0  # not even offered: the estimate says so
