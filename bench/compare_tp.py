@@ -1,0 +1,483 @@
+"""Collective bytes per forward: egraph-did's plan against torchtitan's tensor-parallel plan for Llama
+(issue 11, item 4), on transformers' LlamaForCausalLM, 4 ranks.
+
+    .venv/bin/python -m bench.compare_tp            # prints the table (bench/results_compare_tp.txt)
+
+torchtitan's side. torchtitan is not installed: its `apply_tp` (torchtitan/models/llama3/infra/parallelize.py)
+is transcribed onto transformers' module names with torch's own DTensor API (`parallelize_module`,
+ColwiseParallel / RowwiseParallel / SequenceParallel / PrepareModuleInput), see `titan_plan`. Its
+collectives are counted with torch.distributed.tensor.debug.CommDebugMode (`CountingCommMode` adds,
+per functional collective CommDebugMode counts, the tensors' sizes and the group size; its own
+get_comm_counts() must agree with the records). Counted twice:
+  - tiny:  4 gloo processes (ed.launch), the real module, logits checked against the unsharded module;
+  - 8b-width: one process posing as rank 0 of 4 (torch's "fake" process group: every collective is a
+    no-op of the right shape), the module on the meta device, at the size egraph-did chose its layouts.
+
+egraph-did's side. ed.from_torch at the same example inputs, input_ids pinned replicated (torchtitan's
+embedding takes Replicate()) and logits pinned as torchtitan delivers them (replicated; vocab-sharded,
+Shard(-1), under loss parallel), optimized on ed.DeviceMesh.arange(4) with CostModel.h200(). At the tiny
+size every op is latency-bound and the cost model replicates the whole model (no collective: printed
+as a footnote); so, as the README does for the GPT block, the layouts are chosen at the 8b-width size
+(hidden 4096, 32 heads, 8 KV heads, MLP 14336, vocab 32000, seq 4096, batch 2, 2 layers, float32) and
+replayed on the tiny model with `like=`. Two plans per logits pin:
+  - free:         only input_ids and logits pinned: egraph-did decides every weight's layout;
+  - same weights: every weight pinned to torchtitan's placement (q/k/v/gate/up/embedding/lm_head split
+                  on dim 0, o/down on dim 1, norms replicated): the same parameter memory per rank.
+The tiny plans run on the same 4 gloo processes and must equal the module's logits (float32, rtol 1e-5).
+
+Bytes, one quantity on both sides. Per collective, `bytes` is egraph-did's Collective.bytes convention
+(collectives.Kind.nbytes): the whole buffer of the collective: the gathered output of an allgather, the
+full input of a reduce_scatter or allreduce, the local input of an alltoall. For torchtitan's functional
+collectives the same: all_gather_into_tensor -> output bytes, reduce_scatter_tensor / all_reduce /
+all_to_all_single -> input bytes. `wire` is what each rank sends (= receives) under ring algorithms:
+phases * (p-1)/p * bytes (allreduce: 2 phases, reduce-scatter then allgather; the others one), egraph-did's
+KINDS[kind].phases and .factor(p) on both sides; the ratio is ours/theirs in wire bytes (an allreduce
+moves what a reduce_scatter plus an allgather move, so `bytes` alone would favour TP's allreduces).
+egraph-did's `slice` steps (R -> S, no communication) are not collectives and are not counted.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # torch.export imports Triton, whose jit reads this once
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import egraph_did as ed  # noqa: E402
+from egraph_did.collectives import KINDS  # noqa: E402
+
+P = 4  # ranks
+MESH = ed.DeviceMesh.arange(P)
+BATCH = 2
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=4, max_position_embeddings=64)
+TINY_SEQ = 16
+BIG = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+           num_key_value_heads=8, max_position_embeddings=8192)
+BIG_SEQ = 4096
+RTOL = 1e-5
+
+# variant -> (what torchtitan's apply_tp is given, how logits come out)
+VARIANTS = {
+    "TP": "no sequence parallel (torchtitan has none: apply_tp with every Shard(1) boundary Replicate())",
+    "TP+SP": "apply_tp, loss_parallel=False: logits Replicate()",
+    "TP+SP+LP": "apply_tp, loss_parallel=True (torchtitan's default): logits Shard(-1), vocab-sharded",
+}
+LOGITS_SHARDED = {"TP": False, "TP+SP": False, "TP+SP+LP": True}
+
+# torchtitan's weight placements on HF names: the parameter's split dim (None: replicated)
+WEIGHT_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0, "embed_tokens": 0, "lm_head": 0,
+              "o_proj": 1, "down_proj": 1}
+
+
+def llama_config(size: str):
+    import transformers
+    return transformers.LlamaConfig(**(TINY if size == "tiny" else BIG))
+
+
+def tiny_llama() -> tuple[torch.nn.Module, torch.Tensor]:
+    """The tiny LlamaForCausalLM (random weights, seed 0, eval) and its token ids [2, 16]."""
+    import transformers
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(llama_config("tiny")).eval()
+    ids = torch.randint(0, TINY["vocab_size"], (BATCH, TINY_SEQ), generator=torch.Generator().manual_seed(1))
+    return model, ids
+
+
+# ---------------------------------------------------------------------- torchtitan's plan on HF names
+
+def titan_plan(model: torch.nn.Module, mesh, variant: str) -> torch.nn.Module:
+    """torchtitan's apply_tp (llama3) applied to a transformers LlamaForCausalLM, in place. Names: its
+    tok_embeddings / norm / output are HF's model.embed_tokens / model.norm / lm_head; attention.wq/wk/wv/wo
+    are self_attn.q/k/v/o_proj; feed_forward.w1/w3/w2 are mlp.gate/up/down_proj; attention_norm / ffn_norm
+    are input_layernorm / post_attention_layernorm. Differences, all forced by HF's code and none moving a
+    byte: HF's decoder layer calls self_attn with hidden_states as a keyword, so its PrepareModuleInput uses
+    input_kwarg_layouts where torchtitan gives input_layouts=(Shard(1), None, None, None); q_norm/k_norm do
+    not exist in Llama (torchtitan names them for its Qwen-style variant). "TP" has no torchtitan
+    counterpart (its apply_tp always sequence-parallelizes): the same styles with every Shard(1) boundary
+    Replicate(), no SequenceParallel and no PrepareModuleInput (PyTorch's TP tutorial without SP)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    sp = variant != "TP"
+    loss_parallel = variant == "TP+SP+LP"
+    if sp:
+        root = {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "model.norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1),
+                                       output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                       use_local_output=not loss_parallel),
+        }
+        layer = {
+            "input_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp.up_proj": ColwiseParallel(),
+        }
+    else:
+        root = {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        }
+        layer = {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+        }
+    parallelize_module(model, mesh, root)
+    for block in model.model.layers:
+        parallelize_module(block, mesh, layer)
+    return model
+
+
+def titan_forward(model, ids):
+    """The forward torchtitan's plan runs. position_ids are given: HF numbers positions by the length of
+    the embedding's output, which sequence parallel leaves a quarter long on each rank (torchtitan's model
+    takes its rotary table from the tokens); they are what the module computes by itself unsharded."""
+    return model(ids, use_cache=False, position_ids=torch.arange(ids.shape[1], device=ids.device)[None]).logits
+
+
+# ---------------------------------------------------------------------- counting with CommDebugMode
+
+_KIND = {"all_gather_into_tensor": "allgather", "reduce_scatter_tensor": "reduce_scatter",
+         "all_reduce": "allreduce", "all_to_all_single": "alltoall"}
+
+
+@dataclass
+class Record:
+    kind: str  # egraph-did's name of the collective
+    bytes: float  # Collective.bytes convention (module docstring)
+    group: int
+    module: str  # CommDebugMode's module tracker: where it happened
+
+    @property
+    def wire(self) -> float:
+        return wire_bytes(self.kind, self.bytes, self.group)
+
+
+def wire_bytes(kind: str, nbytes: float, p: int) -> float:
+    """What each rank sends (= receives) for a collective of `nbytes` (Collective.bytes convention)."""
+    k = KINDS[kind]
+    return k.phases * k.factor(p) * nbytes
+
+
+class CountingCommMode:
+    """torch's CommDebugMode, which counts the functional collectives DTensor issues, plus a record of
+    each one's tensors: kind, bytes, group size and the module it ran in."""
+
+    def __new__(cls):
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        class _Mode(CommDebugMode):
+            def __init__(self):
+                super().__init__()
+                self.records: list[Record] = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = super().__torch_dispatch__(func, types, args, kwargs)
+                if out is NotImplemented or isinstance(func, torch._ops.HigherOrderOperator):
+                    return out
+                name = func._overloadpacket._qualified_op_name.split("::")[-1]
+                if func._overloadpacket in self.comm_registry and name in _KIND:
+                    self.records.append(_record(_KIND[name], args, out, self.advanced_module_tracker.name))
+                elif func._overloadpacket in self.comm_registry:
+                    raise NotImplementedError(f"CountingCommMode: no byte rule for {func}")
+                return out
+
+        return _Mode()
+
+
+def _record(kind: str, args, out, module: str) -> Record:
+    inp = args[0]
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    if kind == "allgather":  # (input, group_size, group_name)
+        group, b = int(args[1]), nbytes(out)
+    elif kind == "reduce_scatter":  # (input, reduce_op, group_size, group_name)
+        group, b = int(args[2]), nbytes(inp)
+    elif kind == "allreduce":  # (input, reduce_op, group_name)
+        group, b = dist.get_world_size(), nbytes(inp)  # one 1-D mesh of every rank here
+    else:  # alltoall (input, output_split_sizes, input_split_sizes, group_name)
+        group, b = dist.get_world_size(), nbytes(inp)
+    return Record(kind, float(b), group, module)
+
+
+def count_titan(model, ids, variant: str, mesh) -> tuple[list[Record], torch.Tensor, dict]:
+    """(records, logits as given, CommDebugMode's own counts) of one forward under torchtitan's plan."""
+    model = titan_plan(model, mesh, variant)
+    mode = CountingCommMode()
+    with torch.no_grad(), mode:
+        logits = titan_forward(model, ids)
+    counts = {str(k).split(".")[-1]: v for k, v in mode.get_comm_counts().items()}
+    assert mode.get_total_counts() == len(mode.records), (mode.get_comm_counts(), mode.records)
+    return mode.records, logits, counts
+
+
+@contextlib.contextmanager
+def _no_packed_sequence_check():
+    """On the meta device, HF's mask code asks whether given position_ids pack several sequences by
+    reading a value (Tensor.item): impossible on meta. They do not (they are arange): say so."""
+    import transformers.masking_utils as mu
+    saved = mu.find_packed_sequence_indices
+    mu.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        mu.find_packed_sequence_indices = saved
+
+
+def count_titan_big(variant: str) -> list[Record]:
+    """torchtitan's collectives at the 8b-width size: rank 0 of a fake 4-rank process group (collectives
+    are shape-only no-ops; TP ranks all issue the same ones), the module on the meta device."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=P)
+    try:
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(llama_config("big")).eval()
+        ids = torch.zeros(BATCH, BIG_SEQ, dtype=torch.int64, device="meta")
+        with _no_packed_sequence_check():
+            records, _, _ = count_titan(model, ids, variant, init_device_mesh("cpu", (P,)))
+        return records
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- egraph-did's plans
+
+def pin(fd, model, logits_sharded: bool, same_weights: bool):
+    """input_ids replicated; logits replicated or split on the vocabulary; with same_weights, every weight
+    where torchtitan's plan puts it."""
+    fd["input_ids"].set_device_mesh(MESH)
+    if logits_sharded:
+        fd["logits"].set_device_mesh(MESH).outer_split(2, P).axis(2).parallelize(ed.ParallelType.DIDx)
+    else:
+        fd["logits"].set_device_mesh(MESH)
+    if same_weights:
+        for name in fd.params:
+            dim = WEIGHT_DIM.get(name.split(".")[-2])
+            if dim is None:
+                fd[name].set_device_mesh(MESH)
+            else:
+                fd[name].set_device_mesh(MESH).outer_split(dim, P).axis(dim).parallelize(ed.ParallelType.DIDx)
+    return fd
+
+
+_BIG_MODEL = None
+
+
+def big_llama():
+    """The 8b-width model: built on meta, given (uninitialized) CPU storage: from_torch folds the rotary
+    tables, which it cannot compare on meta (frontend._tensor calls torch.equal)."""
+    global _BIG_MODEL
+    if _BIG_MODEL is None:
+        import transformers
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(llama_config("big")).eval()
+        model = model.to_empty(device="cpu")
+        model.model.rotary_emb = type(model.model.rotary_emb)(model.config)  # its inv_freq, computed
+        _BIG_MODEL = model
+    return _BIG_MODEL
+
+
+def ed_plans(model, ids, logits_sharded: bool, same_weights: bool, extractor: str = "greedy"):
+    """(big plan, tiny plan, tiny fusion): layouts chosen at the 8b-width size, replayed on the tiny model."""
+    big = big_llama()
+    bfd = pin(ed.from_torch(big, (torch.zeros(BATCH, BIG_SEQ, dtype=torch.int64),), {"use_cache": False}),
+              big, logits_sharded, same_weights)
+    big_plan = ed.optimize(bfd, MESH, ed.CostModel.h200(), extractor=extractor)
+    fd = pin(ed.from_torch(model, (ids,), {"use_cache": False}), model, logits_sharded, same_weights)
+    return big_plan, ed.optimize(fd, MESH, ed.CostModel.h200(), like=big_plan), fd
+
+
+def plan_records(plan) -> list[Record]:
+    return [Record(c.kind, float(c.bytes), MESH.shape[c.mesh_axis], c.tensor)
+            for c in plan.collectives if KINDS[c.kind].phases > 0]
+
+
+# ---------------------------------------------------------------------- one gloo run for everything
+
+def gloo_worker(rank: int, state: dict, ids: torch.Tensor, plans: dict, bound: dict):
+    """On each of 4 gloo ranks: the unsharded logits, each torchtitan variant's records and logits, and each
+    egraph-did plan's logits; rank 0's return carries the comparisons."""
+    from torch.distributed.device_mesh import init_device_mesh
+    import transformers
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(llama_config("tiny")).eval()
+    base.load_state_dict(state)
+    with torch.no_grad():
+        want = base(ids, use_cache=False).logits
+    mesh = init_device_mesh("cpu", (P,))
+    out = {"titan": {}, "ed": {}, "scale": float(want.abs().max())}
+    for variant in VARIANTS:
+        records, logits, counts = count_titan(copy.deepcopy(base), ids, variant, mesh)
+        if isinstance(logits, torch.distributed.tensor.DTensor):
+            logits = logits.full_tensor()  # outside the counted forward
+        out["titan"][variant] = (records, counts, _rel_err(logits, want))
+    for key, plan_json in plans.items():
+        got = ed.Plan.from_json(plan_json).run(bound, inputs="global", outputs="global")["logits"]
+        out["ed"][key] = _rel_err(got, want)
+    return out
+
+
+def _rel_err(got, want) -> float:
+    """The largest absolute difference, after assert_close at rtol = atol = 1e-5 (tests/program's TOL)."""
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=RTOL)
+    return float((got - want).abs().max())
+
+
+# ---------------------------------------------------------------------- the comparison
+
+@dataclass
+class Row:
+    variant: str
+    size: str
+    titan: list[Record]
+    ours: dict[str, list[Record]] = field(default_factory=dict)  # plan name -> records
+
+
+def summary(records: list[Record]) -> str:
+    c = Counter(r.kind for r in records)
+    return " ".join(f"{k}x{n}" for k, n in sorted(c.items())) or "none"
+
+
+def total(records: list[Record], what: str = "wire") -> float:
+    return sum(getattr(r, what) for r in records)
+
+
+def compare(extractor: str = "greedy", big: bool = True, log=print) -> dict:
+    """Everything the table shows: {'rows': [Row], 'checks': gloo results, 'plans': {key: (big, tiny)},
+    'tiny_free': records of the plan chosen at the tiny size itself}."""
+    model, ids = tiny_llama()
+    t0 = time.perf_counter()
+    plans = {}
+    for sharded in (False, True):
+        for same in (False, True):
+            key = ("vocab-sharded" if sharded else "replicated", "same weights" if same else "free")
+            plans[key] = ed_plans(model, ids, sharded, same, extractor)
+    log(f"# egraph-did plans chosen in {time.perf_counter() - t0:.1f} s")
+    fd = plans[("replicated", "free")][2]
+    tiny_free = pin(ed.from_torch(model, (ids,), {"use_cache": False}), model, False, False)
+    tiny_free_plan = ed.optimize(tiny_free, MESH, ed.CostModel.h200())
+    bound = fd.bind(ids, use_cache=False)
+    t0 = time.perf_counter()
+    checks = ed.launch(gloo_worker, nprocs=P, backend="gloo", timeout=600,
+                       args=(model.state_dict(), ids, {"/".join(k): p[1].to_json() for k, p in plans.items()},
+                             bound))[0]
+    log(f"# gloo run (torchtitan variants + egraph-did plans, 4 ranks) in {time.perf_counter() - t0:.1f} s")
+    rows = []
+    for variant in VARIANTS:
+        out = "vocab-sharded" if LOGITS_SHARDED[variant] else "replicated"
+        for size in ("tiny", "8b-width") if big else ("tiny",):
+            titan = checks["titan"][variant][0] if size == "tiny" else count_titan_big(variant)
+            row = Row(variant, size, titan)
+            for how in ("free", "same weights"):
+                big_plan, tiny_plan, _ = plans[(out, how)]
+                row.ours[how] = plan_records(tiny_plan if size == "tiny" else big_plan)
+            rows.append(row)
+    return {"rows": rows, "checks": checks, "extractor": extractor, "plans": plans,
+            "tiny_free": plan_records(tiny_free_plan), "tiny_free_plan": tiny_free_plan}
+
+
+def _fmt(n: float) -> str:
+    for unit, f in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= f:
+            return f"{n / f:.4g} {unit}"
+    return f"{n:.0f} B"
+
+
+def table(result: dict) -> str:
+    lines = []
+    head = (f"{'model':<6} {'variant':<9} {'size':<8} | {'torchtitan collectives':<36} {'bytes':>10} {'wire':>10} | "
+            f"{'egraph-did plan':<13} {'collectives':<46} {'bytes':>10} {'wire':>10} | {'ratio':>5}")
+    lines += [head, "-" * len(head)]
+    for row in result["rows"]:
+        for i, (how, ours) in enumerate(row.ours.items()):
+            left = (f"{'llama':<6} {row.variant:<9} {row.size:<8} | {summary(row.titan):<36} "
+                    f"{_fmt(total(row.titan, 'bytes')):>10} {_fmt(total(row.titan)):>10}") if i == 0 else \
+                " " * (6 + 1 + 9 + 1 + 8) + " | " + " " * (36 + 1 + 10 + 1 + 10)
+            ratio = total(ours) / total(row.titan)
+            lines.append(f"{left} | {how:<13} {summary(ours):<46} {_fmt(total(ours, 'bytes')):>10} "
+                         f"{_fmt(total(ours)):>10} | {ratio:5.2f}")
+    return "\n".join(lines)
+
+
+def report(result: dict) -> str:
+    checks = result["checks"]
+    out = [table(result), "",
+           "bytes: the collectives' buffers (allgather: gathered output; reduce_scatter, allreduce: full input;",
+           "alltoall: local input), summed over one forward. wire: what each rank sends (= receives), ring",
+           "algorithms: phases * (p-1)/p * bytes, allreduce 2 phases. ratio: egraph-did wire / torchtitan wire.",
+           "torchtitan: CommDebugMode on 4 gloo ranks (tiny) or rank 0 of a fake 4-rank group on meta (8b-width);",
+           f"egraph-did: plan.collectives of the plan chosen at 8b-width ({result['extractor']} extractor), "
+           "replayed at tiny with like=.", "",
+           f"tiny: hidden {TINY['hidden_size']}, {TINY['num_attention_heads']} heads, "
+           f"{TINY['num_key_value_heads']} KV heads, MLP {TINY['intermediate_size']}, vocab {TINY['vocab_size']}, "
+           f"{TINY['num_hidden_layers']} layers, batch {BATCH}, seq {TINY_SEQ}, float32",
+           f"8b-width: hidden {BIG['hidden_size']}, {BIG['num_attention_heads']} heads, "
+           f"{BIG['num_key_value_heads']} KV heads, MLP {BIG['intermediate_size']}, vocab {BIG['vocab_size']}, "
+           f"{BIG['num_hidden_layers']} layers, batch {BATCH}, seq {BIG_SEQ}, float32", ""]
+    out.append("logits on 4 gloo ranks against the unsharded module: torch.testing.assert_close(rtol=1e-5, "
+               f"atol=1e-5) passed; largest |difference| (largest |logit| {checks['scale']:.3g}):")
+    for variant, (_, counts, err) in checks["titan"].items():
+        out.append(f"  torchtitan {variant:<9} {err:.2e}   CommDebugMode.get_comm_counts(): {counts}")
+    for key, err in checks["ed"].items():
+        out.append(f"  egraph-did {key:<28} {err:.2e}")
+    out += ["", "parameters each egraph-did plan splits (8b-width plan; the rest replicated on every rank):"]
+    for (logits, how), (big_plan, _, fd) in result["plans"].items():
+        split = [n for n in fd.params if "DID" in big_plan.loop_domain(n)]
+        out.append(f"  logits {logits}, {how}: {len(split)} of {len(fd.params)} parameters split; "
+                   f"predicted memory {big_plan.memory / 2**30:.3g} GiB per rank")
+    tf = result["tiny_free_plan"]
+    out += ["", f"footnote: chosen at the tiny size itself (logits replicated, free), the plan has "
+                f"{len(result['tiny_free'])} collectives: every weight replicated, predicted "
+                f"{tf.predicted_time * 1e6:.1f} us (latency-bound)", ""]
+    out.append("where each torchtitan collective runs (tiny, module: kind bytes):")
+    for row in result["rows"]:
+        if row.size == "tiny":
+            out.append(f"  {row.variant}: " + ", ".join(f"{r.module or '-'}: {r.kind} {r.bytes:.0f}"
+                                                       for r in row.titan))
+    out.append("")
+    out.append("egraph-did's collectives (tiny, tensor: kind bytes):")
+    for (logits, how), (_, tiny, _) in result["plans"].items():
+        out.append(f"  logits {logits}, {how}: " + ", ".join(f"{r.module}: {r.kind} {r.bytes:.0f}"
+                                                            for r in plan_records(tiny)))
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--extractor", default="greedy", choices=("greedy", "exact"))
+    ap.add_argument("--out", help="also write the report to this file")
+    args = ap.parse_args(argv)
+    text = report(compare(args.extractor, log=lambda s: print(s, file=sys.stderr)))
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
