@@ -282,14 +282,22 @@ def norm_axes(op_name: str, v: TensorSpec, dims) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _probe(dtype: torch.dtype, ndim: int) -> torch.Tensor:
+    """A tensor of dtype standing in for an operand in torch's promotion, which treats 0-D tensors as
+    numbers: float32 x[3, 7] ** float64 e[] is float32 (fuzz issue 12, seed 7 case 4693)."""
+    return torch.zeros((), dtype=dtype) if ndim == 0 else torch.empty(0, dtype=dtype)
+
+
 def _result_dtype(op_name: str, *vals) -> torch.dtype:
-    probes = [torch.empty(0, dtype=v.dtype) if _is_tensor(v) else v for v in vals]
+    probes = [_probe(v.dtype, len(v.shape)) if _is_tensor(v) else v for v in vals]
     try:
         if len(probes) == 1:
             return probes[0].dtype
         dt = torch.result_type(probes[0], probes[1])
+        dims = any(isinstance(p, torch.Tensor) and p.ndim for p in probes[:2])
         for p in probes[2:]:
-            dt = torch.result_type(torch.empty(0, dtype=dt), p)
+            dt = torch.result_type(_probe(dt, int(dims)), p)
+            dims = dims or (isinstance(p, torch.Tensor) and p.ndim > 0)
         return dt
     except (TypeError, RuntimeError) as e:
         raise DtypeError(f"{op_name}({', '.join(_desc(v) for v in vals)}): {e}") from None
@@ -1630,7 +1638,7 @@ def _vjp_broadcast_in_dim(ops, g, out, x, shape, broadcast_dims):
 
 
 @op("broadcast_in_dim", "view", lambda x, shape, broadcast_dims:
-    x.reshape([x.shape[broadcast_dims.index(i)] if i in broadcast_dims else 1 for i in range(len(shape))]).expand(*shape),
+    x.reshape([x.shape[broadcast_dims.index(i)] if i in broadcast_dims else 1 for i in range(len(shape))]).expand(tuple(shape)),
     metadata_only=True, local_attrs=_local_shape, vjp=_vjp_broadcast_in_dim)
 def broadcast_in_dim(x, shape, broadcast_dims):
     """Place x's axis i at output axis broadcast_dims[i] and broadcast the rest to `shape` (as JAX/nvFuser)."""

@@ -149,6 +149,25 @@ def _segment_io(plan: Plan, steps: list[ComputeStep], later: list) -> tuple[tupl
     return tuple(ins), outs
 
 
+def _classify_on_every_rank(plan: Plan, run: list[ComputeStep], ins: tuple[str, ...], outs: tuple[str, ...],
+                            classify) -> str | None:
+    """The scheduler that takes the run on every rank's local shapes, or None. Uneven shards give ranks
+    different kernels: a softmax of a replicated x[3] beside a maximum of a row-sharded y[5] (3 | 2 rows)
+    shares one domain on rank 0 but not on rank 1, where a kernel over rank 0's choice would reduce over
+    the wrong domain (fuzz issue 12, seed 7 case 4100). Ranks with the same local input shapes are
+    classified once."""
+    found: dict[tuple, str | None] = {}
+    for rank in plan.mesh.ranks:
+        ctx = RankContext(plan.mesh, rank)
+        key = tuple(ctx.local_shape(Operand(plan.values[v].shape, plan.values[v].layout)) for v in ins)
+        if key not in found:
+            found[key] = classify(kernel_spec(plan, tuple(run), ins, outs, rank))
+            if found[key] is None:
+                return None
+    names = set(found.values())
+    return names.pop() if len(names) == 1 else None
+
+
 def lower(plan: Plan, classify=None) -> LoweredPlan:
     """Cut the plan into segments; fused runs are grown while the scheduler still takes them.
 
@@ -171,7 +190,7 @@ def lower(plan: Plan, classify=None) -> LoweredPlan:
         if key not in memo:
             ins, outs = _segment_io(plan, run, steps[upto:])
             try:
-                memo[key] = classify(kernel_spec(plan, tuple(run), ins, outs, plan.mesh.ranks[0])) if outs else None
+                memo[key] = _classify_on_every_rank(plan, run, ins, outs, classify) if outs else None
             except (ValueError, KeyError, TypeError, AssertionError, NotImplementedError):
                 memo[key] = None
         return memo[key]

@@ -62,3 +62,61 @@ def test_a_pin_over_a_mesh_axis_of_size_1_is_reported_as_pinned():
     x.set_device_mesh(mesh).outer_split(0, 1).parallelize(0, ed.ParallelType.DIDy)
     plan = ed.optimize(fd, mesh, extractor="greedy")
     assert plan.loop_domain("x") == x.loop_str() == "[DIDy{1}, 7/1]"
+
+
+def test_broadcast_in_dim_to_a_0d_shape_evaluates():
+    """`evaluate-crash: TypeError in ops.py:<lambda>` (seed 7: cases 5623, 6651, 7952, 8048, 9788):
+    broadcast_in_dim(x[], shape=()) passed its shape rule, and its reference called x.expand(*()),
+    which torch refuses ("missing size")."""
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((4, 5), torch.float64, name="x")
+        m = fd.ops.sum(x=x, dims=(0, 1))
+        fd.add_output(fd.ops.broadcast_in_dim(x=m, shape=(), broadcast_dims=()), name="y")
+    xs = torch.randn(4, 5, dtype=torch.float64)
+    out = ed.evaluate(fd, {"x": xs})
+    assert out["y"].shape == () and torch.allclose(out["y"], xs.sum())
+
+
+def test_a_0d_operand_does_not_promote_the_result_dtype_as_torch():
+    """`evaluate-crash: AssertionError in evaluate.py` (seed 7, case 4693): pow(t[3, 7] float32,
+    e[] float64) is float32 in torch (a 0-D tensor promotes as a number of its category), but the shape
+    rule said float64: its dtype probes were 1-D whatever the operand's rank."""
+    with ed.FusionDefinition() as fd:
+        a = fd.define_tensor((3, 7), torch.float32, name="a")
+        e = fd.define_tensor((), torch.float64, name="e")
+        i = fd.define_tensor((), torch.int64, name="i")
+        p = fd.ops.pow(a=fd.ops.add(a=fd.ops.abs(x=a), b=0.5), b=e)
+        fd.add_output(p, name="p")
+        fd.add_output(fd.ops.add(a=e, b=i), name="q")  # two 0-D operands: promote as tensors
+        fd.add_output(fd.ops.mul(a=fd.ops.cast(a, "int64"), b=e), name="r")  # another category: float64
+    assert (p.dtype, fd.fusion.tensors["q"].dtype, fd.fusion.tensors["r"].dtype) == (
+        torch.float32, torch.float64, torch.float64)
+    ins = {"a": torch.randn(3, 7), "e": torch.tensor(1.5, dtype=torch.float64), "i": torch.tensor(2)}
+    out = ed.evaluate(fd, ins)  # evaluate asserts every shape rule against the reference
+    assert out["p"].dtype == torch.float32
+
+
+def test_a_fused_run_is_classified_on_every_ranks_local_shapes():
+    """`simulate-lowered-crash: ShardingError in shards.py:assemble` (seed 7, case 4100): softmax of a
+    replicated x0[3] beside maximum of a row-sharded x1[5] (3 | 2 rows on 2 ranks). The segmenter asked
+    the scheduler about rank 0's shapes only, where both share one 3-element domain, and fused them; on
+    rank 1 the kernel ran the softmax over 2 elements, so the replicated t0 differed between ranks.
+    A run is fused only where one scheduler takes it on every rank's shapes."""
+    mesh = ed.DeviceMesh.arange(2)
+    with ed.FusionDefinition() as fd:
+        x0 = fd.define_tensor((3,), torch.float32, name="x0")
+        x1 = fd.define_tensor((5,), torch.float32, name="x1")
+        x2 = fd.define_tensor((1,), torch.float32, name="x2")
+        t0 = fd.ops.softmax(x=x0, dim=0)
+        t1 = fd.ops.maximum(a=x2, b=x1)
+        fd.add_output(t0, name="t0")
+        fd.add_output(fd.ops.maximum(a=t1, b=x1), name="t2")
+    x1.set_device_mesh(mesh).outer_split(0, 2).parallelize(0, ed.ParallelType.DIDx)
+    t1.set_device_mesh(mesh).outer_split(0, 2).parallelize(0, ed.ParallelType.DIDx)
+    g = torch.Generator().manual_seed(0)
+    inputs = {k: torch.randn(s, generator=g) for k, s in (("x0", (3,)), ("x1", (5,)), ("x2", (1,)))}
+    plan = ed.optimize(fd, mesh, extractor="greedy")
+    got = ed.simulate(plan, inputs)  # lowered
+    ref = ed.evaluate(fd, inputs)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=2e-4, atol=2e-4, msg=k)
