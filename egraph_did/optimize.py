@@ -63,10 +63,15 @@ def collective_cost(problem: Problem, kind: str, axis: int, tensor: str, src: La
     cm, mesh = problem.cost_model, problem.mesh
     entry = collectives.get(kind, f"optimize: {tensor}")
     held = problem.nbytes(tensor, dst)
+    # a collective between two ops the lowering would fuse breaks their kernel: the producer writes what it
+    # would have kept in registers, and the reader reads it back (the fused prices counted neither)
+    fused = problem.fused.get(tensor)
+    broken = ((problem.nbytes(tensor, src) if fused is not None and fused.output else 0.0)
+              + (held if tensor in problem.register_reads else 0.0)) / cm.hbm_bandwidth
     if not entry.communicates:  # read and write what the rank keeps
-        return cm.compute_time(0.0, 2 * held, problem.tensor(tensor).dtype), 0.0
+        return cm.compute_time(0.0, 2 * held, problem.tensor(tensor).dtype) + broken, 0.0
     nbytes = entry.nbytes(problem.nbytes(tensor, src), held)
-    return cm.collective_time(kind, nbytes, mesh.shape[axis], axis, mesh.ndim), nbytes
+    return cm.collective_time(kind, nbytes, mesh.shape[axis], axis, mesh.ndim) + broken, nbytes
 
 
 def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extractor: str = "greedy",

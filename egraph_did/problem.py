@@ -76,6 +76,8 @@ class Problem:
     origin: dict[str, str] = field(default_factory=dict)  # decomposition tensor -> the composite it expands
     input_layouts: dict[str, list[Layout]] = field(default_factory=dict)  # overrides load_layouts()
     rewritten: dict[str, str] = field(default_factory=dict)  # tensor a program rewrite added -> the rewrite
+    fused: dict[str, "Fused"] = field(default_factory=dict)  # tensor -> where its op sits in a fused kernel
+    register_reads: set = field(default_factory=set)  # tensors some fusible reader takes in registers
     _nbytes: dict = field(default_factory=dict, repr=False, compare=False)  # nbytes: (name, layout) -> (tensor, mesh, bytes)
 
     def tensor(self, name: str) -> TensorView:
@@ -218,11 +220,59 @@ def signature(e: Expr) -> tuple:
     return (e.op.name, id(e.op), args, tuple((o.shape, o.dtype) for o in e.outputs))
 
 
+@dataclass(frozen=True)
+class Fused:
+    """Where an expr sits in the kernel the lowering fuses it into (lowering/segment.py runs consecutive
+    fusible steps as one kernel): the operands it reads from the producer's registers, whether its output
+    lives only in registers, and so what it costs beyond the kernel it joins (no launch where it joins a
+    producer's)."""
+
+    operands: frozenset = frozenset()  # parameter names read in registers
+    output: bool = False  # every reader takes it in registers: never written
+
+
+def _fuses(producer: Expr, consumer: Expr) -> bool:
+    """Whether the lowering can run consumer in producer's kernel, reading producer's output in registers:
+    both kernel primitives (or composites of them), one of them elementwise (a pointwise epilogue, or a
+    reduction's pointwise prologue), one output each."""
+    p, c = producer.op, consumer.op
+    return (p.fusible and c.fusible and len(producer.outputs) == 1 and len(consumer.outputs) == 1
+            and "pointwise" in (p.kind, c.kind) and not c.permutes)
+
+
+def fusion_context(work: Fusion, materialized=()) -> dict[str, Fused]:
+    """Fused per expr key: a fusible run of ops is priced as the one kernel the scheduler emits (its inputs
+    read and its outputs written once, one launch), not op by op. materialized: tensors every plan writes
+    (outputs, pins).
+
+    >>> from egraph_did.models import mlp
+    >>> ctx = fusion_context(mlp(tokens=8, hidden=16).fusion)
+    >>> ctx["gelu_1"], ctx["linear_0"]  # gelu reads linear_0 from memory: a GEMM is no kernel primitive
+    (Fused(operands=frozenset(), output=False), Fused(operands=frozenset(), output=False))
+    """
+    producer = {o.name: e for e in work.exprs for o in e.outputs}
+    readers: dict[str, list[Expr]] = {}
+    for e in work.exprs:
+        for v in {id(t): t for t in e.inputs}.values():
+            readers.setdefault(v.name, []).append(e)
+    keep = set(work.outputs) | set(materialized)
+    out = {}
+    for e in work.exprs:
+        ins = frozenset(k for k, v in e.args if isinstance(v, TensorView) and v.name in producer
+                        and _fuses(producer[v.name], e))
+        name = e.outputs[0].name
+        write_free = (len(e.outputs) == 1 and name not in keep and bool(readers.get(name))
+                      and all(_fuses(e, r) for r in readers[name]))
+        out[name] = Fused(ins, write_free)
+    return out
+
+
 def expr_strategies(e: Expr, mesh: DeviceMesh, cm: CostModel, problem: Problem | None = None,
-                    priced: dict | None = None) -> list[Strategy]:
+                    priced: dict | None = None, fused: Fused = Fused()) -> list[Strategy]:
     """Every strategy of e on the mesh: the product of its one-axis rules, valid shapes only, priced.
     priced: a cache by signature (see `signature`) of the rows, for exprs priced on this mesh and cost
-    model (build_problem keeps one per problem).
+    model (build_problem keeps one per problem). fused: where e sits in a fused kernel (fusion_context):
+    what it reads or writes in registers costs no memory traffic, and joining a producer's kernel no launch.
 
     >>> import egraph_did as ed
     >>> from egraph_did.models import row_sum
@@ -233,19 +283,20 @@ def expr_strategies(e: Expr, mesh: DeviceMesh, cm: CostModel, problem: Problem |
     (16, ('reduce_other_axis', 'sum_over_sharded_axis'))
     """
     if priced is None:
-        rows = _priced_rows(e, mesh, cm)
+        rows = _priced_rows(e, mesh, cm, fused)
     else:
-        sig = signature(e)
+        sig = (signature(e), fused)
         rows = priced.get(sig)
         if rows is None:
-            rows = priced[sig] = _priced_rows(e, mesh, cm)
+            rows = priced[sig] = _priced_rows(e, mesh, cm, fused)
     key = e.outputs[0].name
     return [Strategy(key, sid, *row) for sid, row in enumerate(rows)]
 
 
-def _priced_rows(e: Expr, mesh: DeviceMesh, cm: CostModel) -> list[tuple]:
+def _priced_rows(e: Expr, mesh: DeviceMesh, cm: CostModel, fused: Fused = Fused()) -> list[tuple]:
     """(inputs, outputs, flags, rules, time, memory) of each of e's strategies, in strategy id order."""
     operands = [v for _, v in e.args if isinstance(v, TensorView)]
+    in_registers = [k in fused.operands for k, v in e.args if isinstance(v, TensorView)]
     per_axis: list[list[AxisStrategy]] = [axis_strategies(op_view(e, size)) for size in mesh.shape]
     out: list[tuple] = []
     for combo in itertools.product(*per_axis):
@@ -262,11 +313,16 @@ def _priced_rows(e: Expr, mesh: DeviceMesh, cm: CostModel) -> list[tuple]:
         if e.op.kind == "gather":  # a gather reads its indices and the rows it picks, not the whole table
             k = [p for p, v in e.args if isinstance(v, TensorView)].index(e.op.indexes.index)
             in_bytes = math.prod(in_shapes[k]) * operands[k].dtype.itemsize + out_bytes
+        launch = cm.launch_overhead
+        if not any(c.flags for c in combo):  # a rank-local kernel runs alone: the lowering fuses no flagged step
+            in_bytes -= sum(math.prod(s) * t.dtype.itemsize for s, t, r in zip(in_shapes, operands, in_registers) if r)
+            launch = 0.0 if any(in_registers) else launch
+        moved = in_bytes + (0 if fused.output and not any(c.flags for c in combo) else out_bytes)
         if e.op.metadata_only:
             time, mem = 0.0, 0.0
         else:
             dtype = operands[0].dtype if operands and operands[0].dtype.is_floating_point else e.outputs[0].dtype
-            time = cm.compute_time(local_flops(e, in_shapes, out_shapes), in_bytes + out_bytes, dtype)
+            time = cm.compute_time(local_flops(e, in_shapes, out_shapes), moved, dtype) - cm.launch_overhead + launch
             mem = float(out_bytes)
         out.append((ins, outs, tuple(c.flags for c in combo), tuple(c.rule for c in combo), time, mem))
     return out
@@ -325,10 +381,13 @@ def _build(user: Fusion, mesh: DeviceMesh, cost_model: CostModel | None, pins, l
         if lay not in problem.layouts[name]:  # a pin whose shards leave a rank empty: held as given, and
             problem.layouts[name].append(lay)  # resharded before any op reads it (ops take valid layouts)
     priced: dict[tuple, list[tuple]] = {}  # signature -> its strategies' rows, on this mesh and cost model
+    problem.fused = fused = fusion_context(work, problem.pins)
+    problem.register_reads = {v.name for e in work.exprs for k, v in e.args
+                              if isinstance(v, TensorView) and k in fused[e.outputs[0].name].operands}
     for e in work.exprs:
         key = e.outputs[0].name
         problem.exprs[key] = e
-        problem.strategies[key] = expr_strategies(e, mesh, cm, problem, priced)
+        problem.strategies[key] = expr_strategies(e, mesh, cm, problem, priced, fused[key])
     if like is not None:
         _restrict_to(problem, like)
     return problem

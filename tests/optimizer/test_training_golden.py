@@ -134,7 +134,8 @@ def test_tp_sp_gpt_layer_forward_backward_moves_no_more_than_megatron_sp():
     plan = ed.optimize(gpt_grad(1, 32, 8192, 64, BF16), MESH)
     act, ln = 32 * 8192 * 2, 8192 * 2
     assert by_kind(plan) == {
-        "allgather": ["layer_norm_0", "layer_norm_15",  # forward: the layer norms' outputs
+        "allgather": ["mul_129", "layer_norm_15",  # forward: the layer norms' outputs (the first gathered
+                      # before its bias add: the add and its reader fuse into one kernel after the gather)
                       "sub_20",  # the error y - target: the loss, and the gradient entering w2^T's linear
                       "mul_71"],  # backward: the gradient entering wo^T's linear
         "reduce_scatter": ["linear_13", "linear_18",  # forward: attention and MLP outputs
@@ -189,11 +190,10 @@ def test_dp_tp_gpt_training_step(plans_2d):
     On tp every weight-sized tensor stays put: only activations (the layer norms' outputs gathered, the
     row-parallel outputs reduce-scattered, their gradients likewise), small layer-norm gradients and the
     loss move. On dp only gradients, weights, moments and the loss move, and each weight's gradient is
-    reduced over dp exactly once. What the cost model does there is not the all-reduce: with the moments
-    replicated (DDP), each matrix gradient is reduce-scattered, updated on its half and the next moments
-    all-gathered (the same bytes and latencies as an all-reduce, half the update); only the layer-norm
-    gradients are all-reduced. Sharding weights and moments over dp (FSDP: weights all-gathered before use,
-    gradients reduce-scattered) is cheaper still and holds less: that is the family the cost model picks."""
+    reduced over dp exactly once: with weights and moments replicated (DDP) by an all-reduce (the AdamW
+    update, one fused elementwise kernel, costs too little for updating a half and gathering to pay).
+    Sharding weights and moments over dp (FSDP: weights all-gathered before use, gradients
+    reduce-scattered) is cheaper still and holds less: that is the family the cost model picks."""
     ddp, fsdp = plans_2d["ddp"], plans_2d["fsdp"]
     weights = set(GPT_WEIGHTS)
     grads = {"grad_" + w for w in COLUMN + ROW} | LN_GRAD_SUMS  # each weight's gradient, as reduced
@@ -210,13 +210,14 @@ def test_dp_tp_gpt_training_step(plans_2d):
             f"next.{s}.{w}" for s in ("exp_avg", "exp_avg_sq") for w in matrices})  # Megatron on tp: no matrix's moves
         assert by_kind(plan, "tp")["reduce_scatter"][:2] == ["linear_13", "linear_18"]
         assert by_kind(plan, "tp")["allgather"][:2] == ["layer_norm_0", "layer_norm_15"]
-    assert sorted(by_kind(ddp, "dp")["allreduce"]) == sorted(["loss", *LN_GRAD_SUMS])
+    dp = by_kind(ddp, "dp")  # DDP: each gradient all-reduced over dp (or reduce-scattered and gathered back)
+    whole = set(dp["allreduce"]) | (set(dp.get("reduce_scatter", [])) & set(dp.get("allgather", [])))
+    assert whole == {"loss", *LN_GRAD_SUMS} | {"grad_" + w for w in COLUMN + ROW}
     assert sorted(by_kind(fsdp, "dp")["allgather"]) == sorted(weights)  # FSDP: weights gathered before use
     assert fsdp.predicted_time < ddp.predicted_time and fsdp.memory < ddp.memory
     mem_ddp, mem_fsdp = ddp.memory_breakdown(), fsdp.memory_breakdown()
-    # FSDP holds each moment's half in and next; DDP holds it whole in and next, plus the next half it updates
-    # before gathering: three times as much (the layer norms' moments, 64 KiB updated whole, aside)
-    assert mem_ddp["optimizer states"] == pytest.approx(3 * mem_fsdp["optimizer states"], rel=1e-4)
+    # FSDP holds each moment's half in and next; DDP holds it whole in and next: twice as much
+    assert mem_ddp["optimizer states"] == pytest.approx(2 * mem_fsdp["optimizer states"], rel=1e-3)
     assert mem_ddp["total"] == ddp.memory
     replay_f64(fsdp, gpt_step_2d(4, 8, 16, 4, F64, True), MESH2)
 
