@@ -195,6 +195,9 @@ def loop_pins(plan: Plan, problem: Problem) -> list[dict[str, Layout]]:
     return out
 
 
+GREEDY_FALLBACK_S = 10.0  # the exact extractor's limit where greedy finds no plan within a memory bound
+
+
 def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit) -> tuple[Plan, Problem]:
     """Problem, e-graph, extraction and plan, under the given rewrites (optimize's one pass)."""
     t0 = time.perf_counter()
@@ -220,7 +223,10 @@ def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit) ->
         outputs[name] = classes
     roots = with_roots(graph, outputs)
     if extractor == "greedy":
-        sel = greedy_dag(graph, roots, cm.memory_limit)
+        try:
+            sel = greedy_dag(graph, roots, cm.memory_limit)
+        except MemoryBoundError:  # one price per byte can miss a plan that fits: the 0/1 program decides
+            sel = exact(graph, roots, cm.memory_limit, time_limit=GREEDY_FALLBACK_S)
     elif extractor == "exact":
         sel = exact(graph, roots, cm.memory_limit, time_limit=time_limit)
     else:
