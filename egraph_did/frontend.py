@@ -338,7 +338,8 @@ class _Converter:
             return v
         if isinstance(v, _Folded):
             for value, tv in self._consts:
-                if value.shape == v.value.shape and value.dtype == v.value.dtype and torch.equal(value, v.value):
+                if (value.shape == v.value.shape and value.dtype == v.value.dtype and not value.is_meta
+                        and not v.value.is_meta and torch.equal(value, v.value)):  # meta: no values to compare
                     return tv
             name = f"const.{v.name}"
             tv = self.fd.define_tensor(tuple(v.value.shape), v.value.dtype, name)

@@ -369,3 +369,18 @@ def test_transformers_model_optimizes_on_four_ranks_and_simulates_to_the_module(
     fd["input_ids"].set_device_mesh(MESH).outer_split(0, 4).axis(0).parallelize(ed.ParallelType.DIDx)
     plan = ed.optimize(fd, MESH)
     assert_close(ed.simulate(plan, fd.bind(ids, use_cache=False))["logits"], model(ids, use_cache=False).logits, F32)
+
+
+def test_a_module_on_the_meta_device_exports_without_comparing_its_constants():
+    """A model built on the meta device (layouts chosen at real sizes with no weights) folds constants that
+    hold no values: they are kept apart, not compared (torch.equal has no meta kernel)."""
+    class Positions(torch.nn.Module):
+        def forward(self, x):
+            a = torch.arange(x.shape[-1], device=x.device, dtype=x.dtype)
+            b = torch.arange(x.shape[-1], device=x.device, dtype=x.dtype)
+            return x * a + x * b
+
+    with torch.device("meta"):
+        fd = ed.from_torch(Positions(), (torch.ones(2, 4),))
+    assert fd.fusion.outputs["out"].shape == (2, 4)
+    assert sum(name.startswith("const.") for name in fd.constants) == 2  # unknown values: not merged
