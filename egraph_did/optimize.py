@@ -225,8 +225,11 @@ def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit) ->
     if extractor == "greedy":
         try:
             sel = greedy_dag(graph, roots, cm.memory_limit)
-        except MemoryBoundError:  # one price per byte can miss a plan that fits: the 0/1 program decides
-            sel = exact(graph, roots, cm.memory_limit, time_limit=GREEDY_FALLBACK_S)
+        except MemoryBoundError as refused:  # one price per byte can miss a plan that fits: the 0/1 program decides
+            try:
+                sel = exact(graph, roots, cm.memory_limit, time_limit=GREEDY_FALLBACK_S)
+            except PlanError:  # none there either: greedy's message says what the smallest plan needs
+                raise refused from None
     elif extractor == "exact":
         sel = exact(graph, roots, cm.memory_limit, time_limit=time_limit)
     else:
