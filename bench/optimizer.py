@@ -7,8 +7,13 @@ kept; optimize_s is the whole call: where bucket_pairs > 0, optimize ran a secon
 pairs to the bucket_pair rewrite (optimize.py).
 
     .venv/bin/python bench/optimizer.py [--layers 1 8 32 96] [--mesh 8] [--rewrites sum_partials_first]
+    .venv/bin/python bench/optimizer.py --training --layers 1 [--extractor exact]
 
 --rewrites: the program rewrites optimize may apply, by name (default: all of them; `--rewrites` alone: none).
+--training: the whole training step instead (models.gpt_training_step: forward, MSE loss, backward and AdamW
+of every weight; x and target sequence-sharded, weights, moments and their next values free): optimize then
+plans it as a loop (loops_tried: the extra passes that tie x to next.x), so optimize_s covers those passes;
+the stage columns are the kept pass's.
 """
 from __future__ import annotations
 
@@ -23,12 +28,18 @@ from egraph_did.layout import Layout, S
 from egraph_did.pins import apply_layout
 
 
-def run(layers: int, ndev: int, seq: int, hidden: int, heads: int, extractor: str, rewrites=None) -> dict:
+def run(layers: int, ndev: int, seq: int, hidden: int, heads: int, extractor: str, rewrites=None,
+        training: bool = False) -> dict:
     mesh = ed.DeviceMesh.arange(ndev)
     t0 = time.perf_counter()
-    fd = models.gpt_layer(1, seq, hidden, heads, torch.bfloat16, layers=layers)
-    apply_layout(fd["x"], Layout((S(1),)), mesh)
-    apply_layout(fd["y"], Layout((S(1),)), mesh)
+    if training:
+        fd = models.gpt_training_step(1, seq, hidden, heads, torch.bfloat16, layers=layers)
+        sharded = ("x", "target")
+    else:
+        fd = models.gpt_layer(1, seq, hidden, heads, torch.bfloat16, layers=layers)
+        sharded = ("x", "y")
+    for name in sharded:
+        apply_layout(fd[name], Layout((S(1),)), mesh)
     t1 = time.perf_counter()
     plan = ed.optimize(fd, mesh, extractor=extractor, rewrites=rewrites)
     t2 = time.perf_counter()
@@ -40,6 +51,7 @@ def run(layers: int, ndev: int, seq: int, hidden: int, heads: int, extractor: st
             "template_s": st["template_s"], "encode_s": st["encode_s"], "iterations": st["iterations"], "saturate_s": st["saturate_s"], "serialize_s": st["serialize_s"],
             "extract_s": st["extract_s"], "optimize_s": t2 - t1, "facts": st["facts"], "classes": st["classes"],
             "nodes": st["nodes"], "bucket_pairs": st.get("bucket_pairs_offered", 0), "collectives": kinds,
+            "loops_tried": st.get("loops_tried", 0),
             "predicted_ms": plan.predicted_time * 1e3}
 
 
@@ -52,15 +64,17 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=96)
     ap.add_argument("--extractor", default="greedy", choices=["greedy", "exact"])
     ap.add_argument("--rewrites", nargs="*", default=None, help="program rewrites by name (default: all)")
+    ap.add_argument("--training", action="store_true", help="the training step (forward, backward, AdamW)")
     args = ap.parse_args()
     cols = ["layers", "exprs", "facts", "iterations", "classes", "nodes", "build_s", "template_s", "encode_s",
-            "saturate_s", "serialize_s", "extract_s", "bucket_pairs", "optimize_s", "predicted_ms"]
-    print(f"GPT layers, seq {args.seq}, hidden {args.hidden}, {args.heads} heads, bf16, {args.mesh} ranks, "
-          f"x/y sequence-sharded, {args.extractor} extraction, rewrites "
+            "saturate_s", "serialize_s", "extract_s", "bucket_pairs", "loops_tried", "optimize_s", "predicted_ms"]
+    what = "GPT training steps (AdamW), x/target" if args.training else "GPT layers, x/y"
+    print(f"{what} sequence-sharded, seq {args.seq}, hidden {args.hidden}, {args.heads} heads, bf16, {args.mesh} ranks, "
+          f"{args.extractor} extraction, rewrites "
           f"{'all' if args.rewrites is None else ', '.join(args.rewrites) or 'none'}")
     print(" | ".join(f"{c:>11}" for c in cols) + " | collectives")
     for n in args.layers:
-        r = run(n, args.mesh, args.seq, args.hidden, args.heads, args.extractor, args.rewrites)
+        r = run(n, args.mesh, args.seq, args.hidden, args.heads, args.extractor, args.rewrites, args.training)
         cells = [f"{r[c]:>11.3f}" if isinstance(r[c], float) else f"{r[c]:>11}" for c in cols]
         print(" | ".join(cells) + " | " + ", ".join(f"{v} {k}" for k, v in sorted(r["collectives"].items())),
               flush=True)
