@@ -239,7 +239,8 @@ def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit) ->
     plan.stats.update(graph.stats)
     plan.stats.update(sel.stats, extract_method=sel.method, extract_cost=sel.cost)  # exact: proven or not
     plan.stats.update(build_s=t1 - t0, egraph_s=t2 - t1, extract_s=t3 - t2, total_s=time.perf_counter() - t0,
-                      classes=len(graph.classes), nodes=graph.n_nodes)
+                      classes=len(graph.classes), nodes=graph.n_nodes,
+                      rewrite_terms=len(problem.rewritten))  # ops the program rewrites added (used or not)
     return plan, problem
 
 
