@@ -137,11 +137,14 @@ def _axis_facts(e) -> list[tuple]:
         return []
     x = tensors[0]
     out: list[tuple] = []
-    if op.name in ("sum", "mean", "amax", "var_mean"):
+    if op.kind == "reduction" and "dims" in op.signature.parameters:  # sum, amin, any, var_mean, ...
         dims = _dims(x.ndim, args.get("dims"))
         kept = [a for a in range(x.ndim) if a not in dims]
         out += [("AxisMap", 0, a, a if args.get("keepdim") else a - sum(d < a for d in dims)) for a in kept]
         out += [("Reduced", a) for a in dims]
+    elif op.kind == "scan":  # cumsum: every axis but the scanned one, unchanged
+        dim = _norm(args["dim"], x.ndim)
+        out += [("AxisMap", 0, a, a) for a in range(x.ndim) if a != dim]
     elif op.permutes:
         out += [("AxisMap", 0, a, b) for b, a in enumerate(op.permutation(args, x.ndim))]
     elif op.name == "reshape":

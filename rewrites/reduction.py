@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from egglog import rule as erule
 
-from egraph_did.ops import CROSS_ENTROPY_GLOBAL_COUNT, MEAN_GLOBAL_COUNT
+from egraph_did.ops import CROSS_ENTROPY_GLOBAL_COUNT, MEAN_GLOBAL_COUNT, OPS, ops_where
 
 from .rules import P, PMAX, S, Case, egglog_form, family_ruleset, indices, rule
 from .sorts import P as P_, Pmax as Pmax_, R as R_, S as S_
@@ -31,15 +31,27 @@ def _kept(e, a: int, dims) -> int:
     return a if e.attr("keepdim") else a - sum(d < a for d in dims)
 
 
-@rule("sum", "mean", "amax", "var_mean", cases=[
+# every reduction over `dims` (sum, mean, amax, amin, prod, any, all, var_mean): the op table's
+REDUCE_OVER_DIMS = tuple(n for n in ops_where(kind="reduction") if "dims" in OPS[n].signature.parameters)
+
+
+@rule(*REDUCE_OVER_DIMS, cases=[
     Case("sum-mean-amax-uneven", (3,), {"x": (5, 4), "y": (4, 5)}, lambda o, x, y: (
         o.sum(x, 1), o.mean(x, 1, keepdim=True), o.amax(y, 0))),
+    # reductions with no partial placement (no pending min, product or or): only a kept axis stays sharded
+    Case("amin-prod-uneven", (3,), {"x": (5, 4), "y": (4, 5)}, lambda o, x, y: (
+        o.amin(x, 1), o.prod(y, 0, keepdim=True), o.amin(x, -1, keepdim=True))),
+    Case("any-all-of-a-mask", (2,), {"x": (3, 5, 4)}, lambda o, x: (
+        o.any(o.gt(x, 0.0), 1), o.all(o.gt(x, -1.0), (0, -1)), o.any(o.lt(x, 0.0), None, keepdim=True))),
+    Case("several-axes-dropped", (3,), {"x": (4, 3, 5, 7)}, lambda o, x: (
+        o.prod(x, (1, -2)), o.amin(x, (0, 2), keepdim=True), o.all(o.ne(x, 0.0), (-3, 3)))),
+    Case("mesh2x2-amin-prod", (2, 2), {"x": (4, 6, 3)}, lambda o, x: (o.amin(x, 2), o.prod(x, (0,), keepdim=True))),
     Case("var_mean", (2,), {"x": (5, 6)}, lambda o, x: o.var_mean(x, 1)),
     Case("var_mean-keepdim", (3,), {"x": (5, 6)}, lambda o, x: o.var_mean(x, 1, correction=0, keepdim=True)),
     Case("mesh2x2", (2, 2), {"x": (4, 6, 3)}, lambda o, x: o.sum(x, 2)),
 ])
 def reduce_other_axis(e):
-    """reducing axes other than the sharded one keeps the shard: sum(x, d)[shard] = sum(x[shard], d)"""
+    """reducing axes other than the sharded one keeps the shard: f(x, d)[shard] = f(x[shard], d)"""
     dims = _dims(e)
     for a in range(e["x"].ndim):
         if a not in dims:
