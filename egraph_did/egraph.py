@@ -31,7 +31,8 @@ from egraph_did.rewrites.rules import EGGLOG
 from egraph_did.rewrites.sorts import (AX, KERNS, LAYOUTS, OPS_SORT, PLAN, RUN, SIG, SITE, STRAT, Apart, AttrI, AttrS, AxisMap,
                                        Bcast, Connect, D, Def, Extent, Fits, FloatSize, Held, Input, Lit, Load,
                                        LoadIn, MeshSize, NestOK, NoPartial, OpKind, Out, Param, Placement, Rank,
-                                       Reduced, ReshapeBlock, Shape, ShapeOf, Shp, T, Tensor, Valid, attr_text)
+                                       Reduced, ReshapeBlock, Shape, ShapeOf, Shp, T, Tensor, Valid, attr_text,
+                                       shape_code)
 from egraph_did.rewrites.sorts import Kern as KernSort, Layout as LayoutSort
 from egraph_did.rewrites.sorts import P as P_, Pmax as Pmax_, R as R_, S as S_
 
@@ -104,10 +105,6 @@ def pl_text(p) -> str:
 def lay_text(lay: Layout) -> str:
     """A layout as an egglog term: (L2 (S 0) (R))."""
     return f"(L{len(lay)} " + " ".join(pl_text(p) for p in lay) + ")"
-
-
-def _shape_code(tv) -> str:
-    return f"{str(tv.dtype).replace('torch.', '')}:{','.join(map(str, tv.shape))}"
 
 
 # ---------------------------------------------------------------------- op facts by kind
@@ -207,7 +204,7 @@ def encode(problem: Problem) -> tuple[list[str], dict[str, str], dict[str, str]]
     out: list[str] = []
     shapes: dict[str, object] = {}
     for name, tv in fusion.tensors.items():
-        code = _shape_code(tv)
+        code = shape_code(tv)
         shapes.setdefault(code, tv)
         out.append(f"(ShapeOf {t(name)} (Shp {_q(code)}))")
     for code, tv in shapes.items():
@@ -241,7 +238,7 @@ def encode(problem: Problem) -> tuple[list[str], dict[str, str], dict[str, str]]
         code = repr((view.op, view.operands, view.attrs, view.outputs))  # all a sharding rule sees of e
         if code not in sigs:  # the first application of this signature: what the rules read of it
             g = sigs[code] = _q(f"g{len(sigs)}")
-            shp = [f"(Shp {_q(_shape_code(v))})" for v in list(e.outputs) + tens]
+            shp = [f"(Shp {_q(shape_code(v))})" for v in list(e.outputs) + tens]
             out.append(f"(Sig{len(tens)}x{len(e.outputs)} {g} {_q(e.op.name)} {' '.join(shp)})")
             out += [f"(Param {g} {i} {_q(o.param)})" for i, o in enumerate(view.operands)]
             for f in _axis_facts(e):

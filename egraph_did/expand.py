@@ -10,12 +10,12 @@ import functools
 import json
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from egglog import EGraph
 
 from egraph_did.rewrites.algebra import REWRITES, Bucket, Rewrote, rewrite_ruleset
-from egraph_did.rewrites.sorts import OPS_SORT, Def, Lit, ShapeOf, Shp, T
+from egraph_did.rewrites.sorts import OPS_SORT, Def, Lit, ShapeOf, Shp, T, shape_code
 
 from .egglog_io import frozen_rows, held_string, run_text, string_term
 from .errors import PlanError
@@ -97,15 +97,10 @@ def _template(names: tuple[str, ...]):
     return eg, rules
 
 
-def _shape_code(tv) -> str:
-    return f"{str(tv.dtype).replace('torch.', '')}:{','.join(map(str, tv.shape))}"
-
-
-def expand(work: Fusion, ops: Ops, rewrites: Iterable[str], buckets: Sequence[tuple[str, str]] = ()
-           ) -> list[Equal]:
+def expand(work: Fusion, ops: Ops, rewrites: Iterable[str]) -> list[Equal]:
     """Add to `work` every term the named rewrites derive from its ops, as new ops (emitted through
-    `ops`); returns what each new tensor equals. buckets: pairs of tensors (of one dtype, neither computed
-    from the other) that bucket_pair may send in one buffer.
+    `ops`); returns what each new tensor equals. rewrites: names, or a RewriteSet, whose buckets are the
+    pairs of tensors (of one dtype, neither computed from the other) bucket_pair may send in one buffer.
 
     >>> import egraph_did as ed
     >>> with ed.FusionDefinition() as fd:
@@ -118,7 +113,7 @@ def expand(work: Fusion, ops: Ops, rewrites: Iterable[str], buckets: Sequence[tu
     >>> [str(e) for e in work.exprs[-2:]]
     ['add_2 = add(a, b)', 'add_3 = add(x, add_2)']
     """
-    buckets = tuple(buckets) or getattr(rewrites, "buckets", ())
+    buckets = getattr(rewrites, "buckets", ())
     names = tuple(sorted(rewrites))
     if not names or not work.exprs:
         return []
@@ -132,7 +127,7 @@ def expand(work: Fusion, ops: Ops, rewrites: Iterable[str], buckets: Sequence[tu
         lits.setdefault(held_string(text), v)
         return f"(Lit {string_term(text)})"
 
-    facts = [f'(ShapeOf (T "{ident[n]}") (Shp {string_term(_shape_code(tv))}))' for n, tv in work.tensors.items()]
+    facts = [f'(ShapeOf (T "{ident[n]}") (Shp {string_term(shape_code(tv))}))' for n, tv in work.tensors.items()]
     if "bucket_pair" in names:
         for a, b in buckets:
             ta, tb = work.tensors[a], work.tensors[b]
@@ -149,9 +144,7 @@ def expand(work: Fusion, ops: Ops, rewrites: Iterable[str], buckets: Sequence[tu
     with eg:
         run_text(eg, facts)
         eg.run(rules.saturate())
-        ops_used = sorted({e.op.name for e in work.exprs} | {"add"})
-        if "bucket_pair" in names:
-            ops_used = sorted(set(ops_used) | {"cat", "reshape", "slice"})
+        ops_used = sorted(OPS_SORT)  # whatever ops a rewrite builds (the rows are read once, from one freeze)
         rows, raw = frozen_rows(eg, ["T", "Lit", "Rewrote"] + [f"op_{op}" for op in ops_used])
     name_of = {v: k for k, v in ident.items()}
     tclass = {name_of[raw.value_to_string(ins[0])]: out for ins, out in rows.get("T", [])

@@ -223,6 +223,17 @@ OPS_SORT = {name: _constructor(f"op_{name}", [(p, Tensor) for p in op.signature.
             for name, op in OPS.items()}
 
 
+def shape_code(tv) -> str:
+    """A tensor's dtype and extents as the one code of its Shape term.
+
+    >>> import torch
+    >>> from types import SimpleNamespace
+    >>> shape_code(SimpleNamespace(dtype=torch.float32, shape=(8, 64)))
+    'float32:8,64'
+    """
+    return f"{str(tv.dtype).replace('torch.', '')}:{','.join(map(str, tv.shape))}"
+
+
 def attr_text(value) -> str:
     """An attribute's value as egglog holds it (AttrS, Lit): its JSON, double quotes made single.
 

@@ -7,7 +7,7 @@ import torch
 import egraph_did as ed
 from egraph_did.errors import PlanError
 from egraph_did.evaluate import evaluate
-from egraph_did.expand import check_rewrites, expand
+from egraph_did.expand import RewriteSet, check_rewrites, expand
 from egraph_did.problem import clone_fusion
 from egraph_did.models import row_sum
 from egraph_did.rewrites.algebra import REWRITES
@@ -30,7 +30,7 @@ def test_every_added_term_equals_the_tensor_it_joins(name, ex):
     work, ops = clone_fusion(fd.fusion)
     before = len(work.exprs)
     outs = list(work.outputs.values())
-    added = expand(work, ops, [name], [(outs[i].name, outs[j].name) for i, j in ex.buckets])
+    added = expand(work, ops, RewriteSet((name,), tuple((outs[i].name, outs[j].name) for i, j in ex.buckets)))
     assert added and all(eq.rewrite == name for eq in added), "the example must exercise the rewrite"
     assert len(work.exprs) == before + len(added)
     joined = [eq for eq in added if eq.old is not None]
