@@ -111,7 +111,7 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
             raise
         free, problem = _optimize_once(fd, mesh, dataclasses.replace(cm, memory_limit=None), pins, like, offered,
                                        extractor, time_limit)
-        loops = loop_pins(free, problem) or [loop_layouts(free, problem)]
+        loops = loop_pins(free, problem, always=True)
         plan = None
     if loops:  # a training step whose next.<x> is not laid out as x: the cheaper of the loops it could be
         tried, unfit = [], None
@@ -152,20 +152,12 @@ def loop_ties(fusion) -> dict[str, str]:
     return {o[len(NEXT):]: o for o in fusion.outputs if o.startswith(NEXT) and o[len(NEXT):] in inputs}
 
 
-def loop_layouts(plan: Plan, problem: Problem) -> dict[str, Layout]:
-    """Pins that keep every tied pair (loop_ties) where plan holds it: the layout it takes x in."""
-    replicated = Layout(tuple(R for _ in range(problem.mesh.ndim)))
-    out = {}
-    for x, o in loop_ties(problem.fusion).items():
-        out[x] = out[o] = plan.values[plan.inputs[x][0]].layout if x in plan.inputs else replicated
-    return out
-
-
-def loop_pins(plan: Plan, problem: Problem) -> list[dict[str, Layout]]:
+def loop_pins(plan: Plan, problem: Problem, always: bool = False) -> list[dict[str, Layout]]:
     """Where plan takes some x in one layout and delivers next.x in another (not a loop: the next step would
     reshard x first, and nothing pays for it), two sets of pins that make it one: every tied pair in the
     layout the plan takes x in, or every pair that differs in the layout it delivers next.x in (a pin the
-    user gave on either side wins). [] where the plan is a loop already.
+    user gave on either side wins). [] where the plan is a loop already, unless `always`: then the pins
+    that keep every pair where the plan holds it.
 
     >>> import egraph_did as ed
     >>> from egraph_did.models import mlp_training_step
@@ -181,7 +173,7 @@ def loop_pins(plan: Plan, problem: Problem) -> list[dict[str, Layout]]:
         return plan.values[plan.inputs[x][0]].layout if x in plan.inputs else replicated
 
     loose = {x for x, o in ties.items() if o in plan.outputs and taken(x) != plan.layout_of(o)}
-    if not loose:
+    if not loose and not always:
         return []
     out = []
     for deliver in (False, True):
@@ -263,8 +255,7 @@ def drop_cycles(graph: PhysGraph, keys: list[str], priority=lambda graph, node: 
     """Keep the physical graph acyclic where a rewrite made a class equal to a term that reads it (bucket_pair:
     a = unflat(flat(a) ++ flat(b))): the nodes of the exprs `keys` are added back one at a time, producers
     first (by `priority`(graph, node), then the order of `keys`), each only where no class it reads is computed
-    from its own class; then classes left with no node,
-    and the nodes that read them, go.
+    from its own class; then classes left with no node, and the nodes that read them, go.
 
     >>> g = PhysGraph({"a": [Node("Load", (), "a")], "b": [Node("Apply", ("a",), "pack")],
     ...                "a2": [Node("Apply", ("b",), "unpack"), Node("Apply", ("a",), "copy")]},
@@ -327,14 +318,11 @@ def bucket_candidates(plan: Plan, problem: Problem) -> list[tuple[str, str]]:
     [('dw2', 'dw1')]
     """
     fusion = problem.fusion
-    producer = {o.name: e for e in fusion.exprs for o in e.outputs}
 
     @functools.lru_cache(maxsize=None)
     def ancestors(t: str) -> frozenset:
-        e = producer.get(t)
-        if e is None:
-            return frozenset()
-        ins = [v.name for _, v in e.args if hasattr(v, "logical_domain")]
+        e = fusion.producer(fusion.tensors[t])
+        ins = [v.name for v in e.inputs] if e is not None else []
         return frozenset(ins).union(*(ancestors(i) for i in ins))
 
     cm, mesh = problem.cost_model, problem.mesh
@@ -356,8 +344,8 @@ def bucket_candidates(plan: Plan, problem: Problem) -> list[tuple[str, str]]:
         saving = prev.time + c.time - joint - copy(prev.bytes + c.bytes) - copy(prev.bytes) - copy(c.bytes)
         if saving > 0:
             pairs.append((saving, prev.tensor, t))
-    best = sorted(dict.fromkeys(pairs), key=lambda p: -p[0])[:MAX_BUCKET_PAIRS]
-    return [(a, b) for _, a, b in sorted(best, key=lambda p: pairs.index(p))]
+    best = set(sorted(pairs, key=lambda p: -p[0])[:MAX_BUCKET_PAIRS])
+    return list(dict.fromkeys((a, b) for saving, a, b in pairs if (saving, a, b) in best))  # in plan order
 
 
 def _check_time_limit(time_limit, extractor: str) -> float:

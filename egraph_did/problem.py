@@ -245,12 +245,16 @@ def fusion_context(work: Fusion, materialized=()) -> dict[str, Fused]:
     read and its outputs written once, one launch), not op by op. materialized: tensors every plan writes
     (outputs, pins).
 
-    >>> from egraph_did.models import mlp
-    >>> ctx = fusion_context(mlp(tokens=8, hidden=16).fusion)
-    >>> ctx["gelu_1"], ctx["linear_0"]  # gelu reads linear_0 from memory: a GEMM is no kernel primitive
-    (Fused(operands=frozenset(), output=False), Fused(operands=frozenset(), output=False))
+    >>> import egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     x, w = fd.define_tensor((4, 8), name="x"), fd.define_tensor((8, 8), name="w")
+    ...     fd.add_output(fd.ops.add(fd.ops.exp(fd.ops.linear(x, w)), 1.0), name="y")
+    >>> ctx = fusion_context(fd.fusion)
+    >>> ctx["exp_1"]  # reads the GEMM's output from memory (no kernel primitive), kept in registers for add
+    Fused(operands=frozenset(), output=True)
+    >>> ctx["y"]  # joins exp's kernel; an output is written
+    Fused(operands=frozenset({'a'}), output=False)
     """
-    producer = {o.name: e for e in work.exprs for o in e.outputs}
     readers: dict[str, list[Expr]] = {}
     for e in work.exprs:
         for v in {id(t): t for t in e.inputs}.values():
@@ -258,8 +262,8 @@ def fusion_context(work: Fusion, materialized=()) -> dict[str, Fused]:
     keep = set(work.outputs) | set(materialized)
     out = {}
     for e in work.exprs:
-        ins = frozenset(k for k, v in e.args if isinstance(v, TensorView) and v.name in producer
-                        and _fuses(producer[v.name], e))
+        ins = frozenset(k for k, v in e.args if isinstance(v, TensorView) and work.producer(v) is not None
+                        and _fuses(work.producer(v), e))
         name = e.outputs[0].name
         write_free = (len(e.outputs) == 1 and name not in keep and bool(readers.get(name))
                       and all(_fuses(e, r) for r in readers[name]))
