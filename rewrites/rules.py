@@ -169,7 +169,7 @@ def rule(*ops: str, cases: Sequence[Case], nestable: bool = True):
     splits the tensor axis it shards (the rule reasons about the whole extent of one split).
 
     >>> [(r.name, len(r.cases)) for r in RULES["amax"]]  # the rules of the reduction family that cover amax
-    [('reduce_other_axis', 4), ('amax_over_sharded_axis', 3)]
+    [('reduce_other_axis', 8), ('amax_over_sharded_axis', 3)]
     """
     def register(fn):
         doc = (fn.__doc__ or "").strip().splitlines()
