@@ -13,6 +13,7 @@ reduce_scatter: P -> S(a): rank r gets (sum_q x_q)[shard r]
 allreduce: P -> R: every rank gets sum_r x_r (max_r x_r for a pending max)
 alltoall: S(a) -> S(b): rank r sends piece q of its a-shard, cut along b, to rank q
 slice: R -> S(a): each rank keeps its own shard; no communication
+to_partial: R -> P: one rank of the axis keeps the value, the others zeros (a pending max: every rank); no communication
 
 Adding a kind is one class here, registered with @register; the e-graph offers it wherever `connects`
 holds, and the cost model, simulate, the runtime and calibration read it from KINDS.
@@ -202,6 +203,7 @@ class Kind:
     name: ClassVar[str]
     phases: ClassVar[int] = 1  # a ring collective is one pass; allreduce two
     example: ClassVar[tuple[Placement, Placement]]  # a (src, dst) it connects: tests and calibration
+    offered: ClassVar[bool] = True  # the e-graph offers it between any two layouts it connects
 
     @property
     def identity(self) -> str:
@@ -455,6 +457,44 @@ class Slice(Kind):
         return _cut(t, move, group.rank).contiguous()
 
 
+@register
+class ToPartial(Kind):
+    """R -> P: one rank of the axis keeps the value, the others zeros (a pending max: every rank); no communication
+
+    A pin that asks a partial of a value computed whole (a replicated bias added to a partial sum, kept
+    pending) is honoured this way, as DTensor's Replicate -> Partial redistribute.
+
+    >>> move = Move(DeviceMesh.arange(2), (3,), Layout((R,)), Layout((P,)), 0)
+    >>> [KINDS["to_partial"].simulate(move, [torch.ones(3), torch.ones(3)], rank=r).tolist() for r in (0, 1)]
+    [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    """
+
+    name = "to_partial"
+    phases = 0  # local: the optimizer prices it as a copy kernel
+    example = (R, P)
+    offered = False  # only where a pin asks a partial that no rule makes (optimize.partial_from_whole)
+
+    def connects(self, src, dst):
+        return src == R and dst.is_partial
+
+    def nbytes(self, src_bytes, dst_bytes):
+        return 0.0
+
+    def simulate(self, move, parts, rank):
+        return _keep_or_zero(parts[move.mesh.coords(rank)[move.m]], move, move.mesh.coords(rank)[move.m])
+
+    def run(self, move, t, group, timeout=None):
+        return _keep_or_zero(t, move, group.me)
+
+
+def _keep_or_zero(t: torch.Tensor, move: Move, coord: int) -> torch.Tensor:
+    """A summand of t for the rank at `coord` on the move's axis: t at coordinate 0, zeros elsewhere
+    (the value itself for a pending max, which copies do not change)."""
+    if move.dst[move.m].reduce == "max" or coord == 0:
+        return t.clone()
+    return torch.zeros_like(t)
+
+
 # ---------------------------------------------------------------------------- queries
 
 def get(name: str, where: str = "") -> Kind:
@@ -491,12 +531,13 @@ def is_local(name: str) -> bool:
 
 
 def connecting(src: Placement, dst: Placement) -> list[Kind]:
-    """The kinds that take a tensor from src to dst on one mesh axis.
+    """The kinds the e-graph offers to take a tensor from src to dst on one mesh axis (to_partial is not
+    offered: it only honours a pin, see optimize.partial_from_whole).
 
     >>> [k.name for k in connecting(P, R)], [k.name for k in connecting(R, P)]
     (['allreduce'], [])
     """
-    return [k for k in KINDS.values() if k.connects(src, dst)]
+    return [k for k in KINDS.values() if k.offered and k.connects(src, dst)]
 
 
 @dataclass(frozen=True)

@@ -199,20 +199,21 @@ def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit) ->
     if rewrites.buckets:
         drop_cycles(graph, [k for k, r in problem.rewritten.items() if r == "bucket_pair"], _bucket_priority(problem))
     t2 = time.perf_counter()
-    price(graph, problem)
     m = mesh.ndim
     outputs = {}
     inputs = {tv.name for tv in problem.fusion.inputs}
     must = list(problem.fusion.outputs) + [t for t in problem.pins if t not in problem.fusion.outputs
                                             and t not in inputs]
     for name in must:  # outputs, and pinned intermediates the plan must materialize in their pin
-        classes = [graph.index[(canonical(graph, problem, name), lay.code(), m)]
-                   for lay in problem.deliverable(name)
-                   if (canonical(graph, problem, name), lay.code(), m) in graph.index]
+        e = canonical(graph, problem, name)
+        classes = [graph.index[(e, lay.code(), m)] for lay in problem.deliverable(name) if (e, lay.code(), m) in graph.index]
+        if not classes:  # a partial pinned on a value computed whole: one rank keeps it, the others zeros
+            classes = [c for lay in problem.deliverable(name) if (c := partial_from_whole(graph, e, lay, m))]
         if not classes:
             raise PlanError(f"{name}: no layout in {[str(x) for x in problem.deliverable(name)]} is reachable "
                             f"from the pinned inputs; the pin on {name} cannot be honoured")
         outputs[name] = classes
+    price(graph, problem)
     roots = with_roots(graph, outputs)
     if extractor == "greedy":
         try:
@@ -249,6 +250,36 @@ def _bucket_priority(problem: Problem):
             return 1
         return 2
     return priority
+
+
+def partial_from_whole(graph: PhysGraph, tensor: str, layout: Layout, level: int) -> str | None:
+    """The class of `tensor` in `layout` at `level`, made from the class of its layout with every partial
+    placement replicated by a to_partial per such mesh axis (DTensor's Replicate -> Partial: a replicated
+    bias added to a pending sum, kept pending). The e-graph does not offer to_partial between layouts (a
+    value would be split into summands and summed again); optimize asks it only where a pin's partial
+    layout is otherwise out of reach. None if the whole layout is out of reach too.
+
+    >>> g = PhysGraph({"c0": [Node("Load", (), "z")]}, ident={"c0": ("z", "R", 1)}, index={("z", "R", 1): "c0"})
+    >>> c = partial_from_whole(g, "z", Layout.from_code("P"), 1)
+    >>> g.ident[c], g.classes[c]
+    (('z', 'P', 1), [Node(op='Coll', children=('c0',), key='to_partial', sid=0, cost=0.0, memory=0.0)])
+    >>> partial_from_whole(g, "w", Layout.from_code("P"), 1) is None
+    True
+    """
+    axes = [a for a, p in enumerate(layout) if p.is_partial]
+    cur = Layout(tuple(R if p.is_partial else p for p in layout))
+    src = graph.index.get((tensor, cur.code(), level))
+    if not axes or src is None:
+        return None
+    for a in axes:
+        cur = Layout(tuple(layout[i] if i == a else p for i, p in enumerate(cur)))
+        key = (tensor, cur.code(), level)
+        if key not in graph.index:
+            cid = f"to_partial:{tensor}:{cur.code()}:{level}"
+            graph.classes[cid] = [Node("Coll", (src,), "to_partial", a)]
+            graph.ident[cid], graph.index[key] = key, cid
+        src = graph.index[key]
+    return src
 
 
 def drop_cycles(graph: PhysGraph, keys: list[str], priority=lambda graph, node: 0) -> None:

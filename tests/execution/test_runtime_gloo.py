@@ -72,7 +72,23 @@ def cases():
         plan, fd = replay(build, pins, big_args, small_args, mesh, cm)
         inputs = random_inputs(fd)
         out[name] = (plan, fd, inputs, ed.evaluate(fd, inputs))
+    fd = partial_with_bias()
+    inputs = random_inputs(fd)
+    out["partial_with_bias"] = (ed.optimize(fd, MESH), fd, inputs, ed.evaluate(fd, inputs))
     return out
+
+
+def partial_with_bias():
+    """A row-parallel linear plus a replicated bias, its output pinned a pending sum: the plan reduces, adds
+    the bias, and keeps the sum pending by to_partial (rank 0 keeps it, the others zeros)."""
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((5, 8), name="x")
+        w = fd.define_tensor((6, 8), name="w")
+        z = fd.ops.add(fd.ops.linear(x, w), fd.define_tensor((6,), name="b"))
+        fd.add_output(z, name="z")
+    w.set_device_mesh(MESH).outer_split(1, 4).parallelize(1, ed.ParallelType.DIDx)
+    z.set_device_mesh(MESH).add_partial(ed.ParallelType.DIDx)
+    return fd
 
 
 # ---------------------------------------------------------------------------- what each rank runs
@@ -163,7 +179,8 @@ def assert_close(got, want, what):
     assert err <= 1e-5, f"{what}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt", "layer_norm", "mlp_2d", "parallel_residual", "mlp_backward_dp"])
+@pytest.mark.parametrize("name", ["mlp", "gpt", "layer_norm", "mlp_2d", "parallel_residual", "mlp_backward_dp",
+                                  "partial_with_bias"])
 def test_plan_on_four_gloo_ranks_matches_the_reference_in_every_form(name, cases, results):
     plan, _, _, ref = cases[name]
     for rank, res in enumerate(results):
@@ -195,6 +212,8 @@ def test_the_plans_use_the_golden_collectives(cases):
     assert {c.mesh_axis_name for c in cases["mlp_2d"][0].collectives} == {"dp", "tp"}
     assert kinds["parallel_residual"] == ["allreduce"] and cases["parallel_residual"][0].rewrites
     assert kinds["mlp_backward_dp"] == ["allreduce"] and cases["mlp_backward_dp"][0].buckets == [["dw2", "dw1"]]
+    steps = [s.kind for s in cases["partial_with_bias"][0].steps if isinstance(s, ed.plan.Collective)]
+    assert kinds["partial_with_bias"] == ["allgather"] and steps[-1] == "to_partial"
 
 
 def test_dtensor_inputs_are_bound_or_resharded(cases, results):
