@@ -536,7 +536,12 @@ class TensorView:
         if not ptype.is_device:
             raise ShardingError(f"{self.name}.add_partial: a partial needs a DID parallel type, got {ptype.name}")
         if reduce not in ("sum", "max"):
-            raise ShardingError(f"{self.name}.add_partial: reduce must be 'sum' or 'max', got {reduce!r}")
+            hint = {"avg": "; a pending average (DTensor's Partial('avg')) is a pending sum of x / n: pin "
+                           "reduce='sum' and give each rank its summand divided by n (plan.run takes a DTensor "
+                           "with Partial('avg') placements as it is)",
+                    "prod": "; a pending product has no sharding rule: pin the tensor replicated "
+                            "(set_device_mesh alone) and multiply the factors before"}.get(reduce, "")
+            raise ShardingError(f"{self.name}.add_partial: reduce must be 'sum' or 'max', got {reduce!r}{hint}")
         for d in self._loop:
             if d.parallel_type is ptype:
                 raise ShardingError(f"{self.name}: {ptype.name} is already bound to loop axis {d}")

@@ -65,7 +65,11 @@ def layout_of(tv: TensorView, mesh: DeviceMesh) -> Layout:
     """
     tmesh = tv.mesh or mesh
     if tmesh != mesh:
-        raise PlanError(f"{tv.name} is pinned to {tmesh} but the fusion is optimized for {mesh}")
+        sub = " (a sub-mesh: a tensor held by some devices and broadcast to the others is not supported)" \
+            if set(tmesh.ranks) < set(mesh.ranks) else ""
+        raise PlanError(f"{tv.name} is pinned to {tmesh} but the fusion is optimized for {mesh}{sub}; every "
+                        f"tensor lives on the fusion's mesh: pin {tv.name} with set_device_mesh(mesh) (replicated: "
+                        f"plan.run takes it whole on every rank), or leave it free")
     ps = [R] * mesh.ndim
     for d in tv.loop_domain:
         if d.is_device:

@@ -540,6 +540,25 @@ def _():
     return x.add_partial(P.DIDx)
 
 
+@bad("partial avg", ShardingError, "x.add_partial", "got 'avg'", "pending sum of x / n", "reduce='sum'")
+def _():
+    _, x = fusion_x()
+    return x.set_device_mesh(MESH2).add_partial(P.DIDx, reduce="avg")
+
+
+@bad("partial prod", ShardingError, "x.add_partial", "got 'prod'", "pin the tensor replicated")
+def _():
+    _, x = fusion_x()
+    return x.set_device_mesh(MESH2).add_partial(P.DIDx, reduce="prod")
+
+
+@bad("pin on a sub-mesh", PlanError, "x is pinned to DeviceMesh(x=1)", "a sub-mesh", "set_device_mesh(mesh)")
+def _():
+    fd, x = fusion_x()
+    x.set_device_mesh(ed.DeviceMesh([0]))
+    return ed.optimize(fd, MESH2)
+
+
 @bad("pin on another mesh", PlanError, "x is pinned to DeviceMesh(x=4)", "optimized for DeviceMesh(x=2)")
 def _():
     fd, x = fusion_x()
