@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install egraph-did with its test extras. Idempotent: a second run installs nothing new.
+# Create .venv and install egraph-did with its test and models extras. Idempotent: a second run installs nothing new.
 # torch goes in first, pinned to 2.13.0, whose CPU wheel lies on local disk; pyproject's torch>=2.11 is
 # then satisfied and pip never reaches for a multi-GB CUDA build.
 set -euo pipefail
@@ -12,5 +12,6 @@ fi
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     .venv/bin/pip install --quiet "torch==2.13.0"
 fi
-.venv/bin/pip install --quiet -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
+# the models extra (transformers) lets the tests run the Hugging Face models; egraph_did never needs it
+.venv/bin/pip install --quiet -e '.[test,models]' 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import torch, egglog, triton, egraph_did; print('egraph-did env: torch', torch.__version__, '| triton', triton.__version__, '| egglog ok')"
