@@ -119,6 +119,8 @@ def cast_expr(x: str, src: torch.dtype, dst: torch.dtype) -> str:
     if dst == src or (COMPUTE_TYPE[dst] == COMPUTE_TYPE[src] and dst == torch.float32):
         return x
     if dst in (torch.float16, torch.bfloat16):
+        if src == torch.bool:  # 0 and 1 are exact in any float; Triton's interpreter cannot cast int1 to 16 bits
+            return f"{x}.to(tl.float32)"
         return f"{x}.to({STORAGE_TYPE[dst]}).to(tl.float32)"
     return f"{x}.to({COMPUTE_TYPE[dst]})"
 

@@ -276,6 +276,15 @@ def test_cast_rounds_through_16_bit_and_handles_int_and_bool():
     check(b.spec(h, k, m, b.cast(m, torch.float32), f), kind="pointwise")
 
 
+@pytest.mark.parametrize("dst", [torch.bfloat16, torch.float16])
+def test_cast_of_bool_to_a_16_bit_float(dst):
+    """bool -> bf16/fp16 in a fused kernel (fuzz seed 11 case 70: Triton's interpreter could not cast int1 to
+    16 bits; 0 and 1 go through float32, exactly)."""
+    b = Build()
+    x = b.input("x", (5, 9))
+    check(b.spec(b.cast(b.gt(x, 0.0), dst), b.add(b.cast(b.gt(x, 0.5), dst), 1.0)), kind="pointwise")
+
+
 def test_output_broadcast_along_the_loop_is_written_once_and_right():
     b = Build()
     x, w = b.input("x", (6, 10)), b.input("w", (10,))
