@@ -260,12 +260,44 @@ class _Converter:
         kwargs = {k: self._value(v) for k, v in _by_schema(schema, node.args, node.kwargs).items()}
         if not _has_tensor(kwargs):
             return self._fold(node, kwargs)
-        fn = ATEN.get(node.target) or ATEN.get(getattr(node.target, "overloadpacket", None))
+        fn = ATEN.get(node.target) or ATEN.get(getattr(node.target, "overloadpacket", None)) or self._in_place(node)
         if fn is None:
-            if self.strict:
-                raise self.error("has no fusion mapping", _FIX_UNMAPPED)
-            return self._opaque(node, kwargs)
+            return self.unmapped(node, kwargs)
         return fn(self, **kwargs)
+
+    def unmapped(self, node, kwargs=None):
+        """A node no mapping computes: an opaque step, or (strict) an ExportError. A mapping that takes only
+        some forms of its op hands the others here (kwargs None: the node's own arguments)."""
+        if kwargs is None:
+            kwargs = {k: self._value(v) for k, v in _by_schema(node.target._schema, node.args, node.kwargs).items()}
+        if self.strict:
+            raise self.error("has no fusion mapping", _FIX_UNMAPPED)
+        return self._opaque(node, kwargs)
+
+    def _in_place(self, node):
+        """The mapping of x.op_(...) (export keeps some in-place ops: router_top_value /= ... in
+        transformers' MoE routers): the out-of-place op's, where computing a new tensor gives what torch
+        gives, that is where x is no view, nothing reads x after the node and no view of x was taken (a
+        reader of those would see the old value here, the new one in torch); None where the op has no
+        out-of-place mapping."""
+        packet = getattr(node.target, "overloadpacket", None)
+        name = getattr(packet, "__name__", "")
+        pure = getattr(aten, name[:-1], None) if name.endswith("_") and not name.endswith("__") else None
+        fn = ATEN.get(pure)
+        if fn is None:
+            return None
+        target = node.args[0]
+        fix = "compute a new tensor instead (x = x.op(...))"
+        if target.op == "placeholder":
+            raise self.error(f"writes into the input {target.name}", f"{fix}: a fusion does not change its inputs")
+        if _is_view(target):
+            raise self.error(f"writes into {target.name}, a view of another tensor", fix)
+        order = {n: i for i, n in enumerate(self.ep.graph.nodes)}
+        others = [u for u in target.users if u is not node and (order[u] > order[node] or _is_view(u))]
+        if others:
+            raise self.error(f"overwrites {target.name} while {', '.join(u.name for u in others)} read(s) it "
+                             f"later or hold(s) a view of it", fix)
+        return fn
 
     def _opaque(self, node, kwargs):
         """An op the table does not map, as an opaque step: torch runs it on whole operands (replicated), with
@@ -394,6 +426,15 @@ class _Folded:
 def _by_schema(schema, args, kwargs) -> dict:
     """A node's arguments by their names in the op's schema."""
     return {a.name: v for a, v in zip(schema.arguments, args)} | dict(kwargs)
+
+
+def _is_view(node) -> bool:
+    """Whether a graph node's value is a view of another tensor (its op's schema returns an alias: view,
+    select, slice, a piece of split or chunk)."""
+    if node.target is operator.getitem:
+        return _is_view(node.args[0])
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 def _has_tensor(v) -> bool:
@@ -847,6 +888,54 @@ def _sdpa_with_mask(c, q, k, v, mask, scale):
     s = ops.mul(ops.matmul(q, ops.transpose(k, -2, -1)), scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
     s = ops.where(mask, s, -math.inf) if mask.dtype == torch.bool else ops.add(s, ops.cast(mask, s.dtype))
     return ops.matmul(ops.softmax(s, -1), v)
+
+
+# ------------------------------------------------------------ mixture-of-experts routing
+
+@maps(aten.topk)
+def _topk(c, self, k, dim=-1, largest=True, sorted=True):
+    """torch.topk as (values, indices): the indices are the first k of an argsort (stable, so ties go to
+    the lower index as topk's do), an opaque step every rank runs on the whole operand (an integer
+    result: no gradient flows through it); the values are gathered at them (take_along_axis), so the
+    gradient reaches the scores. Sorted either way (topk's order with sorted=False is unspecified)."""
+    x = c._tensor(self)
+    d = dim % x.ndim
+    call = json.dumps({"args": [{"tensor": 0}], "kwargs": {"stable": True, "dim": d, "descending": bool(largest)}})
+    order = c.ops.opaque(x, target="aten.argsort.stable", call=call, shape=x.shape, dtype=torch.int64,
+                         source=source_line(c.node))
+    indices = c.ops.slice(order, d, 0, k if k < x.shape[d] else None)
+    return c.ops.take_along_axis(x, indices, d), indices
+
+
+@maps(aten.index)
+def _index(c, self, indices):
+    """x[idx] with one integer index tensor on the first axis (an expert's weights picked per token):
+    rows of x as an embedding table, [x.shape[0], the rest flattened], so that the gather has the
+    embedding's sharding rules and gradient. Other forms (boolean masks, several index tensors, an index
+    on a later axis) become opaque steps."""
+    x = c._tensor(self)
+    idx = list(indices)
+    if len(idx) != 1 or not isinstance(idx[0], (TensorView, _Folded)) or x.ndim < 1:
+        return c.unmapped(c.node)
+    ids = c._tensor(idx[0])
+    if ids.dtype not in (torch.int32, torch.int64):
+        return c.unmapped(c.node)
+    rest = x.shape[1:]
+    table = x if x.ndim == 2 else c.ops.reshape(x, (x.shape[0], math.prod(rest)))
+    rows = c.ops.embedding(ids, table)
+    return rows if x.ndim == 2 else c.ops.reshape(rows, ids.shape + rest)
+
+
+@maps(aten.repeat_interleave)
+def _repeat_interleave(c, self=None, repeats=None, dim=None, output_size=None):
+    """x.repeat_interleave(n, dim) with an int n: each slice along dim n times in a row, as an expand of
+    a new axis after dim, merged into it. A tensor of counts has a data-dependent length: an opaque step."""
+    if self is None or not isinstance(repeats, int) or dim is None:  # repeat_interleave.Tensor: counts only
+        return c.unmapped(c.node)
+    x = c._tensor(self)
+    d = dim % x.ndim
+    wide = c.ops.expand(c.ops.unsqueeze(x, d + 1), x.shape[:d + 1] + (repeats,) + x.shape[d + 1:])
+    return c.ops.reshape(wide, x.shape[:d] + (x.shape[d] * repeats,) + x.shape[d + 1:])
 
 
 # ------------------------------------------------------------ shape-only values

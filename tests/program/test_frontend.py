@@ -384,3 +384,76 @@ def test_a_module_on_the_meta_device_exports_without_comparing_its_constants():
         fd = ed.from_torch(Positions(), (torch.ones(2, 4),))
     assert fd.fusion.outputs["out"].shape == (2, 4)
     assert sum(name.startswith("const.") for name in fd.constants) == 2  # unknown values: not merged
+
+
+# ---------------------------------------------------------------------- routing of mixture-of-experts layers
+
+class Router(nn.Module):
+    """A mixture-of-experts layer as transformers' Mixtral writes it with experts_implementation=
+    "batched_mm": top-2 of a softmax router, renormalized in place, each token's experts' weights picked
+    from a [experts, out, in] parameter by index, the token repeated per choice, a bmm per pick."""
+
+    def __init__(self, hidden: int = 8, experts: int = 4, k: int = 2):
+        super().__init__()
+        self.k = k
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.Parameter(torch.randn(experts, hidden, hidden) / hidden ** 0.5)
+
+    def forward(self, x):
+        probs = torch.softmax(self.gate(x), dim=-1)
+        top, idx = torch.topk(probs, self.k, dim=-1)
+        top /= top.sum(dim=-1, keepdim=True)  # in place, as the HF router
+        picked = self.experts[idx.reshape(-1)]  # [tokens * k, hidden, hidden]
+        tokens = x.repeat_interleave(self.k, dim=0)
+        y = torch.bmm(picked, tokens.unsqueeze(-1)).squeeze(-1) * top.reshape(-1, 1)
+        return y.view(x.shape[0], self.k, -1).sum(1)
+
+
+def test_a_mixture_of_experts_router_maps_onto_gathers_and_one_opaque_argsort():
+    """topk: the values gathered (take_along_axis) at the first k of an opaque argsort; the expert
+    weights picked by index: an embedding of the parameter's rows; repeat_interleave: an expand; the in-place
+    renormalization: a div. Forward and the gradients of both parameters equal torch's (float64)."""
+    torch.manual_seed(0)
+    module, x = Router().double(), torch.randn(6, 8, dtype=F64)
+    fd = ed.from_torch(module, (x,))
+    ops = [e.op.name for e in fd.fusion.exprs]
+    assert ops.count("opaque") == 1 and ops.count("take_along_axis") == 1 and ops.count("embedding") == 1
+    (step,) = [e for e in fd.fusion.exprs if e.op.name == "opaque"]
+    assert dict(step.args)["target"] == "aten.argsort.stable" and "torch.topk(probs" in dict(step.args)["source"]
+    assert_close(ed.evaluate(fd, fd.bind(x))["out"], module(x), F64)
+    fd.add_output(fd.ops.sum(fd.ops.mul(fd["out"], fd["out"])), name="loss")
+    got = ed.evaluate(ed.grad(fd, loss="loss", wrt=["gate.weight", "experts"]), fd.bind(x))
+    (module(x) ** 2).sum().backward()
+    assert_close(got["grad_gate.weight"], module.gate.weight.grad, F64)
+    assert_close(got["grad_experts"], module.experts.grad, F64)
+
+
+@pytest.mark.parametrize("largest", [True, False])
+def test_topk_gives_torchs_values_and_indices_along_any_axis(largest):
+    x = torch.randn(5, 7, 3, dtype=F64, generator=torch.Generator().manual_seed(3))
+    fd = ed.from_torch(lambda x: torch.topk(x, 3, dim=1, largest=largest), (x,))
+    got = ed.evaluate(fd, fd.bind(x))
+    want = torch.topk(x, 3, dim=1, largest=largest)
+    assert_close(got["0"], want.values, F64)
+    assert torch.equal(got["1"], want.indices)
+
+
+def test_indexing_a_later_axis_stays_an_opaque_step_and_the_first_axis_is_an_embedding():
+    x, ids = torch.randn(4, 3, 2, dtype=F64), torch.tensor([2, 0, 2])
+    fd = ed.from_torch(lambda x, ids: x[:, ids] * 2 + x[ids].sum(), (x, ids))
+    ops = [e.op.name for e in fd.fusion.exprs]
+    assert ops.count("opaque") == 1 and ops.count("embedding") == 1
+    assert_close(ed.evaluate(fd, fd.bind(x, ids))["out"], x[:, ids] * 2 + x[ids].sum(), F64)
+
+
+def test_an_in_place_op_read_through_a_view_taken_before_it_is_refused_naming_the_line():
+    def overwritten(x):
+        y = x * 2
+        first = y[0]  # a view of y: torch's reader sees the division below
+        y.div_(3)  # the line the error names
+        return first + 1
+    with pytest.raises(ed.ExportError) as info:
+        ed.from_torch(overwritten, (torch.randn(2, 3),))
+    msg = str(info.value)
+    assert msg.startswith("from_torch: aten.div_.Tensor at ") and "y.div_(3)" in msg
+    assert "hold(s) a view of it" in msg
