@@ -154,6 +154,25 @@ def test_gpt2_mlps_are_column_then_row_parallel(ranks):
         assert placements[mlp + "c_fc.weight"] == ("S(1)",) and placements[mlp + "c_proj.weight"] == ("S(0)",)
 
 
+# each model's row-parallel projections: weights split on the dim their matmul contracts
+ROW_PARALLEL = {"llama": (("o_proj.weight", "down_proj.weight"), ("S(1)",)), "gpt2": (("c_proj.weight",), ("S(0)",))}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_forward_reduces_partial_sums_and_moves_less_than_the_sharded_weights(ranks, name):
+    """Tensor parallelism, not gathered weights: a row-parallel projection leaves partial sums, which the
+    forward reduces (reduce_scatter or allreduce); its collectives move fewer bytes than the sharded
+    weights hold (a plan that gathered the weights before use, as FSDP does, would move them all)."""
+    forward, _ = ranks[0][name]["collectives"]
+    placements = ranks[0][name]["placements"]
+    suffixes, row = ROW_PARALLEL[name]
+    assert any(n.endswith(suffixes) and p == row for n, p in placements.items())
+    assert any(kind in ("reduce_scatter", "allreduce") for kind, _ in forward)
+    sizes = {n: p.numel() * p.element_size() for n, p in MODELS[name]().named_parameters()}
+    sharded = sum(sizes[n] for n, p in placements.items() if any(q.startswith("S(") for q in p))
+    assert 0 < sum(nbytes for _, nbytes in forward) < sharded
+
+
 def test_gpt2_tied_lm_head_stays_one_dtensor(ranks):
     """lm_head.weight is transformer.wte.weight: one DTensor, read by the embedding and by lm_head, whose
     gradient sums both uses (the parameter check above compares it with the module's)."""
