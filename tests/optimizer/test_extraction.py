@@ -241,3 +241,33 @@ def test_optimize_passes_its_time_limit_to_the_exact_solver_and_checks_it(monkey
             ed.optimize(fd, mesh, extractor="exact", time_limit=bad)
     with pytest.raises(ed.PlanError, match="time_limit bounds the exact extractor"):
         ed.optimize(fd, mesh, time_limit=5)
+
+
+def _partial_mlp_graph():
+    fd = models.mlp(64, 1024, torch.bfloat16)  # 2-D mesh, input partial on one mesh axis: ~200 classes
+    apply_layout(fd["x"], Layout((P, S(0))), MESH2)
+    return _graph(fd, MESH2)
+
+
+def test_greedys_plan_is_a_feasible_start_for_the_0_1_program_and_costs_no_more_there():
+    """exact hands greedy's plan to HiGHS as its first incumbent; a start that broke a row (a Keep where the
+    program only allows a collective, a class _fix_free cut down) would be dropped silently."""
+    graph, roots = _partial_mlp_graph()
+    greedy = greedy_dag(graph, roots)
+    program = extract._program(graph, roots, None)
+    start = program.start(greedy.choice, roots)
+    assert program.solver.feasible(start)
+    assert program.cost @ start <= greedy.cost * 1e9 * (1 + 1e-12)
+    assert exact(graph, roots).stats["exact_start_feasible"] is True
+
+
+def test_the_0_1_program_has_the_same_optimum_through_scipys_milp_as_through_the_highs_bindings(monkeypatch):
+    """The warm cut loop and the MIP start use scipy's private HiGHS bindings; an older scipy solves the
+    same program through milp. Both must prove the same optimum."""
+    graph, roots = _partial_mlp_graph()
+    fast = exact(graph, roots)
+    monkeypatch.setattr(extract, "_highs_bindings", lambda: None)
+    slow = exact(graph, roots)
+    assert fast.proven and slow.proven
+    assert fast.cost == pytest.approx(slow.cost, rel=1e-9)
+    assert fast.cost <= greedy_dag(graph, roots).cost * (1 + 1e-12)
