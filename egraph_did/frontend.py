@@ -12,7 +12,13 @@ order and emits each node through a table (ATEN: ATen op -> a function emitting 
   "const.<module path>.<node>" (equal ones shared), passed like a weight: the optimizer lays it out as
   any input (replicated, or split where that is cheaper). Its value is fixed at export: re-export after
   changing a buffer. A random op (rand, dropout in training) is never folded: it raises;
-- an op with no mapping raises ExportError naming the op, the source line it came from and what to do.
+- an op with no mapping becomes an opaque step (torch runs it on whole operands, replicated on every
+  rank; the plan names it with its source line), or, under strict=True, raises ExportError naming the
+  op, the source line it came from and what to do;
+- an in-place op (x.div_(...)) maps as its out-of-place form where that gives what torch gives (nothing
+  reads x afterwards, x is no view and has none), else it raises naming the line;
+- the routing of mixture-of-experts layers: topk is a gather at the first k of an (opaque) argsort, and
+  an expert's weights picked by index (w[ids]) an embedding of w's rows, so both keep their gradients.
 
 The fusion is specialized to the example inputs' shapes and dtypes (as torch.export with static shapes).
 """
