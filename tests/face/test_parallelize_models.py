@@ -8,8 +8,9 @@ One launch runs both models. Skipped without transformers (the `models` extra).
 
 The weights are drawn with std 0.2 (initializer_range), not transformers' 0.02: at 0.02 the logits are
 nearly uniform and some gradients are as small as AdamW's eps, where the update g / (|g| + eps) turns
-float32's own rounding into more than 1e-5 of a parameter (the float32 module against itself in float64:
-5.6e-5 for llama); at 0.2 the float32 module is within 6e-7 of float64, so ours is checked against both.
+float32's own rounding into a miss of the tolerance (the float32 module against itself in float64 after
+3 steps: |difference| - 1e-5 |value| up to 5.6e-5 for llama, past atol 1e-5); at 0.2 it is at most 6e-7
+for both models, so ours is checked against the module in float32 and in float64.
 GPT-2's c_attn bias is frozen: its key third has a gradient of zero in exact arithmetic (softmax does not
 see a shift of every score of a query), which float32 gives as rounding noise and AdamW's first step
 turns into a full step of either sign (as tests/face/test_parallelize.py's block).
