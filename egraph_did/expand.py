@@ -14,7 +14,7 @@ from typing import Iterable
 
 from egglog import EGraph
 
-from egraph_did.rewrites.algebra import REWRITES, Bucket, Rewrote, rewrite_ruleset
+from egraph_did.rewrites.algebra import REWRITES, SIBLINGS, Bucket, Interleave, Order, Rewrote, rewrite_ruleset
 from egraph_did.rewrites.sorts import OPS_SORT, Def, Lit, ShapeOf, Shp, T, shape_code
 
 from .egglog_io import frozen_rows, held_string, run_text, string_term
@@ -66,11 +66,11 @@ def check_rewrites(rewrites) -> tuple[str, ...]:
     """The program rewrites to apply, by name: all of them for None, none for ().
 
     >>> check_rewrites(None)
-    ('bucket_pair', 'sum_partials_first')
+    ('bucket_pair', 'merge_siblings', 'sum_partials_first')
     >>> check_rewrites(["sum_partial_first"])
     Traceback (most recent call last):
     ...
-    egraph_did.errors.PlanError: optimize: unknown program rewrite 'sum_partial_first'; rewrites= takes names from ['bucket_pair', 'sum_partials_first'] (None: all of them, (): none)
+    egraph_did.errors.PlanError: optimize: unknown program rewrite 'sum_partial_first'; rewrites= takes names from ['bucket_pair', 'merge_siblings', 'sum_partials_first'] (None: all of them, (): none)
     """
     if rewrites is None:
         return ALL_REWRITES
@@ -92,15 +92,108 @@ def _template(names: tuple[str, ...]):
     eg = EGraph()
     junk = Lit("declare")  # a class no program names: read back never emits a term that uses it
     eg.register(ShapeOf(junk, Shp("declare")), Rewrote(junk, "declare"), Def(T("declare"), junk), Bucket(*[junk] * 8),
+                Order(junk, 0), Interleave(0, Shp("declare"), Shp("declare"), *[junk] * 4),
                 *[Def(junk, OPS_SORT[op](*[junk] * len(OPS[op].signature.parameters))) for op in sorted(OPS_SORT)])
     eg.run(1, ruleset=rules)
     return eg, rules
 
 
-def expand(work: Fusion, ops: Ops, rewrites: Iterable[str]) -> list[Equal]:
+def sibling_groups(work: Fusion) -> list[list]:
+    """The linears of the program that merge_siblings may merge: groups of two or more that read one input
+    with weights of one shape, all with biases of one shape or none, in program order.
+
+    >>> import egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     x, z = fd.define_tensor((5, 4), name="x"), fd.define_tensor((5, 4), name="z")
+    ...     wq, wk, wv, wo = (fd.define_tensor((3, 4), name=n) for n in ("wq", "wk", "wv", "wo"))
+    ...     for n, (a, w) in {"q": (x, wq), "k": (x, wk), "v": (x, wv), "o": (z, wo), "u": (x, fd.ops.neg(wo))}.items():
+    ...         fd.add_output(fd.ops.linear(a, w), name=n)
+    >>> [[e.outputs[0].name for e in g] for g in sibling_groups(fd.fusion)]
+    [['q', 'k', 'v', 'u']]
+    """
+    groups: dict[tuple, list] = {}
+    for e in work.exprs:
+        if e.op.name == "linear" and len(e.outputs) == 1:
+            x, w, *bias = e.inputs
+            groups.setdefault((x.name, shape_code(w), tuple(shape_code(b) for b in bias)), []).append(e)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def merge_can_pay(group, mesh, cm, shape_of=lambda tv: tuple(tv.shape)) -> bool:
+    """Whether merging two siblings of `group` can be cheaper on this mesh and cost model at best: what it
+    could save (a GEMM launch, a read of the input, an all-reduce's latency per mesh axis) against what it
+    costs at least (interleaving the weights, sharded over every rank; a cat's launch; slicing each
+    output, likewise sharded). The e-graph gains the merged terms only where they can pay (the full-width
+    q, k and v of a GPT-3 layer: their weights' copy alone costs more than the latencies saved).
+    shape_of: a tensor's shape (a replay judges at the shapes of the plan it replays: the same terms).
+
+    >>> import egraph_did as ed, torch
+    >>> from egraph_did.cost import CostModel
+    >>> def group(tokens, hidden, width):
+    ...     with ed.FusionDefinition() as fd:
+    ...         x = fd.define_tensor((tokens, hidden), torch.bfloat16, name="x")
+    ...         for n in ("g", "u"):
+    ...             fd.add_output(fd.ops.linear(x, fd.define_tensor((width, hidden), torch.bfloat16, name="w" + n)), name=n)
+    ...     return sibling_groups(fd.fusion)[0]
+    >>> merge_can_pay(group(8192, 4096, 128), ed.DeviceMesh.arange(4), CostModel.h200())
+    True
+    >>> merge_can_pay(group(2048, 12288, 12288), ed.DeviceMesh.arange(8), CostModel.h200())
+    False
+    """
+    x, w = group[0].inputs[:2]
+    xs, ws = shape_of(x), shape_of(w)
+    nbytes = {"x": math.prod(xs), "w": math.prod(ws), "y": math.prod(xs[:-1]) * ws[0]}
+    nbytes = {k: v * x.dtype.itemsize for k, v in nbytes.items()}
+    hbm, launch = cm.hbm_bandwidth, cm.launch_overhead
+    latency = sum(2 * cm.link(axis, mesh.ndim).alpha for axis in range(mesh.ndim))
+    saves = launch + nbytes["x"] / hbm + latency
+    costs = launch + 4 * nbytes["w"] / mesh.size / hbm + 2 * (launch + 2 * nbytes["y"] / mesh.size / hbm)
+    return costs < saves
+
+
+def _shapes_in(like):
+    """A tensor's shape in the plan `like` (where it holds one), else its own."""
+    shapes = {v.tensor: tuple(v.shape) for v in like.values.values()} if like is not None else {}
+    return lambda tv: shapes.get(tv.name, tuple(tv.shape))
+
+
+def sibling_facts(work: Fusion, ident: dict[str, str], slot, can_pay=lambda group: True) -> list[str]:
+    """The facts merge_siblings joins on, for the sibling groups that can pay: each weight's place in the
+    program (Order) and, per pair of weight and output shapes, the literal shapes n siblings merge with
+    (Interleave). slot(v) writes a literal (and registers it for read back).
+
+    >>> import egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     x = fd.define_tensor((5, 4), name="x")
+    ...     for n in "gu":
+    ...         fd.add_output(fd.ops.linear(x, fd.define_tensor((3, 4), name="w" + n)), name=n)
+    >>> ident = {name: f"t{i}" for i, name in enumerate(fd.fusion.tensors)}
+    >>> sibling_facts(fd.fusion, ident, repr)[:3]
+    ['(Order (T "t1") 1)', '(Order (T "t3") 3)', '(Interleave 2 (Shp "float32:3,4") (Shp "float32:5,3") [6, 4] [5, 3, 2] [5, 3] [6])']
+    """
+    for v in (None, -1, *range(max(SIBLINGS) + 1)):
+        slot(v)  # the bias slot's null, the slices' axis and bounds, the unsqueeze and cat axis (1)
+    position = {name: i for i, name in enumerate(work.tensors)}
+    facts, shapes = [], {}
+    for group in filter(can_pay, sibling_groups(work)):
+        for e in group:
+            facts.append(f'(Order (T "{ident[e.inputs[1].name]}") {position[e.inputs[1].name]})')
+        w, y = group[0].inputs[1], group[0].outputs[0]
+        shapes[shape_code(w), shape_code(y)] = (tuple(w.shape), tuple(y.shape))
+    for (cw, cy), ((o, k), y) in shapes.items():
+        for n in SIBLINGS:
+            lits = [[n * o, k], [*y[:-1], o, n], list(y), [n * o]]
+            facts.append(f'(Interleave {n} (Shp "{cw}") (Shp "{cy}") {" ".join(slot(v) for v in lits)})')
+    return facts
+
+
+def expand(work: Fusion, ops: Ops, rewrites: Iterable[str], mesh=None, cost_model=None, like=None) -> list[Equal]:
     """Add to `work` every term the named rewrites derive from its ops, as new ops (emitted through
     `ops`); returns what each new tensor equals. rewrites: names, or a RewriteSet, whose buckets are the
     pairs of tensors (of one dtype, neither computed from the other) bucket_pair may send in one buffer.
+    mesh and cost_model: merge_siblings merges only the siblings that can pay there (merge_can_pay);
+    without them, every group. like: a plan of this fusion being replayed at other shapes, whose shapes
+    judge that instead (the replay gains the terms the plan chose among, under the same names).
 
     >>> import egraph_did as ed
     >>> with ed.FusionDefinition() as fd:
@@ -136,6 +229,10 @@ def expand(work: Fusion, ops: Ops, rewrites: Iterable[str]) -> list[Equal]:
             literals = [(na,), (nb,), tuple(ta.shape), tuple(tb.shape), na, na + nb]
             slot(0)  # the cat's axis and the first slice's start
             facts.append(f'(Bucket (T "{ident[a]}") (T "{ident[b]}") {" ".join(slot(v) for v in literals)})')
+    if "merge_siblings" in names:
+        can_pay = (lambda g: True) if mesh is None or cost_model is None else \
+            functools.partial(merge_can_pay, mesh=mesh, cm=cost_model, shape_of=_shapes_in(like))
+        facts += sibling_facts(work, ident, slot, can_pay)
     for e in work.exprs:
         if len(e.outputs) != 1:
             continue  # multi-output ops are no rewrite's subject yet (their terms are Out(i, app))
@@ -181,4 +278,4 @@ def expand(work: Fusion, ops: Ops, rewrites: Iterable[str]) -> list[Equal]:
     return [Equal(old_name, new, rule[out]) for out, _, old_name, new in made]
 
 
-__all__ = ["ALL_REWRITES", "Equal", "RewriteSet", "check_rewrites", "expand"]
+__all__ = ["ALL_REWRITES", "Equal", "RewriteSet", "check_rewrites", "expand", "merge_can_pay", "sibling_facts", "sibling_groups"]

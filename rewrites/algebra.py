@@ -13,7 +13,7 @@ the user's program (and the decompositions), never to its own results, so a chai
 terms, not every bracketing of the chain.
 
 >>> sorted(REWRITES)
-['bucket_pair', 'sum_partials_first']
+['bucket_pair', 'merge_siblings', 'sum_partials_first']
 >>> REWRITES["sum_partials_first"].identity
 '(x + a) + b = x + (a + b): partial sums add before their collective (one all-reduce, not two)'
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from egglog import String, eq, relation, ruleset, union, var
+from egglog import String, eq, i64, relation, ruleset, union, var
 from egglog import rule as erule
 
 from .sorts import OPS_SORT, Def, Lit, Shape, ShapeOf, Tensor
@@ -33,10 +33,19 @@ Rewrote = relation("Rewrote", Tensor, String, egg_fn="Rewrote")
 # literals of their flat and real shapes and of the split point come with it). The optimizer names the
 # pairs: two collectives of one kind on one mesh axis that a plan without buckets runs (egraph_did/expand.py)
 Bucket = relation("Bucket", *[Tensor] * 8, egg_fn="Bucket")
+# Order(w, i): the weight w of a linear is the program's i-th tensor (siblings merge in this order: each set
+# of them once, not once per permutation). expand writes it for the siblings that can pay only
+Order = relation("Order", Tensor, i64, egg_fn="Order")
+# Interleave(n, shape of w, shape of y, [o, n, in] -> [n o, in], y -> [.., o, n], y, [o, n] -> [n o]): the
+# literal shapes that n sibling linears y = linear(x, w[, b]) of these shapes merge with (expand writes one
+# per shape pair of the program's linears and n in SIBLINGS; egglog does no arithmetic on shapes)
+Interleave = relation("Interleave", i64, Shape, Shape, *[Tensor] * 4, egg_fn="Interleave")
+SIBLINGS = (2, 3)  # gate and up; q, k and v (pairs of three siblings merge too: the plan picks)
 
 t, x, y, z = (var(v, Tensor) for v in ("t", "x", "y", "z"))
 s = var("s", Shape)
 add, cat, reshape, slice_ = OPS_SORT["add"], OPS_SORT["cat"], OPS_SORT["reshape"], OPS_SORT["slice"]
+linear, unsqueeze = OPS_SORT["linear"], OPS_SORT["unsqueeze"]
 
 
 @dataclass(frozen=True)
@@ -134,4 +143,62 @@ def bucket_pair():
         union(y).with_(reshape(slice_(buffer, Lit("0"), k, n), shb)), Rewrote(y, String("bucket_pair")))
 
 
-__all__ = ["Bucket", "REWRITES", "Example", "ProgramRewrite", "Rewrote", "program_rewrite", "rewrite", "rewrite_ruleset"]
+def _interleaved(parts, merged_shape):
+    """The n tensors [o, ...] (weights or biases) as one [n o, ...] whose row j n + i is row j of parts[i]:
+    a shard of o rows of each is a shard of n o rows of this, so the per-rank merge is local."""
+    one = Lit("1")
+    stacked = unsqueeze(parts[0], one)
+    for p in parts[1:]:
+        stacked = cat(stacked, unsqueeze(p, one), one)
+    return reshape(stacked, merged_shape)
+
+
+def _merge_rule(n: int, biased: bool):
+    """The rule merging n sibling linears of one input (with biases, or none)."""
+    ws = [var(f"w{i}", Tensor) for i in range(n)]
+    bs = [var(f"b{i}", Tensor) for i in range(n)] if biased else [Lit("null")] * n
+    ts = [var(f"t{i}", Tensor) for i in range(n)]
+    order = [var(f"i{i}", i64) for i in range(n)]
+    sw, sy, sb = (var(v, Shape) for v in ("sw", "sy", "sb"))
+    lw, lsplit, ly, lb = (var(v, Tensor) for v in ("lw", "lsplit", "ly", "lb"))
+    query = [eq(t).to(linear(x, w, b)) for t, w, b in zip(ts, ws, bs)]
+    query += [ShapeOf(w, sw) for w in ws] + [Order(w, i) for w, i in zip(ws, order)]
+    query += [order[k] < order[k + 1] for k in range(n - 1)]
+    query += [ShapeOf(b, sb) for b in bs] if biased else []
+    query += [ShapeOf(ts[0], sy), Interleave(i64(n), sw, sy, lw, lsplit, ly, lb)]
+    merged = linear(x, _interleaved(ws, lw), _interleaved(bs, lb) if biased else Lit("null"))
+    split = reshape(merged, lsplit)  # [.., o, n]: sibling i is the last axis' i-th column
+    actions = []
+    for k, t in enumerate(ts):
+        actions += [union(t).with_(reshape(slice_(split, Lit("-1"), Lit(str(k)), Lit(str(k + 1))), ly)),
+                    Rewrote(t, String("merge_siblings"))]
+    return erule(*query).then(*actions)
+
+
+def _siblings(o, x, *weights_then_biases):
+    """The examples' programs: two or three linears of x (weights, then biases where given)."""
+    n = 3 if len(weights_then_biases) in (3, 6) else 2
+    ws, bs = weights_then_biases[:n], weights_then_biases[n:] or [None] * n
+    return tuple(o.linear(x, w, b) for w, b in zip(ws, bs))
+
+
+@program_rewrite(
+    Example("gate-up", {"x": (2, 3, 4), "wg": (6, 4), "wu": (6, 4)}, _siblings),
+    Example("qkv-bias", {"x": (5, 4), "wq": (3, 4), "wk": (3, 4), "wv": (3, 4), "bq": (3,), "bk": (3,), "bv": (3,)},
+            _siblings),
+)
+def merge_siblings():
+    """linear(x, w_i, b_i) = linear(x, W, B)[.., i::n] where W[j n + i] = w_i[j] (B alike): sibling linears of one input run as one GEMM, one collective where each had its own
+
+    The weights interleave row by row, not end to end: a rank's shard of o rows of every w_i is then its
+    shard of n o rows of W (cat along the sharded out-features would need a gather, and so would slicing
+    y_i out of its output), so a column- or row-parallel merged GEMM reads only local shards, and one
+    collective moves every sibling's output. Groups of two and three (gate and up; q, k and v) of one
+    weight shape, all with biases or none; their order is the program's (Order), so each group merges once.
+    """
+    for n in SIBLINGS:
+        for biased in (False, True):
+            yield _merge_rule(n, biased)
+
+
+__all__ = ["Bucket", "Interleave", "Order", "SIBLINGS", "REWRITES", "Example", "ProgramRewrite", "Rewrote", "program_rewrite", "rewrite", "rewrite_ruleset"]

@@ -75,3 +75,81 @@ def test_no_bucket_where_copies_cost_more_than_the_latency():
     plan = ed.optimize(fd, MESH)
     assert kinds(plan) == ["allreduce", "allreduce"]
     assert not plan.buckets and plan.stats["bucket_pairs_offered"] == 0  # not even offered: the estimate says so
+
+
+def siblings(tokens, hidden, width, names, dtype=BF16, glu=False):
+    """Sibling linears of one input x [tokens, hidden] (feature-sharded: as a column-parallel layer leaves
+    it), weights [width, hidden]: SwiGLU's gate and up (glu: y = silu(g) * u, sequence-sharded), or
+    projections whose outputs are each wanted whole (low-rank q, k and v, as MLA's down-projections)."""
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((tokens, hidden), dtype, name="x")
+        ys = [fd.ops.linear(x, fd.define_tensor((width, hidden), dtype, name=f"w{n}")) for n in names]
+        if glu:
+            fd.add_output(fd.ops.mul(fd.ops.silu(ys[0]), ys[1]), name="y")
+        for n, y in zip(names, ys if not glu else ()):
+            fd.add_output(y, name=n)
+    pin(fd, "x", Layout((S(1),)))
+    for n in ("y",) if glu else names:
+        pin(fd, n, Layout((S(0),)) if glu else None)
+    return fd
+
+
+def linears(plan):
+    return [s for s in plan.compute_steps if s.op == "linear"]
+
+
+def test_gate_and_up_merge_into_one_gemm_and_one_reduce_scatter():
+    """x arrives feature-sharded, so gate and up run row-parallel and end in partial sums; silu(g) * u
+    cannot combine partials, so each is reduce-scattered on its own. Merged (weights interleaved row by
+    row, each rank's shard local), one GEMM's partial [tokens, 2 width] is reduce-scattered once."""
+    def swiglu(tokens=8192, hidden=4096, width=128, dtype=BF16):
+        return siblings(tokens, hidden, width, ("g", "u"), dtype, glu=True)
+
+    plan = ed.optimize(swiglu(), MESH)
+    written = ed.optimize(swiglu(), MESH, rewrites=())
+    others = ed.optimize(swiglu(), MESH, rewrites=("bucket_pair", "sum_partials_first"))
+    exact = ed.optimize(swiglu(), MESH, extractor="exact")
+    assert kinds(written) == kinds(others) == ["reduce_scatter", "reduce_scatter"]
+    assert kinds(plan) == ["reduce_scatter"] and len(linears(plan)) == 1
+    (rs,) = plan.collectives
+    assert rs.bytes == sum(c.bytes for c in written.collectives)  # both outputs, one latency
+    assert plan.predicted_time < min(written.predicted_time, others.predicted_time) - 3e-6
+    assert exact.predicted_time == pytest.approx(plan.predicted_time, rel=1e-9)
+    assert set(plan.rewrites.values()) == {"merge_siblings"} and "merge_siblings" in plan.explain()
+    small = check_numerics(plan, swiglu(16, 8, 4, F64))
+    assert len(linears(small)) == 1
+
+
+def test_three_projections_merge_into_one_allreduce():
+    """Three projections of a feature-sharded x, each wanted replicated: three row-parallel GEMMs pay an
+    all-reduce each (pairs bucketed by bucket_pair still pay two); merged, one GEMM and one all-reduce."""
+    def qkv(tokens=8192, hidden=4096, width=64, dtype=BF16):
+        return siblings(tokens, hidden, width, ("q", "k", "v"), dtype)
+
+    plan = ed.optimize(qkv(), MESH)
+    written = ed.optimize(qkv(), MESH, rewrites=())
+    others = ed.optimize(qkv(), MESH, rewrites=("bucket_pair", "sum_partials_first"))
+    assert kinds(written) == ["allreduce"] * 3 and len(others.collectives) == 2
+    assert kinds(plan) == ["allreduce"] and len(linears(plan)) == 1
+    assert plan.predicted_time < min(written.predicted_time, others.predicted_time) - 20e-6
+    assert set(plan.rewrites.values()) == {"merge_siblings"}
+    check_numerics(plan, qkv(12, 8, 3, F64))
+
+
+def test_full_width_projections_merge_only_where_they_can_pay():
+    """q, k and v of a GPT layer (weights [hidden, hidden]), sequence-parallel: one gathered x serves all
+    three, so merging saves no collective. At hidden 4096 on 4 ranks the merge is offered (its bound
+    allows it) and priced dearer than the three GEMMs; at GPT-3's 12288 on 8 ranks interleaving the
+    weights costs more than any latency it could save, and the e-graph is not even offered it."""
+    def layer(mesh, *shape):
+        fd = models.attention(*shape, BF16)
+        pin(fd, "x", Layout((S(1),)), mesh), pin(fd, "y", Layout((S(1),)), mesh)
+        return fd
+
+    plan = ed.optimize(layer(MESH, 1, 2048, 4096, 32), MESH, rewrites=("merge_siblings",))
+    written = ed.optimize(layer(MESH, 1, 2048, 4096, 32), MESH, rewrites=())
+    assert plan.stats["rewrite_terms"] > 0 and not plan.rewrites
+    assert plan.predicted_time == written.predicted_time
+    mesh8 = ed.DeviceMesh.arange(8)
+    gpt3 = ed.optimize(layer(mesh8, 1, 2048, 12288, 96), mesh8, rewrites=("merge_siblings",))
+    assert gpt3.stats["rewrite_terms"] == 0

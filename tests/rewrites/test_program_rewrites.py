@@ -74,3 +74,22 @@ def test_rewrite_names_are_checked():
     assert check_rewrites("sum_partials_first") == ("sum_partials_first",)
     with pytest.raises(PlanError, match="unknown program rewrite 'fold'.*sum_partials_first"):
         ed.optimize(row_sum(8, 64), ed.DeviceMesh.arange(2), rewrites=["fold"])
+
+
+def test_siblings_merge_once_per_set_that_reads_one_input_with_one_weight_shape():
+    """q, k, v of x merge as three pairs and one triple (each set once, not per permutation); a sibling
+    with a bias, a linear of another input and one of another weight shape merge with none of them."""
+    with ed.FusionDefinition() as fd:
+        x, z = fd.define_tensor((5, 4), name="x"), fd.define_tensor((5, 4), name="z")
+        w = {n: fd.define_tensor((3, 4), name=n) for n in ("wq", "wk", "wv", "wb", "wz")}
+        outs = {n[1]: fd.ops.linear(x, w[n]) for n in ("wq", "wk", "wv")}
+        outs["b"] = fd.ops.linear(x, w["wb"], fd.define_tensor((3,), name="bias"))
+        outs["other"] = fd.ops.linear(z, w["wz"])
+        outs["o"] = fd.ops.linear(x, fd.define_tensor((6, 4), name="wo"))
+        for n, y in outs.items():
+            fd.add_output(y, name=n)
+    work, ops = clone_fusion(fd.fusion)
+    added = expand(work, ops, ["merge_siblings"])
+    merged = [work.producer(work.tensors[eq.new]) for eq in added]
+    assert sorted(e.outputs[0].shape[-1] for e in merged if e.op.name == "linear") == [6, 6, 6, 9]
+    assert sorted(eq.old for eq in added if eq.old) == sorted(["q", "k", "v"] * 3)  # each in two pairs, one triple
