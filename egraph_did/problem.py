@@ -368,7 +368,7 @@ def _build(user: Fusion, mesh: DeviceMesh, cost_model: CostModel | None, pins, l
             raise PlanError(f"pin for unknown tensor {name!r}")
         problem.pins[name] = canonical_layout(lay, mesh)
     _add_decompositions(work, ops, mesh, problem)
-    for eq in expand(work, ops, rewrites):
+    for eq in expand(work, ops, rewrites, mesh, cm, like):
         problem.rewritten[eq.new] = eq.rewrite
         problem.origin[eq.new] = eq.old or eq.new  # the program's own name stays the class's name
         if eq.old is not None:
