@@ -271,27 +271,35 @@ class _Converter:
             return self.unmapped(node, kwargs)
         return fn(self, **kwargs)
 
-    def unmapped(self, node, kwargs=None):
-        """A node no mapping computes: an opaque step, or (strict) an ExportError. A mapping that takes only
-        some forms of its op hands the others here (kwargs None: the node's own arguments)."""
+    def unmapped(self, node, kwargs=None, target=None):
+        """A node no mapping computes: an opaque step running `target` (default: the node's op), or (strict)
+        an ExportError. A mapping that takes only some forms of its op hands the others here (kwargs None:
+        the node's own arguments)."""
         if kwargs is None:
             kwargs = {k: self._value(v) for k, v in _by_schema(node.target._schema, node.args, node.kwargs).items()}
         if self.strict:
             raise self.error("has no fusion mapping", _FIX_UNMAPPED)
-        return self._opaque(node, kwargs)
+        return self._opaque(node, kwargs, target)
 
     def _in_place(self, node):
         """The mapping of x.op_(...) (export keeps some in-place ops: router_top_value /= ... in
-        transformers' MoE routers): the out-of-place op's, where computing a new tensor gives what torch
-        gives, that is where x is no view, nothing reads x after the node and no view of x was taken (a
-        reader of those would see the old value here, the new one in torch); None where the op has no
-        out-of-place mapping."""
+        transformers' MoE routers, inverse[perm] = arange as index_put_): the out-of-place op's, or an
+        opaque step of the out-of-place overload where no mapping has it (never the in-place one: it would
+        write into its operand's buffer), where computing a new tensor gives what torch gives, that is
+        where x is no view, nothing reads x after the node and no view of x was taken (a reader of those
+        would see the old value here, the new one in torch); None for an op that is not in-place."""
         packet = getattr(node.target, "overloadpacket", None)
         name = getattr(packet, "__name__", "")
         pure = getattr(aten, name[:-1], None) if name.endswith("_") and not name.endswith("__") else None
-        fn = ATEN.get(pure)
-        if fn is None:
+        overload = getattr(pure, node.target._overloadname, None) if pure is not None else None
+        if overload is None:
             return None
+        self._check_overwrite(node)
+        fn = ATEN.get(overload) or ATEN.get(pure)
+        return fn or (lambda c, **kwargs: c.unmapped(node, kwargs, overload))
+
+    def _check_overwrite(self, node) -> None:
+        """ExportError unless the in-place node's operand can be replaced by a new tensor (see _in_place)."""
         target = node.args[0]
         fix = "compute a new tensor instead (x = x.op(...))"
         if target.op == "placeholder":
@@ -303,12 +311,12 @@ class _Converter:
         if others:
             raise self.error(f"overwrites {target.name} while {', '.join(u.name for u in others)} read(s) it "
                              f"later or hold(s) a view of it", fix)
-        return fn
 
-    def _opaque(self, node, kwargs):
+    def _opaque(self, node, kwargs, target=None):
         """An op the table does not map, as an opaque step: torch runs it on whole operands (replicated), with
         the call's arguments as JSON (opaque_call) and the output's shape and dtype as export recorded."""
-        if torch.Tag.nondeterministic_seeded in node.target.tags:
+        target = node.target if target is None else target
+        if torch.Tag.nondeterministic_seeded in target.tags:
             raise self.error("is random and has no fusion mapping", "export the module in eval mode "
                              "(module.eval()), or map it (an opaque step would draw other numbers on every rank)")
         val = node.meta.get("val")
@@ -336,7 +344,7 @@ class _Converter:
         if len(tensors) > 4:
             raise self.error(f"has no fusion mapping and reads {len(tensors)} tensors (an opaque step reads up "
                              f"to 4)", _FIX_UNMAPPED)
-        return self.ops.opaque(*tensors, target=str(node.target), call=call, shape=tuple(int(e) for e in val.shape),
+        return self.ops.opaque(*tensors, target=str(target), call=call, shape=tuple(int(e) for e in val.shape),
                                dtype=val.dtype, source=source_line(node))
 
     def _value(self, v):
@@ -898,18 +906,32 @@ def _sdpa_with_mask(c, q, k, v, mask, scale):
 
 # ------------------------------------------------------------ mixture-of-experts routing
 
+def _argsort(c, x: TensorView, dim: int, descending: bool) -> TensorView:
+    """The indices that sort x along dim, stable (ties keep their order), as an opaque step every rank runs
+    on the whole operand: an integer result, through which no gradient flows."""
+    call = json.dumps({"args": [{"tensor": 0}], "kwargs": {"stable": True, "dim": dim, "descending": bool(descending)}})
+    return c.ops.opaque(x, target="aten.argsort.stable", call=call, shape=x.shape, dtype=torch.int64,
+                        source=source_line(c.node))
+
+
 @maps(aten.topk)
 def _topk(c, self, k, dim=-1, largest=True, sorted=True):
-    """torch.topk as (values, indices): the indices are the first k of an argsort (stable, so ties go to
-    the lower index as topk's do), an opaque step every rank runs on the whole operand (an integer
-    result: no gradient flows through it); the values are gathered at them (take_along_axis), so the
-    gradient reaches the scores. Sorted either way (topk's order with sorted=False is unspecified)."""
+    """torch.topk as (values, indices): the indices are the first k of a stable argsort (ties go to the
+    lower index, as topk's do), the values gathered at them (take_along_axis), so the gradient reaches
+    the scores. Sorted either way (topk's order with sorted=False is unspecified)."""
     x = c._tensor(self)
     d = dim % x.ndim
-    call = json.dumps({"args": [{"tensor": 0}], "kwargs": {"stable": True, "dim": d, "descending": bool(largest)}})
-    order = c.ops.opaque(x, target="aten.argsort.stable", call=call, shape=x.shape, dtype=torch.int64,
-                         source=source_line(c.node))
-    indices = c.ops.slice(order, d, 0, k if k < x.shape[d] else None)
+    indices = c.ops.slice(_argsort(c, x, d, largest), d, 0, k if k < x.shape[d] else None)
+    return c.ops.take_along_axis(x, indices, d), indices
+
+
+@maps(aten.sort)
+def _sort(c, self, dim=-1, descending=False, stable=None):
+    """torch.sort as (values, indices), as topk of every entry: a stable argsort (where torch's unstable sort
+    may order ties otherwise, both are sorted) and the values gathered at it."""
+    x = c._tensor(self)
+    d = dim % x.ndim
+    indices = _argsort(c, x, d, descending)
     return c.ops.take_along_axis(x, indices, d), indices
 
 
@@ -945,6 +967,16 @@ def _repeat_interleave(c, self=None, repeats=None, dim=None, output_size=None):
 
 
 # ------------------------------------------------------------ shape-only values
+
+@maps(aten.empty_like)
+def _empty_like(c, self, **kwargs):
+    """An uninitialized tensor like the operand (to be written into, as inverse[perm] = arange): zeros, folded;
+    any value is one torch might give, and zeros are the same on every rank."""
+    raw = {k: _unfold(v) for k, v in kwargs.items()}
+    with torch.no_grad():
+        out = torch.zeros_like(torch.empty(self.shape, dtype=self.dtype), **raw)
+    return _wrap(out, f"{_module_path(c.node)}.{c.node.name}".lstrip("."))
+
 
 @maps(aten.zeros_like, aten.ones_like, aten.full_like, aten.new_zeros, aten.new_ones, aten.new_full)
 def _like(c, self, **kwargs):

@@ -235,13 +235,13 @@ def test_an_unmapped_op_runs_as_an_opaque_replicated_step_named_by_its_line():
 
 
 def test_an_unmapped_op_with_two_outputs_is_refused_naming_the_line():
-    def sorted_rows(x):
-        return torch.sort(x, 0).values  # the line the error names
+    def row_medians(x):
+        return torch.median(x, 0).values  # the line the error names
     with pytest.raises(ed.ExportError) as info:
-        ed.from_torch(sorted_rows, (torch.randn(3, 4),))
+        ed.from_torch(row_medians, (torch.randn(3, 4),))
     msg = str(info.value)
-    assert msg.startswith("from_torch: aten.sort.default at ") and "gives 2 tensors" in msg
-    assert "return torch.sort(x, 0).values" in msg
+    assert msg.startswith("from_torch: aten.median.dim at ") and "gives 2 tensors" in msg
+    assert "return torch.median(x, 0).values" in msg
 
 
 def test_reading_the_indices_of_min_along_an_axis_is_refused_naming_the_line():
@@ -457,3 +457,53 @@ def test_an_in_place_op_read_through_a_view_taken_before_it_is_refused_naming_th
     msg = str(info.value)
     assert msg.startswith("from_torch: aten.div_.Tensor at ") and "y.div_(3)" in msg
     assert "hold(s) a view of it" in msg
+
+
+def test_sort_and_an_inverse_permutation_written_in_place_run_as_torchs():
+    """sort: the values gathered at a stable argsort; inverse[perm] = arange (index_put_ into empty_like,
+    as transformers' grouped experts un-sort tokens): an opaque step of the out-of-place index_put, which
+    never writes into its operand, on zeros for the uninitialized tensor."""
+    def unsort(x):
+        values, perm = torch.sort(x, dim=0, descending=True)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(x.shape[0])
+        return values * 2, inverse
+
+    x = torch.randn(6, dtype=F64, generator=torch.Generator().manual_seed(4))
+    fd = ed.from_torch(unsort, (x,))
+    targets = [dict(e.args)["target"] for e in fd.fusion.exprs if e.op.name == "opaque"]
+    assert targets == ["aten.argsort.stable", "aten.index_put.default"]
+    got, (values, inverse) = ed.evaluate(fd, fd.bind(x)), unsort(x)
+    assert_close(got["0"], values, F64)
+    assert torch.equal(got["1"], inverse)
+
+
+def _mixtral(implementation: str):
+    transformers = pytest.importorskip("transformers", reason="the `models` extra (pip install -e '.[models]')")
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                     num_local_experts=4, num_experts_per_tok=2, initializer_range=0.2,
+                                     experts_implementation=implementation)
+    return transformers.MixtralForCausalLM(cfg).eval()
+
+
+def test_mixtral_grouped_experts_run_replicated_as_opaque_steps_and_refuse_a_gradient():
+    """transformers' default experts ("grouped_mm") sort the tokens by expert, count them (histc) and call
+    its own grouped_mm_fallback op, whose per-expert row ranges depend on the data: opaque steps, which
+    plan and simulate to the model's logits on 4 ranks and which explain() names; a gradient through them
+    is refused naming the op (tests/face/test_parallelize_mixtral.py trains the "batched_mm" experts)."""
+    model = _mixtral("grouped_mm")
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    fd = ed.from_torch(model, (ids,), {"use_cache": False})
+    targets = {dict(e.args)["target"] for e in fd.fusion.exprs if e.op.name == "opaque"}
+    assert {"transformers.grouped_mm_fallback.default", "aten.histc.default", "aten.index_put.default"} <= targets
+    want = model(ids, use_cache=False).logits
+    fd["logits"].set_device_mesh(MESH)
+    plan = ed.optimize(fd, MESH)
+    assert_close(ed.simulate(plan, fd.bind(ids, use_cache=False))["logits"], want, F32)
+    rows = [line for line in plan.explain().splitlines() if "= opaque(" in line]
+    assert any("replicated (transformers.grouped_mm_fallback.default at " in r for r in rows)
+    fd.add_output(fd.ops.sum(fd["logits"]), name="loss")
+    with pytest.raises(ed.ShapeError, match="grouped_mm_fallback"):
+        ed.grad(fd, loss="loss", wrt=["model.layers.0.mlp.experts.down_proj"])
