@@ -17,8 +17,8 @@ order and emits each node through a table (ATEN: ATen op -> a function emitting 
   op, the source line it came from and what to do;
 - an in-place op (x.div_(...)) maps as its out-of-place form where that gives what torch gives (nothing
   reads x afterwards, x is no view and has none), else it raises naming the line;
-- the routing of mixture-of-experts layers: topk is a gather at the first k of an (opaque) argsort, and
-  an expert's weights picked by index (w[ids]) an embedding of w's rows, so both keep their gradients.
+- the routing of mixture-of-experts layers: topk and sort are gathers at an (opaque) argsort, and an
+  expert's weights picked by index (w[ids]) an embedding of w's rows, so both keep their gradients.
 
 The fusion is specialized to the example inputs' shapes and dtypes (as torch.export with static shapes).
 """
