@@ -290,7 +290,8 @@ class _Converter:
         would see the old value here, the new one in torch); None for an op that is not in-place."""
         packet = getattr(node.target, "overloadpacket", None)
         name = getattr(packet, "__name__", "")
-        pure = getattr(aten, name[:-1], None) if name.endswith("_") and not name.endswith("__") else None
+        namespace = getattr(torch.ops, getattr(node.target, "namespace", "aten"))
+        pure = getattr(namespace, name[:-1], None) if name.endswith("_") and not name.endswith("__") else None
         overload = getattr(pure, node.target._overloadname, None) if pure is not None else None
         if overload is None:
             return None
