@@ -257,7 +257,7 @@ def assemble(by_rank: Mapping[int, torch.Tensor], shape: Sequence[int], mesh: De
                             f"one first")
     first = by_rank[min(by_rank)]
     pending_max = reduce == {"max"}
-    out = torch.full(tuple(shape), -torch.inf if pending_max else 0, dtype=first.dtype, device=first.device)
+    out = torch.full(tuple(shape), _lowest(first.dtype) if pending_max else 0, dtype=first.dtype, device=first.device)
     for r in sorted(mesh.ranks):
         coords = mesh.coords(r)
         if any(coords[m] for m in replicated):  # a replica: it must equal the copy at coordinate 0
@@ -270,6 +270,17 @@ def assemble(by_rank: Mapping[int, torch.Tensor], shape: Sequence[int], mesh: De
         idx = index[r]
         out[idx] = torch.maximum(out[idx], by_rank[r]) if pending_max else out[idx] + by_rank[r]
     return out
+
+
+def _lowest(dtype: torch.dtype):
+    """What a pending max starts from: -inf, an integer type's least value, False (-inf cast to bool is True).
+
+    >>> _lowest(torch.float32), _lowest(torch.int8), _lowest(torch.bool)
+    (-inf, -128, False)
+    """
+    if dtype == torch.bool:
+        return False
+    return -torch.inf if dtype.is_floating_point else torch.iinfo(dtype).min
 
 
 __all__ = ["RankContext", "Operand", "local_extents", "shard", "unshard", "assemble", "by_rank_of",

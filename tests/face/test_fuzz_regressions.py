@@ -142,3 +142,25 @@ def test_greedy_falls_back_to_the_exact_extractor_where_its_bisection_misses_a_m
     assert plan.method.startswith("exact") and plan.memory <= bound  # greedy found none; exact did
     x = {"x0": torch.randn(1, 3)}
     _close(ed.simulate(plan, x), ed.evaluate(fd, x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int32, torch.float64])
+def test_a_pending_max_of_bools_or_ints_reassembles_to_the_value(dtype):
+    """`simulate-eager-mismatch` (seed 12, case 134): an output pinned as a pending max (now honoured by
+    to_partial: every rank keeps the value) reassembled from -inf, which is True as a bool (and no int at
+    all): the maximum starts from the dtype's least value."""
+    mesh = ed.DeviceMesh.arange(8)
+    with ed.FusionDefinition() as fd:
+        x0 = fd.define_tensor((11, 5), torch.float64, name="x0")
+        t = fd.ops.bitwise_and(a=fd.ops.lt(a=x0, b=0.0), b=fd.ops.ne(a=x0, b=0.0))
+        t2 = t if dtype == torch.bool else fd.ops.cast(t, dtype)
+        fd.add_output(t2, name="t2")
+    x0.set_device_mesh(mesh)
+    t2.set_device_mesh(mesh).add_partial(ed.ParallelType.DIDx, "max")
+    inputs = {"x0": torch.randn((11, 5), generator=torch.Generator().manual_seed(0), dtype=torch.float64)}
+    plan = ed.optimize(fd, mesh)
+    assert plan.loop_domain("t2") == "[11, 5, rDIDx{8}(max)]"
+    ref = ed.evaluate(fd, inputs)
+    assert ref["t2"].any() and not ref["t2"].all()
+    for lowered in (True, False):
+        assert torch.equal(ed.simulate(plan, inputs, lowered=lowered)["t2"], ref["t2"])
