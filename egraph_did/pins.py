@@ -76,6 +76,10 @@ def layout_of(tv: TensorView, mesh: DeviceMesh) -> Layout:
             m = d.parallel_type.mesh_axis(mesh)
             ps[m] = (PMAX if d.index.reduce == "max" else P) if d.is_reduction else S(next(iter(d.logical_axes)))
     layout = canonical_layout(Layout(tuple(ps)), mesh)
+    if P in layout and PMAX in layout:
+        raise PlanError(f"{tv.name}: the loop domain {tv.loop_str()} pends a sum and a max on one tensor; they do "
+                        f"not commute (the sum of maxima is not the maximum of sums), so its value is undefined: "
+                        f"pin one partial and leave the other mesh axis replicated or sharded")
     held = {r: local_indices(tv, r) for r in mesh.ranks}
     try:
         probe = layout_view(tv.name, tv.shape, tv.dtype, layout, mesh, [d.name for d in tv.logical_domain])

@@ -552,6 +552,15 @@ def _():
     return x.set_device_mesh(MESH2).add_partial(P.DIDx, reduce="prod")
 
 
+@bad("a pending sum and a pending max on one tensor", PlanError, "y: the loop domain", "do not commute",
+     "pin one partial")
+def _():
+    fd, _ = fusion_x()
+    mesh = ed.DeviceMesh([[0, 1], [2, 3]])
+    fd["y"].set_device_mesh(mesh).add_partial(P.DIDy).add_partial(P.DIDx, "max")
+    return ed.optimize(fd, mesh)
+
+
 @bad("pin on a sub-mesh", PlanError, "x is pinned to DeviceMesh(x=1)", "a sub-mesh", "set_device_mesh(mesh)")
 def _():
     fd, x = fusion_x()
