@@ -18,7 +18,10 @@ order and emits each node through a table (ATEN: ATen op -> a function emitting 
 - an in-place op (x.div_(...)) maps as its out-of-place form where that gives what torch gives (nothing
   reads x afterwards, x is no view and has none), else it raises naming the line;
 - the routing of mixture-of-experts layers: topk and sort are gathers at an (opaque) argsort, and an
-  expert's weights picked by index (w[ids]) an embedding of w's rows, so both keep their gradients.
+  expert's weights picked by index (w[ids]) an embedding of w's rows, so both keep their gradients;
+- complex numbers (torchtitan's rotary embedding: view_as_complex, a product with a complex table,
+  view_as_real) as pairs of reals: a complex value is held as its view_as_real form [..., 2] and a
+  product is computed from real and imaginary parts, so it shards and differentiates as real ops do.
 
 The fusion is specialized to the example inputs' shapes and dtypes (as torch.export with static shapes).
 """
@@ -393,6 +396,10 @@ class _Converter:
             self.fd.constants[name] = v.value
             self._consts.append((v.value, tv))
             return tv
+        if isinstance(v, _Complex) or (isinstance(v, _Folded) and v.value.is_complex()):
+            raise self.error("reads a complex tensor", "from_torch maps complex values through view_as_complex, "
+                             "mul and view_as_real only (rotary embeddings); compute with real and imaginary "
+                             "parts, or map the op in egraph_did/frontend.py")
         raise self.error(f"needs a tensor and got {v!r}", "report this model to egraph-did")
 
     def operand(self, v):
@@ -438,6 +445,14 @@ class _Folded:
     name: str
 
 
+@dataclass
+class _Complex:
+    """A complex tensor computed by the program, held as its real pairs: `pairs` is view_as_real of it, a real
+    fusion tensor whose last axis (extent 2) holds the real and the imaginary part."""
+
+    pairs: TensorView
+
+
 def _by_schema(schema, args, kwargs) -> dict:
     """A node's arguments by their names in the op's schema."""
     return {a.name: v for a, v in zip(schema.arguments, args)} | dict(kwargs)
@@ -453,7 +468,7 @@ def _is_view(node) -> bool:
 
 
 def _has_tensor(v) -> bool:
-    if isinstance(v, TensorView):
+    if isinstance(v, (TensorView, _Complex)):
         return True
     if isinstance(v, dict):
         return any(_has_tensor(x) for x in v.values())
@@ -526,6 +541,8 @@ def _rsub(c, self, other, alpha=1):
 
 @maps(aten.mul)
 def _mul(c, self, other):
+    if any(isinstance(v, _Complex) or (isinstance(v, _Folded) and v.value.is_complex()) for v in (self, other)):
+        return _complex_mul(c, self, other)
     return c.ops.mul(c.operand(self), c.operand(other))
 
 
@@ -965,6 +982,65 @@ def _repeat_interleave(c, self=None, repeats=None, dim=None, output_size=None):
     d = dim % x.ndim
     wide = c.ops.expand(c.ops.unsqueeze(x, d + 1), x.shape[:d + 1] + (repeats,) + x.shape[d + 1:])
     return c.ops.reshape(wide, x.shape[:d] + (x.shape[d] * repeats,) + x.shape[d + 1:])
+
+
+# ------------------------------------------------------------ complex numbers as pairs of reals
+
+@maps(aten.view_as_complex)
+def _view_as_complex(c, self):
+    """A real [..., 2] tensor read as complex: the same tensor, marked complex (its pairs)."""
+    return _Complex(c._tensor(self))
+
+
+@maps(aten.view_as_real)
+def _view_as_real(c, self):
+    if not isinstance(self, _Complex):
+        raise c.error(f"reads {self!r:.40} as complex", "report this model to egraph-did")
+    return self.pairs
+
+
+def _parts(c, v) -> tuple:
+    """(real part, imaginary part) of an operand of a complex product, each keeping a last axis of extent 1
+    (so that broadcasting lines the parts up as it does the complex values): slices of a computed value's
+    pairs, folded halves of a constant's (torchtitan's rotary table), or (x[..., None], 0) of a real one."""
+    if isinstance(v, _Complex):
+        return c.ops.slice(v.pairs, -1, 0, 1), c.ops.slice(v.pairs, -1, 1, None)
+    if isinstance(v, _Folded) and v.value.is_complex():
+        pairs = torch.view_as_real(v.value.resolve_conj())
+        return (_Folded(pairs[..., :1].contiguous(), f"{v.name}.real"),
+                _Folded(pairs[..., 1:].contiguous(), f"{v.name}.imag"))
+    x = c.operand(v)
+    return (x if isinstance(x, (int, float, bool)) else c.ops.unsqueeze(x, -1)), 0
+
+
+def _complex_mul(c, a, b) -> _Complex:
+    """a * b with either side complex: (ar br - ai bi, ar bi + ai br), concatenated on the pairs' axis."""
+    (ar, ai), (br, bi) = _parts(c, a), _parts(c, b)
+
+    def prod(x, y):
+        if isinstance(x, (int, float)) and x == 0 or isinstance(y, (int, float)) and y == 0:
+            return 0
+        return c.ops.mul(c.operand(x), c.operand(y))
+
+    def combine(x, y, sub: bool):
+        if isinstance(y, int) and y == 0:
+            return x
+        if isinstance(x, int) and x == 0:
+            return c.ops.neg(y) if sub else y
+        return c.ops.sub(x, y) if sub else c.ops.add(x, y)
+
+    real = combine(prod(ar, br), prod(ai, bi), sub=True)
+    imag = combine(prod(ar, bi), prod(ai, br), sub=False)
+    return _Complex(c.ops.cat(real, imag, -1))
+
+
+@maps(aten.flatten)
+def _flatten(c, self, start_dim=0, end_dim=-1):
+    x = c._tensor(self)
+    if x.ndim == 0:
+        return c.ops.reshape(x, (1,))
+    lo, hi = start_dim % x.ndim, end_dim % x.ndim
+    return c.ops.reshape(x, x.shape[:lo] + (math.prod(x.shape[lo:hi + 1]),) + x.shape[hi + 1:])
 
 
 # ------------------------------------------------------------ shape-only values

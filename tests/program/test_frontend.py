@@ -507,3 +507,55 @@ def test_mixtral_grouped_experts_run_replicated_as_opaque_steps_and_refuse_a_gra
     fd.add_output(fd.ops.sum(fd["logits"]), name="loss")
     with pytest.raises(ed.ShapeError, match="grouped_mm_fallback"):
         ed.grad(fd, loss="loss", wrt=["model.layers.0.mlp.experts.down_proj"])
+
+
+# ---------------------------------------------------------------------- complex numbers as pairs of reals
+
+class ComplexRotary(nn.Module):
+    """torchtitan's rotary embedding (ComplexRoPE.apply_rotary_emb): q and k read as complex pairs, times a
+    complex table (a buffer from torch.polar), back to reals; q also scaled by a real number as a complex
+    one (a complex times a real operand) and k by a learned real gate."""
+
+    def __init__(self, seq: int, head_dim: int):
+        super().__init__()
+        angles = torch.outer(torch.arange(seq, dtype=F64), 1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim))
+        self.register_buffer("cis", torch.polar(torch.ones_like(angles), angles))
+        self.proj = nn.Linear(head_dim, head_dim)
+        self.gate = nn.Parameter(torch.randn(seq, 1))
+
+    def forward(self, x):
+        b, s, h, d = x.shape
+        table = self.cis[:s].view(1, s, 1, d // 2)
+        q = torch.view_as_complex(self.proj(x).reshape(b, s, h, -1, 2))
+        k = torch.view_as_complex(x.reshape(b, s, h, -1, 2))
+        q_out = torch.view_as_real(q * table * 0.5).flatten(3)
+        k_out = torch.view_as_real(k * table * self.gate[:, :, None]).flatten(3)
+        return (q_out * k_out).sum(-1)
+
+
+def test_a_complex_rotary_embedding_maps_onto_real_pairs_and_equals_torch_with_its_gradients():
+    """view_as_complex / mul / view_as_real: each product from real and imaginary parts (no opaque step, no
+    complex tensor in the fusion: the table becomes two real constants); forward and the gradients of the
+    weight, the real gate and the input equal torch's (float64)."""
+    torch.manual_seed(0)
+    module, x = ComplexRotary(6, 8).double(), torch.randn(2, 6, 3, 8, dtype=F64)
+    fd = ed.from_torch(module, (x,))
+    assert not any(e.op.name == "opaque" for e in fd.fusion.exprs)
+    assert all(not t.dtype.is_complex for t in fd.fusion.inputs)
+    assert sorted(n.rsplit(".", 1)[-1] for n in fd.constants) == ["imag", "real"]
+    assert_close(ed.evaluate(fd, fd.bind(x))["out"], module(x), F64)
+    fd.add_output(fd.ops.sum(fd.ops.mul(fd["out"], fd["out"])), name="loss")
+    got = ed.evaluate(ed.grad(fd, loss="loss", wrt=["proj.weight", "gate", "x"]), fd.bind(x))
+    xl = x.clone().requires_grad_()
+    (module(xl) ** 2).sum().backward()
+    assert_close(got["grad_proj.weight"], module.proj.weight.grad, F64)
+    assert_close(got["grad_gate"], module.gate.grad, F64)
+    assert_close(got["grad_x"], xl.grad, F64)
+
+
+def test_an_op_on_a_complex_value_other_than_a_product_is_refused_naming_the_line():
+    def magnitude(x):
+        return torch.view_as_complex(x).abs()
+
+    with pytest.raises(ed.ExportError, match=r"aten.abs.default at .*test_frontend.py:\d+ .*reads a complex tensor"):
+        ed.from_torch(magnitude, (torch.randn(3, 2),))
