@@ -1,10 +1,14 @@
 """Collective bytes per forward: egraph-did's plan against torchtitan's tensor-parallel plan for Llama
-(issue 11, item 4), on transformers' LlamaForCausalLM, 4 ranks.
+(issue 11, item 4), 4 ranks, in two sections:
+  - hf: transformers' LlamaForCausalLM under a transcription of torchtitan's apply_tp (below);
+  - torchtitan: torchtitan 0.3.0's own Llama3Model under its own model.parallelize (the section headed
+    "torchtitan's own Llama3 and its own TP" further down; tests/face/test_torchtitan.py checks it).
 
-    .venv/bin/python -m bench.compare_tp            # prints the table (bench/results_compare_tp.txt)
+    .venv/bin/python -m bench.compare_tp            # prints both tables (bench/results_compare_tp.txt)
+    .venv/bin/python -m bench.compare_tp --section torchtitan
 
-torchtitan's side. torchtitan is not installed: its `apply_tp` (torchtitan/models/llama3/infra/parallelize.py)
-is transcribed onto transformers' module names with torch's own DTensor API (`parallelize_module`,
+The hf section's torchtitan side. Its `apply_tp` (torchtitan/models/llama3/infra/parallelize.py of the
+torchtitan this was written against) is transcribed onto transformers' module names with torch's own DTensor API (`parallelize_module`,
 ColwiseParallel / RowwiseParallel / SequenceParallel / PrepareModuleInput), see `titan_plan`. Its
 collectives are counted with torch.distributed.tensor.debug.CommDebugMode (`CountingCommMode` adds,
 per functional collective CommDebugMode counts, the tensors' sizes and the group size; its own
@@ -465,13 +469,189 @@ def report(result: dict) -> str:
     return "\n".join(out)
 
 
+# ---------------------------------------------------------------------- torchtitan's own Llama3 and its own TP
+#
+# torchtitan 0.3.0 (scripts/setup.sh installs it, --no-deps): its Llama3Model (torchtitan.models.llama3.model,
+# built from Llama3Model.Config as its config_registry builds the 8B: fused wqkv, complex rotary table, SwiGLU)
+# and its tensor parallelism: parallelize_llama calls model.parallelize(parallel_dims), which applies the
+# sharding configs set_llama3_sharding_config(config, enable_sp=...) declares (the same function
+# Llama3Model.Config.update_from_config calls with parallelism.enable_sequence_parallel). parallelize_llama
+# itself also needs the trainer's compile/activation-checkpoint/FSDP configs; with tp only its FSDP step is
+# a degree-1 MixedPrecisionPolicy, so calling model.parallelize is its tensor-parallel part exactly.
+# Three settings differ from torchtitan's defaults, each forced by this CPU machine or by the counting:
+#   - spmd_backend="partial_dtensor" (torchtitan's DTensor-for-model-parallel-axes backend): the default,
+#     "spmd_types", issues its collectives outside DTensor, where CommDebugMode counts none (0 counted);
+#   - torchtitan.distributed.parallel_dims.device_type = "cpu": torchtitan picks "cuda" without an accelerator;
+#   - the inner attention is torchtitan's ScaledDotProductAttention (causal) instead of FlexAttention, which
+#     needs torch.compile with inductor; on one causal document (positions None, no mask) both are causal
+#     attention, and attention moves no data under either TP plan (heads split, local).
+# lm_head's output is vocab-sharded (Shard(-1)) in this version whatever the flags (loss parallel always), so
+# egraph-did's logits are pinned vocab-sharded too.
+
+TITAN = dict(dim=64, n_heads=8, n_kv_heads=4, vocab_size=256, hidden_dim=128, n_layers=2)  # TINY's model
+TITAN_VARIANTS = {"TP": False, "TP+SP": True}  # variant -> enable_sequence_parallel
+# bytes per rank the egraph-did plan may hold (the optimizer's sum of every value, no reuse): the smallest plan
+# it finds needs 310 KiB; at this bound it splits all 12 weight matrices 4 ways and replicates the 5 norms,
+# torchtitan's parameter memory per rank (at 350 kB and up it keeps the wo weights whole)
+TITAN_LIMIT = 330_000
+
+
+def titan_llama3_config(enable_sp: bool, dim=64, n_heads=8, n_kv_heads=4, vocab_size=256, hidden_dim=128,
+                        n_layers=2, max_seq_len=64):
+    """torchtitan's Llama3Model.Config at a small size, built as its config_registry builds the 8B (fused qkv,
+    ComplexRoPE with llama scaling off: the tables fit max_seq_len), sharding configs declared for TP with or
+    without sequence parallel, SDPA attention (see above)."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init
+    from torchtitan.models.llama3.model import Llama3Model
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+    layers = _build_llama3_layers(n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                                  hidden_dim=hidden_dim, attn_backend="flex",
+                                  rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=max_seq_len, theta=500000))
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    config = Llama3Model.Config(
+        dim=dim, vocab_size=vocab_size, layers=layers,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab_size, param_init=_output_linear_init(dim)))
+    set_llama3_sharding_config(config, enable_sp=enable_sp)
+    return config
+
+
+def titan_llama3(enable_sp: bool = True, seed: int = 0, **size) -> torch.nn.Module:
+    """torchtitan's Llama3Model, its weights from its own init_states under torch.manual_seed(seed)."""
+    torch.manual_seed(seed)
+    model = titan_llama3_config(enable_sp, **size).build()
+    model.init_states()
+    return model
+
+
+def titan_tokens() -> torch.Tensor:
+    return torch.randint(0, TITAN["vocab_size"], (BATCH, TINY_SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def titan_parallelize(model: torch.nn.Module) -> torch.nn.Module:
+    """torchtitan's tensor parallelism on every rank of the default group (tp = world size), in place: the
+    sharding the model's config declares (enable_sp was given to titan_llama3)."""
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    parallel_dims.device_type = "cpu"  # torchtitan's default without an accelerator is "cuda"
+    dims = parallel_dims.ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=dist.get_world_size(), pp=1, ep=1,
+                                      world_size=dist.get_world_size(), spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    model.parallelize(dims)
+    return model
+
+
+def count_titan3(model, ids) -> tuple[list[Record], torch.Tensor, dict]:
+    """(records, logits as given, CommDebugMode's counts) of one forward of the parallelized model."""
+    mode = CountingCommMode()
+    with torch.no_grad(), mode:
+        logits = model(ids)
+    counts = {str(k).split(".")[-1]: v for k, v in mode.get_comm_counts().items()}
+    assert mode.get_total_counts() == len(mode.records), (mode.get_comm_counts(), mode.records)
+    return mode.records, logits, counts
+
+
+def titan3_plan(model, ids, memory_limit: float = TITAN_LIMIT):
+    """(plan, fusion): egraph-did's plan for torchtitan's model, tokens replicated and logits vocab-sharded as
+    torchtitan takes and gives them, at the memory bound."""
+    fd = ed.from_torch(model, (ids,))
+    fd["tokens"].set_device_mesh(MESH)
+    fd["out"].set_device_mesh(MESH).outer_split(2, P).axis(2).parallelize(ed.ParallelType.DIDx)
+    return ed.optimize(fd, MESH, ed.CostModel.h200(memory_limit)), fd
+
+
+def titan3_worker(rank: int, ids: torch.Tensor, plan_json: str, bound: dict) -> dict:
+    """On each of 4 gloo ranks: torchtitan's TP (without and with SP) counted and its logits checked against
+    the unsharded model, and egraph-did's plan run to the same logits."""
+    want = titan_llama3()(ids).detach()
+    out = {"titan": {}, "scale": float(want.abs().max())}
+    for variant, sp in TITAN_VARIANTS.items():
+        records, logits, counts = count_titan3(titan_parallelize(titan_llama3(sp)), ids)
+        placements = str(logits.placements) if isinstance(logits, torch.distributed.tensor.DTensor) else "local"
+        logits = logits.full_tensor() if placements != "local" else logits  # outside the counted forward
+        out["titan"][variant] = (records, counts, _rel_err(logits, want), placements)
+    got = ed.Plan.from_json(plan_json).run(bound, inputs="global", outputs="global")["out"]
+    out["ours"] = _rel_err(got, want)
+    return out
+
+
+def compare_titan3(log=print) -> dict:
+    """The torchtitan comparison: {'titan': {variant: (records, counts, err, placements)}, 'ours': records,
+    'ours_err', 'plan', 'fd', 'scale'}."""
+    model, ids = titan_llama3(), titan_tokens()
+    t0 = time.perf_counter()
+    plan, fd = titan3_plan(model, ids)
+    log(f"# egraph-did plan for torchtitan's Llama3 in {time.perf_counter() - t0:.1f} s")
+    t0 = time.perf_counter()
+    checks = ed.launch(titan3_worker, nprocs=P, backend="gloo", timeout=600,
+                       args=(ids, plan.to_json(), fd.bind(ids)))[0]
+    log(f"# gloo run (torchtitan TP, TP+SP and egraph-did's plan, 4 ranks) in {time.perf_counter() - t0:.1f} s")
+    return {"titan": checks["titan"], "ours": plan_records(plan), "ours_err": checks["ours"], "plan": plan,
+            "fd": fd, "scale": checks["scale"]}
+
+
+def titan3_report(result: dict) -> str:
+    """The torchtitan section of bench/results_compare_tp.txt."""
+    ours, plan, fd = result["ours"], result["plan"], result["fd"]
+    head = (f"{'variant':<7} | {'torchtitan collectives':<34} {'bytes':>9} {'wire':>9} | "
+            f"{'egraph-did collectives':<34} {'bytes':>9} {'wire':>9} | {'ratio':>5}")
+    lines = [f"# torchtitan {_titan_version()}'s own Llama3Model and its own tensor parallelism "
+             "(.venv/bin/python -m bench.compare_tp --section torchtitan)",
+             head, "-" * len(head)]
+    for variant, (records, _, _, _) in result["titan"].items():
+        lines.append(f"{variant:<7} | {summary(records):<34} {_fmt(total(records, 'bytes')):>9} "
+                     f"{_fmt(total(records)):>9} | {summary(ours):<34} {_fmt(total(ours, 'bytes')):>9} "
+                     f"{_fmt(total(ours)):>9} | {total(ours) / total(records):5.2f}")
+    split = [n for n in fd.params if "DID" in plan.loop_domain(n)]
+    lines += ["",
+              f"model: torchtitan.models.llama3 Llama3Model, dim {TITAN['dim']}, {TITAN['n_heads']} heads, "
+              f"{TITAN['n_kv_heads']} KV heads, FFN {TITAN['hidden_dim']}, vocab {TITAN['vocab_size']}, "
+              f"{TITAN['n_layers']} layers, fused wqkv, complex rotary; tokens [{BATCH}, {TINY_SEQ}], float32",
+              "torchtitan: model.parallelize(ParallelDims(tp=4, spmd_backend='partial_dtensor')) with the sharding",
+              "  set_llama3_sharding_config(enable_sp=False | True) declares; CommDebugMode over one forward on 4 gloo",
+              "  ranks; logits come out vocab-sharded (Shard(-1)) under both.",
+              f"egraph-did: ed.from_torch + ed.optimize (greedy), tokens replicated, logits vocab-sharded, memory bound "
+              f"{TITAN_LIMIT} B per rank: {len(split)} of {len(fd.params)} parameters split (every weight matrix; "
+              f"torchtitan splits the same 12), predicted memory {plan.memory / 2**10:.0f} KiB per rank.",
+              "bytes and wire as above (wire: what each rank sends, ring algorithms).", "",
+              "logits on 4 gloo ranks against the unsharded model: assert_close(rtol=1e-5, atol=1e-5) passed; largest "
+              f"|difference| (largest |logit| {result['scale']:.3g}):"]
+    for variant, (_, counts, err, placements) in result["titan"].items():
+        lines.append(f"  torchtitan {variant:<6} {err:.2e}   logits {placements}   "
+                     f"CommDebugMode.get_comm_counts(): {counts}")
+    lines.append(f"  egraph-did        {result['ours_err']:.2e}")
+    lines += ["", "where each collective runs (module or tensor: kind bytes):"]
+    for variant, (records, _, _, _) in result["titan"].items():
+        lines.append(f"  torchtitan {variant}: " + ", ".join(f"{r.module or '-'}: {r.kind} {r.bytes:.0f}"
+                                                          for r in records))
+    lines.append("  egraph-did: " + ", ".join(f"{r.module}: {r.kind} {r.bytes:.0f}" for r in ours))
+    return "\n".join(lines)
+
+
+def _titan_version() -> str:
+    from importlib.metadata import version
+    return version("torchtitan")
+
+
 def main(argv=None) -> int:
     import argparse
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--extractor", default="greedy", choices=("greedy", "exact"))
     ap.add_argument("--out", help="also write the report to this file")
+    ap.add_argument("--section", default="all", choices=("all", "hf", "torchtitan"),
+                    help="hf: torchtitan's plan transcribed onto transformers' Llama; torchtitan: torchtitan's own "
+                         "Llama3 and parallelize (needs torchtitan, scripts/setup.sh)")
     args = ap.parse_args(argv)
-    text = report(compare(args.extractor, log=lambda s: print(s, file=sys.stderr)))
+    log = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    parts = []
+    if args.section in ("all", "hf"):
+        parts.append(report(compare(args.extractor, log=log)))
+    if args.section in ("all", "torchtitan"):
+        parts.append(titan3_report(compare_titan3(log=log)))
+    text = "\n\n\n".join(parts)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
