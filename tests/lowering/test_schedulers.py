@@ -277,12 +277,14 @@ def test_cast_rounds_through_16_bit_and_handles_int_and_bool():
 
 
 @pytest.mark.parametrize("dst", [torch.bfloat16, torch.float16])
-def test_cast_of_bool_to_a_16_bit_float(dst):
-    """bool -> bf16/fp16 in a fused kernel (fuzz seed 11 case 70: Triton's interpreter could not cast int1 to
-    16 bits; 0 and 1 go through float32, exactly)."""
+def test_cast_of_bool_and_int_to_a_16_bit_float(dst):
+    """bool and int -> bf16/fp16 in a fused kernel (fuzz seed 11 case 70: Triton's interpreter could not cast
+    int1 to 16 bits; seed 21 case 3265: it read an int64's bits as a bf16, -2 -> nan); both go through
+    float32 (0 and 1 exactly), as torch converts."""
     b = Build()
-    x = b.input("x", (5, 9))
-    check(b.spec(b.cast(b.gt(x, 0.0), dst), b.add(b.cast(b.gt(x, 0.5), dst), 1.0)), kind="pointwise")
+    x, i = b.input("x", (5, 9)), b.input("i", (5, 9), torch.int64)
+    check(b.spec(b.cast(b.gt(x, 0.0), dst), b.add(b.cast(b.gt(x, 0.5), dst), 1.0), b.cast(i, dst),
+                 b.cast(b.cast(b.mul(x, 300.0), torch.int32), dst)), kind="pointwise")
 
 
 def test_output_broadcast_along_the_loop_is_written_once_and_right():
