@@ -28,6 +28,7 @@ CHARGES = {
     "allreduce": ("src", 2, 2 * 3 / 4),
     "alltoall": ("src", 1, 3 / 4),
     "slice": (None, 0, 0.0),
+    "to_partial": (None, 0, 0.0),
 }
 
 
