@@ -590,6 +590,9 @@ class _Solver:
         core = self.core
         h = core._Highs()
         h.setOptionValue("output_flag", False)
+        # one thread: optimize runs in many processes at once (one per rank under launch, sweeps, fuzz
+        # campaigns), and HiGHS's own pool per process oversubscribes the cores
+        h.setOptionValue("threads", 1)
         a = a.tocsc()
         lp = core.HighsLp()
         lp.num_row_, lp.num_col_ = a.shape
