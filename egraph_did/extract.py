@@ -6,6 +6,7 @@ penalty searched by bisection in `greedy_dag`.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -782,9 +783,7 @@ def _separate(graph: PhysGraph, p: _Program, budget_s: float) -> tuple[int, int,
     classes every derivation of some of c's nodes passes through (all layouts of one tensor at one level),
     the sum of those nodes is <= the sum over D of y_d. Returns (cuts, rounds, LP bound, last LP solution)."""
     from scipy.sparse import coo_matrix, csr_matrix
-    import time as _time
-
-    t0 = _time.perf_counter()
+    t0 = time.perf_counter()
     order, nodes, first, nn, nc = p.order, p.nodes, p.first, p.nn, len(p.order)
     node_class = np.repeat(np.arange(nc), np.diff(first))
     gid: dict[tuple, int] = {}
@@ -821,7 +820,7 @@ def _separate(graph: PhysGraph, p: _Program, budget_s: float) -> tuple[int, int,
     cls_of_node = csr_matrix((np.ones(nn), (node_class, np.arange(nn))), shape=(nc, nn))
     seen: set[tuple[int, int]] = set()
     n_cuts, rounds, lp_bound, x = 0, 0, None, None
-    while rounds < 60 and _time.perf_counter() - t0 < budget_s:
+    while rounds < 60 and time.perf_counter() - t0 < budget_s:
         x, fun = p.solver.lp()
         if x is None:
             break
@@ -891,9 +890,7 @@ def _ilp(graph: PhysGraph, roots: list[str], memory_limit: float | None, time_li
     from it (measured: the bound was 15-40% of the optimum; with them 70-100%). The MIP keeps only the
     cuts the last LP holds tight (the rest slowed HiGHS's root: 16,000 rows -> 12,700 on one GPT-3
     layer's training step, 15 s -> 6.5 s)."""
-    import time as _time
-
-    t0 = _time.perf_counter()
+    t0 = time.perf_counter()
     p = _program(graph, roots, memory_limit)
     if p is None:
         return {"choice": None, "proven": True, "status": "infeasible", "bound": None, "lp_bound": None,
@@ -905,12 +902,12 @@ def _ilp(graph: PhysGraph, roots: list[str], memory_limit: float | None, time_li
         act = p.solver.a @ x
         keep[n_base:] = (p.solver.hi - act)[n_base:] < 1e-7
     x0 = _best_start(graph, roots, memory_limit, p, x, start)
-    t1 = _time.perf_counter()
+    t1 = time.perf_counter()
     res = p.solver.mip(keep, x0, max(time_limit - (t1 - t0), 1.0))
     info = {"start_feasible": None if x0 is None else p.solver.feasible(x0), "proven": res["status"] in ("optimal", "infeasible"), "status": res["status"],
             "bound": None if res["bound"] is None else res["bound"] / 1e9,
             "lp_bound": lp_bound, "cuts": n_cuts, "rounds": rounds, "classes": len(p.order), "cut_s": t1 - t0,
-            "solve_s": _time.perf_counter() - t1, "choice": None}
+            "solve_s": time.perf_counter() - t1, "choice": None}
     if res["x"] is None:
         return info
     info["choice"] = p.choice(res["x"], roots)
@@ -956,16 +953,14 @@ def _exact_by_parts(graph: PhysGraph, roots: list[str], parts: list[tuple[str, .
     disjoint parts proves no faster than its hardest part alone, and HiGHS was measured far slower on the
     joint one (fuzz seed 21 case 639: rms_norm and a transposed exp on a 2x2x2 mesh, 1.2 s and 1.3 s apart,
     29 s together). Proven only if every part is; never worse than greedy on the whole."""
-    import time as _time
-
-    deadline = _time.perf_counter() + time_limit
+    deadline = time.perf_counter() + time_limit
     whole = graph.classes[ROOT]
     choice: dict[str, Node] = {}
     proven, stats = True, {"exact_components": len(parts)}
     try:
         for part in parts:
             graph.classes[ROOT] = [Node("Root", part)]
-            sel = exact(graph, roots, None, max(deadline - _time.perf_counter(), 1.0))
+            sel = exact(graph, roots, None, max(deadline - time.perf_counter(), 1.0))
             choice.update(sel.choice)
             proven &= sel.proven
             for k, v in sel.stats.items():
@@ -1003,17 +998,15 @@ def exact(graph: PhysGraph, roots: list[str], memory_limit: float | None = None,
     >>> sel.method, sel.proven, sel.stats["exact_from"]
     ('exact', True, 'ilp')
     """
-    import time as _time
-
     parts = _components(graph, roots) if memory_limit is None else []
     if len(parts) > 1:
         return _exact_by_parts(graph, roots, parts, time_limit)
-    t0 = _time.perf_counter()
+    t0 = time.perf_counter()
     try:
         greedy = greedy_dag(graph, roots, memory_limit)
     except PlanError:
         greedy = None
-    t1 = _time.perf_counter()
+    t1 = time.perf_counter()
     info = _ilp(graph, roots, memory_limit, time_limit, None if greedy is None else greedy.choice)
     stats = {"exact_proven": bool(info["proven"] and info["choice"] is not None), "exact_status": info["status"],
              "exact_lp_bound": None if info["lp_bound"] is None else info["lp_bound"] / 1e9,

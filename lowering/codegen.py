@@ -119,10 +119,8 @@ def cast_expr(x: str, src: torch.dtype, dst: torch.dtype) -> str:
     if dst == src or (COMPUTE_TYPE[dst] == COMPUTE_TYPE[src] and dst == torch.float32):
         return x
     if dst in (torch.float16, torch.bfloat16):
-        if src == torch.bool:  # 0 and 1 are exact in any float; Triton's interpreter cannot cast int1 to 16 bits
-            return f"{x}.to(tl.float32)"
-        if not src.is_floating_point:  # through float32, as torch converts; the interpreter reinterprets an
-            x = f"{x}.to(tl.float32)"  # integer's bits as a 16-bit float (2 -> nan)
+        if not src.is_floating_point:  # bool and ints through float32, as torch converts: Triton's interpreter
+            x = f"{x}.to(tl.float32)"  # cannot cast int1 to 16 bits and reads an integer's bits as one (2 -> nan)
         return f"{x}.to({STORAGE_TYPE[dst]}).to(tl.float32)"
     return f"{x}.to({COMPUTE_TYPE[dst]})"
 
