@@ -64,22 +64,28 @@ def train(module: nn.Module, xs: list[torch.Tensor]) -> dict:
     return out
 
 
-def work(rank: int) -> dict:
-    """Every rank: parallelize both modules, train them, and record what the test checks."""
+def distributed_parameters(module: nn.Module) -> dict:
+    """What the tests check of a parallelized module's parameters on one rank: whether all are DTensors,
+    their placements and their gradients' (those that require one), and their whole values."""
     from torch.distributed.tensor import DTensor
 
+    params = dict(module.named_parameters())
+    return {"dtensors": all(isinstance(p, DTensor) for p in params.values()),
+            "placements": {n: tuple(str(q) for q in p.placements) for n, p in params.items()},
+            "grad_placements": {n: tuple(str(q) for q in p.grad.placements) for n, p in params.items()
+                                if p.requires_grad},
+            "params": {n: p.full_tensor().detach() for n, p in params.items()}}
+
+
+def work(rank: int) -> dict:
+    """Every rank: parallelize both modules, train them, and record what the test checks."""
     mesh = ed.DeviceMesh.arange(4)
     results = {}
     for name, (make, shape, limit) in CASES.items():
         xs = inputs(shape)
         module = ed.parallelize(make(), mesh, (xs[0],), memory_limit=limit)
         got = train(module, xs)
-        params = dict(module.named_parameters())
-        got["dtensors"] = all(isinstance(p, DTensor) for p in params.values())
-        got["placements"] = {n: tuple(str(q) for q in p.placements) for n, p in params.items()}
-        got["grad_placements"] = {n: tuple(str(q) for q in p.grad.placements) for n, p in params.items()
-                                  if p.requires_grad}
-        got["params"] = {n: p.full_tensor().detach() for n, p in params.items()}
+        got.update(distributed_parameters(module))
         got["class"] = type(module).__name__
         got["collectives"] = ([c.kind for c in module.forward_plan.collectives],
                               [c.kind for c in module.backward_plan().collectives])

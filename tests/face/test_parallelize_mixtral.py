@@ -26,6 +26,7 @@ import egraph_did as ed  # noqa: E402
 transformers = pytest.importorskip("transformers", reason="the `models` extra (pip install -e '.[models]')")
 
 from face.test_parallelize_models import INIT, KWARGS, TOL, VOCAB, batches, collectives, train  # noqa: E402
+from face.test_parallelize import distributed_parameters  # noqa: E402
 
 # bytes per device as the optimizer sums a plan's values: the replicated plan needs 1.95 MiB, the smallest
 # the optimizer finds 551 KiB; the experts hold 3/4 of the parameters, so the plan must shard them
@@ -43,16 +44,10 @@ def make_mixtral() -> torch.nn.Module:
 
 
 def work(rank: int) -> dict:
-    from torch.distributed.tensor import DTensor
-
     module = ed.parallelize(make_mixtral(), ed.DeviceMesh.arange(4), (batches()[0][0],), kwargs=KWARGS,
                             memory_limit=LIMIT)
     got = train(module)
-    params = dict(module.named_parameters())
-    got["dtensors"] = all(isinstance(p, DTensor) for p in params.values())
-    got["placements"] = {n: tuple(str(q) for q in p.placements) for n, p in params.items()}
-    got["grad_placements"] = {n: tuple(str(q) for q in p.grad.placements) for n, p in params.items()}
-    got["params"] = {n: p.full_tensor().detach() for n, p in params.items()}
+    got.update(distributed_parameters(module))
     got["collectives"] = (collectives(module.forward_plan), collectives(module.backward_plan()))
     got["explain"] = module.forward_plan.explain()
     return got

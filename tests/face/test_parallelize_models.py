@@ -26,6 +26,8 @@ import torch  # noqa: E402
 
 import egraph_did as ed  # noqa: E402
 
+from face.test_parallelize import distributed_parameters  # noqa: E402
+
 transformers = pytest.importorskip("transformers", reason="the `models` extra (pip install -e '.[models]')")
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -90,19 +92,12 @@ def collectives(plan) -> list[tuple[str, int]]:
 
 def work(rank: int) -> dict:
     """Every rank: parallelize both models at their bounds, train them, and record what the tests check."""
-    from torch.distributed.tensor import DTensor
-
     mesh = ed.DeviceMesh.arange(4)
     results = {}
     for name, make in MODELS.items():
         module = ed.parallelize(make(), mesh, (batches()[0][0],), kwargs=KWARGS, memory_limit=LIMITS[name])
         got = train(module)
-        params = dict(module.named_parameters())
-        got["dtensors"] = all(isinstance(p, DTensor) for p in params.values())
-        got["placements"] = {n: tuple(str(q) for q in p.placements) for n, p in params.items()}
-        got["grad_placements"] = {n: tuple(str(q) for q in p.grad.placements) for n, p in params.items()
-                                  if p.requires_grad}
-        got["params"] = {n: p.full_tensor().detach() for n, p in params.items()}
+        got.update(distributed_parameters(module))
         got["collectives"] = (collectives(module.forward_plan), collectives(module.backward_plan()))
         if name == "gpt2":
             got["tied"] = module.lm_head.weight is module.transformer.wte.weight

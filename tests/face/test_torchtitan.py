@@ -32,6 +32,7 @@ import egraph_did as ed  # noqa: E402
 pytest.importorskip("torchtitan", reason="torchtitan (scripts/setup.sh: pip install --no-deps torchtitan==0.3.0 ...)")
 
 from bench import compare_tp  # noqa: E402
+from face.test_parallelize import distributed_parameters  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 STEPS, LR = 3, 1e-2
@@ -79,15 +80,9 @@ def train(module: torch.nn.Module) -> dict:
 
 def work(rank: int, comparison: tuple) -> dict:
     """Every rank: parallelize and train the tiny model, then the collective comparison's gloo part."""
-    from torch.distributed.tensor import DTensor
-
     module = ed.parallelize(make_llama3(), ed.DeviceMesh.arange(4), (batches()[0][0],), memory_limit=LIMIT)
     got = train(module)
-    params = dict(module.named_parameters())
-    got["dtensors"] = all(isinstance(p, DTensor) for p in params.values())
-    got["placements"] = {n: tuple(str(q) for q in p.placements) for n, p in params.items()}
-    got["grad_placements"] = {n: tuple(str(q) for q in p.grad.placements) for n, p in params.items()}
-    got["params"] = {n: p.full_tensor().detach() for n, p in params.items()}
+    got.update(distributed_parameters(module))
     got["comparison"] = compare_tp.titan3_worker(rank, *comparison)
     return got
 
