@@ -7,6 +7,7 @@ extraction picks the cheaper (docs/egraph.md).
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from typing import Iterable
 
 from egglog import EGraph
 
-from egraph_did.rewrites.algebra import REWRITES, SIBLINGS, Bucket, Interleave, Order, Rewrote, rewrite_ruleset
+from egraph_did.rewrites.algebra import REWRITES, Bucket, Member, Merge, MergedB, MergedW, MergedY, Rewrote, rewrite_ruleset
 from egraph_did.rewrites.sorts import OPS_SORT, Def, Lit, ShapeOf, Shp, T, shape_code
 
 from .egglog_io import frozen_rows, held_string, run_text, string_term
@@ -92,62 +93,100 @@ def _template(names: tuple[str, ...]):
     eg = EGraph()
     junk = Lit("declare")  # a class no program names: read back never emits a term that uses it
     eg.register(ShapeOf(junk, Shp("declare")), Rewrote(junk, "declare"), Def(T("declare"), junk), Bucket(*[junk] * 8),
-                Order(junk, 0), Interleave(0, Shp("declare"), Shp("declare"), *[junk] * 4),
+                Merge(-1, junk, -1, *[junk] * 4), Member(-1, -1, *[junk] * 8), MergedW(-1, -1), MergedB(-1, -1), MergedY(-1),
                 *[Def(junk, OPS_SORT[op](*[junk] * len(OPS[op].signature.parameters))) for op in sorted(OPS_SORT)])
     eg.run(1, ruleset=rules)
     return eg, rules
 
 
+# Sets of siblings offered: every set of two or more while a group has at most this many members (q, k and
+# v gain three pairs and the triple: the plan picks), the whole group beyond (2^n sets would swamp the
+# e-graph; the whole group is the one that saves every collective but one)
+ALL_SETS_UP_TO = 3
+
+
+def _sibling_key(e):
+    """What siblings share: their op, input, weight dtype and in-features, and their biases' presence and
+    dtype; None for an op no merge applies to (a matmul's weight must be a matrix: batched weights are no
+    one GEMM's columns)."""
+    if len(e.outputs) != 1 or e.op.name not in ("linear", "matmul") or 0 in e.outputs[0].shape[-1:]:
+        return None
+    x, w, *bias = e.inputs
+    if w.ndim != 2 or x is w:
+        return None
+    inner = w.shape[1] if e.op.name == "linear" else w.shape[0]
+    return (e.op.name, x.name, str(w.dtype), inner, tuple(str(b.dtype) for b in bias))
+
+
 def sibling_groups(work: Fusion) -> list[list]:
-    """The linears of the program that merge_siblings may merge: groups of two or more that read one input
-    with weights of one shape, all with biases of one shape or none, in program order.
+    """The GEMMs of the program that merge_siblings may merge: groups of two or more linears (all with biases
+    or none) or matmuls of 2-D weights that read one input, with weights of one dtype and in-features (any
+    widths), in program order.
 
     >>> import egraph_did as ed
     >>> with ed.FusionDefinition() as fd:
     ...     x, z = fd.define_tensor((5, 4), name="x"), fd.define_tensor((5, 4), name="z")
     ...     wq, wk, wv, wo = (fd.define_tensor((3, 4), name=n) for n in ("wq", "wk", "wv", "wo"))
-    ...     for n, (a, w) in {"q": (x, wq), "k": (x, wk), "v": (x, wv), "o": (z, wo), "u": (x, fd.ops.neg(wo))}.items():
+    ...     for n, (a, w) in {"q": (x, wq), "k": (x, wk), "v": (x, wv), "o": (z, wo), "u": (x, fd.ops.neg(wo)),
+    ...                       "kv": (x, fd.define_tensor((6, 4), name="wkv"))}.items():
     ...         fd.add_output(fd.ops.linear(a, w), name=n)
+    ...     fd.add_output(fd.ops.matmul(x, fd.define_tensor((4, 2), name="wm")), name="m")
     >>> [[e.outputs[0].name for e in g] for g in sibling_groups(fd.fusion)]
-    [['q', 'k', 'v', 'u']]
+    [['q', 'k', 'v', 'u', 'kv']]
     """
     groups: dict[tuple, list] = {}
     for e in work.exprs:
-        if e.op.name == "linear" and len(e.outputs) == 1:
-            x, w, *bias = e.inputs
-            groups.setdefault((x.name, shape_code(w), tuple(shape_code(b) for b in bias)), []).append(e)
+        key = _sibling_key(e)
+        if key is not None:
+            groups.setdefault(key, []).append(e)
     return [g for g in groups.values() if len(g) > 1]
 
 
+def sibling_sets(group) -> list[list]:
+    """The sets of a sibling group offered to merge (ALL_SETS_UP_TO), in program order.
+
+    >>> sibling_sets("qkv"), sibling_sets("abcd")
+    ([['q', 'k'], ['q', 'v'], ['k', 'v'], ['q', 'k', 'v']], [['a', 'b', 'c', 'd']])
+    """
+    if len(group) > ALL_SETS_UP_TO:
+        return [list(group)]
+    return [list(c) for n in range(2, len(group) + 1) for c in itertools.combinations(group, n)]
+
+
 def merge_can_pay(group, mesh, cm, shape_of=lambda tv: tuple(tv.shape)) -> bool:
-    """Whether merging two siblings of `group` can be cheaper on this mesh and cost model at best: what it
-    could save (a GEMM launch, a read of the input, an all-reduce's latency per mesh axis) against what it
-    costs at least (interleaving the weights, sharded over every rank; a cat's launch; slicing each
-    output, likewise sharded). The e-graph gains the merged terms only where they can pay (the full-width
-    q, k and v of a GPT-3 layer: their weights' copy alone costs more than the latencies saved).
-    shape_of: a tensor's shape (a replay judges at the shapes of the plan it replays: the same terms).
+    """Whether merging the set of siblings `group` can be cheaper on this mesh and cost model at best: what
+    it could save (per sibling but one: a GEMM launch, a read of the input, an all-reduce's latency per
+    mesh axis) against what it costs at least (stacking the weights, sharded over every rank; a cat's
+    launch; slicing each output, likewise sharded). The e-graph gains the merged terms only where they
+    can pay (the full-width q, k and v of a GPT-3 layer: their weights' copy alone costs more than the
+    latencies saved). shape_of: a tensor's shape (a replay judges at the shapes of the plan it replays:
+    the same terms).
 
     >>> import egraph_did as ed, torch
     >>> from egraph_did.cost import CostModel
-    >>> def group(tokens, hidden, width):
+    >>> def group(tokens, hidden, *widths):
     ...     with ed.FusionDefinition() as fd:
     ...         x = fd.define_tensor((tokens, hidden), torch.bfloat16, name="x")
-    ...         for n in ("g", "u"):
-    ...             fd.add_output(fd.ops.linear(x, fd.define_tensor((width, hidden), torch.bfloat16, name="w" + n)), name=n)
+    ...         for i, width in enumerate(widths):
+    ...             w = fd.define_tensor((width, hidden), torch.bfloat16, name=f"w{i}")
+    ...             fd.add_output(fd.ops.linear(x, w), name=f"y{i}")
     ...     return sibling_groups(fd.fusion)[0]
-    >>> merge_can_pay(group(8192, 4096, 128), ed.DeviceMesh.arange(4), CostModel.h200())
+    >>> merge_can_pay(group(8192, 4096, 128, 128), ed.DeviceMesh.arange(4), CostModel.h200())
     True
-    >>> merge_can_pay(group(2048, 12288, 12288), ed.DeviceMesh.arange(8), CostModel.h200())
+    >>> merge_can_pay(group(8192, 4096, 128, 32, 32), ed.DeviceMesh.arange(4), CostModel.h200())
+    True
+    >>> merge_can_pay(group(2048, 12288, 12288, 12288), ed.DeviceMesh.arange(8), CostModel.h200())
     False
     """
-    x, w = group[0].inputs[:2]
-    xs, ws = shape_of(x), shape_of(w)
-    nbytes = {"x": math.prod(xs), "w": math.prod(ws), "y": math.prod(xs[:-1]) * ws[0]}
-    nbytes = {k: v * x.dtype.itemsize for k, v in nbytes.items()}
+    x = group[0].inputs[0]
+    item = x.dtype.itemsize
+    lead = math.prod(shape_of(x)[:-1])
+    weights = sum(math.prod(shape_of(e.inputs[1])) for e in group) * item
+    outs = [lead * shape_of(e.outputs[0])[-1] * item for e in group]
     hbm, launch = cm.hbm_bandwidth, cm.launch_overhead
     latency = sum(2 * cm.link(axis, mesh.ndim).alpha for axis in range(mesh.ndim))
-    saves = launch + nbytes["x"] / hbm + latency
-    costs = launch + 4 * nbytes["w"] / mesh.size / hbm + 2 * (launch + 2 * nbytes["y"] / mesh.size / hbm)
+    saves = (len(group) - 1) * (launch + math.prod(shape_of(x)) * item / hbm + latency)
+    costs = launch + 2 * weights / mesh.size / hbm + sum(launch + 2 * y / mesh.size / hbm for y in outs)
     return costs < saves
 
 
@@ -157,34 +196,67 @@ def _shapes_in(like):
     return lambda tv: shapes.get(tv.name, tuple(tv.shape))
 
 
-def sibling_facts(work: Fusion, ident: dict[str, str], slot, can_pay=lambda group: True) -> list[str]:
-    """The facts merge_siblings joins on, for the sibling groups that can pay: each weight's place in the
-    program (Order) and, per pair of weight and output shapes, the literal shapes n siblings merge with
-    (Interleave). slot(v) writes a literal (and registers it for read back).
+def merge_layout(group) -> dict:
+    """The literal shapes a set of siblings merges with (rewrites/algebra.py, merge_siblings): k = gcd of the
+    widths o_i blocks of b_i = o_i / k rows of each weight (columns, for matmul), the merged weight's and
+    bias's shapes, the output viewed as [.., k, sum b_i] and each sibling's range [lo_i, hi_i) of its last
+    axis.
 
     >>> import egraph_did as ed
     >>> with ed.FusionDefinition() as fd:
     ...     x = fd.define_tensor((5, 4), name="x")
-    ...     for n in "gu":
-    ...         fd.add_output(fd.ops.linear(x, fd.define_tensor((3, 4), name="w" + n)), name=n)
-    >>> ident = {name: f"t{i}" for i, name in enumerate(fd.fusion.tensors)}
-    >>> sibling_facts(fd.fusion, ident, repr)[:3]
-    ['(Order (T "t1") 1)', '(Order (T "t3") 3)', '(Interleave 2 (Shp "float32:3,4") (Shp "float32:5,3") [6, 4] [5, 3, 2] [5, 3] [6])']
+    ...     for n, width in {"q": 8, "k": 2, "v": 2}.items():
+    ...         fd.add_output(fd.ops.linear(x, fd.define_tensor((width, 4), name="w" + n)), name=n)
+    >>> lay = merge_layout(sibling_groups(fd.fusion)[0])
+    >>> lay["blocks"], lay["weight"], lay["view"], lay["ranges"]
+    ([[2, 4, 4], [2, 1, 4], [2, 1, 4]], [12, 4], [5, 2, 6], [(0, 4), (4, 5), (5, 6)])
     """
-    for v in (None, -1, *range(max(SIBLINGS) + 1)):
-        slot(v)  # the bias slot's null, the slices' axis and bounds, the unsqueeze and cat axis (1)
-    position = {name: i for i, name in enumerate(work.tensors)}
-    facts, shapes = [], {}
-    for group in filter(can_pay, sibling_groups(work)):
-        for e in group:
-            facts.append(f'(Order (T "{ident[e.inputs[1].name]}") {position[e.inputs[1].name]})')
-        w, y = group[0].inputs[1], group[0].outputs[0]
-        shapes[shape_code(w), shape_code(y)] = (tuple(w.shape), tuple(y.shape))
-    for (cw, cy), ((o, k), y) in shapes.items():
-        for n in SIBLINGS:
-            lits = [[n * o, k], [*y[:-1], o, n], list(y), [n * o]]
-            facts.append(f'(Interleave {n} (Shp "{cw}") (Shp "{cy}") {" ".join(slot(v) for v in lits)})')
-    return facts
+    widths = [e.outputs[0].shape[-1] for e in group]
+    k = math.gcd(*widths)
+    rows = [o // k for o in widths]
+    inner = group[0].inputs[1].shape[1 if group[0].op.name == "linear" else 0]
+    ends = list(itertools.accumulate(rows))
+    linear = group[0].op.name == "linear"
+    biased = linear and len(group[0].inputs) == 3
+    return {"blocks": [[k, b, inner] if linear else [inner, k, b] for b in rows],
+            "bias_blocks": [[k, b] if biased else None for b in rows],
+            "weight": [k * ends[-1], inner] if linear else [inner, k * ends[-1]],
+            "bias": [k * ends[-1]] if biased else None, "axis": 1 if linear else 2,
+            "view": [*group[0].outputs[0].shape[:-1], k, ends[-1]],
+            "ranges": [(e - b, e) for b, e in zip(rows, ends)]}
+
+
+def sibling_facts(work: Fusion, ident: dict[str, str], slot, can_pay=lambda group: True) -> list[str]:
+    """The facts merge_siblings folds over, for the sets of siblings that can pay: per set, Merge (its input,
+    size and merged shapes) and a Member per sibling, in program order (merge_layout's literals). slot(v)
+    writes a tensor or a literal (and registers the literal for read back).
+
+    >>> import egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     x = fd.define_tensor((5, 4), name="x")
+    ...     for n, width in {"g": 3, "u": 6}.items():
+    ...         fd.add_output(fd.ops.linear(x, fd.define_tensor((width, 4), name="w" + n)), name=n)
+    >>> ident = {name: f"t{i}" for i, name in enumerate(fd.fusion.tensors)}
+    >>> for fact in sibling_facts(fd.fusion, ident, lambda v: ident[v.name] if hasattr(v, "name") else repr(v)):
+    ...     print(fact)
+    (Merge 0 t0 2 [9, 4] None [5, 3, 3] 1)
+    (Member 0 0 t2 t1 None [3, 1, 4] None 0 1 [5, 3])
+    (Member 0 1 t4 t3 None [3, 2, 4] None 1 3 [5, 6])
+    """
+    for v in (None, -1, 1, 2):
+        slot(v)  # the bias slot's null, the slices' axis, the blocks' cat axes
+    facts = []
+    for group in sibling_groups(work):
+        for members in filter(can_pay, sibling_sets(group)):
+            g, lay = len(facts), merge_layout(members)
+            x = members[0].inputs[0]
+            merged = (lay["weight"], lay["bias"], lay["view"], lay["axis"])
+            facts.append([f"(Merge {g} {slot(x)} {len(members)} {' '.join(slot(v) for v in merged)})"])
+            for i, e in enumerate(members):
+                y, w, b = e.outputs[0], e.inputs[1], (e.inputs[2] if len(e.inputs) == 3 else None)
+                lits = (lay["blocks"][i], lay["bias_blocks"][i], *lay["ranges"][i], list(y.shape))
+                facts[-1].append(f"(Member {g} {i} {slot(y)} {slot(w)} {slot(b)} {' '.join(slot(v) for v in lits)})")
+    return [f for per_set in facts for f in per_set]
 
 
 def expand(work: Fusion, ops: Ops, rewrites: Iterable[str], mesh=None, cost_model=None, like=None) -> list[Equal]:
@@ -278,4 +350,4 @@ def expand(work: Fusion, ops: Ops, rewrites: Iterable[str], mesh=None, cost_mode
     return [Equal(old_name, new, rule[out]) for out, _, old_name, new in made]
 
 
-__all__ = ["ALL_REWRITES", "Equal", "RewriteSet", "check_rewrites", "expand", "merge_can_pay", "sibling_facts", "sibling_groups"]
+__all__ = ["ALL_REWRITES", "Equal", "RewriteSet", "check_rewrites", "expand", "merge_can_pay", "merge_layout", "sibling_facts", "sibling_groups", "sibling_sets"]

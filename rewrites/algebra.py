@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from egglog import String, eq, i64, relation, ruleset, union, var
+from egglog import String, eq, function, i64, i64Like, relation, ruleset, union, var
 from egglog import rule as erule
 
 from .sorts import OPS_SORT, Def, Lit, Shape, ShapeOf, Tensor
@@ -33,19 +33,33 @@ Rewrote = relation("Rewrote", Tensor, String, egg_fn="Rewrote")
 # literals of their flat and real shapes and of the split point come with it). The optimizer names the
 # pairs: two collectives of one kind on one mesh axis that a plan without buckets runs (egraph_did/expand.py)
 Bucket = relation("Bucket", *[Tensor] * 8, egg_fn="Bucket")
-# Order(w, i): the weight w of a linear is the program's i-th tensor (siblings merge in this order: each set
-# of them once, not once per permutation). expand writes it for the siblings that can pay only
-Order = relation("Order", Tensor, i64, egg_fn="Order")
-# Interleave(n, shape of w, shape of y, [o, n, in] -> [n o, in], y -> [.., o, n], y, [o, n] -> [n o]): the
-# literal shapes that n sibling linears y = linear(x, w[, b]) of these shapes merge with (expand writes one
-# per shape pair of the program's linears and n in SIBLINGS; egglog does no arithmetic on shapes)
-Interleave = relation("Interleave", i64, Shape, Shape, *[Tensor] * 4, egg_fn="Interleave")
-SIBLINGS = (2, 3)  # gate and up; q, k and v (pairs of three siblings merge too: the plan picks)
+# Merge(g, x, n, shape of W, shape of B or null, view of Y [.., k, sum b_i], axis W's blocks join on): the
+# set g of n sibling GEMMs of x merges with these literal shapes; Member(g, i, y_i, w_i, b_i or null, w_i's
+# block view, b_i's block view, lo_i, hi_i, shape of y_i): its i-th sibling (in program order). expand
+# writes them for the sets that can pay only (egglog does no arithmetic on shapes)
+Merge = relation("Merge", i64, Tensor, i64, *[Tensor] * 4, egg_fn="Merge")
+Member = relation("Member", i64, i64, *[Tensor] * 8, egg_fn="Member")
+
+
+@function(egg_fn="MergedW")
+def MergedW(g: i64Like, i: i64Like) -> Tensor:
+    """The blocks of the first i + 1 weights of set g, stacked (a fold: sets of any size merge)."""
+
+
+@function(egg_fn="MergedB")
+def MergedB(g: i64Like, i: i64Like) -> Tensor:
+    """The blocks of the first i + 1 biases of set g, stacked."""
+
+
+@function(egg_fn="MergedY")
+def MergedY(g: i64Like) -> Tensor:
+    """The merged GEMM's output of set g, viewed as [.., k, sum b_i]."""
+
 
 t, x, y, z = (var(v, Tensor) for v in ("t", "x", "y", "z"))
 s = var("s", Shape)
 add, cat, reshape, slice_ = OPS_SORT["add"], OPS_SORT["cat"], OPS_SORT["reshape"], OPS_SORT["slice"]
-linear, unsqueeze = OPS_SORT["linear"], OPS_SORT["unsqueeze"]
+linear, matmul = OPS_SORT["linear"], OPS_SORT["matmul"]
 
 
 @dataclass(frozen=True)
@@ -143,62 +157,89 @@ def bucket_pair():
         union(y).with_(reshape(slice_(buffer, Lit("0"), k, n), shb)), Rewrote(y, String("bucket_pair")))
 
 
-def _interleaved(parts, merged_shape):
-    """The n tensors [o, ...] (weights or biases) as one [n o, ...] whose row j n + i is row j of parts[i]:
-    a shard of o rows of each is a shard of n o rows of this, so the per-rank merge is local."""
-    one = Lit("1")
-    stacked = unsqueeze(parts[0], one)
-    for p in parts[1:]:
-        stacked = cat(stacked, unsqueeze(p, one), one)
-    return reshape(stacked, merged_shape)
+def _merge_rules(app, biased: bool):
+    """The rules merging the siblings y_i = app(x, w_i, b_i) of each Merge group: stack the weights' blocks
+    (MergedW(g, i): blocks of siblings 0..i, joined along the Merge's axis; MergedB alike for biases), run
+    one app of x on the stack, and give each y_i its slice of the output. A fold over the members, so one
+    set of rules merges groups of any size."""
+    g, i, n = (var(v, i64) for v in ("g", "i", "n"))
+    x, w, b, y, acc, y0, w0, b0 = (var(v, Tensor) for v in ("x", "w", "b", "y", "acc", "y0", "w0", "b0"))
+    wblk, bblk, lo, hi, shy, shw, shb, view, axis = (var(v, Tensor) for v in (
+        "wblk", "bblk", "lo", "hi", "shy", "shw", "shb", "view", "axis"))
+    sb = var("sb", Shape)
+    group = Merge(g, x, n, shw, shb, view, axis)
+    sibling = [eq(y).to(app(x, w, b))] + ([ShapeOf(b, sb)] if biased else [eq(b).to(Lit("null"))])
+
+    def member(k):
+        return Member(g, k, y, w, b, wblk, bblk, lo, hi, shy)
+
+    yield erule(group, member(i64(0)), *sibling).then(union(MergedW(g, i64(0))).with_(reshape(w, wblk)))
+    yield erule(group, member(i), i > 0, *sibling, eq(acc).to(MergedW(g, i - 1))).then(
+        union(MergedW(g, i)).with_(cat(acc, reshape(w, wblk), axis)))
+    first = [Member(g, i64(0), y0, w0, b0, wblk, bblk, lo, hi, shy), eq(y0).to(app(x, w0, b0))]
+    if biased:  # biases stack as [k, b_i] blocks along axis 1, as the weights' out rows
+        yield erule(group, member(i64(0)), *sibling).then(union(MergedB(g, i64(0))).with_(reshape(b, bblk)))
+        yield erule(group, member(i), i > 0, *sibling, eq(acc).to(MergedB(g, i - 1))).then(
+            union(MergedB(g, i)).with_(cat(acc, reshape(b, bblk), Lit("1"))))
+        merged = app(x, reshape(MergedW(g, n - 1), shw), reshape(MergedB(g, n - 1), shb))
+        ready = [eq(acc).to(MergedW(g, n - 1)), eq(y).to(MergedB(g, n - 1)), ShapeOf(b0, sb)]
+    else:
+        merged = app(x, reshape(MergedW(g, n - 1), shw), Lit("null"))
+        ready = [eq(acc).to(MergedW(g, n - 1)), eq(b0).to(Lit("null"))]
+    yield erule(group, *first, *ready).then(union(MergedY(g)).with_(reshape(merged, view)))
 
 
-def _merge_rule(n: int, biased: bool):
-    """The rule merging n sibling linears of one input (with biases, or none)."""
-    ws = [var(f"w{i}", Tensor) for i in range(n)]
-    bs = [var(f"b{i}", Tensor) for i in range(n)] if biased else [Lit("null")] * n
-    ts = [var(f"t{i}", Tensor) for i in range(n)]
-    order = [var(f"i{i}", i64) for i in range(n)]
-    sw, sy, sb = (var(v, Shape) for v in ("sw", "sy", "sb"))
-    lw, lsplit, ly, lb = (var(v, Tensor) for v in ("lw", "lsplit", "ly", "lb"))
-    query = [eq(t).to(linear(x, w, b)) for t, w, b in zip(ts, ws, bs)]
-    query += [ShapeOf(w, sw) for w in ws] + [Order(w, i) for w, i in zip(ws, order)]
-    query += [order[k] < order[k + 1] for k in range(n - 1)]
-    query += [ShapeOf(b, sb) for b in bs] if biased else []
-    query += [ShapeOf(ts[0], sy), Interleave(i64(n), sw, sy, lw, lsplit, ly, lb)]
-    merged = linear(x, _interleaved(ws, lw), _interleaved(bs, lb) if biased else Lit("null"))
-    split = reshape(merged, lsplit)  # [.., o, n]: sibling i is the last axis' i-th column
-    actions = []
-    for k, t in enumerate(ts):
-        actions += [union(t).with_(reshape(slice_(split, Lit("-1"), Lit(str(k)), Lit(str(k + 1))), ly)),
-                    Rewrote(t, String("merge_siblings"))]
-    return erule(*query).then(*actions)
+def _slice_rule():
+    """Each sibling is its slice of the merged output: y_i = reshape(Y[.., lo_i:hi_i], shape of y_i), Y the
+    merged GEMM's output viewed as [.., k, sum_i b_i]."""
+    g, i = var("g", i64), var("i", i64)
+    y, w, b, yy = (var(v, Tensor) for v in ("y", "w", "b", "yy"))
+    wblk, bblk, lo, hi, shy = (var(v, Tensor) for v in ("wblk", "bblk", "lo", "hi", "shy"))
+    return erule(Member(g, i, y, w, b, wblk, bblk, lo, hi, shy), eq(yy).to(MergedY(g))).then(
+        union(y).with_(reshape(slice_(yy, Lit("-1"), lo, hi), shy)), Rewrote(y, String("merge_siblings")))
 
 
-def _siblings(o, x, *weights_then_biases):
-    """The examples' programs: two or three linears of x (weights, then biases where given)."""
-    n = 3 if len(weights_then_biases) in (3, 6) else 2
-    ws, bs = weights_then_biases[:n], weights_then_biases[n:] or [None] * n
-    return tuple(o.linear(x, w, b) for w, b in zip(ws, bs))
+def _stack(o, x, ws, bs=(), op="linear"):
+    """The examples' programs: one linear (or matmul) of x per weight, with its bias where given."""
+    if op == "matmul":
+        return tuple(o.matmul(x, w) for w in ws)
+    return tuple(o.linear(x, w, b) for w, b in zip(ws, list(bs) or [None] * len(ws)))
 
 
 @program_rewrite(
-    Example("gate-up", {"x": (2, 3, 4), "wg": (6, 4), "wu": (6, 4)}, _siblings),
+    Example("gate-up", {"x": (2, 3, 4), "wg": (6, 4), "wu": (6, 4)}, lambda o, x, *ws: _stack(o, x, ws)),
     Example("qkv-bias", {"x": (5, 4), "wq": (3, 4), "wk": (3, 4), "wv": (3, 4), "bq": (3,), "bk": (3,), "bv": (3,)},
-            _siblings),
+            lambda o, x, *wb: _stack(o, x, wb[:3], wb[3:])),
+    Example("gqa", {"x": (2, 5, 4), "wq": (8, 4), "wk": (4, 4), "wv": (4, 4)}, lambda o, x, *ws: _stack(o, x, ws)),
+    Example("gqa-bias", {"x": (5, 4), "wq": (6, 4), "wk": (4, 4), "bq": (6,), "bk": (4,)},
+            lambda o, x, *wb: _stack(o, x, wb[:2], wb[2:])),
+    Example("matmul-gqa", {"x": (3, 5, 4), "wq": (4, 12), "wk": (4, 6), "wv": (4, 6)},
+            lambda o, x, *ws: _stack(o, x, ws, op="matmul")),
+    Example("five-heads", {"x": (5, 4), **{f"w{i}": (2 + (i % 2) * 2, 4) for i in range(5)}},
+            lambda o, x, *ws: _stack(o, x, ws)),
 )
 def merge_siblings():
-    """linear(x, w_i, b_i) = linear(x, W, B)[.., i::n] where W[j n + i] = w_i[j] (B alike): sibling linears of one input run as one GEMM, one collective where each had its own
+    """linear(x, w_i, b_i) = linear(x, W, B)[.., k blocks: i-th of each] where W stacks k blocks, block j = [w_1's j-th b_1 rows; ..; w_n's j-th b_n rows] (b_i = o_i / k, k = gcd of the widths o_i; B alike; matmul on columns alike): sibling GEMMs of one input run as one, one collective where each had its own
 
-    The weights interleave row by row, not end to end: a rank's shard of o rows of every w_i is then its
-    shard of n o rows of W (cat along the sharded out-features would need a gather, and so would slicing
-    y_i out of its output), so a column- or row-parallel merged GEMM reads only local shards, and one
-    collective moves every sibling's output. Groups of two and three (gate and up; q, k and v) of one
-    weight shape, all with biases or none; their order is the program's (Order), so each group merges once.
+    W = reshape(cat_i(reshape(w_i, [k, b_i, in]), axis 1), [k sum b_i, in]) and y_i =
+    reshape(reshape(Y, [.., k, sum b_i])[.., lo_i:hi_i], [.., o_i]). Equal widths (k = o, b_i = 1) are the
+    row-by-row interleave W[j n + i] = w_i[j]. Not cat(w_1, .., w_n): with every w_i split on its out
+    rows over d ranks, a rank's rows of a cat are not its rows of each w_i (a gather), and slicing y_i back
+    out of a column-split Y moves data again. Split into k blocks, a rank's k/d blocks of W are exactly its
+    o_i/d rows of every w_i when d divides k (every width's shard is whole blocks), and the view rules
+    find the column-parallel merged GEMM local there; where d does not divide k (GQA's q, k, v with few kv
+    heads on many ranks) they find it only row-parallel (x split on in-features: every layout of W's
+    rows is local), which is the merge worth having there: one all-reduce or reduce-scatter for all.
+    Siblings are all linears with biases, all without, or all matmuls with 2-D weights, of one dtype and
+    in-features: the program's own ops (a linear beside a matmul would need a transposed copy of one
+    weight, a missing bias a zero one). Which sets merge is expand's choice (Merge and Member facts: every
+    set of two or more where a group is small, the whole group where it is large, each only where it can
+    pay); the rules fold over the members, so a set of any size merges.
     """
-    for n in SIBLINGS:
-        for biased in (False, True):
-            yield _merge_rule(n, biased)
+    for biased in (False, True):
+        yield from _merge_rules(linear, biased)
+    yield from _merge_rules(lambda x, w, b: matmul(x, w), False)
+    yield _slice_rule()
 
 
-__all__ = ["Bucket", "Interleave", "Order", "SIBLINGS", "REWRITES", "Example", "ProgramRewrite", "Rewrote", "program_rewrite", "rewrite", "rewrite_ruleset"]
+__all__ = ["Bucket", "Member", "Merge", "MergedB", "MergedW", "MergedY", "REWRITES", "Example", "ProgramRewrite", "Rewrote", "program_rewrite", "rewrite", "rewrite_ruleset"]

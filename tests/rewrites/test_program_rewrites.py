@@ -76,20 +76,46 @@ def test_rewrite_names_are_checked():
         ed.optimize(row_sum(8, 64), ed.DeviceMesh.arange(2), rewrites=["fold"])
 
 
-def test_siblings_merge_once_per_set_that_reads_one_input_with_one_weight_shape():
-    """q, k, v of x merge as three pairs and one triple (each set once, not per permutation); a sibling
-    with a bias, a linear of another input and one of another weight shape merge with none of them."""
+def test_siblings_merge_once_per_set_of_one_input_op_and_bias_kind():
+    """q, k, v of x (widths 3, 3, 6) merge as three pairs and one triple (each set once, not per
+    permutation); a sibling with a bias, a linear of another input and a matmul of x merge with none."""
     with ed.FusionDefinition() as fd:
         x, z = fd.define_tensor((5, 4), name="x"), fd.define_tensor((5, 4), name="z")
-        w = {n: fd.define_tensor((3, 4), name=n) for n in ("wq", "wk", "wv", "wb", "wz")}
+        w = {n: fd.define_tensor((3, 4), name=n) for n in ("wq", "wk", "wb", "wz")}
+        w["wv"] = fd.define_tensor((6, 4), name="wv")
         outs = {n[1]: fd.ops.linear(x, w[n]) for n in ("wq", "wk", "wv")}
         outs["b"] = fd.ops.linear(x, w["wb"], fd.define_tensor((3,), name="bias"))
         outs["other"] = fd.ops.linear(z, w["wz"])
-        outs["o"] = fd.ops.linear(x, fd.define_tensor((6, 4), name="wo"))
+        outs["m"] = fd.ops.matmul(x, fd.define_tensor((4, 3), name="wm"))
         for n, y in outs.items():
             fd.add_output(y, name=n)
     work, ops = clone_fusion(fd.fusion)
     added = expand(work, ops, ["merge_siblings"])
     merged = [work.producer(work.tensors[eq.new]) for eq in added]
-    assert sorted(e.outputs[0].shape[-1] for e in merged if e.op.name == "linear") == [6, 6, 6, 9]
+    assert sorted(e.outputs[0].shape[-1] for e in merged if e.op.name == "linear") == [6, 9, 9, 12]
     assert sorted(eq.old for eq in added if eq.old) == sorted(["q", "k", "v"] * 3)  # each in two pairs, one triple
+
+
+def test_a_large_group_merges_whole_in_one_gemm():
+    """Six siblings of widths 2, 4, 2, 4, 6, 2 (a set of every size would be 57 GEMMs): one GEMM of width 20,
+    every output its slice (blocks of k = gcd = 2 rows), evaluated equal to the six linears."""
+    widths = (2, 4, 2, 4, 6, 2)
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((3, 5), torch.float64, name="x")
+        for i, o in enumerate(widths):
+            fd.add_output(fd.ops.linear(x, fd.define_tensor((o, 5), torch.float64, name=f"w{i}")), name=f"y{i}")
+    work, ops = clone_fusion(fd.fusion)
+    added = expand(work, ops, ["merge_siblings"])
+    merged = [work.producer(work.tensors[eq.new]) for eq in added]
+    assert [e.outputs[0].shape for e in merged if e.op.name == "linear"] == [(3, 20)]
+    assert sorted(eq.old for eq in added if eq.old) == sorted(f"y{i}" for i in range(6))
+    stacks = sorted(e.outputs[0].shape for e in merged if e.op.name == "cat")
+    assert stacks == [(2, k, 5) for k in (3, 4, 6, 9, 10)]  # a fold: blocks of 1, 2, 1, 2, 3, 1 rows
+    g = torch.Generator().manual_seed(0)
+    inputs = {t.name: torch.randn(t.shape, generator=g, dtype=torch.float64) for t in work.inputs}
+    for eq in added:
+        work.outputs[f"new:{eq.new}"] = work.tensors[eq.new]
+    got = evaluate(work, inputs)
+    for eq in added:
+        if eq.old:
+            torch.testing.assert_close(got[f"new:{eq.new}"], got[eq.old], rtol=1e-12, atol=1e-12)
