@@ -225,11 +225,13 @@ def merge_siblings():
     reshape(reshape(Y, [.., k, sum b_i])[.., lo_i:hi_i], [.., o_i]). Equal widths (k = o, b_i = 1) are the
     row-by-row interleave W[j n + i] = w_i[j]. Not cat(w_1, .., w_n): with every w_i split on its out
     rows over d ranks, a rank's rows of a cat are not its rows of each w_i (a gather), and slicing y_i back
-    out of a column-split Y moves data again. Split into k blocks, a rank's k/d blocks of W are exactly its
-    o_i/d rows of every w_i when d divides k (every width's shard is whole blocks), and the view rules
-    find the column-parallel merged GEMM local there; where d does not divide k (GQA's q, k, v with few kv
-    heads on many ranks) they find it only row-parallel (x split on in-features: every layout of W's
-    rows is local), which is the merge worth having there: one all-reduce or reduce-scatter for all.
+    out of a column-split Y moves data again. Split into k blocks, a rank's blocks of W are exactly its rows
+    of every w_i where each w_i's split over the d ranks falls on block edges (d divides k; or uneven,
+    where ceil(o_i / d) = ceil(k / d) b_i): the view rules check that on every reshape, so the
+    column-parallel merged GEMM reads local shards of the w_i only where it is local. Elsewhere (widths 4
+    and 2 on 4 ranks: k = 2 blocks cannot give 4 ranks a row of each) a split W costs a reshard of a
+    block, priced as such, and the merge pays row-parallel only (x split on in-features: any stacking of
+    W's rows is local): the merge worth having there anyway, one all-reduce or reduce-scatter for all.
     Siblings are all linears with biases, all without, or all matmuls with 2-D weights, of one dtype and
     in-features: the program's own ops (a linear beside a matmul would need a transposed copy of one
     weight, a missing bias a zero one). Which sets merge is expand's choice (Merge and Member facts: every

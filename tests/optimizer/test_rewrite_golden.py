@@ -77,20 +77,26 @@ def test_no_bucket_where_copies_cost_more_than_the_latency():
     assert not plan.buckets and plan.stats["bucket_pairs_offered"] == 0  # not even offered: the estimate says so
 
 
-def siblings(tokens, hidden, width, names, dtype=BF16, glu=False):
-    """Sibling linears of one input x [tokens, hidden] (feature-sharded: as a column-parallel layer leaves
-    it), weights [width, hidden]: SwiGLU's gate and up (glu: y = silu(g) * u, sequence-sharded), or
-    projections whose outputs are each wanted whole (low-rank q, k and v, as MLA's down-projections)."""
+def siblings(tokens, hidden, width, names, dtype=BF16, glu=False, op="linear", out=None):
+    """Sibling GEMMs of one input x [tokens, hidden] (feature-sharded: as a column-parallel layer leaves
+    it), weights [width, hidden] (width: one for all or one per name; op="matmul": weights [hidden, width],
+    x @ w): SwiGLU's gate and up (glu: y = silu(g) * u, sequence-sharded), or projections whose outputs
+    are each wanted in layout `out` (None: whole; low-rank q, k and v, as MLA's down-projections; GQA's q
+    beside narrower k and v)."""
+    widths = dict(zip(names, width)) if isinstance(width, tuple) else dict.fromkeys(names, width)
     with ed.FusionDefinition() as fd:
         x = fd.define_tensor((tokens, hidden), dtype, name="x")
-        ys = [fd.ops.linear(x, fd.define_tensor((width, hidden), dtype, name=f"w{n}")) for n in names]
+        if op == "matmul":
+            ys = [fd.ops.matmul(x, fd.define_tensor((hidden, widths[n]), dtype, name=f"w{n}")) for n in names]
+        else:
+            ys = [fd.ops.linear(x, fd.define_tensor((widths[n], hidden), dtype, name=f"w{n}")) for n in names]
         if glu:
             fd.add_output(fd.ops.mul(fd.ops.silu(ys[0]), ys[1]), name="y")
         for n, y in zip(names, ys if not glu else ()):
             fd.add_output(y, name=n)
     pin(fd, "x", Layout((S(1),)))
     for n in ("y",) if glu else names:
-        pin(fd, n, Layout((S(0),)) if glu else None)
+        pin(fd, n, Layout((S(0),)) if glu else out)
     return fd
 
 
@@ -153,3 +159,91 @@ def test_full_width_projections_merge_only_where_they_can_pay():
     mesh8 = ed.DeviceMesh.arange(8)
     gpt3 = ed.optimize(layer(mesh8, 1, 2048, 12288, 96), mesh8, rewrites=("merge_siblings",))
     assert gpt3.stats["rewrite_terms"] == 0
+
+
+GQA = (8 * 16, 2 * 16, 2 * 16)  # q of 8 heads beside k and v of 2 (head size 16); 4 ranks
+GQA_SMALL = (8 * 2, 2 * 2, 2 * 2)
+
+
+@pytest.mark.parametrize("out,kind", [(None, "allreduce"), (Layout((S(0),)), "reduce_scatter")])
+def test_gqa_projections_merge_into_one_gemm_and_one_collective(out, kind):
+    """GQA's q, k and v (widths 128, 32, 32) of a feature-sharded x, each wanted whole (or sequence-sharded):
+    three row-parallel GEMMs pay an all-reduce (reduce-scatter) each; bucket_pair saves one at most. Merged,
+    the weights stack in 32 blocks of 4 + 1 + 1 rows, one GEMM's partial [tokens, 192] pays one collective
+    of every sibling's bytes, and each output is its slice."""
+    def gqa(tokens=8192, hidden=4096, widths=GQA, dtype=BF16):
+        return siblings(tokens, hidden, widths, ("q", "k", "v"), dtype, out=out)
+
+    plan = ed.optimize(gqa(), MESH)
+    written = ed.optimize(gqa(), MESH, rewrites=())
+    others = ed.optimize(gqa(), MESH, rewrites=("bucket_pair", "sum_partials_first"))
+    exact = ed.optimize(gqa(), MESH, extractor="exact")
+    assert kinds(written) == [kind] * 3 and len(others.collectives) >= 2
+    assert kinds(plan) == [kind] and len(linears(plan)) == 1
+    (merged,) = linears(plan)
+    assert plan.values[merged.outputs[0]].shape == (8192, 192)
+    assert plan.collectives[0].bytes == sum(c.bytes for c in written.collectives)  # every sibling, one latency
+    assert plan.predicted_time < min(written.predicted_time, others.predicted_time) - 10e-6
+    assert exact.predicted_time == pytest.approx(plan.predicted_time, rel=1e-9)
+    assert plan.loop_domain("wq") == "[128, DIDx{4}, 4096/4]"  # each weight's own rows, split on in-features
+    assert set(plan.rewrites.values()) == {"merge_siblings"}
+    small = check_numerics(plan, gqa(12, 10, GQA_SMALL, F64))
+    assert len(linears(small)) == 1
+
+
+def test_matmul_siblings_merge_on_columns():
+    """x @ w_i with weights [in, out_i] (GQA widths): the weights stack in column blocks ([in, k, b_i] joined
+    on axis 2), and three all-reduces become one, as for linears."""
+    def gqa(tokens=8192, hidden=4096, widths=GQA, dtype=BF16):
+        return siblings(tokens, hidden, widths, ("q", "k", "v"), dtype, op="matmul")
+
+    plan = ed.optimize(gqa(), MESH)
+    written = ed.optimize(gqa(), MESH, rewrites=())
+    assert kinds(written) == ["allreduce"] * 3 and kinds(plan) == ["allreduce"]
+    matmuls = [s for s in plan.compute_steps if s.op == "matmul"]
+    assert len(matmuls) == 1 and plan.values[matmuls[0].outputs[0]].shape == (8192, 192)
+    assert plan.loop_domain("wq") == "[DIDx{4}, 4096/4, 128]"
+    assert plan.predicted_time < written.predicted_time - 20e-6
+    assert set(plan.rewrites.values()) == {"merge_siblings"}
+    check_numerics(plan, gqa(12, 10, GQA_SMALL, F64))
+
+
+def test_five_siblings_merge_whole_into_one_allreduce():
+    """Five projections of mixed widths (64, 32, 64, 32, 96) of a feature-sharded x, each wanted whole. As
+    written, the cheapest plan moves x to sequence shards once (alltoall) and gathers each output (five
+    all-reduces cost more); a group past three merges whole (blocks of 2, 1, 2, 1, 3 rows of k = 32):
+    one GEMM, one all-reduce."""
+    names, widths = ("a", "b", "c", "d", "e"), (64, 32, 64, 32, 96)
+
+    def five(tokens=8192, hidden=4096, widths=widths, dtype=BF16):
+        return siblings(tokens, hidden, widths, names, dtype)
+
+    plan = ed.optimize(five(), MESH)
+    written = ed.optimize(five(), MESH, rewrites=())
+    assert kinds(written) == ["allgather"] * 5 + ["alltoall"] and kinds(plan) == ["allreduce"]
+    (merged,) = linears(plan)
+    assert plan.values[merged.outputs[0]].shape == (8192, 288)
+    assert plan.predicted_time < written.predicted_time - 4 * 10e-6  # four latencies at least
+    assert set(plan.rewrites.values()) == {"merge_siblings"}
+    check_numerics(plan, five(12, 10, (4, 2, 4, 2, 6), F64))
+
+
+@pytest.mark.parametrize("widths,small", [((128, 32, 32), GQA_SMALL), ((8, 4), (8, 4)), ((4, 2), None)])
+def test_column_split_outputs_merge_only_where_each_rank_holds_whole_blocks(widths, small):
+    """Each output wanted split on its features over 4 ranks: the merged partial is reduce-scattered on its
+    features and each y_i sliced out, local where every rank's columns of Y are its columns of each y_i,
+    i.e. the split falls on the k = gcd(widths) blocks (k = 32 and 4: one reduce-scatter). Widths 4 and 2
+    make k = 2 blocks for 4 ranks: no view rule carries the split, the merge buys nothing, and the plan
+    keeps a reduce-scatter per sibling."""
+    names = "qkv"[:len(widths)]
+    plan = ed.optimize(siblings(8192, 4096, widths, names, out=Layout((S(1),))), MESH)
+    written = ed.optimize(siblings(8192, 4096, widths, names, out=Layout((S(1),))), MESH, rewrites=())
+    assert kinds(written) == ["reduce_scatter"] * len(widths)
+    assert plan.stats["rewrite_terms"] > 0  # offered in every case: the rules decide what is local
+    if small:  # replayed at widths of the same blocks per rank (4 and 2 would not split so)
+        assert kinds(plan) == ["reduce_scatter"] and len(linears(plan)) == 1
+        assert plan.predicted_time < written.predicted_time - 5e-6
+        check_numerics(plan, siblings(12, 10, small, names, F64, out=Layout((S(1),))))
+    else:
+        assert kinds(plan) == kinds(written) and not plan.rewrites
+        assert plan.predicted_time == written.predicted_time
