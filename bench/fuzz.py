@@ -704,6 +704,17 @@ class _Gen:
                 ["shape", list(t.shape)], ["dtype", t.dtype]]
         return bool(self.emit("opaque", args, bound=t.bound))
 
+    def g_dropout(self):
+        t = self.pick()
+        if t is None:
+            return False
+        seed = self.new_input((), "int64", data="int", high=2 ** 40)  # a seed input (0-d), as from_torch's rng.seed
+        p = self.rng.choice([0.1, 0.5, 0.75])
+        args = [["x", _tensor_arg(t.name)], ["seed", _tensor_arg(seed.name)], ["p", p]]
+        if self.rng.random() < 0.3:
+            args.append(["offset", self.rng.randint(1, 500)])
+        return bool(self.emit("dropout", args, bound=t.bound / (1 - p)))
+
     def g_cumsum(self):
         t = self.pick(pred=lambda t: t.ndim >= 1)
         if t is None:

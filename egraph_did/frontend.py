@@ -12,6 +12,13 @@ order and emits each node through a table (ATEN: ATen op -> a function emitting 
   "const.<module path>.<node>" (equal ones shared), passed like a weight: the optimizer lays it out as
   any input (replicated, or split where that is cheaper). Its value is fixed at export: re-export after
   changing a buffer. A random op (rand, dropout in training) is never folded: it raises;
+- dropout in training mode (aten.dropout, native_dropout) maps onto fd.ops.dropout, whose mask is a hash of
+  a seed and each element's global index, so every rank of every plan draws the mask one device draws.
+  The seed is one 0-d int64 input, "rng.seed" (SEED_INPUT; `TorchFusion.seed_inputs` names it): every
+  dropout of the module reads it, each at its own offset (the elements of the dropouts before it), so
+  their masks differ. bind() draws a new seed from torch's default generator on every call, as torch's
+  dropout draws new numbers on every forward; several processes must feed the same seed (seed torch alike
+  on every rank, or pass {"rng.seed": tensor} yourself), and a backward must reuse the forward's;
 - an op with no mapping becomes an opaque step (torch runs it on whole operands, replicated on every
   rank; the plan names it with its source line), or, under strict=True, raises ExportError naming the
   op, the source line it came from and what to do;
@@ -62,8 +69,9 @@ class ExportError(EgraphDidError, ValueError):
 
 class TorchFusion(FusionDefinition):
     """A FusionDefinition made by from_torch, with what running it needs: `bind(*args, **kwargs)` gives the
-    full input dict (the user's tensors by argument name, the module's current parameters by path and
-    the folded constants); `user_inputs`, `params` and `constants` name them.
+    full input dict (the user's tensors by argument name, the module's current parameters by path, the
+    folded constants and, for a module that drops out, a fresh random seed); `user_inputs`, `params`,
+    `constants` and `seed_inputs` name them.
 
     >>> import torch, egraph_did as ed
     >>> fd = ed.from_torch(torch.nn.Linear(4, 2), (torch.ones(3, 4),))
@@ -76,13 +84,16 @@ class TorchFusion(FusionDefinition):
         self.user_inputs: tuple[str, ...] = ()
         self.params: tuple[str, ...] = ()
         self.constants: dict[str, torch.Tensor] = {}
+        self.seed_inputs: tuple[str, ...] = ()  # ("rng.seed",) where the program drops out in training mode
         self._module: torch.nn.Module | None = None
         self.leaves: list[str | None] = []  # per flattened (args, kwargs) leaf: the input it binds, or None
         self.output_skeleton: Any = None  # the module's output structure, its leaves the output indices
 
     def bind(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """Every input of the fusion: args and kwargs as given to the module (same structure as the example
-        inputs), the module's parameters as they are now, and the folded constants.
+        inputs), the module's parameters as they are now, the folded constants, and a seed for each of
+        seed_inputs drawn from torch's default generator (draw_seed: a new mask per call, as torch's
+        dropout; replace it to replay a step).
 
         >>> import torch, egraph_did as ed
         >>> fd = ed.from_torch(lambda a, b: a * b + 1, (torch.ones(2), torch.ones(2)))
@@ -98,7 +109,7 @@ class TorchFusion(FusionDefinition):
             state = dict(self._module.named_parameters(remove_duplicate=False))
             state |= dict(self._module.named_buffers(remove_duplicate=False))
             out |= {p: state[p].detach() for p in self.params}
-        return out | self.constants
+        return out | self.constants | {name: draw_seed() for name in self.seed_inputs}
 
     def structure(self, outputs: dict[str, Any]) -> Any:
         """The outputs (by name, as ed.evaluate / plan.run give them) in the module's own output structure:
@@ -200,6 +211,8 @@ class _Converter:
         self.env: dict[str, Any] = {}
         self.node = None
         self._consts: list[tuple[torch.Tensor, TensorView]] = []
+        self._seed: TensorView | None = None  # the program's one seed input, made by the first dropout
+        self._rng_offset = 0  # counters the dropouts mapped so far have used
 
     def run(self) -> TorchFusion:
         self._placeholders()
@@ -424,6 +437,7 @@ def _live_copy(src: TorchFusion) -> TorchFusion:
     live |= {id(fusion[name]) for name in src.user_inputs}
     out = TorchFusion()
     out.user_inputs, out._module, out.leaves = src.user_inputs, src._module, src.leaves
+    out.seed_inputs = tuple(s for s in src.seed_inputs if id(fusion[s]) in live)
     out.output_skeleton = src.output_skeleton
     out.params = tuple(p for p in src.params if id(fusion[p]) in live)
     out.constants = {k: v for k, v in src.constants.items() if id(fusion[k]) in live}
@@ -608,11 +622,48 @@ for _t in (aten.clone, aten.contiguous, aten.alias, aten.detach, aten.lift_fresh
     maps(_t)(_identity)
 
 
+SEED_INPUT = "rng.seed"
+
+
+def draw_seed() -> torch.Tensor:
+    """A dropout seed (a 0-d int64) from torch's default generator: torch.manual_seed makes it reproducible,
+    and processes seeded alike draw the same one.
+
+    >>> import torch
+    >>> _ = torch.manual_seed(0); a = draw_seed(); _ = torch.manual_seed(0)
+    >>> a.shape, a.dtype, bool(a == draw_seed())
+    (torch.Size([]), torch.int64, True)
+    """
+    return torch.randint(-2 ** 63, 2 ** 63 - 1, (), dtype=torch.int64)
+
+
+def _drop(c, x: TensorView, p: float) -> TensorView:
+    """fd.ops.dropout of x under the program's seed input (made on first use) at the next unused offset."""
+    if c._seed is None:
+        if SEED_INPUT in c.fd.fusion.tensors:
+            raise c.error(f"drops out, and the module has an input named {SEED_INPUT!r}, the name of the "
+                          f"dropout seed", f"rename that input, or export in eval mode (module.eval())")
+        c._seed = c.fd.define_tensor((), torch.int64, SEED_INPUT)
+        c.fd.seed_inputs = (SEED_INPUT,)
+    offset, c._rng_offset = c._rng_offset, c._rng_offset + math.prod(x.shape)
+    return c.ops.dropout(x, c._seed, float(p), offset)
+
+
 @maps(aten.dropout)
 def _dropout(c, input, p, train):
-    if train and p > 0:
-        raise c.error(f"drops out (p={p}) in training mode", "export the module in eval mode (module.eval())")
-    return input
+    x = c._tensor(input)
+    return _drop(c, x, p) if train and p > 0 else x
+
+
+@maps(aten.native_dropout)
+def _native_dropout(c, input, p, train=None):
+    """(output, keep-mask): the mask is where dropout of ones is nonzero (the same offset: the same mask)."""
+    x = c._tensor(input)
+    if train is False or p == 0:
+        return x, c.ops.full(x.shape, 1, "bool")
+    offset = c._rng_offset
+    out = _drop(c, x, p)
+    return out, c.ops.ne(c.ops.dropout(c.ops.full(x.shape, 1.0, x.dtype), c._seed, float(p), offset), 0)
 
 
 def _cast(c, x, dtype):

@@ -6,7 +6,8 @@ Beside the shape rule it states:
 - kind: what the op computes: pointwise | mask | reduction | scan (a running reduction along an axis:
   cumsum) | normalization | matmul | attention | gather | view | join (tensors laid side by side: cat) |
   opaque (an ATen op run as torch runs it, on whole operands: only the replicated rule applies) |
-  constant (no operand: full). Rules, the problem and the lowering select ops
+  constant (no operand: full) | random (elementwise, from a seed and each element's global position:
+  dropout; never fused, its shards need their global offsets). Rules, the problem and the lowering select ops
   by kind (`ops_where(kind="view")`), never by a list of names;
 - reference: its torch evaluation; decompose (composites): its expansion into other ops, rfactor: a
   decomposition that splits the reduction in blocks;
@@ -42,7 +43,7 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INT_DTYPES = (torch.int64, torch.int32)
 SUPPORTED_DTYPES = FLOAT_DTYPES + INT_DTYPES + (torch.bool,)
 KINDS = ("pointwise", "mask", "reduction", "scan", "normalization", "matmul", "attention", "gather", "view",
-         "join", "opaque", "constant")
+         "join", "opaque", "constant", "random")
 
 
 @dataclass(frozen=True)
@@ -1680,6 +1681,151 @@ def full(shape: tuple = (), value: float = 0.0, dtype=torch.float32):
     return [OutSpec(tuple(shape), canonical_dtype(dtype), tuple(str(e) for e in shape))]
 
 
+# ------------------------------------------------------------------ random: dropout
+# A counter-based stream: the bits of an element are a hash of (seed, offset + its flat index in the logical
+# tensor), so a single device, every rank of every plan and every layout draw the same mask, and nothing is
+# saved for the backward (it hashes again). The hash is 32-bit arithmetic held in int64 (products < 2**48,
+# never a signed overflow), made of torch integer ops that give the same bits on CPU and GPU.
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2**32 for x in [0, 2**32): c in 16-bit halves, so no product in int64 reaches 2**48."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finalizer: a bijection of [0, 2**32) whose every output bit depends on every input bit."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def random_bits(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """32 random bits (an int64 in [0, 2**32)) per counter, from an int64 seed: two keys k0, k1 are mixed
+    from the seed's low and high words; bits = fmix32(fmix32(lo ^ k0) ^ hi ^ k1) of the counter's words.
+    For one seed, counters below 2**32 give distinct values (fmix32 is a bijection); another seed gives
+    another stream.
+
+    >>> import torch
+    >>> bits = random_bits(torch.tensor(7), torch.arange(4))
+    >>> bits.dtype, bool(((bits >= 0) & (bits < 2**32)).all()), len(set(bits.tolist()))
+    (torch.int64, True, 4)
+    >>> torch.equal(bits, random_bits(torch.tensor(7), torch.arange(4))), torch.equal(bits, random_bits(torch.tensor(8), torch.arange(4)))
+    (True, False)
+    """
+    seed = seed.to(torch.int64)
+    k0 = _fmix32((seed & _M32) ^ 0x9E3779B9)
+    k1 = _fmix32(((seed >> 32) & _M32) ^ k0 ^ 0x7F4A7C15)
+    return _fmix32(_fmix32((counter & _M32) ^ k0) ^ (counter >> 32) ^ k1)
+
+
+def keep_threshold(p: float) -> int:
+    """An element is kept where its bits are >= this: round(p * 2**32), so P(keep) = 1 - p to 2**-33.
+
+    >>> keep_threshold(0.0), keep_threshold(0.5), keep_threshold(1.0)
+    (0, 2147483648, 4294967296)
+    """
+    return min(round(p * 2 ** 32), 2 ** 32)
+
+
+def global_counters(shape, starts, offset: int, device=None) -> torch.Tensor:
+    """offset + the flat (row-major) index in a tensor of the global `shape` of every element of the block
+    whose first element sits at `starts` (one start per axis) and whose extents are those of the block:
+    `shape` here is (global shape, block shape).
+
+    >>> global_counters(((4, 6), (2, 3)), (2, 3), 100)  # rows 2-3, columns 3-5 of a 4 x 6 tensor
+    tensor([[115, 116, 117],
+            [121, 122, 123]])
+    """
+    full, block = shape
+    counters = torch.full((), offset, dtype=torch.int64, device=device)
+    stride = 1
+    for axis in reversed(range(len(full))):
+        idx = torch.arange(starts[axis], starts[axis] + block[axis], dtype=torch.int64, device=device) * stride
+        counters = counters + idx.reshape([-1 if a == axis else 1 for a in range(len(full))])
+        stride *= full[axis]
+    return counters
+
+
+def dropout_mask(seed: torch.Tensor, p: float, counters: torch.Tensor) -> torch.Tensor:
+    """The keep-mask (bool) of dropout at these counters: random_bits(seed, counter) >= keep_threshold(p).
+
+    >>> import torch
+    >>> keep = dropout_mask(torch.tensor(3), 0.25, torch.arange(100_000))
+    >>> round(keep.float().mean().item(), 2)
+    0.75
+    """
+    return random_bits(seed.to(counters.device), counters) >= keep_threshold(p)
+
+
+def _dropout_apply(x, seed, p, counters):
+    """x * mask / (1 - p), as torch's dropout multiplies (0 where p = 1)."""
+    scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
+    return x * (dropout_mask(seed, p, counters).to(x.dtype) * scale)
+
+
+def _dropout_ref(x, seed, p=0.5, offset=0):
+    return _dropout_apply(x, seed, p, global_counters((tuple(x.shape), tuple(x.shape)), (0,) * x.ndim, offset,
+                                                      x.device))
+
+
+def _dropout_global_index(args, operands, outputs, ctx, axes):
+    """dropout of the rank's shard: its elements' counters are their flat indices in the global tensor (each
+    axis offset by where the rank's shard starts), so every rank draws the mask one device would"""
+    out, x = outputs[0], args["x"]
+    starts = [ctx.shard_range(out.shape[a], out.layout, a)[0] for a in range(len(out.shape))]
+    counters = global_counters((tuple(out.shape), tuple(x.shape)), starts, args.get("offset", 0), x.device)
+    return _dropout_apply(x, args["seed"], args.get("p", 0.5), counters)
+
+
+DROPOUT_GLOBAL_INDEX = LocalKernel("global_index", _dropout_global_index)
+
+
+def _vjp_dropout(ops, g, out, x, seed, p=0.5, offset=0):
+    """g * mask / (1 - p): the same mask, hashed again from the same seed and offset (nothing is saved)"""
+    return {"x": ops.dropout(g, seed, p, offset)}
+
+
+def _dropout_flops(ins, outs, args) -> float:
+    """About 30 integer operations per element (the hash) and the multiply."""
+    return 32.0 * math.prod(outs[0])
+
+
+@op("dropout", "random", _dropout_ref, local_kernels=(DROPOUT_GLOBAL_INDEX,), vjp=_vjp_dropout,
+    flops=_dropout_flops)
+def dropout(x, seed, p: float = 0.5, offset: int = 0):
+    """Dropout in training mode: x * mask / (1 - p), an element kept where the hash of (seed, offset + its
+    flat index in x) is at least p of the 32-bit range (random_bits, keep_threshold). `seed` is a 0-d int64
+    tensor input (replays and CUDA graphs advance it, never a constant baked in); `offset` separates the
+    streams of several dropouts that read one seed. Any sharding draws the single-device mask.
+
+    >>> import torch, egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     x, seed = fd.define_tensor((2, 4), name="x"), fd.define_tensor((), torch.int64, name="rng.seed")
+    ...     fd.add_output(fd.ops.dropout(x, seed, 0.5), name="y")
+    >>> y = ed.evaluate(fd, {"x": torch.ones(2, 4), "rng.seed": torch.tensor(1)})["y"]
+    >>> sorted(set(y.flatten().tolist()))  # dropped, or kept and scaled by 1 / (1 - p)
+    [0.0, 2.0]
+    """
+    x = _need_tensor("dropout", "x", x)
+    _need_float("dropout", x)
+    if not _is_tensor(seed) or seed.shape != () or seed.dtype != torch.int64:
+        got = f"{seed.name}, {str(seed.dtype).replace('torch.', '')} of shape {seed.shape}" if _is_tensor(seed) \
+            else f"the {type(seed).__name__} {seed!r:.40}"
+        raise DtypeError(f"dropout({x.name}): seed must be a 0-d int64 tensor input of the fusion, got {got}; "
+                         f"define it (fd.define_tensor((), torch.int64, name='rng.seed')) and feed a new value "
+                         f"each step")
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+        raise ShapeError(f"dropout({x.name}): p must be a probability in [0, 1], got {p!r}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ShapeError(f"dropout({x.name}): offset must be an int >= 0 (where its stream starts), got {offset!r}")
+    return [OutSpec(x.shape, x.dtype, x.axes)]
+
+
 # ------------------------------------------------------------------ opaque: an ATen op egraph-did does not map
 
 def aten_overload(target: str):
@@ -1838,4 +1984,5 @@ def op_names() -> list[str]:
 INDEX_ARGS = {n: d.indexes for n, d in OPS.items() if d.indexes is not None}
 
 __all__ = ["OPS", "OpDef", "LocalKernel", "Indexing", "TensorSpec", "OutSpec", "op", "ops_where", "canonical_dtype",
-           "op_names", "check_indices", "check_literals"]
+           "op_names", "check_indices", "check_literals", "random_bits", "keep_threshold", "global_counters",
+           "dropout_mask"]

@@ -1,5 +1,11 @@
 """Pointwise rules: elementwise ops carry shardings through; linear ones carry partials. The elementwise
-rule applies to every op of kind pointwise in the op table, so a new pointwise op needs no rule here."""
+rule applies to every op of kind pointwise in the op table, so a new pointwise op needs no rule here.
+
+Random ops (kind random: dropout) are elementwise too, but each element's random bits come from its
+position in the global tensor: a rank holding a shard runs the op's global-index kernel (its counters
+start where its shard starts), so every plan draws the mask one device draws. Given the mask, dropout is
+linear: the dropout of a pending sum is a pending sum. A pending max does not pass: its ranks may hold the
+max's identity (-inf) where they hold no candidate, and a dropped -inf is 0 * -inf = nan."""
 from __future__ import annotations
 
 import torch
@@ -7,9 +13,9 @@ import torch
 from egglog import eq, i64, ne, var
 from egglog import rule as erule
 
-from egraph_did.ops import OPS, ops_where
+from egraph_did.ops import DROPOUT_GLOBAL_INDEX, OPS, ops_where
 
-from .rules import P, R, S, Case, Input, egglog_form, family_ruleset, rule
+from .rules import P, R, S, Case, Input, egglog_form, family_ruleset, indices, rule
 from .sorts import SIG, Bcast, Extent, FloatSize, MeshSize, OpKind, Param, Placement, Rank, a, ax, d, i, m, n, op, r, sig, site
 from .sorts import P as P_, R as R_, S as S_, sx0, sx1, sx2, sy
 
@@ -116,6 +122,33 @@ def constant_sharded(e):
         yield e.strategy(out=S(a))
 
 
+SEED = indices((), 2 ** 40)  # a dropout seed with bits above the low 32: both of its words reach the hash
+
+
+@rule(*ops_where(kind="random"), cases=[
+    Case("rows-uneven", (3,), {"x": (5, 7), "seed": SEED}, lambda o, x, seed: o.dropout(x, seed, 0.5)),
+    Case("offset-3d", (2,), {"x": (2, 3, 4), "seed": SEED}, lambda o, x, seed: o.dropout(x, seed, 0.3, 17)),
+    Case("mesh2x2-nested-uneven", (2, 2), {"x": (13, 3), "seed": SEED}, lambda o, x, seed: o.dropout(x, seed, 0.5)),
+    Case("mesh2x3", (2, 3), {"x": (4, 9), "seed": SEED}, lambda o, x, seed: o.dropout(x, seed, 0.25)),
+])
+def random_sharded(e):
+    """dropout(x, seed)[shard] = dropout of x[shard] at the shard's global counters: the mask one device
+    draws (the seed, 0-d, replicated)"""
+    for k in range(e.out.ndim):
+        yield e.strategy(out=S(k), x=S(k), local=DROPOUT_GLOBAL_INDEX)
+
+
+@rule(*ops_where(kind="random"), cases=[
+    Case("of-a-partial", (2,), {"x": (3, 4), "w": (5, 4), "seed": SEED},
+         lambda o, x, w, seed: o.dropout(o.linear(x, w), seed, 0.5)),
+    Case("of-a-partial-mesh2x2", (2, 2), {"x": (4, 6), "seed": SEED},
+         lambda o, x, seed: o.dropout(o.sum(x, 1, keepdim=True), seed, 0.5)),
+])
+def random_of_partial(e):
+    """dropout(sum_r x_r) = sum_r dropout(x_r): one mask scales every summand (not a pending max: 0 * -inf)"""
+    yield e.strategy(out=P, x=P)
+
+
 # ---------------------------------------------------------------------- the same identities as egglog rules
 # Each derives the per-mesh-axis relation Ax (rewrites/sorts.py) for the ops its Python rule covers.
 
@@ -184,6 +217,19 @@ def _partial_through_linear_unary(spec):
 def _constant_sharded(spec):
     """full(shape, v)[shard of axis a] = full(local shape, v)"""
     yield erule(SIG[(0, 1)](sig, op, sy), OpKind(op, "constant"), MeshSize(d), Extent(sy, a, n)).then(ax([], [S_(a)]))
+
+
+@egglog_form(random_sharded)
+def _random_sharded(spec):
+    """dropout(x, seed)[shard of axis a] = dropout of x[shard] at the shard's global counters"""
+    yield erule(site(op, 2), OpKind(op, "random"), MeshSize(d), Extent(sy, a, n)).then(
+        ax([S_(a), R_()], [S_(a)], DROPOUT_GLOBAL_INDEX))
+
+
+@egglog_form(random_of_partial)
+def _random_of_partial(spec):
+    """dropout(sum_r x_r) = sum_r dropout(x_r)"""
+    yield erule(site(op, 2), OpKind(op, "random"), MeshSize(d)).then(ax([P_(), R_()], [P_()]))
 
 
 pointwise = family_ruleset("pointwise")

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import egraph_did as ed
+import random_reference
 from egraph_did import DtypeError, ShapeError
 
 F64, F32 = torch.float64, torch.float32
@@ -402,6 +403,12 @@ CASES: list[Case] = [
          lambda v: v["x"] + 1.5),
     Case("full", "full-0d-int", lambda dt: {}, lambda o, t: o.full((), 7, "int64"),
          lambda v: torch.tensor(7), dtypes=(None,)),
+    # ---- random (issue 11): dropout's mask from a hash of (seed, global index), checked bit for bit against
+    # a Python-integer reference of the hash (tests/core/random_reference.py)
+    Case("dropout", "dropout-seeded", lambda dt: {"x": rand(6, 9, dtype=dt), "seed": torch.tensor(-(2 ** 40) - 3)},
+         lambda o, t: (o.dropout(t["x"], t["seed"], 0.4), o.dropout(t["x"], t["seed"], 0.25, 1000)),
+         lambda v: (random_reference.dropout(v["x"], int(v["seed"]), 0.4),
+                    random_reference.dropout(v["x"], int(v["seed"]), 0.25, 1000))),
     # ---- opaque: an ATen op from_torch does not map, run as torch runs it (issue 11)
     Case("opaque", "opaque-flip", x_(3, 4), lambda o, t: o.opaque(
         t["x"], target="aten.flip.default", call='{"args": [{"tensor": 0}, [0, 1]]}', shape=(3, 4),

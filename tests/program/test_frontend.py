@@ -256,12 +256,13 @@ def test_reading_the_indices_of_min_along_an_axis_is_refused_naming_the_line():
     assert [e.op.name for e in fd.fusion.exprs] == ["amin"]
 
 
-def test_dropout_in_training_mode_is_refused_not_folded_or_dropped():
+def test_dropout_in_training_mode_maps_onto_the_seeded_op_and_is_dropped_in_eval_mode():
+    # the numerics (masks equal under every plan, gradients, the seed input) are in tests/program/test_dropout.py
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).train()
-    with pytest.raises(ed.ExportError, match=r"eval mode \(module.eval\(\)\)"):
-        ed.from_torch(model, (torch.ones(2, 4),))
+    fd = ed.from_torch(model, (torch.ones(2, 4),))
+    assert [e.op.name for e in fd.fusion.exprs] == ["linear", "dropout"] and fd.seed_inputs == ("rng.seed",)
     fd = ed.from_torch(model.eval(), (torch.ones(2, 4),))
-    assert [e.op.name for e in fd.fusion.exprs] == ["linear"]
+    assert [e.op.name for e in fd.fusion.exprs] == ["linear"] and fd.seed_inputs == ()
 
 
 def test_a_strided_slice_is_refused_naming_the_step():
