@@ -108,7 +108,10 @@ ALL_SETS_UP_TO = 3
 def _sibling_key(e):
     """What siblings share: their op, input, weight dtype and in-features, and their biases' presence and
     dtype; None for an op no merge applies to (a matmul's weight must be a matrix: batched weights are no
-    one GEMM's columns)."""
+    one GEMM's columns). Widths never part siblings: the merged GEMM is local row-parallel (x split on
+    in-features) for any widths, and where a column split of the stacked weight is not local (its blocks
+    are not each rank's rows of every w_i) no view rule derives it, so the e-graph prices a reshard there
+    rather than a wrong local step."""
     if len(e.outputs) != 1 or e.op.name not in ("linear", "matmul") or 0 in e.outputs[0].shape[-1:]:
         return None
     x, w, *bias = e.inputs

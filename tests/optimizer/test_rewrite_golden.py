@@ -7,7 +7,7 @@ import torch
 
 import egraph_did as ed
 from egraph_did import models
-from egraph_did.layout import Layout, S
+from egraph_did.layout import Layout, R, S
 
 from test_golden_plans import BF16, F64, MESH, check_numerics, kinds, pin
 
@@ -247,3 +247,30 @@ def test_column_split_outputs_merge_only_where_each_rank_holds_whole_blocks(widt
     else:
         assert kinds(plan) == kinds(written) and not plan.rewrites
         assert plan.predicted_time == written.predicted_time
+
+
+MESH2 = ed.DeviceMesh(torch.arange(4).reshape(2, 2), axis_names=("dp", "tp"))
+
+
+@pytest.mark.parametrize("x_layout,out_layout,written_kinds,merged_kinds", [
+    ((S(0), S(1)), (S(0), R), ["allreduce"] * 3, ["allreduce"]),  # dp on tokens, row-parallel on tp
+    ((R, R), (S(1), S(1)), [], []),  # column-parallel over both axes: 32 blocks over 4 ranks, nested
+])
+def test_gqa_projections_merge_on_a_2x2_mesh(x_layout, out_layout, written_kinds, merged_kinds):
+    """On a dp x tp mesh the blocks serve either axis: with x split on tokens over dp and on features over
+    tp, three all-reduces over tp become one; with x whole and each output split on features over both
+    axes, the merged GEMM is column-parallel on both (each rank 8 of the 32 blocks: its rows of every
+    w_i), no collective either way, one GEMM launch and one read of x instead of three."""
+    def gqa(tokens=8192, hidden=4096, widths=GQA, dtype=BF16):
+        fd = siblings(tokens, hidden, widths, ("q", "k", "v"), dtype)
+        pin(fd, "x", Layout(x_layout), MESH2)
+        for n in "qkv":
+            pin(fd, n, Layout(out_layout), MESH2)
+        return fd
+
+    plan = ed.optimize(gqa(), MESH2)
+    written = ed.optimize(gqa(), MESH2, rewrites=())
+    assert kinds(written) == written_kinds and kinds(plan) == merged_kinds
+    assert len(linears(plan)) == 1 and set(plan.rewrites.values()) == {"merge_siblings"}
+    assert plan.predicted_time < written.predicted_time - 3e-6
+    check_numerics(plan, gqa(12, 10, GQA_SMALL, F64), MESH2)
