@@ -163,7 +163,7 @@ def _merge_rules(app, biased: bool):
     one app of x on the stack, and give each y_i its slice of the output. A fold over the members, so one
     set of rules merges groups of any size."""
     g, i, n = (var(v, i64) for v in ("g", "i", "n"))
-    x, w, b, y, acc, y0, w0, b0 = (var(v, Tensor) for v in ("x", "w", "b", "y", "acc", "y0", "w0", "b0"))
+    x, w, b, y, acc, bacc, y0, w0, b0 = (var(v, Tensor) for v in ("x", "w", "b", "y", "acc", "bacc", "y0", "w0", "b0"))
     wblk, bblk, lo, hi, shy, shw, shb, view, axis = (var(v, Tensor) for v in (
         "wblk", "bblk", "lo", "hi", "shy", "shw", "shb", "view", "axis"))
     sb = var("sb", Shape)
@@ -179,10 +179,10 @@ def _merge_rules(app, biased: bool):
     first = [Member(g, i64(0), y0, w0, b0, wblk, bblk, lo, hi, shy), eq(y0).to(app(x, w0, b0))]
     if biased:  # biases stack as [k, b_i] blocks along axis 1, as the weights' out rows
         yield erule(group, member(i64(0)), *sibling).then(union(MergedB(g, i64(0))).with_(reshape(b, bblk)))
-        yield erule(group, member(i), i > 0, *sibling, eq(acc).to(MergedB(g, i - 1))).then(
-            union(MergedB(g, i)).with_(cat(acc, reshape(b, bblk), Lit("1"))))
+        yield erule(group, member(i), i > 0, *sibling, eq(bacc).to(MergedB(g, i - 1))).then(
+            union(MergedB(g, i)).with_(cat(bacc, reshape(b, bblk), Lit("1"))))
         merged = app(x, reshape(MergedW(g, n - 1), shw), reshape(MergedB(g, n - 1), shb))
-        ready = [eq(acc).to(MergedW(g, n - 1)), eq(y).to(MergedB(g, n - 1)), ShapeOf(b0, sb)]
+        ready = [eq(acc).to(MergedW(g, n - 1)), eq(bacc).to(MergedB(g, n - 1)), ShapeOf(b0, sb)]
     else:
         merged = app(x, reshape(MergedW(g, n - 1), shw), Lit("null"))
         ready = [eq(acc).to(MergedW(g, n - 1)), eq(b0).to(Lit("null"))]
