@@ -1,16 +1,22 @@
 """ed.parallelize: a torch module whose forward and backward run egraph-did plans under torch.distributed.
 
 `parallelize(module, mesh, example_inputs)` exports the module (ed.from_torch) at the example inputs and
-optimizes two plans on the mesh:
+optimizes ONE plan for a training step's forward and backward: the joint fusion (`joint_fusion`) holds the
+module's outputs and the vector-Jacobian product, built with ed.grad from loss = sum over the outputs of
+sum(output * cotangent), the cotangents being extra inputs; it gives `grad_<name>` for the parameters and
+inputs that need a gradient. It is optimized once, under the cost model and its memory bound, so the
+optimizer sees what the step pays: which activations to keep for the backward, which collectives the
+gradients need. Outputs are pinned replicated (they come back whole); parameters are free, and the
+layout the plan first loads each one in is where it lives from then on: each parameter and its
+gradient are then pinned there (re-optimized if the free plan put a gradient elsewhere), so one sharded
+copy of every parameter serves the step and its gradient lands in the same placements.
 
-- the forward: outputs pinned replicated (they come back whole), parameters free: the plan decides
-  each parameter's layout, and that layout is where the parameter lives from then on;
-- the backward: the vector-Jacobian product of the forward, a fusion of its own built with
-  ed.value_and_grad from loss = sum over the outputs of sum(output * cotangent), the cotangents being
-  extra inputs; it gives `grad_<name>` for the parameters and inputs that need a gradient. Each
-  parameter and its gradient are pinned to the layout the forward plan chose, so one sharded copy of
-  every parameter serves both plans and its gradient lands in the same placements. The backward
-  recomputes the forward inside its fusion (no activation is kept between the two plans).
+At run time the joint plan is split (egraph_did/plan_split.py): torch's forward runs the steps that read
+no cotangent (the outputs, and what the backward reads of them: the "saved" values, kept in the plan's
+own layouts, each rank's local shards, between the calls), backward runs the rest. No step runs twice,
+and the two calls move exactly the joint plan's collectives. Without autograd (torch.no_grad(),
+inference_mode, or nothing requiring a gradient) a forward-only plan runs instead, its parameters pinned
+where the joint plan keeps them, and nothing is saved.
 
 The module is converted in place, as torch's parallelize_module and fully_shard do: its parameters
 become DTensors (torch.distributed.tensor) on a torch DeviceMesh of the same ranks, with the plan's
@@ -33,17 +39,19 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from .cost import CostModel
-from .errors import DtypeError, EgraphDidError, ShapeError
+from .errors import DtypeError, EgraphDidError, MemoryBoundError, ShapeError
+from .expand import ALL_REWRITES
 from .fusion import Fusion, replay
 from .ir import TensorView
 from .frontend import TorchFusion, from_torch
-from .grad import GRAD_PREFIX, value_and_grad
+from .grad import GRAD_PREFIX, grad
 from .layout import Layout, R
 from .mesh import DeviceMesh
 from .ops import FLOAT_DTYPES
 from .optimize import optimize
-from .pins import apply_layout
+from .pins import apply_layout, layout_of as pinned_layout
 from .plan import Plan
+from .plan_split import SAVED_PREFIX, SplitError, SplitPlan, split_plan
 from .runtime import torch_device_mesh
 
 COTANGENT = "cotangent."  # the backward fusion's input holding d(loss)/d(output <name>)
@@ -73,16 +81,20 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh, example_inputs: tuple
 
     example_inputs: the positional arguments of a call (a tuple; `kwargs` keyword ones), as from_torch
     takes them: the plans are specialized to their shapes and dtypes, and every later call must match.
-    cost_model: ed.CostModel (default CostModel.h200()). memory_limit: bytes per device the forward plan
-    may hold (replaces the cost model's bound): it decides where the parameters live, and a tight one
-    makes the plan shard them. The optimizer's memory model sums every value a plan holds, with no
-    reuse, and the backward recomputes the forward, so the backward plan is optimized without the bound;
-    its parameters and their gradients are pinned to the forward's layouts. extractor: as ed.optimize.
+    cost_model: ed.CostModel (default CostModel.h200()). memory_limit: bytes per device the training
+    step's joint plan may hold (replaces the cost model's bound): parameters, gradients, the activations
+    kept for the backward and every other value of the forward and backward, as the optimizer's memory
+    model sums them (no reuse); it decides where the parameters live, and a tight one makes the plan
+    shard them. Under torch.no_grad() at parallelize time (or with no parameter or input requiring grad,
+    or no floating-point output) the forward-only plan decides instead, under the same bound.
+    extractor: as ed.optimize.
 
     Calls take the inputs whole (the same tensors on every rank) and return the outputs whole, in the
-    structure the module returns. Parameters are DTensors with the forward plan's placements; buffers
-    are read once, at export (re-parallelize after changing one). The backward recomputes the forward
-    inside its own plan; `module.forward_plan` and `module.backward_plan()` are the plans, to explain().
+    structure the module returns. Parameters are DTensors with the plan's placements; buffers are read
+    once, at export (re-parallelize after changing one). `module.joint_plan()` is the joint plan with its
+    two parts and what the forward saves for the backward (its explain() names them),
+    `module.forward_plan` and `module.backward_plan()` the parts, `module.inference_plan()` the
+    forward-only plan a call without autograd runs.
 
     Example (one process per rank; torchrun, or ed.launch of a module-level function)::
 
@@ -92,8 +104,8 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh, example_inputs: tuple
             x = torch.randn(8, 16)
             model = ed.parallelize(model, ed.DeviceMesh.arange(4), (x,), memory_limit=12 * 2**10)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            loss = model(x).square().mean()         # the forward plan
-            loss.backward()                          # the backward plan: .grad DTensors
+            loss = model(x).square().mean()         # the joint plan's forward part
+            loss.backward()                          # its backward part: .grad DTensors
             opt.step()                               # on each rank's shards
             return model[0].weight.placements        # (Shard(dim=0),): Megatron's column split
 
@@ -196,27 +208,97 @@ class _Program:
     outputs: tuple[str, ...]
     differentiable: tuple[str, ...]  # outputs with a floating-point dtype: those that take a cotangent
     out_skeleton: Any  # the module's output structure, leaves numbered (None: a dict by output name)
-    forward_plan: Plan
     layouts: dict[str, Layout]  # parameter -> the layout it lives in
+    wrt: tuple[str, ...]  # the example call's gradients (parameters and inputs that require grad)
+    split: SplitPlan | None  # the joint plan of wrt and its parts; None where the example has no backward
+    inference: Plan | None  # the forward-only plan, where it decided the layouts (else made on first use)
+
+    def key(self, wrt: Sequence[str]) -> tuple[str, ...]:
+        """The gradients wrt asks for, in the program's order: one joint plan per key."""
+        want = set(wrt)
+        return tuple(n for n in (*self.params, *self.user_inputs) if n in want)
 
 
-def _export_and_optimize(module, mesh, args, kwargs, cm, extractor) -> tuple[TorchFusion, _Program]:
+def _fixed_layouts(fd, plan: Plan, mesh: DeviceMesh) -> dict[str, Layout]:
+    """parameter -> the layout the plan first loads it in (replicated: a parameter it never loads)."""
+    replicated = Layout(tuple(R for _ in range(mesh.ndim)))
+    return {p: plan.values[plan.inputs[p][0]].layout if p in plan.inputs else replicated for p in fd.params}
+
+
+def _forward_only(fd, mesh, cm, extractor, layouts: dict[str, Layout] | None) -> Plan:
+    """The forward's plan; with `layouts`, each parameter pinned there. Free parameters loaded in several
+    layouts are pinned where the plan first loads each, and the plan re-optimized: a parameter lives in
+    one layout, and reading it in another is a collective the plan prices, not a gather outside it."""
+    for p, layout in (layouts or {}).items():
+        apply_layout(fd[p], layout, mesh)
+    plan = optimize(fd, mesh, cm, extractor)
+    if layouts is None and any(len(plan.inputs.get(p, ())) > 1 for p in fd.params):
+        return _forward_only(fd, mesh, cm, extractor, _fixed_layouts(fd, plan, mesh))
+    return plan
+
+
+def optimize_joint(fd: TorchFusion, outputs: Sequence[str], wrt: Sequence[str], mesh: DeviceMesh,
+                   cost_model=None, extractor: str = "greedy", layouts: dict[str, Layout] | None = None) -> SplitPlan:
+    """The training step's joint plan of an exported module (joint_fusion of `outputs` and the gradients of
+    `wrt`, optimized once under cost_model and its memory bound), split at the cotangents into the
+    forward and the backward (egraph_did/plan_split.py). With `layouts`, every parameter and its gradient
+    is pinned there; without, the parameters are free, then each is pinned where the plan first loads it
+    (the plan re-optimized) unless the plan already keeps each one and its gradient in one layout.
+    Pins of fd's inputs and outputs carry over (each cotangent pinned as its output).
+
+    >>> import torch, egraph_did as ed
+    >>> fd = ed.from_torch(torch.nn.Linear(8, 4), (torch.ones(16, 8),))
+    >>> _ = fd["out"].set_device_mesh(ed.DeviceMesh.arange(2))  # delivered whole
+    >>> step = optimize_joint(fd, ["out"], ["weight", "bias"], ed.DeviceMesh.arange(2))
+    >>> sorted(step.first.outputs)[:1], sorted(step.second.outputs)
+    (['out'], ['grad_bias', 'grad_weight'])
+    """
+    cm = cost_model or CostModel.h200()
+    fusion = joint_fusion(fd, outputs, wrt, layouts or {}, mesh)
+    split = _splittable(fusion, list(fd.fusion.outputs), [COTANGENT + n for n in outputs], mesh, cm, extractor)
+    if layouts is None:
+        chosen = _fixed_layouts(fd, split.joint, mesh)
+        loads = all(len(split.joint.inputs.get(p, ())) <= 1 for p in fd.params)
+        grads = all(split.joint.layout_of(GRAD_PREFIX + p) == chosen[p] for p in wrt if p in chosen)
+        if not (loads and grads):
+            return optimize_joint(fd, outputs, wrt, mesh, cm, extractor, chosen)
+    return split
+
+
+# program rewrites that may join a forward tensor with a backward one (one buffer for an output's allreduce
+# and an input gradient's; one GEMM for a forward linear and a backward matmul of the same weight): a plan
+# that took one cannot deliver the outputs before the cotangents arrive
+_JOINING = ("bucket_pair", "merge_siblings")
+
+
+def _splittable(fusion, outputs, late, mesh, cm, extractor) -> SplitPlan:
+    """The joint plan split at `late`; where the plan joined a forward step with a backward one through a
+    program rewrite, re-optimized without the rewrites that can (then without any)."""
+    error = None
+    for rewrites in (None, tuple(r for r in ALL_REWRITES if r not in _JOINING), ()):
+        try:
+            return split_plan(optimize(fusion, mesh, cm, extractor, rewrites=rewrites), outputs, late)
+        except SplitError as e:
+            error = e
+    raise error
+
+
+def _export_and_optimize(module, mesh, args, kwargs, cm, extractor, wrt_of) -> tuple[TorchFusion, _Program]:
     fd = from_torch(module, args, kwargs)
     outputs = fd.fusion.outputs
     for name in outputs:
         fd[name].set_device_mesh(mesh)  # the outputs come back whole: their gathers are priced
-    plan = optimize(fd, mesh, cm, extractor)
-    if any(len(plan.inputs.get(p, ())) > 1 for p in fd.params):
-        # a parameter lives in one layout: pin each where the plan first loads it, so that reading it in
-        # another layout is a collective the plan prices, not a gather outside it
-        for p in fd.params:
-            apply_layout(fd[p], plan.values[plan.inputs[p][0]].layout, mesh)
-        plan = optimize(fd, mesh, cm, extractor)
-    replicated = Layout(tuple(R for _ in range(mesh.ndim)))  # a parameter the plan never loads
-    layouts = {p: plan.values[plan.inputs[p][0]].layout if p in plan.inputs else replicated for p in fd.params}
     diff = tuple(n for n, t in outputs.items() if t.dtype in FLOAT_DTYPES)
-    return fd, _Program(fd.params, fd.user_inputs, list(fd.leaves), fd.constants, tuple(outputs), diff,
-                        fd.output_skeleton, plan, layouts)
+    prog = _Program(fd.params, fd.user_inputs, list(fd.leaves), fd.constants, tuple(outputs), diff,
+                    fd.output_skeleton, {}, (), None, None)
+    prog.wrt = prog.key(wrt_of(prog))
+    if diff and prog.wrt and torch.is_grad_enabled():  # the example's call has a backward: the step decides
+        prog.split = optimize_joint(fd, diff, prog.wrt, mesh, cm, extractor)
+        prog.layouts = _fixed_layouts(fd, prog.split.joint, mesh)
+    else:
+        prog.inference = _forward_only(fd, mesh, cm, extractor, None)
+        prog.layouts = _fixed_layouts(fd, prog.inference, mesh)
+    return fd, prog
 
 
 @dataclass
@@ -231,7 +313,7 @@ class _State:
     extractor: str
     example: list  # per flattened (args, kwargs) leaf: (shape, dtype) of a tensor, or the value itself
     in_spec: Any
-    backward_plans: dict[tuple[str, ...], Plan] = field(default_factory=dict)
+    splits: dict[tuple[str, ...], SplitPlan] = field(default_factory=dict)
 
     @classmethod
     def build(cls, module, mesh, args, kwargs, cm, extractor) -> "_State":
@@ -239,36 +321,47 @@ class _State:
         example = [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for v in leaves]
         made: list = []
 
+        def wrt_of(prog: _Program) -> list[str]:
+            names = [p for p, t in module.named_parameters(remove_duplicate=False)
+                     if p in prog.params and t.requires_grad]
+            return names + [n for n, v in zip(prog.leaves, leaves) if n is not None and v.requires_grad]
+
         def make():
-            made[:] = _export_and_optimize(module, mesh, args, kwargs, cm, extractor)
+            made[:] = _export_and_optimize(module, mesh, args, kwargs, cm, extractor, wrt_of)
             return made[1]
-        program = _from_rank0("exporting the module and optimizing the forward plan", make)
+        program = _from_rank0("exporting the module and optimizing its plan", make)
         state = cls(program, made[0] if made else None, mesh, cm, extractor, example, in_spec)
-        wrt = [p for p, t in module.named_parameters(remove_duplicate=False)
-               if p in program.params and t.requires_grad]
-        wrt += [n for n, v in zip(program.leaves, leaves) if n is not None and v.requires_grad]
-        if program.differentiable and torch.is_grad_enabled():  # the backward the example's call would run
-            state.backward_plan(wrt)
+        if program.split is not None:
+            state.splits[program.wrt] = program.split
         return state
 
-    @property
-    def forward_plan(self) -> Plan:
-        return self.program.forward_plan
-
-    def backward_plan(self, wrt: Sequence[str]) -> Plan:
-        """The plan of the vector-Jacobian product giving grad_<name> for each name in wrt (parameters and
-        user inputs), optimized once per set of names (on rank 0, for every rank)."""
+    def split(self, wrt: Sequence[str]) -> SplitPlan:
+        """The joint plan giving grad_<name> for each name in wrt (parameters and user inputs), split at
+        the cotangents; optimized once per set of names (on rank 0, for every rank), every parameter and
+        its gradient pinned where the parameter lives."""
         prog = self.program
-        key = tuple(n for n in (*prog.params, *prog.user_inputs) if n in set(wrt))
-        if key not in self.backward_plans:
+        key = prog.key(wrt)
+        if not key or not prog.differentiable:
+            raise ParallelizeError(f"parallelize: no joint plan for gradients of {list(wrt)}: "
+                                   + ("the module has no floating-point output" if not prog.differentiable else
+                                      f"name parameters or inputs of the module ({list(prog.params)[:4]}, ...)"))
+        if key not in self.splits:
+            self.splits[key] = _from_rank0("optimizing the joint plan", lambda: optimize_joint(
+                self.fd, prog.differentiable, key, self.mesh, self.cost_model, self.extractor, prog.layouts))
+        return self.splits[key]
+
+    def inference_plan(self) -> Plan:
+        """The forward-only plan (parameters pinned where they live), optimized on first use. Where no plan
+        within the bound is found, the joint plan's forward part serves (its saved values unused)."""
+        prog = self.program
+        if prog.inference is None:
             def make():
-                cm = self.cost_model  # unbounded: see parallelize's docstring
-                if isinstance(cm, CostModel) and cm.memory_limit is not None:
-                    cm = dataclasses.replace(cm, memory_limit=None)
-                return optimize(vjp_fusion(self.fd, prog.differentiable, key, prog.layouts, self.mesh),
-                                self.mesh, cm, self.extractor)
-            self.backward_plans[key] = _from_rank0("optimizing the backward plan", make)
-        return self.backward_plans[key]
+                try:
+                    return _forward_only(self.fd, self.mesh, self.cost_model, self.extractor, prog.layouts)
+                except MemoryBoundError:  # the greedy extraction missed; the forward part fits the bound
+                    return prog.split.first  # (inference is None only where the joint plan decided)
+            prog.inference = _from_rank0("optimizing the forward-only plan", make)
+        return prog.inference
 
     # ------------------------------------------------------------ a call's inputs
     def user_inputs(self, args, kwargs) -> dict[str, torch.Tensor]:
@@ -316,37 +409,32 @@ def _describe(spec) -> str:
     return str(spec).replace("\n", " ")[:120]
 
 
-# ---------------------------------------------------------------------- the backward fusion
+# ---------------------------------------------------------------------- the joint fusion
 
 
-def vjp_fusion(fd, outputs: Sequence[str], wrt: Sequence[str], layouts: dict[str, Layout],
-               mesh: DeviceMesh) -> Fusion:
-    """The fusion of the vector-Jacobian product of fd: inputs fd's and `cotangent.<out>` for each output
-    in `outputs`; outputs `grad_<name>` for each name in wrt, the gradient of sum over those outputs of
-    sum(out * cotangent). The forward is recomputed inside it (only what the gradients need). Each
-    input in `layouts` (the parameters) is pinned to its layout, and so is its gradient; the gradients
-    of the other inputs are pinned replicated (handed back whole).
+def joint_fusion(fd, outputs: Sequence[str], wrt: Sequence[str], layouts: dict[str, Layout],
+                 mesh: DeviceMesh) -> Fusion:
+    """The forward and its vector-Jacobian product in one fusion: inputs fd's and `cotangent.<out>` for each
+    output in `outputs`; outputs fd's outputs and `grad_<name>` for each name in wrt, the gradient of sum
+    over those outputs of sum(out * cotangent). Each input in `layouts` (the parameters) is pinned to its
+    layout, and so is its gradient; the gradients of the other inputs are pinned replicated (handed back
+    whole). The pins of fd's inputs and outputs carry over, and each cotangent is pinned as its output
+    (it arrives laid out as the output leaves). split_plan cuts its plan at the cotangents into the
+    forward and the backward.
 
     >>> import torch, egraph_did as ed
     >>> fd = ed.from_torch(torch.nn.Linear(4, 2, bias=False), (torch.ones(3, 4),))
     >>> mesh = ed.DeviceMesh.arange(2)
-    >>> g = vjp_fusion(fd, ["out"], ["weight"], {"weight": ed.Layout.from_code("S0")}, mesh)
-    >>> print(g)  # the forward's linear is not recomputed: no gradient needs its output
-    inputs: weight[2, 4], input[3, 4], cotangent.out[3, 2]
-      full_0 = full(value=1.0)
-      reshape_1 = reshape(full_0, (1, 1))
-      expand_2 = expand(reshape_1, (3, 2))
-      mul_3 = mul(expand_2, cotangent.out)
-      reshape_4 = reshape(mul_3, (-1, 2))
-      transpose_5 = transpose(reshape_4, 0, 1)
-      reshape_6 = reshape(input, (-1, 4))
-      grad_weight = matmul(transpose_5, reshape_6)
-    outputs: grad_weight
+    >>> g = joint_fusion(fd, ["out"], ["weight"], {"weight": ed.Layout.from_code("S0")}, mesh)
+    >>> [t.name for t in g.inputs], list(g.outputs)
+    (['weight', 'input', 'cotangent.out'], ['out', 'grad_weight'])
     >>> g["grad_weight"].loop_str()
     '[DIDx{2}, 2/2, 4]'
     """
     src = fd.fusion if hasattr(fd, "fusion") else fd
     work, ops, new = replay(src, lambda ops, e, args: ops._fusion.emit(e.op.name, **args))
+    for name, out in src.outputs.items():
+        work.add_output(new[id(out)], name)
     loss = None
     for name in outputs:
         out = new[id(src.outputs[name])]
@@ -354,22 +442,27 @@ def vjp_fusion(fd, outputs: Sequence[str], wrt: Sequence[str], layouts: dict[str
         term = ops.sum(ops.mul(out, cot))
         loss = term if loss is None else ops.add(loss, term)
     work.add_output(loss, LOSS)
-    g = _drop_output(value_and_grad(work, LOSS, list(wrt)).fusion, LOSS)
+    g = _drop_output(grad(work, LOSS, list(wrt)).fusion, LOSS)
+    pinned = [(t.name, t) for t in src.inputs] + list(src.outputs.items())
+    pinned += [(COTANGENT + n, src.outputs[n]) for n in outputs]
+    for name, tv in pinned:
+        if tv.mesh is not None and name in g.tensors:
+            apply_layout(g[name], pinned_layout(tv, tv.mesh), tv.mesh)
     for name, layout in layouts.items():
         if name in g.tensors:
             apply_layout(g[name], layout, mesh)
     for name in wrt:
-        grad = g[GRAD_PREFIX + name]
+        gt = g[GRAD_PREFIX + name]
         if name in layouts:
-            apply_layout(grad, layouts[name], mesh)
+            apply_layout(gt, layouts[name], mesh)
         else:
-            grad.set_device_mesh(mesh)
+            gt.set_device_mesh(mesh)
     return g
 
 
 def _drop_output(src: Fusion, drop: str) -> Fusion:
     """src without the output `drop` and the ops only it needs (the loss: its value is never used; grad
-    seeds d loss / d loss with a constant, so the forward ops no gradient needs are dropped)."""
+    seeds d loss / d loss with a constant, so only the outputs' and the gradients' ops are kept)."""
     keep = {n: t for n, t in src.outputs.items() if n != drop}
     live = {id(t) for t in keep.values()}
     for e in reversed(src.exprs):
@@ -418,36 +511,62 @@ def _distribute_parameters(module: torch.nn.Module, state: _State) -> None:
 
 
 class _Run(torch.autograd.Function):
-    """One call: forward runs the forward plan; backward runs the backward plan of the arguments that
-    need a gradient, which recomputes the forward inside it."""
+    """One call. Under autograd, forward runs the joint plan's forward part for the arguments that need a
+    gradient and keeps what it saves (each rank's local shards); backward runs the backward part on them.
+    Without, forward runs the forward-only plan."""
 
     @staticmethod
-    def forward(ctx, state: _State, names: tuple, *tensors):
+    def forward(ctx, state: _State, names: tuple, grad_on: bool, *tensors):
         prog = state.program
         values = dict(zip(names, tensors)) | prog.constants
-        plan = prog.forward_plan
-        outs = plan.run({k: v for k, v in values.items() if k in plan.inputs}, inputs="global", outputs="global")
-        outs = tuple(outs[n] for n in prog.outputs)
-        ctx.state, ctx.names = state, names
-        ctx.save_for_backward(*tensors)
-        ctx.mark_non_differentiable(*(o for n, o in zip(prog.outputs, outs) if n not in prog.differentiable))
-        return outs
+        wrt = [n for n, w in zip(names, ctx.needs_input_grad[3:]) if w] if grad_on else []
+        split = state.split(wrt) if wrt and prog.differentiable else None
+        plan = state.inference_plan() if split is None else split.first
+        outs = plan.run({k: v for k, v in values.items() if k in plan.inputs}, inputs="global", outputs="local")
+        ctx.state, ctx.names, ctx.split = state, names, split
+        if split is not None:
+            ctx.save_for_backward(*tensors, *(outs[SAVED_PREFIX + v] for v in split.saved))
+        result = tuple(_whole(plan, n, outs[n]) for n in prog.outputs)
+        ctx.mark_non_differentiable(*(o for n, o in zip(prog.outputs, result) if n not in prog.differentiable))
+        return result
 
     @staticmethod
     def backward(ctx, *cotangents):
-        state, names = ctx.state, ctx.names
-        need = ctx.needs_input_grad[2:]
-        wrt = [n for n, w in zip(names, need) if w]
-        plan = state.backward_plan(wrt)
+        state, names, split = ctx.state, ctx.names, ctx.split
         prog = state.program
-        values = dict(zip(names, ctx.saved_tensors)) | prog.constants
-        values |= {COTANGENT + n: c.contiguous() for n, c in zip(prog.outputs, cotangents) if n in prog.differentiable}
-        grads = plan.run({k: v for k, v in values.items() if k in plan.inputs}, inputs="global", outputs="dtensor")
+        plan = split.second
+        held = ctx.saved_tensors
+        whole = dict(zip(names, held)) | prog.constants
+        whole |= {COTANGENT + n: c.contiguous() for n, c in zip(prog.outputs, cotangents) if n in prog.differentiable}
+        values = {k: v if k in prog.layouts else _replicated(state.mesh, v) for k, v in whole.items() if k in plan.inputs}
+        values |= {SAVED_PREFIX + v: t for v, t in zip(split.saved, held[len(names):])}
+        grads = plan.run(values, inputs="local", outputs="dtensor")
         out = []
-        for n, w in zip(names, need):
-            g = grads[GRAD_PREFIX + n] if w else None
+        for n, w in zip(names, ctx.needs_input_grad[3:]):
+            g = grads.get(GRAD_PREFIX + n) if w else None
             out.append(g if g is None or n in prog.layouts else g.to_local())  # a user input's: whole
-        return (None, None, *out)
+        return (None, None, None, *out)
+
+
+def _whole(plan: Plan, name: str, local: torch.Tensor) -> torch.Tensor:
+    """An output's whole tensor from this rank's piece: the outputs are pinned replicated."""
+    if not plan.values[plan.outputs[name]].layout.is_replicated:  # pragma: no cover - the pins say otherwise
+        raise ParallelizeError(f"parallelize: output {name!r} is laid out {plan.values[plan.outputs[name]].layout}, "
+                               f"not replicated as pinned")
+    return local
+
+
+def _replicated(mesh: DeviceMesh, t: torch.Tensor):
+    """t (whole, the same on every rank) as a replicated DTensor: the runtime cuts each rank's piece of
+    it with no collective, in every layout the plan loads it in (a plain tensor would have to be given
+    whole or as the piece of one layout, the same way for every input, and the saved values are pieces)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    nccl = dist.get_backend() == "nccl"
+    if nccl:
+        t = t.to(torch.device("cuda", torch.cuda.current_device()))
+    tmesh = torch_device_mesh(mesh, "cuda" if nccl else "cpu")
+    return DTensor.from_local(t, tmesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 class ParallelModule(torch.nn.Module):
@@ -463,7 +582,8 @@ class ParallelModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         """The module's forward on inputs of the example's shapes, given whole on every rank; the outputs
-        whole on every rank, in the module's structure. Under autograd, backward runs the backward plan.
+        whole on every rank, in the module's structure. Under autograd it runs the joint plan's forward
+        part and backward its backward part; without (torch.no_grad()), the forward-only plan.
 
         Example (inside a rank; see ed.parallelize)::
 
@@ -475,34 +595,66 @@ class ParallelModule(torch.nn.Module):
         user = state.user_inputs(args, kwargs)  # checked against the example; undetached, so that autograd
         params = dict(self.named_parameters(remove_duplicate=False))  # reaches inputs that require grad
         names = (*prog.params, *prog.user_inputs)
-        outs = _Run.apply(state, names, *(params[n] for n in prog.params), *(user[n] for n in prog.user_inputs))
+        # inside apply, grad mode is off and needs_input_grad does not say whether it was on
+        outs = _Run.apply(state, names, torch.is_grad_enabled(), *(params[n] for n in prog.params),
+                          *(user[n] for n in prog.user_inputs))
         if prog.out_skeleton is None:
             return dict(zip(prog.outputs, outs))
         return pytree.tree_map(lambda i: outs[i], prog.out_skeleton)
 
+    def _wrt(self, wrt: Sequence[str] | None) -> Sequence[str]:
+        if wrt is not None:
+            return wrt
+        return [n for n, p in self.named_parameters(remove_duplicate=False)
+                if n in self._egraph_did.program.params and p.requires_grad]
+
+    def joint_plan(self, wrt: Sequence[str] | None = None) -> SplitPlan:
+        """The training step's joint plan giving the gradients of `wrt` (names of parameters and inputs;
+        None: every parameter that requires grad), with its forward part (`.first`), backward part
+        (`.second`) and the values the forward saves for the backward (`.saved`); `.explain()` says all
+        three. Optimized on first use; every rank must ask for the same.
+
+        Example (inside a rank)::
+
+            print(model.joint_plan().explain())   # ends with what is saved, and which steps read it
+        """
+        return self._egraph_did.split(self._wrt(wrt))
+
     @property
     def forward_plan(self) -> Plan:
-        """The forward's plan (explain() says how every tensor is laid out and why).
+        """The plan a forward under autograd runs: the joint plan's forward part for the parameters that
+        require grad (the forward-only plan where the module has no backward: no floating-point output,
+        nothing requiring grad, or parallelized under torch.no_grad()).
 
         Example (inside a rank)::
 
             print(model.forward_plan.explain())
         """
-        return self._egraph_did.forward_plan
+        state = self._egraph_did
+        if state.program.split is not None:
+            return state.program.split.first
+        return state.inference_plan()
 
     def backward_plan(self, wrt: Sequence[str] | None = None) -> Plan:
-        """The backward's plan giving the gradients of `wrt` (names of parameters and inputs; None: every
-        parameter that requires grad). Optimized on first use; every rank must ask for the same.
+        """The joint plan's backward part giving the gradients of `wrt` (names of parameters and inputs;
+        None: every parameter that requires grad). Optimized on first use; every rank must ask for the same.
 
         Example (inside a rank)::
 
             print(model.backward_plan().collectives)
         """
-        state = self._egraph_did
-        if wrt is None:
-            wrt = [n for n, p in self.named_parameters(remove_duplicate=False)
-                   if n in state.program.params and p.requires_grad]
-        return state.backward_plan(wrt)
+        return self.joint_plan(wrt).second
+
+    def inference_plan(self) -> Plan:
+        """The forward-only plan a call without autograd runs (parameters where they live; nothing saved).
+        Optimized on first use; every rank must ask for it.
+
+        Example (inside a rank)::
+
+            with torch.no_grad():
+                y = model(x)                          # runs model.inference_plan()
+        """
+        return self._egraph_did.inference_plan()
 
 
 _CLASSES: dict[type, type] = {}
@@ -515,4 +667,4 @@ def _parallel_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-__all__ = ["parallelize", "ParallelModule", "ParallelizeError", "vjp_fusion"]
+__all__ = ["parallelize", "ParallelModule", "ParallelizeError", "joint_fusion", "optimize_joint"]

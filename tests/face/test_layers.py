@@ -2,7 +2,7 @@
 
     core       mesh, layout, shards, ops, local, collectives, cost, errors, physgraph
     program    ir, fusion, evaluate, sharding, pins, grad, frontend
-    plan       plan, explain
+    plan       plan, explain, plan_split
     rewrites   rewrites/*
     optimizer  problem, egraph, extract, optimize
     lowering   lowering/*
@@ -29,7 +29,7 @@ PACKAGES = {"egraph_did": ROOT / "egraph_did", "egraph_did.rewrites": ROOT / "re
 LAYERS = {
     "core": ["mesh", "layout", "shards", "ops", "local", "collectives", "cost", "errors", "physgraph"],
     "program": ["ir", "fusion", "evaluate", "sharding", "pins", "grad", "frontend"],
-    "plan": ["plan", "explain"],
+    "plan": ["plan", "explain", "plan_split"],
     "rewrites": ["rewrites"],
     "optimizer": ["egglog_io", "expand", "problem", "egraph", "extract", "optimize"],
     "lowering": ["lowering"],
