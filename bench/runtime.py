@@ -39,6 +39,7 @@ import egraph_did as ed  # noqa: E402
 from egraph_did.lowering.execute import run_rank  # noqa: E402
 from egraph_did.lowering.graphs import run_graphed  # noqa: E402
 from egraph_did.lowering.program import prepare, program_inputs  # noqa: E402
+from egraph_did.lowering.epilogue import epilogue_plan  # noqa: E402
 from egraph_did.lowering.segment import lowered_plan  # noqa: E402
 from egraph_did.shards import Operand, RankContext  # noqa: E402
 
@@ -72,7 +73,7 @@ def egraph_runs(plan, device, g):
 
     def stand_in(plan_, c, local, rank_):
         return stand_ins[c.dst]
-    lowered = lowered_plan(plan)
+    lowered = epilogue_plan(plan)  # what prepare() runs: linears with their epilogues where one pays
     lean, graphed = prepare(plan, rank, ins, stand_in), prepare(plan, rank, ins, stand_in)
     y = plan.outputs["y"]
     runs = {
@@ -258,18 +259,84 @@ def print_table(title, nseg, rows) -> None:
               f"{compiled / ms:>14.2f}")
 
 
+def epilogue_table(iters: int, reps: int) -> None:
+    """GPU ms of a GPT-2-style column-parallel MLP half at GPT-3 shapes (rank 0 of 8: x [2048, 12288],
+    w1 [6144, 12288] with bias, tanh gelu; bf16) through the prepared program with the bias+gelu epilogue
+    in the GEMM (lowering/epilogue.py) and without it (the gelu a Triton kernel), beside torch eager; and
+    each one's error against a float32 reference. The GPT-3 plans above have no epilogue cuBLASLt can
+    apply (no biases, exact gelu), so this is where the epilogue's worth is measured."""
+    from egraph_did.lowering.epilogue import epilogue_plan
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((2048, 12288), dt, name="x")
+        w, b = fd.define_tensor((6144, 12288), dt, name="w"), fd.define_tensor((6144,), dt, name="b")
+        fd.add_output(fd.ops.gelu(fd.ops.linear(x, w, b), approximate="tanh"), name="y")
+    plan = ed.optimize(fd, ed.DeviceMesh.arange(1))
+    g = torch.Generator(device=dev).manual_seed(1)
+    ins = [torch.randn(t.shape, device=dev, dtype=dt, generator=g) * s for t, s in
+           zip((x, w, b), (1.0, 0.01, 0.1))]
+    ref = F.gelu(F.linear(*(t.float() for t in ins)), approximate="tanh")
+    fused = prepare(plan, 0, ins, None)
+    plain = prepare(plan, 0, ins, None, segments=lowered_plan(plan).segments)
+    print("\nepilogue: " + " | ".join(s.describe() for s in epilogue_plan(plan).segments) + "  vs  "
+          + " | ".join(s.describe() for s in lowered_plan(plan).segments))
+    rows = {"egraph-did lean, bias+gelu in the GEMM": lambda: fused.run(ins)[0],
+            "egraph-did lean, gelu a kernel": lambda: plain.run(ins)[0],
+            "torch eager": lambda: F.gelu(F.linear(*ins), approximate="tanh")}
+    print(f"{'MLP half, bf16 [2048,12288]x[6144,12288]^T':<44}{'GPU ms/iter':>12}{'rel err vs fp32':>17}")
+    for name, fn in rows.items():
+        for _ in range(3):
+            out = fn()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        print(f"{name:<44}{gpu_ms(fn, iters, reps):>12.4f}{err:>17.2e}")
+
+
+def profile_lean(sp: bool, calls: int = 200, top: int = 30) -> None:
+    """cProfile of `calls` runs of the prepared program (enqueue only, the GPU drained every 8 runs, as
+    host_ms measures): where the lean executor's host time goes, function by function."""
+    import cProfile
+    import pstats
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    plan = multigpu.load_plan(8, sp) if cuda else smoke_plan(sp)
+    runs, _ = egraph_runs(plan, device, torch.Generator(device=device).manual_seed(0))
+    lean, title = runs["egraph-did lean"], f"{'TP+SP' if sp else 'TP'} 8-way, rank 0"
+    for _ in range(3):  # compiled, first (checked) run done
+        lean()
+    prof = cProfile.Profile()
+    calls = calls if cuda else 4  # the interpreter dominates a CPU profile: just check it runs
+    for k in range(calls):
+        if cuda and k % 8 == 0:
+            torch.cuda.synchronize()
+        prof.enable()
+        lean()
+        prof.disable()
+    print(f"\n{title}: cProfile of {calls} lean runs, top {top} by own time")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU, numerics only")
     ap.add_argument("--iters", type=int, default=20, help="iterations back to back per GPU timing")
     ap.add_argument("--reps", type=int, default=15, help="repetitions (medians)")
+    ap.add_argument("--profile", action="store_true", help="cProfile the prepared program's host loop (TP, TP+SP)")
+    ap.add_argument("--epilogue-only", action="store_true", help="only the matmul epilogue table (GPU)")
     args = ap.parse_args()
+    if args.profile or args.epilogue_only:
+        for sp in (False, True) if args.profile else ():
+            profile_lean(sp)
+        if args.epilogue_only and torch.cuda.is_available():
+            epilogue_table(args.iters, args.reps)
+        return
     if not args.cpu_smoke and not torch.cuda.is_available():
         raise SystemExit("no GPU: pass --cpu-smoke")
     if torch.cuda.is_available() and not args.cpu_smoke:
         print(f"{torch.cuda.get_device_name()} | torch {torch.__version__}")
     for title, nseg, rows in measure(args.cpu_smoke, args.iters, 2 if args.cpu_smoke else args.reps):
         print_table(title, nseg, rows)
+    if not args.cpu_smoke:
+        epilogue_table(args.iters, args.reps)
     if args.cpu_smoke:
         print("\ncpu smoke: GPU columns not measured (no CUDA); host ms is the whole interpreted run; "
               "the egraph-did executors agree bit for bit")

@@ -10,6 +10,7 @@ import torch
 from egraph_did.plan import Collective, Plan
 
 from .compute import compute_on_rank
+from .epilogue import epilogue_plan, run_gemm
 from .segment import LoweredPlan, Segment, lower, run_fused
 
 CollectiveFn = Callable[[Plan, Collective, torch.Tensor, int], torch.Tensor]
@@ -33,6 +34,8 @@ def run_segment(plan: Plan, seg: Segment, env: dict[str, torch.Tensor], rank: in
         return {c.dst: collective(plan, c, env[c.src], rank)}
     if seg.kind == "fused":
         return run_fused(plan, seg, env, rank)
+    if seg.kind == "gemm":
+        return run_gemm(plan, seg, env, rank)
     return compute_on_rank(plan, seg.steps[0], env, rank)
 
 
@@ -47,7 +50,7 @@ def run_rank(plan: Plan, env: dict[str, torch.Tensor], rank: int, collective: Co
     >>> run_rank(plan, {"x:S0": torch.ones(2, 3)}, rank=1, collective=None)["y:S0"]
     tensor([3., 3.])
     """
-    lowered = lowered or lower(plan)
+    lowered = lowered or epilogue_plan(plan)
     for i, seg in enumerate(lowered.segments):
         if on_segment is not None:
             on_segment(i, seg)

@@ -40,18 +40,18 @@ class Segment:
     'comm allreduce[x] y:P -> y:R'
     """
 
-    kind: str  # comm | aten | fused
+    kind: str  # comm | aten | fused | gemm
     steps: tuple  # one Collective, one ComputeStep, or several ComputeSteps
     inputs: tuple[str, ...] = ()  # values a fused segment reads
     outputs: tuple[str, ...] = ()  # values a fused segment hands on
-    scheduler: str = ""  # fused: pointwise | reduction | persistent | transpose
+    scheduler: str = ""  # fused: pointwise | reduction | persistent | transpose; gemm: its epilogue
 
     def describe(self) -> str:
         """One line: the kind, then its one step as the step describes itself (a collective, an ATen
         step), or a fused kernel's scheduler and ops."""
-        if self.kind != "fused":
+        if self.kind not in ("fused", "gemm"):  # gemm: a linear and its epilogue (lowering/epilogue.py)
             return f"{self.kind} {self.steps[0]}"
-        return f"fused/{self.scheduler} {'+'.join(s.op for s in self.steps)}"
+        return f"{self.kind}/{self.scheduler} {'+'.join(s.op for s in self.steps)}"
 
 
 @dataclass

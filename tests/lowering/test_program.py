@@ -12,6 +12,7 @@ from egraph_did.errors import ShapeError
 from egraph_did.layout import Layout, S
 from egraph_did.lowering.execute import run_rank
 from egraph_did.lowering.program import SegmentFailed, prepare, program_for, program_inputs
+from egraph_did.lowering.epilogue import epilogue_plan
 from egraph_did.lowering.segment import eager_segments, lowered_plan
 from egraph_did.pins import apply_layout
 from egraph_did.shards import Operand, RankContext
@@ -58,7 +59,7 @@ def _row_sum_split():
 @pytest.mark.parametrize("lowered", [True, False])
 def test_prepared_program_is_bit_identical_to_run_rank_on_every_rank(name, lowered):
     plan = PLANS[name]()
-    segments = lowered_plan(plan).segments if lowered else eager_segments(plan)
+    segments = epilogue_plan(plan).segments if lowered else eager_segments(plan)
     for rank in plan.mesh.ranks:
         ins = local_inputs(plan, rank)
         env = run_rank(plan, dict(zip(program_inputs(plan), ins)), rank, stand_in,
