@@ -57,7 +57,9 @@ import torch.distributed as dist  # noqa: E402
 import egraph_did as ed  # noqa: E402
 from egraph_did.collectives import KINDS  # noqa: E402
 from egraph_did.grad import GRAD_PREFIX  # noqa: E402
-from egraph_did.parallelize import COTANGENT, vjp_fusion  # noqa: E402
+from egraph_did.parallelize import COTANGENT, _replicated, optimize_joint  # noqa: E402
+from egraph_did.plan_split import SAVED_PREFIX  # noqa: E402
+from egraph_did.runtime import torch_device_mesh  # noqa: E402
 
 P = 4  # ranks
 MESH = ed.DeviceMesh.arange(P)
@@ -496,6 +498,10 @@ TITAN_VARIANTS = {"TP": False, "TP+SP": True}  # variant -> enable_sequence_para
 # it finds needs 310 KiB; at this bound it splits all 12 weight matrices 4 ways and replicates the 5 norms,
 # torchtitan's parameter memory per rank (at 350 kB and up it keeps the wo weights whole)
 TITAN_LIMIT = 330_000
+# bytes per rank the training step's joint plan may hold (the same sum over its forward and backward values,
+# weights, gradients and saved activations): the smallest the greedy extraction finds needs 1.55 MiB; at this
+# bound the plan splits the same 12 weight matrices torchtitan does and keeps the 5 norms whole
+STEP_LIMIT = 1_700_000
 
 
 def titan_llama3_config(enable_sp: bool, dim=64, n_heads=8, n_kv_heads=4, vocab_size=256, hidden_dim=128,
@@ -596,7 +602,9 @@ def count_titan3_step(model, ids, cotangent) -> tuple[list[Record], dict[str, to
 def titan3_worker(rank: int, ids: torch.Tensor, plans: dict, bound: dict) -> dict:
     """On each of 4 gloo ranks: torchtitan's TP (without and with SP) counted over a forward and over a
     forward and backward, its logits and gradients checked against the unsharded model, and egraph-did's
-    plans (plans: {"forward": json, "backward": json}, optional) run to the same logits and gradients."""
+    plans (plans: {"forward": json, "step": {"first": json, "second": json}}, the step optional) run to the
+    same logits and gradients: the forward plan, and the training step's two parts as ed.parallelize runs
+    them (the first's saved values handed to the second as each rank's local shards)."""
     reference = titan_llama3()
     want = reference(ids)
     cotangent = titan_cotangent()
@@ -609,39 +617,45 @@ def titan3_worker(rank: int, ids: torch.Tensor, plans: dict, bound: dict) -> dic
         placements = str(logits.placements) if isinstance(logits, torch.distributed.tensor.DTensor) else "local"
         logits = logits.full_tensor() if placements != "local" else logits  # outside the counted forward
         out["titan"][variant] = (records, counts, _rel_err(logits, want), placements)
-        if "backward" in plans:
+        if "step" in plans:
             step, grads = count_titan3_step(titan_parallelize(titan_llama3(sp)), ids, cotangent)
             out["step"][variant] = (step, max(_rel_err(grads[n], want_grads[n]) for n in want_grads))
     got = ed.Plan.from_json(plans["forward"]).run(bound, inputs="global", outputs="global")["out"]
     out["ours"] = _rel_err(got, want)
-    if "backward" in plans:
-        grads = ed.Plan.from_json(plans["backward"]).run(bound | {COTANGENT + "out": cotangent},
-                                                          inputs="global", outputs="global")
+    if "step" in plans:
+        first, second = (ed.Plan.from_json(plans["step"][k]) for k in ("first", "second"))
+        kept = first.run(bound, inputs="global", outputs="local")  # as ed.parallelize runs the two parts
+        from torch.distributed.tensor import DTensor, Shard
+        logits = DTensor.from_local(kept["out"], torch_device_mesh(MESH, "cpu"), [Shard(2)])  # vocab-sharded, pinned
+        out["ours_step_logits"] = _rel_err(logits.full_tensor(), want)
+        whole = bound | {COTANGENT + "out": cotangent}
+        given = {k: _replicated(MESH, v) for k, v in whole.items() if k in second.inputs}
+        given |= {k: v for k, v in kept.items() if k.startswith(SAVED_PREFIX)}
+        grads = second.run(given, inputs="local", outputs="global")
         out["ours_step"] = max(_rel_err(grads[GRAD_PREFIX + n], want_grads[n]) for n in want_grads)
     return out
 
 
-def titan3_backward_plan(plan, fd):
-    """egraph-did's backward for the forward plan, as ed.parallelize makes it: the vector-Jacobian product
-    (vjp_fusion: the forward recomputed inside), every parameter and its gradient pinned where the forward
-    plan keeps it, the cotangent vocab-sharded as the logits, optimized without the memory bound."""
-    layouts = {p: plan.values[plan.inputs[p][0]].layout for p in fd.params}
-    backward = vjp_fusion(fd, ["out"], list(fd.params), layouts, MESH)
-    backward[COTANGENT + "out"].set_device_mesh(MESH).outer_split(2, P).axis(2).parallelize(ed.ParallelType.DIDx)
-    return ed.optimize(backward, MESH, ed.CostModel.h200())
+def titan3_step_plans(fd):
+    """egraph-did's training step for torchtitan's model, as ed.parallelize makes it: one joint plan of the
+    forward and the vector-Jacobian product (tokens replicated, logits and their cotangent vocab-sharded, the
+    pins of fd), optimized once under STEP_LIMIT, every parameter and its gradient pinned where the plan
+    keeps the parameter, split into the forward part and the backward part (what the forward saves for the
+    backward: split.saved)."""
+    return optimize_joint(fd, ["out"], list(fd.params), MESH, ed.CostModel.h200(STEP_LIMIT))
 
 
 def compare_titan3(log=print, step: bool = True) -> dict:
     """The torchtitan comparison: {'titan': {variant: (records, counts, err, placements)}, 'ours': records,
     'ours_err', 'plan', 'fd', 'scale'}; with step, the forward+backward too: 'step': {variant: (records,
-    gradient err)}, 'ours_step': records of forward and backward plans, 'ours_step_err'."""
+    gradient err)}, 'ours_step': records of the joint plan's two parts, 'ours_step_err', 'split'."""
     model, ids = titan_llama3(), titan_tokens()
     t0 = time.perf_counter()
     plan, fd = titan3_plan(model, ids)
     plans = {"forward": plan.to_json()}
     if step:
-        backward = titan3_backward_plan(plan, fd)
-        plans["backward"] = backward.to_json()
+        split = titan3_step_plans(fd)
+        plans["step"] = {"first": split.first.to_json(), "second": split.second.to_json()}
     log(f"# egraph-did plans for torchtitan's Llama3 in {time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
     checks = ed.launch(titan3_worker, nprocs=P, backend="gloo", timeout=600, args=(ids, plans, fd.bind(ids)))[0]
@@ -649,8 +663,9 @@ def compare_titan3(log=print, step: bool = True) -> dict:
     out = {"titan": checks["titan"], "ours": plan_records(plan), "ours_err": checks["ours"], "plan": plan,
            "fd": fd, "scale": checks["scale"]}
     if step:
-        out |= {"step": checks["step"], "ours_step": plan_records(plan) + plan_records(backward),
-                "ours_step_err": checks["ours_step"], "backward": backward}
+        out |= {"step": checks["step"], "ours_step": plan_records(split.first) + plan_records(split.second),
+                "ours_step_err": checks["ours_step"], "ours_step_logits_err": checks["ours_step_logits"],
+                "split": split}
     return out
 
 
@@ -696,37 +711,42 @@ def titan3_report(result: dict) -> str:
 
 def titan3_step_report(result: dict) -> str:
     """Forward and backward: torchtitan's counted collectives (plus the allreduces its Partial gradients still
-    need) against egraph-did's forward plan plus its backward plan."""
+    need) against egraph-did's joint plan of the step (its forward part and its backward part)."""
     ours = result["ours_step"]
     head = (f"{'variant':<7} | {'torchtitan collectives':<44} {'bytes':>9} {'wire':>9} | "
             f"{'egraph-did collectives':<34} {'bytes':>9} {'wire':>9} | {'ratio':>5}")
-    lines = ["forward + backward (one training step's collectives; the same model, forward bound and cotangent):",
+    lines = ["forward + backward (one training step's collectives; the same model and cotangent, ours one joint plan):",
              head, "-" * len(head)]
     for variant, (records, _) in result["step"].items():
         lines.append(f"{variant:<7} | {summary(records):<44} {_fmt(total(records, 'bytes')):>9} "
                      f"{_fmt(total(records)):>9} | {summary(ours):<34} {_fmt(total(ours, 'bytes')):>9} "
                      f"{_fmt(total(ours)):>9} | {total(ours) / total(records):5.2f}")
-    backward = result["backward"]
+    split = result["split"]
+    split_params = [n for n in result["fd"].params if "DID" in split.joint.loop_domain(n)]
+    titan_sp = total(result["step"]["TP+SP"][0])
+    verdict = ("no more than" if total(ours) <= titan_sp else "more than")
     lines += ["",
               "torchtitan: CommDebugMode over model(tokens) and logits.backward(cotangent), the cotangent vocab-sharded",
               "  as its loss-parallel cross-entropy gives it; a gradient it leaves Partial(sum) (TP: wo, w2 and the",
               "  norms; TP+SP: the norms, whose reduction torchtitan leaves to FSDP) counted as the allreduce it",
               "  still needs (modules '... (pending)' below).",
-              "egraph-did: the forward plan above plus the backward plan ed.parallelize would run: the vector-Jacobian",
-              "  product with the forward recomputed inside it (no activation kept between the plans), parameters",
-              "  and gradients pinned where the forward keeps them, no memory bound (as parallelize; predicted "
-              f"{backward.memory / 2**20:.2f} MiB per rank).",
-              "gradients on 4 gloo ranks against the unsharded model's: assert_close(rtol=1e-5, atol=1e-5) passed; "
-              "largest |difference|:"]
+              "egraph-did: one joint plan of the forward and the vector-Jacobian product (ed.parallelize's, from",
+              "  egraph_did.parallelize.optimize_joint), optimized once under a bound on the whole step's memory of "
+              f"{STEP_LIMIT} B per rank",
+              f"  (predicted {split.joint.memory / 2**10:.0f} KiB: weights, gradients, saved activations and every other "
+              f"value, no reuse): {len(split_params)} of {len(result['fd'].params)} parameters split, each gradient in "
+              "its parameter's placements;",
+              f"  run split in two: the forward part ({len(split.first.steps)} steps, "
+              f"{len(split.first.collectives)} collectives) saves {len(split.saved)} values "
+              f"({split.saved_bytes() / 2**10:.1f} KiB per rank, in their own layouts) for the backward part "
+              f"({len(split.second.steps)} steps, {len(split.second.collectives)} collectives); no step runs twice.",
+              f"  Ours sends {verdict} torchtitan's TP+SP ({_fmt(total(ours))} against {_fmt(titan_sp)} per rank).",
+              "logits and gradients on 4 gloo ranks against the unsharded model's: assert_close(rtol=1e-5, atol=1e-5) "
+              "passed; largest |difference|:"]
     for variant, (_, err) in result["step"].items():
         lines.append(f"  torchtitan {variant:<6} {err:.2e}")
-    lines += [f"  egraph-did        {result['ours_step_err']:.2e}", "",
-              "why ours sends more than TP+SP here (backward.explain() gives each collective's reader): the backward",
-              "  plan recomputes the forward (its first collectives repeat the forward's), and with no bound at this",
-              "  size every collective costs about its latency (10-20 us, whatever its bytes), so the cost model,",
-              "  which minimizes time, picks as many collectives as torchtitan's (25 against 20 + 5 pending) feeding",
-              "  replicated steps ('[replicated]': whole activations, an o weight and a w2 gradient gathered) rather",
-              "  than the fewest bytes. Forward only, under the bound, ours is below both (table above).", "",
+    lines += [f"  egraph-did        {result['ours_step_err']:.2e} (logits of its forward part "
+              f"{result['ours_step_logits_err']:.2e})", "",
               "where each collective runs (module or tensor: kind bytes):"]
     for variant, (records, _) in result["step"].items():
         lines.append(f"  torchtitan {variant}: " + ", ".join(f"{r.module or '-'}: {r.kind} {r.bytes:.0f}"
