@@ -11,7 +11,8 @@ order and emits each node through a table (ATEN: ATen op -> a function emitting 
   computes it once, here. A folded tensor that feeds the program becomes a constant input named
   "const.<module path>.<node>" (equal ones shared), passed like a weight: the optimizer lays it out as
   any input (replicated, or split where that is cheaper). Its value is fixed at export: re-export after
-  changing a buffer. A random op (rand, dropout in training) is never folded: it raises;
+  changing a buffer. A random op is never folded: one with a mapping (dropout) reads its folded operand as
+  a constant input and draws at run time, any other (rand) raises;
 - dropout in training mode (aten.dropout, native_dropout) maps onto fd.ops.dropout, whose mask is a hash of
   a seed and each element's global index, so every rank of every plan draws the mask one device draws.
   The seed is one 0-d int64 input, "rng.seed" (SEED_INPUT; `TorchFusion.seed_inputs` names it): every
@@ -379,6 +380,9 @@ class _Converter:
     def _fold(self, node, kwargs):
         """The node computed now by torch: every tensor it reads is known at export."""
         if torch.Tag.nondeterministic_seeded in node.target.tags:
+            mapped = ATEN.get(node.target) or ATEN.get(getattr(node.target, "overloadpacket", None))
+            if mapped is not None:  # dropout of a buffer: drawn at run time from the seed, never at export
+                return mapped(self, **kwargs)
             raise self.error("is random", "export the module in eval mode (module.eval()); a random op has no "
                              "value to fold and no fusion op")
         with torch.no_grad():

@@ -262,6 +262,20 @@ def test_eval_mode_and_p_zero_export_no_dropout_and_no_seed():
         assert SEED_INPUT not in fd.fusion.tensors
 
 
+def test_dropout_of_a_buffer_is_drawn_at_run_time_not_folded_at_export():
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.arange(12.0).reshape(3, 4))
+
+        def forward(self, x):
+            return x + torch.nn.functional.dropout(self.table, 0.5, True)
+    fd = ed.from_torch(Noisy(), (torch.zeros(3, 4),))
+    assert [e.op.name for e in fd.fusion.exprs] == ["dropout", "add"] and "const.table" in fd.constants
+    got = ed.evaluate(fd, fd.bind(torch.zeros(3, 4)) | {SEED_INPUT: SEED})["out"]
+    torch.testing.assert_close(got, random_reference.dropout(torch.arange(12.0).reshape(3, 4), int(SEED), 0.5))
+
+
 def test_native_dropout_gives_the_output_and_its_keep_mask():
     def f(x):
         out, keep = torch.ops.aten.native_dropout(x, 0.4, True)
@@ -279,3 +293,10 @@ def test_attention_dropout_stays_refused():
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ed.ExportError, match=r"drops out attention \(dropout_p=0.1\)"):
         ed.from_torch(attend, (q, q, q))
+
+
+def test_other_random_ops_stay_refused_naming_the_op():
+    with pytest.raises(ed.ExportError, match=r"aten.rand_like.default .* is random and has no fusion mapping"):
+        ed.from_torch(lambda x: x + torch.rand_like(x), (torch.ones(3),))
+    with pytest.raises(ed.ExportError, match=r"aten.rand.default .* is random; export the module in eval mode"):
+        ed.from_torch(lambda x: x + torch.rand(3), (torch.ones(3),))
