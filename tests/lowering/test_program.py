@@ -175,3 +175,39 @@ def test_a_split_collective_finishes_just_before_its_first_reader_with_the_same_
     assert order == ["start dw2", "start dw1", "finish dw2", "finish dw1"]
     comm = [i for i, c in enumerate(split.calls) if c.comm]
     assert comm[1] - comm[0] > 5  # dx's and dw1's compute runs while dw2 travels
+
+
+def test_a_failing_call_names_its_segment_in_later_runs_too():
+    # runs after the first go through the generated straight-line function: the same SegmentFailed
+    plan = PLANS["row_sum_split"]()
+    ins = local_inputs(plan, 0)
+    fail = [False]
+
+    def flaky(plan_, c, t, rank):
+        if fail[0]:
+            raise RuntimeError("link down")
+        return stand_in(plan_, c, t, rank)
+    prog = prepare(plan, 0, ins, flaky)
+    first = prog.run(ins)
+    assert all(torch.equal(a, b) for a, b in zip(prog.run(ins), first)) and prog._straight is not None
+    fail[0] = True
+    index = next(i for i, s in enumerate(prog.segments) if s.kind == "comm")
+    with pytest.raises(SegmentFailed) as info:
+        prog.run(ins)
+    assert info.value.index == index and "link down" in str(info.value)
+
+
+def test_a_view_of_a_view_is_one_call_and_the_straight_line_run_reports_progress():
+    plan = ed.optimize(models.gpt_layer(1, 8, 32, 4), MESH)
+    ins = local_inputs(plan, 0)
+    prog = prepare(plan, 0, ins, stand_in)
+    views = [s for s in plan.compute_steps if s.op in ("reshape", "permute")]
+    aten = sum(prog.segments[c.segment].kind == "aten" for c in prog.calls)
+    assert views and aten < sum(s.kind == "aten" for s in prog.segments)  # chains folded
+    env = run_rank(plan, dict(zip(program_inputs(plan), ins)), 0, stand_in)
+    seen = []
+    for _ in range(2):
+        seen.clear()
+        outs = prog.run(ins, before_comm=seen.append)
+        assert all(torch.equal(got, env[v]) for v, got in zip(prog.outputs, outs))
+        assert seen == [c.segment for c in prog.calls if c.comm]
