@@ -86,6 +86,10 @@ def work(rank: int) -> dict:
     for name, (make, shape, limit) in CASES.items():
         xs = inputs(shape)
         module = ed.parallelize(make(), mesh, (xs[0],), memory_limit=limit)
+        if name == "mlp":  # without autograd: the forward-only plan, which saves nothing for a backward
+            with torch.no_grad():
+                results["no_grad"] = module(xs[0])
+            results["no_grad_outputs"] = (sorted(module.inference_plan().outputs), sorted(module.forward_plan.outputs))
         got = train(module, xs)
         got.update(distributed_parameters(module))
         got["class"] = type(module).__name__
@@ -139,6 +143,14 @@ def test_mlp_plan_is_megatron_column_then_row_parallel(ranks):
     assert placements["0.weight"] == ("S(0)",) and placements["2.weight"] == ("S(1)",)
     # one allreduce of the output; the weight gradients land in the weights' shards without a collective
     assert ranks[0]["mlp"]["collectives"] == (["allreduce"], [])
+
+
+def test_without_autograd_the_forward_only_plan_runs_and_saves_nothing(ranks):
+    want = make_mlp()(inputs((2, 5, 8))[0])
+    for got in ranks:
+        torch.testing.assert_close(got["no_grad"], want, **TOL)
+    inference, forward = ranks[0]["no_grad_outputs"]
+    assert inference == ["out"] and "out" in forward and any(n.startswith("saved.") for n in forward)
 
 
 def test_an_input_that_requires_grad_gets_its_gradient_whole(ranks):
