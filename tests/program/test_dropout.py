@@ -14,16 +14,20 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import egraph_did as ed
 from egraph_did.errors import DtypeError, ShapeError
 from egraph_did.frontend import SEED_INPUT
 from egraph_did.layout import PMAX, Layout, R, S, valid_layouts
+from egraph_did.local import run_local
 from egraph_did.ops import dropout_mask, global_counters, random_bits
-from egraph_did.pins import apply_layout
+from egraph_did.pins import apply_layout, layout_view
+from egraph_did.shards import Operand, RankContext
 from egraph_did.rewrites import OpView, axis_strategies
-from egraph_did.rewrites.rules import Operand
+from egraph_did.rewrites.rules import Operand as RuleOperand
 
 import random_reference
 
@@ -54,6 +58,13 @@ def test_the_hash_equals_the_python_integer_reference_bit_for_bit():
     for seed in (0, 1, -1, 2 ** 40 + 3, -(2 ** 63), 2 ** 63 - 1):
         got = random_bits(torch.tensor(seed), counters).tolist()
         assert got == [random_reference.bits(seed, int(c)) for c in counters], seed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_gpu_draws_the_cpu_s_bits():
+    counters = torch.arange(2 ** 32 - 1000, 2 ** 32 + 1000)
+    for seed in (SEED, torch.tensor(2 ** 63 - 1)):
+        assert torch.equal(random_bits(seed.cuda(), counters.cuda()).cpu(), random_bits(seed, counters))
 
 
 def test_counters_are_flat_indices_in_the_global_tensor():
@@ -123,6 +134,32 @@ def test_every_layout_simulates_to_the_single_device_mask(mesh_name, shape):
     assert kernels == {"global_index"}  # some plans ran dropout on shards, with the global-index kernel
 
 
+@st.composite
+def sharded_tensors(draw):
+    """A mesh, a shape (1-3 axes, extents 1..13) and a layout of it with no rank left empty."""
+    mesh = draw(st.sampled_from(list(MESHES.values())))
+    shape = tuple(draw(st.integers(1, 13)) for _ in range(draw(st.integers(1, 3))))
+    layouts = list(valid_layouts(shape, mesh))
+    return mesh, shape, draw(st.sampled_from(layouts)), draw(st.integers(0, 1000))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sharded_tensors())
+def test_the_global_index_kernel_on_every_rank_assembles_the_single_device_mask(case):
+    """The kernel alone, rank by rank, on the shards the loop domain gives each rank (no optimizer)."""
+    mesh, shape, layout, offset = case
+    view = layout_view("x", shape, F64, layout, mesh)
+    x = torch.ones(shape, dtype=F64)
+    want = random_reference.dropout(x, int(SEED), 0.5, offset)
+    axes = [m for m, p in enumerate(layout) if p.is_shard] or [0]
+    shards = {}
+    for rank in mesh.ranks:
+        args = {"x": ed.shard_tensor(x, view, rank), "seed": SEED, "p": 0.5, "offset": offset}
+        (shards[rank],) = run_local("dropout", args, {"x": Operand(shape, layout)}, [Operand(shape, layout)],
+                                    {"global_index": axes}, RankContext(mesh, rank))
+    assert torch.equal(ed.unshard_tensor(shards, view), want), f"{shape} as {layout} on {mesh}"
+
+
 def test_a_pending_sum_passes_through_dropout():
     mesh = ed.DeviceMesh.arange(2)
     fd = ed.FusionDefinition()
@@ -143,8 +180,8 @@ def test_a_pending_sum_passes_through_dropout():
 
 
 def test_a_pending_max_does_not_pass_through_dropout():
-    e = OpView("dropout", (Operand("x", (4, 6), F64), Operand("seed", (), torch.int64)), (("p", 0.5),),
-               (Operand("out", (4, 6), F64),), d=2)
+    e = OpView("dropout", (RuleOperand("x", (4, 6), F64), RuleOperand("seed", (), torch.int64)), (("p", 0.5),),
+               (RuleOperand("out", (4, 6), F64),), d=2)
     strategies = axis_strategies(e)
     assert {str(s.inputs[0]) for s in strategies} == {"R", "P", "S(0)", "S(1)"}
     assert all(s.inputs[0] != PMAX and s.outputs[0] != PMAX for s in strategies)
