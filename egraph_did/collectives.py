@@ -495,6 +495,153 @@ def _keep_or_zero(t: torch.Tensor, move: Move, coord: int) -> torch.Tensor:
     return torch.zeros_like(t)
 
 
+# ---------------------------------------------------------------------------- collective matmuls (rings)
+
+@dataclass(frozen=True)
+class Ring:
+    """A collective fused with the GEMM beside it, run as a ring of n = group-size steps on one mesh axis
+    (rewrites/collective_matmul.py offers it, cost.CostModel.ring_time prices it): each step computes one
+    row block while the next block (or accumulator) travels to the neighbour, so transfer hides behind
+    compute. `flag` is the local kernel name a plan's compute step carries; `collective` the one it
+    replaces; `simulate` gives every rank's result in one process, `run` this rank's over torch.distributed
+    point-to-point sends (no process group but the default one: global ranks). The step's op is matmul
+    or linear without bias (`gemm(x, w)` on local tensors); `a` is the row axis of x and y the ring cuts.
+
+    >>> [(r.name, r.flag, r.collective) for r in RINGS.values()]
+    [('allgather_matmul', 'ag_ring', 'allgather'), ('matmul_reduce_scatter', 'rs_ring', 'reduce_scatter')]
+    >>> RINGS["allgather_matmul"].identity
+    'allgather_m(x) @ w = cat_i(x_i @ w): rank r multiplies the row block it holds while passing it on'
+    """
+
+    name: str
+    flag: str
+    collective: str
+    identity: str
+
+
+RINGS = {r.name: r for r in (
+    Ring("allgather_matmul", "ag_ring", "allgather",
+         "allgather_m(x) @ w = cat_i(x_i @ w): rank r multiplies the row block it holds while passing it on"),
+    Ring("matmul_reduce_scatter", "rs_ring", "reduce_scatter",
+         "reduce_scatter_m(x @ w) = block r of sum_q (x_q @ w_q): an accumulator of each row block passes round the ring"),
+)}
+RING_FLAGS = {r.flag: r for r in RINGS.values()}
+
+
+def gemm(op: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The local GEMM of a ring step: matmul(x, w) (w [in, out]) or linear(x, w) without bias (w [out, in]).
+
+    >>> gemm("linear", torch.ones(2, 3), torch.ones(4, 3)).shape
+    torch.Size([2, 4])
+    """
+    return torch.matmul(x, w) if op == "matmul" else torch.nn.functional.linear(x, w)
+
+
+def _blocks(t: torch.Tensor, a: int, n: int) -> list[torch.Tensor]:
+    """t cut into n equal row blocks along axis a (the ring is offered only where the extent divides)."""
+    return list(t.chunk(n, dim=a)) if t.shape[a] else [t] * n
+
+
+def ring_simulate(ring: str, op: str, xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], a: int
+                  ) -> list[torch.Tensor]:
+    """Every member's result of a ring step, given every member's x and w shards (mesh order on the ring's
+    axis), in the order the ring adds: what `ring_run` gives each rank, bit for bit.
+
+    >>> xs, ws = [torch.ones(1, 2), 2 * torch.ones(1, 2)], [torch.eye(2), torch.eye(2)]
+    >>> ring_simulate("allgather_matmul", "matmul", xs, ws, 0)[1]  # rows of both ranks, times w
+    tensor([[1., 1.],
+            [2., 2.]])
+    >>> ring_simulate("matmul_reduce_scatter", "matmul", [torch.ones(2, 2)] * 2, ws, 0)[0]  # row 0 of the sum
+    tensor([[2., 2.]])
+    """
+    n = len(xs)
+    if ring == "allgather_matmul":
+        return [torch.cat([gemm(op, x, w) for x in xs], dim=a) for w in ws]
+    parts = [_blocks(gemm(op, x, w), a, n) for x, w in zip(xs, ws)]  # q's partial, cut in n row blocks
+    out = []
+    for r in range(n):  # block r starts at member r + 1 and ends at r, as the ring carries it
+        acc = parts[(r + 1) % n][r].clone()
+        for s in range(2, n + 1):
+            acc = acc + parts[(r + s) % n][r]
+        out.append(acc.contiguous())
+    return out
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, to: int, frm: int) -> list:
+    """Start sending `send` to global rank `to` and receiving into `recv` from `frm`: the requests."""
+    ops = [dist.P2POp(dist.isend, send, to), dist.P2POp(dist.irecv, recv, frm)]
+    return dist.batch_isend_irecv(ops)
+
+
+def ring_run(ring: str, op: str, x: torch.Tensor, w: torch.Tensor, a: int, members: Sequence[int], me: int,
+             timeout: float | None = None) -> torch.Tensor:
+    """This rank's result of a ring step over the global ranks `members` (mesh order; this rank is
+    members[me]): ring_simulate's, computed while the blocks travel. Each step sends to the next member
+    and receives from the previous one, then computes its block while both are in flight (on a GPU,
+    NCCL runs the transfers on its own stream, beside the GEMM on the current one).
+
+    Example::
+
+        def work(rank):  # 2 ranks, each holding one row of x: both get x @ w
+            x = torch.full((1, 2), float(rank + 1))
+            return ring_run("allgather_matmul", "matmul", x, torch.eye(2), 0, (0, 1), rank)
+
+        ed.launch(work, nprocs=2)  # [tensor([[1., 1.], [2., 2.]])] * 2
+    """
+    n = len(members)
+    to, frm = members[(me + 1) % n], members[(me - 1) % n]
+    if ring == "allgather_matmul":
+        out: list = [None] * n
+        held = x.contiguous()
+        for s in range(n):
+            src = (me - s) % n  # whose block this rank holds at step s
+            nxt = torch.empty_like(held) if s < n - 1 else None
+            reqs = _exchange(held, nxt, to, frm) if nxt is not None else []
+            out[src] = gemm(op, held, w)
+            for q in reqs:
+                wait(q, timeout, f"{ring} step {s} over ranks {tuple(members)}")
+            held = nxt
+        return torch.cat(out, dim=a).contiguous()
+    xb, reqs, got, sent = _blocks(x, a, n), [], None, None
+    for s in range(n):
+        b = (me - s - 1) % n  # the row block whose sum this rank adds to at step s
+        part = gemm(op, xb[b].contiguous(), w)  # while the previous step's sum travels
+        for q in reqs:
+            wait(q, timeout, f"{ring} step {s - 1} over ranks {tuple(members)}")
+        acc = part if got is None else got + part  # the members' sum before this one, then ours
+        if s == n - 1:
+            return acc.contiguous()
+        sent, got = acc.contiguous(), torch.empty_like(part)  # sent lives until its transfer is done
+        reqs = _exchange(sent, got, to, frm)
+    raise AssertionError("unreachable: a ring has at least one step")
+
+
+def ring_kernel(op: str, ring: str) -> Callable:
+    """The local kernel a ring step of `op` (matmul or linear) names (ops.py lists it beside the op): on
+    the mesh axis it applies on, run the ring over this rank's group (run_local's signature). simulate
+    runs every rank of a ring step at once (lowering/collective_matmul.py), so this runs under
+    torch.distributed only.
+
+    >>> print(ring_kernel("matmul", "allgather_matmul").__doc__.splitlines()[0])
+    allgather_m(x) @ w = cat_i(x_i @ w): rank r multiplies the row block it holds while passing it on
+    """
+    def kernel(args, operands, outputs, ctx, axes):
+        (m,) = axes
+        x, w = (args["a"], args["b"]) if op == "matmul" else (args["x"], args["weight"])
+        lay = next(iter(operands.values())).layout if ring == "allgather_matmul" else outputs[0].layout
+        if not dist.is_initialized():
+            raise PlanError(f"{ring}: a ring step communicates; run the plan under torch.distributed "
+                            f"(plan.run under ed.launch) or with ed.simulate, which runs every rank at once")
+        members = ctx.mesh.ranks_along(m, ctx.rank)
+        return ring_run(ring, op, x, w, lay[m].axis, members, members.index(ctx.rank))
+    kernel.__doc__ = RINGS[ring].identity
+    kernel.__name__ = f"{op}_{RING_FLAGS_OF[ring]}"
+    return kernel
+
+
+RING_FLAGS_OF = {r.name: r.flag for r in RINGS.values()}
+
+
 # ---------------------------------------------------------------------------- queries
 
 def get(name: str, where: str = "") -> Kind:
@@ -574,5 +721,5 @@ def cancellation(first: str, second: str) -> Cancellation | None:
     return next((c for c in CANCELLATIONS if (c.first, c.second) == (first, second)), None)
 
 
-__all__ = ["KINDS", "Kind", "Move", "AxisGroup", "register", "get", "communicating", "is_local", "connecting",
+__all__ = ["RINGS", "RING_FLAGS", "Ring", "gemm", "ring_simulate", "ring_run", "ring_kernel", "KINDS", "Kind", "Move", "AxisGroup", "register", "get", "communicating", "is_local", "connecting",
            "Cancellation", "CANCELLATIONS", "cancellation", "wait", "to_wire", "from_wire", "padded"]

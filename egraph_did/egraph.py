@@ -26,7 +26,7 @@ from collections import defaultdict
 from egglog import EGraph, String, eq, i64, relation, ruleset, union, var
 from egglog import rule as erule
 
-from egraph_did.rewrites import ALL_RULES, aten, frontend_ops, grad_ops, pointwise, reduction, scans, views
+from egraph_did.rewrites import ALL_RULES, aten, collective_matmul, frontend_ops, grad_ops, pointwise, reduction, scans, views
 from egraph_did.rewrites.rules import EGGLOG
 from egraph_did.rewrites.sorts import (AX, KERNS, LAYOUTS, OPS_SORT, PLAN, RUN, SIG, SITE, STRAT, Apart, AttrI, AttrS, AxisMap,
                                        Bcast, Connect, D, Def, Extent, Fits, FloatSize, Held, Input, Lit, Load,
@@ -417,9 +417,12 @@ def saturate(problem: Problem) -> PhysGraph:
         report = eg.run(FAMILIES.saturate() + program.saturate() + rules.saturate())
         t2 = time.perf_counter()
         graph = read_back(eg, problem, {v: k for k, v in ident.items()})
+        # collective matmuls: ring steps beside the GEMMs of the saturated graph (rewrites/collective_matmul.py)
+        rings = collective_matmul.offer(problem, graph) if collective_matmul.NAME in problem.rewrites else 0
         t3 = time.perf_counter()
     graph.stats.update(template_s=tt - t0, encode_s=t1 - tt, saturate_s=t2 - t1, serialize_s=t3 - t2, facts=len(facts),
-                       iterations=len(report.iterations), classes=len(graph.classes), nodes=graph.n_nodes)
+                       iterations=len(report.iterations), classes=len(graph.classes), nodes=graph.n_nodes,
+                       ring_nodes=rings)
     return graph
 
 

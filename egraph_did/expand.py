@@ -15,6 +15,7 @@ from typing import Iterable
 
 from egglog import EGraph
 
+from egraph_did.rewrites import collective_matmul
 from egraph_did.rewrites.algebra import REWRITES, Bucket, Member, Merge, MergedB, MergedW, MergedY, Rewrote, rewrite_ruleset
 from egraph_did.rewrites.sorts import OPS_SORT, Def, Lit, ShapeOf, Shp, T, shape_code
 
@@ -23,7 +24,9 @@ from .errors import PlanError
 from .fusion import Fusion, Ops
 from .ops import OPS
 
-ALL_REWRITES = tuple(sorted(REWRITES))
+# program rewrites (logical: expand saturates them) and physical ones (egraph.saturate offers their steps)
+PHYSICAL_REWRITES = (collective_matmul.NAME,)
+ALL_REWRITES = tuple(sorted((*REWRITES, *PHYSICAL_REWRITES)))
 
 
 @dataclass(frozen=True)
@@ -67,11 +70,11 @@ def check_rewrites(rewrites) -> tuple[str, ...]:
     """The program rewrites to apply, by name: all of them for None, none for ().
 
     >>> check_rewrites(None)
-    ('bucket_pair', 'merge_siblings', 'sum_partials_first')
+    ('bucket_pair', 'collective_matmul', 'merge_siblings', 'sum_partials_first')
     >>> check_rewrites(["sum_partial_first"])
     Traceback (most recent call last):
     ...
-    egraph_did.errors.PlanError: optimize: unknown program rewrite 'sum_partial_first'; rewrites= takes names from ['bucket_pair', 'merge_siblings', 'sum_partials_first'] (None: all of them, (): none)
+    egraph_did.errors.PlanError: optimize: unknown program rewrite 'sum_partial_first'; rewrites= takes names from ['bucket_pair', 'collective_matmul', 'merge_siblings', 'sum_partials_first'] (None: all of them, (): none)
     """
     if rewrites is None:
         return ALL_REWRITES
@@ -79,7 +82,7 @@ def check_rewrites(rewrites) -> tuple[str, ...]:
         rewrites = (rewrites,)
     names = tuple(sorted(set(rewrites)))
     for n in names:
-        if n not in REWRITES:
+        if n not in ALL_REWRITES:
             raise PlanError(f"optimize: unknown program rewrite {n!r}; rewrites= takes names from "
                             f"{list(ALL_REWRITES)} (None: all of them, (): none)")
     return names
@@ -282,7 +285,7 @@ def expand(work: Fusion, ops: Ops, rewrites: Iterable[str], mesh=None, cost_mode
     ['add_2 = add(a, b)', 'add_3 = add(x, add_2)']
     """
     buckets = getattr(rewrites, "buckets", ())
-    names = tuple(sorted(rewrites))
+    names = tuple(sorted(n for n in rewrites if n in REWRITES))  # the physical ones act after saturation
     if not names or not work.exprs:
         return []
     ident = {name: f"t{i}" for i, name in enumerate(work.tensors)}

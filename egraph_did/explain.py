@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+from .collectives import RING_FLAGS
+
 STEP_WIDTH = 60  # the step column of the table; a longer step is cut with '…'
 
 
@@ -59,12 +61,19 @@ def _rewrites(plan) -> list[str]:
     """The steps that compute a program the rewrites of rewrites/algebra.py added, by rewrite (nothing when
     the plan runs the program as written)."""
     rewritten = getattr(plan, "rewrites", {})
-    steps = [s for s in plan.steps if s.kind == "compute" and s.key in rewritten]
+    steps = [s for s in plan.steps if s.kind == "compute" and (s.key in rewritten or _ring(s))]
     if not steps:
         return []
     lines = ["program rewrites (the plan computes an equal program):"]
-    lines += [f"  {rewritten[s.key]:<22} {s}" for s in steps]
+    lines += [f"  {rewritten.get(s.key) or _ring(s):<22} {s}" for s in steps]
     return lines + [""]
+
+
+def _ring(step) -> str:
+    """'collective_matmul (<ring> over mesh axis m)' for a step that runs a ring (rewrites/
+    collective_matmul.py: its flags name collectives.RING_FLAGS), else ''."""
+    ring = next(((RING_FLAGS[f].name, ms) for f, ms in step.flags if f in RING_FLAGS), None)
+    return f"collective_matmul ({ring[0]} on mesh axis {ring[1][0]})" if ring else ""
 
 
 def _table(plan) -> list[str]:

@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from .collectives import ring_kernel
 from .errors import DtypeError, PlanError, ShapeError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -1178,8 +1179,15 @@ def _vjp_linear(ops, g, out, x, weight, bias=None):
     return grads
 
 
+# collective matmuls (rewrites/collective_matmul.py): a ring step's kernel communicates (collectives.RINGS)
+LINEAR_RINGS = (LocalKernel("ag_ring", ring_kernel("linear", "allgather_matmul")),
+                LocalKernel("rs_ring", ring_kernel("linear", "matmul_reduce_scatter")))
+MATMUL_RINGS = (LocalKernel("ag_ring", ring_kernel("matmul", "allgather_matmul")),
+                LocalKernel("rs_ring", ring_kernel("matmul", "matmul_reduce_scatter")))
+
+
 @op("linear", "matmul", lambda x, weight, bias=None: F.linear(x, weight, bias), flops=_matmul_flops,
-    local_kernels=(LINEAR_BIAS_ONCE,), vjp=_vjp_linear)
+    local_kernels=(LINEAR_BIAS_ONCE, *LINEAR_RINGS), vjp=_vjp_linear)
 def linear(x, weight, bias=None):
     """x @ weight.T + bias; weight is [out, in] as in torch."""
     x, weight = _need_tensor("linear", "x", x), _need_tensor("linear", "weight", weight)
@@ -1200,7 +1208,7 @@ def linear(x, weight, bias=None):
     return [OutSpec(x.shape[:-1] + (weight.shape[0],), x.dtype, x.axes[:-1] + (weight.axes[0],))]
 
 
-@op("matmul", "matmul", lambda a, b: torch.matmul(a, b), flops=_matmul_flops,
+@op("matmul", "matmul", lambda a, b: torch.matmul(a, b), flops=_matmul_flops, local_kernels=MATMUL_RINGS,
     vjp=lambda ops, g, out, a, b: {"a": sum_to(ops, ops.matmul(g, ops.transpose(b, -2, -1)), a.shape),
                                    "b": sum_to(ops, ops.matmul(ops.transpose(a, -2, -1), g), b.shape)})
 def matmul(a, b):
@@ -1691,17 +1699,20 @@ _M32 = 0xFFFFFFFF
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """x * c mod 2**32 for x in [0, 2**32): c in 16-bit halves, so no product in int64 reaches 2**48."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+    """x * c mod 2**32 for x in [0, 2**32) and c in [2**31, 2**32): with c = 2**31 + c', x * 2**31 mod 2**32
+    is x's low bit moved to bit 31, so the one product, x * c', stays below 2**63 (no signed overflow)."""
+    assert 2 ** 31 <= c < 2 ** 32
+    return (x * (c - 2 ** 31)).add_((x & 1) << 31).bitwise_and_(_M32)
 
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finalizer: a bijection of [0, 2**32) whose every output bit depends on every input bit."""
-    h = h ^ (h >> 16)
+    """murmur3's 32-bit finalizer: a bijection of [0, 2**32) whose every output bit depends on every input
+    bit. Takes h over (updates it in place where it can)."""
+    h = h.bitwise_xor_(h >> 16)
     h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
+    h = h.bitwise_xor_(h >> 13)
     h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
+    return h.bitwise_xor_(h >> 16)
 
 
 def random_bits(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
@@ -1720,7 +1731,7 @@ def random_bits(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     seed = seed.to(torch.int64)
     k0 = _fmix32((seed & _M32) ^ 0x9E3779B9)
     k1 = _fmix32(((seed >> 32) & _M32) ^ k0 ^ 0x7F4A7C15)
-    return _fmix32(_fmix32((counter & _M32) ^ k0) ^ (counter >> 32) ^ k1)
+    return _fmix32(_fmix32((counter & _M32).bitwise_xor_(k0)).bitwise_xor_((counter >> 32) ^ k1))
 
 
 def keep_threshold(p: float) -> int:

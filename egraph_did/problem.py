@@ -78,6 +78,7 @@ class Problem:
     rewritten: dict[str, str] = field(default_factory=dict)  # tensor a program rewrite added -> the rewrite
     fused: dict[str, "Fused"] = field(default_factory=dict)  # tensor -> where its op sits in a fused kernel
     register_reads: set = field(default_factory=set)  # tensors some fusible reader takes in registers
+    rewrites: tuple[str, ...] = ()  # the rewrites optimize named (egraph.saturate offers collective_matmul's rings)
     _nbytes: dict = field(default_factory=dict, repr=False, compare=False)  # nbytes: (name, layout) -> (tensor, mesh, bytes)
 
     def tensor(self, name: str) -> TensorView:
@@ -360,6 +361,7 @@ def _build(user: Fusion, mesh: DeviceMesh, cost_model: CostModel | None, pins, l
     cm = cost_model or CostModel.h200()
     work, ops = clone_fusion(user)
     problem = Problem(work, mesh, cm)
+    problem.rewrites = tuple(rewrites or ())
     for tv in user.all_tensors():
         if tv.mesh is not None:
             problem.pins[tv.name] = layout_of(tv, mesh)

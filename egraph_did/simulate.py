@@ -9,6 +9,7 @@ import torch
 
 from . import collectives
 from .errors import PlanError, ShapeError
+from .lowering.collective_matmul import ring_of, simulate_ring
 from .lowering.compute import check_step_indices, compute_on_rank, source_tensor  # noqa: F401  (public here too)
 from .lowering.segment import lowered_plan, run_fused
 from .plan import Collective, Plan
@@ -88,6 +89,9 @@ def simulate(plan: Plan, inputs: Mapping[str, torch.Tensor], lowered: bool = Tru
                 c = seg.steps[0]
                 env[c.dst] = collective(plan, c, env[c.src])
                 continue
+            if ring_of(seg.steps[0]):  # a collective matmul: every rank of its ring at once
+                env.update(simulate_ring(plan, seg.steps[0], env))
+                continue
             for r in mesh.ranks:
                 local = {v: env[v][r] for v in env if r in env[v]}
                 for step in seg.steps:
@@ -100,6 +104,9 @@ def simulate(plan: Plan, inputs: Mapping[str, torch.Tensor], lowered: bool = Tru
         for step in plan.steps:
             if isinstance(step, Collective):
                 env[step.dst] = collective(plan, step, env[step.src])
+                continue
+            if ring_of(step):
+                env.update(simulate_ring(plan, step, env))
                 continue
             for r in mesh.ranks:
                 outs = compute_on_rank(plan, step, {v: env[v][r] for v in env if r in env[v]}, r)

@@ -1,0 +1,66 @@
+"""Collective matmuls in the lowering: a plan's ring step (a matmul or bias-free linear whose flags name
+a ring of collectives.RINGS, rewrites/collective_matmul.py) runs every rank at once in simulate, and
+rank by rank under torch.distributed through its local kernel (collectives.ring_kernel, listed beside
+the op in ops.py: the runtime's compute path, run_local, calls it as any local kernel). On a GPU the
+ring's point-to-point transfers run on NCCL's stream beside the GEMMs on the current one (untested here:
+this machine has no GPU).
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from egraph_did.collectives import RING_FLAGS, Ring, ring_simulate
+from egraph_did.layout import Layout
+from egraph_did.plan import ComputeStep, Plan
+
+
+def ring_of(step) -> tuple[Ring, int] | None:
+    """The ring a compute step runs and its mesh axis, or None for any other step.
+
+    >>> step = ComputeStep("matmul", (("a", "x:S0"), ("b", "w:S1")), ("a", "b"), ("y:S1",), (("ag_ring", (0,)),),
+    ...                    ("allgather_matmul",), 1e-3)
+    >>> ring, m = ring_of(step); ring.name, m
+    ('allgather_matmul', 0)
+    """
+    if not isinstance(step, ComputeStep):
+        return None
+    for flag, axes in step.flags:
+        if flag in RING_FLAGS:
+            return RING_FLAGS[flag], axes[0]
+    return None
+
+
+def simulate_ring(plan: Plan, step: ComputeStep, env: Mapping[str, Mapping[int, torch.Tensor]]
+                  ) -> dict[str, dict[int, torch.Tensor]]:
+    """Every rank's output of a ring step, given every rank's operands (simulate's env: value -> rank ->
+    tensor): collectives.ring_simulate on each group of the ring's mesh axis, in the ring's order of sums.
+
+    >>> import torch, egraph_did as ed
+    >>> mesh = ed.DeviceMesh.arange(2)
+    >>> step = ComputeStep("matmul", (("a", "x:S0"), ("b", "w:R")), ("a", "b"), ("y:R",), (("ag_ring", (0,)),),
+    ...                    ("allgather_matmul",), 1e-3)
+    >>> plan = ed.Plan(mesh, ed.CostModel.h200(), {}, [step], {}, {})
+    >>> out = simulate_ring(plan, step, {"x:S0": {0: torch.ones(1, 2), 1: 2 * torch.ones(1, 2)},
+    ...                                  "w:R": {0: torch.eye(2), 1: torch.eye(2)}})
+    >>> out["y:R"][0]
+    tensor([[1., 1.],
+            [2., 2.]])
+    """
+    ring, m = ring_of(step)
+    xv, wv = step.reads
+    a = _layout(plan, xv if ring.name == "allgather_matmul" else step.outputs[0])[m].axis  # the rows it cuts
+    out: dict[int, torch.Tensor] = {}
+    for group in plan.mesh.groups(m):
+        ys = ring_simulate(ring.name, step.op, [env[xv][r] for r in group], [env[wv][r] for r in group], a)
+        out.update(zip(group, ys))
+    return {step.outputs[0]: out}
+
+
+def _layout(plan: Plan, value: str) -> Layout:
+    """A value's layout: the plan's, else read from its name '<tensor>:<layout code>'."""
+    return plan.values[value].layout if value in plan.values else Layout.from_code(value.rsplit(":", 1)[1])
+
+
+__all__ = ["ring_of", "simulate_ring"]
