@@ -102,7 +102,7 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh, example_inputs: tuple
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
             x = torch.randn(8, 16)
-            model = ed.parallelize(model, ed.DeviceMesh.arange(4), (x,), memory_limit=12 * 2**10)
+            model = ed.parallelize(model, ed.DeviceMesh.arange(4), (x,), memory_limit=30_000)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             loss = model(x).square().mean()         # the joint plan's forward part
             loss.backward()                          # its backward part: .grad DTensors
