@@ -16,6 +16,8 @@ import torch
 
 import egraph_did as ed
 from egraph_did.cost import CostModel, Link
+from egraph_did.layout import Layout, R, S
+from egraph_did.pins import apply_layout
 from egraph_did.simulate import compute_on_rank
 
 OFF = ("bucket_pair", "merge_siblings", "sum_partials_first")  # every rewrite but collective_matmul
@@ -41,6 +43,21 @@ def mlp(tokens: int, hidden: int, ffn: int, dtype, mesh, op: str = "matmul"):
     for name, axis in (("x", 0), ("y", 0), ("w1", col), ("w2", row)):
         fd[name].set_device_mesh(mesh).outer_split(axis, n).axis(axis).parallelize(ed.ParallelType.DIDx)
     return fd
+
+
+def mlp_2d(mesh):
+    """The MLP on a (dp, tp) mesh, 16 tokens, hidden 8, ffn 32, float64: x and y split on tokens over tp,
+    w1 on columns and w2 on rows over tp, everything whole over dp (the plan may use dp as it likes)."""
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((16, 8), torch.float64, name="x")
+        w1, w2 = fd.define_tensor((8, 32), torch.float64, name="w1"), fd.define_tensor((32, 8), torch.float64, name="w2")
+        fd.add_output(fd.ops.matmul(fd.ops.gelu(fd.ops.matmul(x, w1)), w2), name="y")
+    for name, lay in (("x", (R, S(0))), ("y", (R, S(0))), ("w1", (R, S(1))), ("w2", (R, S(0)))):
+        apply_layout(fd[name], Layout(lay), mesh)
+    return fd
+
+
+MESH2 = ed.DeviceMesh(torch.arange(4).reshape(2, 2), axis_names=("dp", "tp"))
 
 
 def rings(plan) -> list[str]:
@@ -80,6 +97,18 @@ def test_rings_simulate_to_the_reference(op, lowered):
     inputs = {t.name: torch.randn(t.shape, generator=g, dtype=torch.float64) for t in fd.fusion.inputs}
     got, want = ed.simulate(plan, inputs, lowered=lowered)["y"], ed.evaluate(fd, inputs)["y"]
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)  # the ring sums in another order
+
+
+@pytest.mark.parametrize("extractor", ["greedy", "exact"])
+def test_rings_on_one_axis_of_a_2d_mesh(extractor):
+    """The rings run over tp's groups ((0, 1) and (2, 3)), beside whatever dp does."""
+    fd = mlp_2d(MESH2)
+    plan = ed.optimize(fd, MESH2, cost_model=SLOW, extractor=extractor)
+    assert rings(plan) == ["ag_ring", "rs_ring"]
+    assert all(ms == (1,) for s in plan.compute_steps for f, ms in s.flags if f.endswith("_ring"))
+    g = torch.Generator().manual_seed(0)
+    inputs = {t.name: torch.randn(t.shape, generator=g, dtype=torch.float64) for t in fd.fusion.inputs}
+    torch.testing.assert_close(ed.simulate(plan, inputs)["y"], ed.evaluate(fd, inputs)["y"], rtol=1e-12, atol=1e-12)
 
 
 def test_rows_the_ring_cannot_cut_evenly_get_no_ring():
