@@ -86,6 +86,8 @@ class TorchFusion(FusionDefinition):
         self.params: tuple[str, ...] = ()
         self.constants: dict[str, torch.Tensor] = {}
         self.seed_inputs: tuple[str, ...] = ()  # ("rng.seed",) where the program drops out in training mode
+        self.dropouts = 0  # dropouts of p > 0 the export met, in either mode: the program's meaning depends on it
+        self.training = False  # the module's mode at export
         self._module: torch.nn.Module | None = None
         self.leaves: list[str | None] = []  # per flattened (args, kwargs) leaf: the input it binds, or None
         self.output_skeleton: Any = None  # the module's output structure, its leaves the output indices
@@ -111,6 +113,18 @@ class TorchFusion(FusionDefinition):
             state |= dict(self._module.named_buffers(remove_duplicate=False))
             out |= {p: state[p].detach() for p in self.params}
         return out | self.constants | {name: draw_seed() for name in self.seed_inputs}
+
+    def without_dropout(self) -> "TorchFusion":
+        """This program as the module exports in eval mode: each dropout is its operand (native_dropout's mask
+        all True), and the seed input is gone; the outputs, parameters and inputs keep their names.
+
+        >>> import torch, egraph_did as ed
+        >>> fd = ed.from_torch(torch.nn.Dropout(0.5).train(), (torch.ones(2, 4),))
+        >>> ev = fd.without_dropout()
+        >>> fd.seed_inputs, ev.seed_inputs, [e.op.name for e in ev.fusion.exprs], (fd.dropouts, fd.training)
+        (('rng.seed',), (), ['cast'], (1, True))
+        """
+        return _live_copy(self, keep_dropout=False)
 
     def structure(self, outputs: dict[str, Any]) -> Any:
         """The outputs (by name, as ed.evaluate / plan.run give them) in the module's own output structure:
@@ -209,6 +223,7 @@ class _Converter:
     def __init__(self, ep, module, strict: bool = False):
         self.ep, self.fd, self.strict = ep, TorchFusion(), strict
         self.fd._module = module
+        self.fd.training = bool(getattr(module, "training", False))
         self.env: dict[str, Any] = {}
         self.node = None
         self._consts: list[tuple[torch.Tensor, TensorView]] = []
@@ -430,9 +445,12 @@ _FIX_UNMAPPED = ("map it in egraph_did/frontend.py's ATEN table (onto fd.ops, ad
                  "if none fits), or rewrite that line of the model with ops the table maps")
 
 
-def _live_copy(src: TorchFusion) -> TorchFusion:
+def _live_copy(src: TorchFusion, keep_dropout: bool = True) -> TorchFusion:
     """src without the ops no output needs (a transpose that mm folded into a linear, a mask's source), nor
-    the parameters and constants no op reads (a tied weight export reads under its other name)."""
+    the parameters and constants no op reads (a tied weight export reads under its other name); with
+    keep_dropout=False each dropout replaced by its operand (the program in eval mode)."""
+    if not keep_dropout:
+        src = _live_copy(_undropped(src))
     fusion = src.fusion
     live = {id(t) for t in fusion.outputs.values()}
     for e in reversed(fusion.exprs):
@@ -442,7 +460,7 @@ def _live_copy(src: TorchFusion) -> TorchFusion:
     out = TorchFusion()
     out.user_inputs, out._module, out.leaves = src.user_inputs, src._module, src.leaves
     out.seed_inputs = tuple(s for s in src.seed_inputs if id(fusion[s]) in live)
-    out.output_skeleton = src.output_skeleton
+    out.output_skeleton, out.dropouts, out.training = src.output_skeleton, src.dropouts, src.training
     out.params = tuple(p for p in src.params if id(fusion[p]) in live)
     out.constants = {k: v for k, v in src.constants.items() if id(fusion[k]) in live}
     new = {id(t): out.define_tensor(t.shape, t.dtype, t.name) for t in fusion.inputs if id(t) in live}
@@ -452,6 +470,27 @@ def _live_copy(src: TorchFusion) -> TorchFusion:
             new |= {id(o): t for o, t in zip(e.outputs, res if isinstance(res, tuple) else (res,))}
     for name, tv in fusion.outputs.items():
         out.add_output(new[id(tv)], name)
+    return out
+
+
+def _undropped(src: TorchFusion) -> TorchFusion:
+    """src with every dropout's output replaced by its operand, nothing removed (_live_copy prunes)."""
+    out = TorchFusion()
+    out.user_inputs, out._module, out.leaves, out.params = src.user_inputs, src._module, src.leaves, src.params
+    out.output_skeleton, out.constants, out.training = src.output_skeleton, src.constants, False
+    out.dropouts = src.dropouts
+    new = {id(t): out.define_tensor(t.shape, t.dtype, t.name) for t in src.fusion.inputs}
+    for e in src.fusion.exprs:
+        args = {k: new[id(v)] if isinstance(v, TensorView) else v for k, v in e.args}
+        res = args["x"] if e.op.name == "dropout" else out.fusion.emit(e.op.name, **args)
+        new |= {id(o): t for o, t in zip(e.outputs, res if isinstance(res, tuple) else (res,))}
+    seen: set[int] = set()
+    for name, tv in src.fusion.outputs.items():
+        tv = new[id(tv)]
+        if tv in out.fusion.inputs or id(tv) in seen:
+            tv = out.ops.cast(tv, tv.dtype)  # a dropped-out input or a twin output: its own copy, as _outputs makes
+        seen.add(id(tv))
+        out.add_output(tv, name)
     return out
 
 
@@ -656,6 +695,7 @@ def _drop(c, x: TensorView, p: float) -> TensorView:
 @maps(aten.dropout)
 def _dropout(c, input, p, train):
     x = c._tensor(input)
+    c.fd.dropouts += p > 0
     return _drop(c, x, p) if train and p > 0 else x
 
 
@@ -663,6 +703,7 @@ def _dropout(c, input, p, train):
 def _native_dropout(c, input, p, train=None):
     """(output, keep-mask): the mask is where dropout of ones is nonzero (the same offset: the same mask)."""
     x = c._tensor(input)
+    c.fd.dropouts += p > 0
     if train is False or p == 0:
         return x, c.ops.full(x.shape, 1, "bool")
     offset = c._rng_offset

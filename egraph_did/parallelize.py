@@ -27,6 +27,14 @@ torch.distributed.checkpoint saves.
 
 The plans are optimized on rank 0 and broadcast, so that every rank runs the same steps; every rank
 exports the module itself (deterministic), and rank 0's parameter values are the ones distributed.
+
+Dropout: a module parallelized in training mode drops out through fd.ops.dropout, whose mask is a hash of
+a seed and each element's global index (so every plan and rank draws the mask one device draws). The seed
+of call n is a function of n and one base seed drawn from rank 0's torch generator at parallelize time
+(torch.manual_seed makes it reproducible), so ranks agree with no communication, every call draws new
+masks, and the backward reuses its forward's; `module.dropout_seed(n)` gives it. A call in eval mode runs
+the program without its dropouts (optimized on first use); a module parallelized in eval mode whose
+dropouts were off refuses a call in training mode rather than silently not dropping out.
 """
 from __future__ import annotations
 
@@ -43,7 +51,7 @@ from .errors import DtypeError, EgraphDidError, MemoryBoundError, ShapeError
 from .expand import ALL_REWRITES
 from .fusion import Fusion, replay
 from .ir import TensorView
-from .frontend import TorchFusion, from_torch
+from .frontend import TorchFusion, draw_seed, from_torch
 from .grad import GRAD_PREFIX, grad
 from .layout import Layout, R
 from .mesh import DeviceMesh
@@ -212,6 +220,10 @@ class _Program:
     wrt: tuple[str, ...]  # the example call's gradients (parameters and inputs that require grad)
     split: SplitPlan | None  # the joint plan of wrt and its parts; None where the example has no backward
     inference: Plan | None  # the forward-only plan, where it decided the layouts (else made on first use)
+    seed_inputs: tuple[str, ...] = ()  # the dropout seed input, where the program drops out
+    base_seed: int = 0  # drawn on rank 0 at export: call n's seed is seed_of(base_seed, n) on every rank
+    training: bool = False  # the module's mode at export
+    dropouts: int = 0  # dropouts of p > 0 the export met (in either mode): the program depends on the mode
 
     def key(self, wrt: Sequence[str]) -> tuple[str, ...]:
         """The gradients wrt asks for, in the program's order: one joint plan per key."""
@@ -290,7 +302,8 @@ def _export_and_optimize(module, mesh, args, kwargs, cm, extractor, wrt_of) -> t
         fd[name].set_device_mesh(mesh)  # the outputs come back whole: their gathers are priced
     diff = tuple(n for n, t in outputs.items() if t.dtype in FLOAT_DTYPES)
     prog = _Program(fd.params, fd.user_inputs, list(fd.leaves), fd.constants, tuple(outputs), diff,
-                    fd.output_skeleton, {}, (), None, None)
+                    fd.output_skeleton, {}, (), None, None, fd.seed_inputs, int(draw_seed()), fd.training,
+                    fd.dropouts)
     prog.wrt = prog.key(wrt_of(prog))
     if diff and prog.wrt and torch.is_grad_enabled():  # the example's call has a backward: the step decides
         prog.split = optimize_joint(fd, diff, prog.wrt, mesh, cm, extractor)
@@ -314,6 +327,33 @@ class _State:
     example: list  # per flattened (args, kwargs) leaf: (shape, dtype) of a tensor, or the value itself
     in_spec: Any
     splits: dict[tuple[str, ...], SplitPlan] = field(default_factory=dict)
+    calls: int = 0  # forward calls so far: the next call's dropout seed is seed_of(base_seed, calls)
+    other_mode: "_State | None" = None  # the plans of the program without its dropouts (calls in eval mode)
+
+    def for_mode(self, training: bool) -> "_State":
+        """The state whose plans a call in this mode runs: this one, or (a module parallelized in training
+        mode, called in eval mode) the program without its dropouts; ParallelizeError where the export in
+        eval mode switched dropouts off and the call is in training mode."""
+        prog = self.program
+        if training == prog.training or not prog.dropouts:
+            return self
+        if training:
+            raise ParallelizeError(
+                f"parallelize: the module was parallelized in eval mode, where its {prog.dropouts} dropout(s) "
+                f"are off, and is now called in training mode: its plans would not drop out. Call "
+                f"module.train() before ed.parallelize to train with dropout (a call in eval mode then runs the "
+                f"program without dropout), or call it in eval mode")
+        if self.other_mode is None:
+            eval_prog = dataclasses.replace(prog, seed_inputs=(), training=False, split=None, inference=None)
+            self.other_mode = dataclasses.replace(self, program=eval_prog, splits={}, other_mode=None,
+                                                  fd=None if self.fd is None else self.fd.without_dropout())
+        return self.other_mode
+
+    def next_seeds(self) -> dict[str, torch.Tensor]:
+        """The dropout seed of this call (one per seed input), the same on every rank; counts the call."""
+        seed = seed_of(self.program.base_seed, self.calls)
+        self.calls += 1
+        return {name: seed for name in self.program.seed_inputs}
 
     @classmethod
     def build(cls, module, mesh, args, kwargs, cm, extractor) -> "_State":
@@ -359,6 +399,8 @@ class _State:
                 try:
                     return _forward_only(self.fd, self.mesh, self.cost_model, self.extractor, prog.layouts)
                 except MemoryBoundError:  # the greedy extraction missed; the forward part fits the bound
+                    if prog.split is None:  # (the program without dropouts has no joint plan of its own yet)
+                        raise
                     return prog.split.first  # (inference is None only where the joint plan decided)
             prog.inference = _from_rank0("optimizing the forward-only plan", make)
         return prog.inference
@@ -548,6 +590,21 @@ class _Run(torch.autograd.Function):
         return (None, None, None, *out)
 
 
+def seed_of(base: int, call: int) -> torch.Tensor:
+    """Call `call`'s dropout seed: splitmix64 of base + call * golden ratio (Python integers, so every rank
+    and every platform computes the same bits), as a 0-d int64.
+
+    >>> seed_of(0, 0).item(), seed_of(0, 1).item() != seed_of(0, 0).item(), seed_of(7, 3).dtype
+    (-2152535657050944081, True, torch.int64)
+    """
+    mask = (1 << 64) - 1
+    z = (base + (call + 1) * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    z ^= z >> 31
+    return torch.tensor(z - (1 << 64) if z >> 63 else z, dtype=torch.int64)
+
+
 def _whole(plan: Plan, name: str, local: torch.Tensor) -> torch.Tensor:
     """An output's whole tensor from this rank's piece: the outputs are pinned replicated."""
     if not plan.values[plan.outputs[name]].layout.is_replicated:  # pragma: no cover - the pins say otherwise
@@ -590,17 +647,36 @@ class ParallelModule(torch.nn.Module):
             y = model(x)            # x: the example's shape and dtype, the same on every rank
             y.sum().backward()      # model's parameters get .grad DTensors
         """
-        state = self._egraph_did
+        state = self._egraph_did.for_mode(self.training)
         prog = state.program
         user = state.user_inputs(args, kwargs)  # checked against the example; undetached, so that autograd
         params = dict(self.named_parameters(remove_duplicate=False))  # reaches inputs that require grad
-        names = (*prog.params, *prog.user_inputs)
+        seeds = state.next_seeds()  # an input like the others, so that the backward gets its forward's
+        names = (*prog.params, *prog.user_inputs, *seeds)
         # inside apply, grad mode is off and needs_input_grad does not say whether it was on
         outs = _Run.apply(state, names, torch.is_grad_enabled(), *(params[n] for n in prog.params),
-                          *(user[n] for n in prog.user_inputs))
+                          *(user[n] for n in prog.user_inputs), *seeds.values())
         if prog.out_skeleton is None:
             return dict(zip(prog.outputs, outs))
         return pytree.tree_map(lambda i: outs[i], prog.out_skeleton)
+
+    def dropout_seed(self, call: int = -1) -> torch.Tensor:
+        """The seed (a 0-d int64, the same on every rank) the dropouts of forward call number `call` drew
+        their masks from (counting from 0; -1: the last call so far). The program's fusion evaluated on one
+        device with this seed, `ed.evaluate(fd, fd.bind(x) | {"rng.seed": seed})`, gives that call's outputs.
+
+        Example (inside a rank)::
+
+            y = model(x)
+            seed = model.dropout_seed()       # the masks y was computed with
+        """
+        state = self._egraph_did
+        n = state.calls + call if call < 0 else call
+        if not state.program.seed_inputs or not 0 <= n < state.calls:
+            raise ParallelizeError(f"parallelize: no dropout seed for call {call}: "
+                                   + ("the module was parallelized without dropout in training mode"
+                                      if not state.program.seed_inputs else f"{state.calls} call(s) so far"))
+        return seed_of(state.program.base_seed, n)
 
     def _wrt(self, wrt: Sequence[str] | None) -> Sequence[str]:
         if wrt is not None:
