@@ -16,6 +16,7 @@ from .fusion import as_fusion
 from .extract import ROOT, Selection, exact, greedy_dag, with_roots
 from .layout import Layout, R
 from .mesh import DeviceMesh
+from .pins import PinView, view_pins
 from .plan import Collective, ComputeStep, Plan, Value, check_optimize_args
 from .grad import NEXT
 from .problem import Problem, build_problem
@@ -97,6 +98,12 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     ['allreduce']
     """
     check_optimize_args(fd, mesh, cost_model, extractor, like)
+    fd, views = view_pins(as_fusion(fd), mesh)  # pins no layout names, as layouts of reshaped views
+    if views and (like is not None or loop_ties(fd)):
+        raise PlanError(f"optimize: {', '.join(views)} {'is' if len(views) == 1 else 'are'} pinned as a view "
+                        f"({'; '.join(map(str, views.values()))}), which optimize(like=) and training-step loops "
+                        f"do not replay yet: pin outer_split(axis, mesh size) then parallelize the outer part, or "
+                        f"optimize without like=")
     time_limit = _check_time_limit(time_limit, extractor)
     names = check_rewrites(rewrites)
     t0 = time.perf_counter()
@@ -136,8 +143,36 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     for tv in as_fusion(fd).all_tensors():  # pins as the user wrote them (Plan.loop_domain reports them so)
         if tv.mesh is not None and tv.name in problem.pins:
             plan.pinned_loops[tv.name] = [tv.loop_str(), problem.pins[tv.name].code()]
+    report_views(plan, views)
     plan.stats.update(total_s=time.perf_counter() - t0, bucket_pairs_offered=len(pairs), loops_tried=len(loops))
     return plan
+
+
+def report_views(plan: Plan, views: dict[str, PinView]) -> None:
+    """Give a plan of view_pins' fusion the user's names back: an input or output '<t>.view' is bound and
+    delivered as t (plan.views says how to reshape), and t's pin is the view's value, reported in the loop
+    domain the user pinned.
+
+    >>> import egraph_did as ed
+    >>> mesh = ed.DeviceMesh.arange(2)
+    >>> with ed.FusionDefinition() as fd:
+    ...     w = fd.define_tensor((8, 4), name="w")
+    ...     fd.add_output(fd.ops.relu(w), name="y")
+    >>> _ = w.set_device_mesh(mesh).outer_split(0, 2).outer_split(1, 2).parallelize(1, ed.ParallelType.DIDx)
+    >>> plan = ed.optimize(fd, mesh)  # report_views ran: the input is w again, bound through its view
+    >>> list(plan.inputs), plan.inputs["w"], plan.loop_domain("w"), str(plan.views["w"].layout)
+    (['w'], ['w.view:S1'], '[2, DIDx{2}, 8/2/2, 4]', '[S(1)]')
+    """
+    if not views:
+        return
+    by_view = {v.view: name for name, v in views.items()}
+    for vname, name in by_view.items():
+        plan.pins[name] = plan.pins.pop(vname)
+        plan.pinned_loops.pop(vname, None)
+        plan.pinned_loops[name] = [views[name].loop, plan.values[plan.pins[name]].layout.code()]
+    plan.inputs = {by_view.get(k, k): vs for k, vs in plan.inputs.items()}
+    plan.outputs = {by_view.get(k, k): v for k, v in plan.outputs.items()}
+    plan.views = {name: v for name, v in views.items() if name in plan.inputs or name in plan.outputs}
 
 
 def loop_ties(fusion) -> dict[str, str]:

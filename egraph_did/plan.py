@@ -21,8 +21,8 @@ from .explain import explain_plan
 from .fusion import as_fusion
 from .ir import TensorView
 from .layout import Layout
-from .pins import apply_layout, layout_view
-from .shards import local_extents
+from .pins import PinView, apply_layout, layout_view
+from .shards import Operand, RankContext, local_extents
 from .mesh import DeviceMesh, check_mesh
 from .ops import OPS, canonical_dtype
 
@@ -212,6 +212,9 @@ class Plan:
     # pinned tensor -> [its loop domain as pinned, that pin's layout code]: a split or a partial over a mesh
     # axis of size 1 is R's data, and loop_domain reports it as pinned
     pinned_loops: dict[str, list] = field(default_factory=dict)
+    # input or output -> the pins.PinView it is bound or delivered through (a pin no layout of its own shape
+    # names: the plan holds a reshaped view; bind_view / deliver_view reshape the user's tensor to and from it)
+    views: dict[str, PinView] = field(default_factory=dict)
 
     # ------------------------------------------------------------ queries
     @property
@@ -397,6 +400,52 @@ class Plan:
         v = self.values[value]
         return layout_view(v.tensor, v.shape, canonical_dtype(v.dtype), v.layout, self.mesh, v.axes)
 
+    def input_shape(self, name: str, rank: int | None = None) -> tuple[int, ...]:
+        """The shape plan.run takes for input `name`: global (rank None), or `rank`'s local shard; a viewed
+        input's (plan.views) is the user's, not its view's.
+
+        >>> import egraph_did as ed
+        >>> from egraph_did.models import row_sum
+        >>> plan = ed.optimize(row_sum(10, 3), ed.DeviceMesh.arange(4))
+        >>> plan.input_shape("x"), plan.input_shape("x", 3)  # rows 3, 3, 3, 1
+        ((10, 3), (1, 3))
+        """
+        val = self.values[self.inputs[name][0]]
+        local = val.shape if rank is None else RankContext(self.mesh, rank).local_shape(Operand(val.shape, val.layout))
+        if name not in self.views:
+            return local
+        return self.views[name].shape if rank is None else self.views[name].local_shape(local)
+
+    def bind_view(self, name: str, tensor, rank: int | None = None):
+        """The tensor the plan loads for input `name` from the user's (global, or `rank`'s local shard): itself,
+        or for a viewed input (plan.views) the same elements reshaped to its view (every rank's shard holds
+        the pin's elements in the pin's order, so a local reshape binds it); deliver_view is the inverse.
+
+        >>> import torch, egraph_did as ed
+        >>> mesh = ed.DeviceMesh.arange(2)
+        >>> with ed.FusionDefinition() as fd:
+        ...     w = fd.define_tensor((4, 2), name="w")
+        ...     fd.add_output(fd.ops.relu(w), name="y")
+        >>> _ = w.set_device_mesh(mesh).outer_split(0, 2).outer_split(1, 2).parallelize(1, ed.ParallelType.DIDx)
+        >>> plan = ed.optimize(fd, mesh)
+        >>> W = torch.arange(8.).reshape(4, 2)
+        >>> plan.bind_view("w", ed.shard_tensor(W, w, 1), rank=1).shape  # rows 1 and 3: view [2, 1, 2]
+        torch.Size([2, 1, 2])
+        """
+        if name not in self.views:
+            return tensor
+        val = self.values[self.inputs[name][0]]
+        shape = val.shape if rank is None else RankContext(self.mesh, rank).local_shape(Operand(val.shape, val.layout))
+        return tensor.reshape(shape)
+
+    def deliver_view(self, name: str, tensor, rank: int | None = None):
+        """Output `name` as the user pinned it from the plan's value (global, or `rank`'s local shard): itself,
+        or for a viewed output (plan.views) reshaped from its view back to the tensor's own shape."""
+        if name not in self.views:
+            return tensor
+        v = self.views[name]
+        return tensor.reshape(v.shape if rank is None else v.local_shape(tuple(tensor.shape)))
+
     def loop_domain(self, tensor: str) -> str:
         """The loop domain of a tensor as the plan lays it out, e.g. '[s, DIDx{4}, h/4]'. A pinned tensor's is
         its pinned value's, which may go by another name (two equal terms of the program share one value), in the
@@ -489,7 +538,7 @@ class Plan:
                 fixed.append(dataclasses.replace(s, src=fix(s.src)))
         plan = Plan(self.mesh, self.cost_model, dict(self.values), fixed, self.inputs,
                     {k: fix(v) for k, v in self.outputs.items()}, self.memory, self.method, dict(self.stats),
-                    {k: fix(v) for k, v in self.pins.items()})
+                    {k: fix(v) for k, v in self.pins.items()}, views=dict(self.views))
         plan.validate()
         return plan
 
@@ -537,7 +586,8 @@ class Plan:
             "values": {k: v.to_dict() for k, v in self.values.items()},
             "steps": steps, "inputs": self.inputs, "outputs": self.outputs, "memory": self.memory,
             "method": self.method, "stats": self.stats, "pins": self.pins, "rewrites": self.rewrites,
-            "buckets": self.buckets, "pinned_loops": self.pinned_loops}, indent=1)
+            "buckets": self.buckets, "pinned_loops": self.pinned_loops,
+            **({"views": {k: v.to_dict() for k, v in self.views.items()}} if self.views else {})}, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -655,7 +705,8 @@ class Plan:
                    {k: list(v) for k, v in d["inputs"].items()}, dict(d["outputs"]), d.get("memory", 0.0),
                    d.get("method", ""), d.get("stats", {}), dict(d.get("pins", {})), dict(d.get("rewrites", {})),
                    [list(p) for p in d.get("buckets", [])],
-                   {k: list(v) for k, v in d.get("pinned_loops", {}).items()})
+                   {k: list(v) for k, v in d.get("pinned_loops", {}).items()},
+                   _views_of(d.get("views", {}), d["inputs"], d["outputs"], values))
         for name, v in plan.pins.items():
             if v not in values:
                 raise PlanError(f"plan JSON: pins[{name!r}] must name a value (a key of 'values'), got {v!r}")
@@ -687,7 +738,7 @@ class Plan:
                             f"{sorted(self.inputs)} and gives outputs {sorted(self.outputs)}, this fusion takes "
                             f"{ins} and gives {outs}; pass a plan of this fusion (at any shapes)")
         for tv in fusion.inputs:
-            theirs = self.values[self.inputs[tv.name][0]].shape
+            theirs = self.views[tv.name].shape if tv.name in self.views else self.values[self.inputs[tv.name][0]].shape
             if len(theirs) != len(tv.shape):
                 raise PlanError(f"optimize(like=plan): input {tv.name} has {len(tv.shape)} axes {tv.shape} here but "
                                 f"{len(theirs)} {theirs} in the like plan; it is of another fusion: pass a plan of "
@@ -776,6 +827,24 @@ def _check_collective_mesh(i: int, c: Collective, group_size, mesh: DeviceMesh) 
         raise PlanError(f"plan JSON: steps[{i}] ({c.kind} of {c.tensor}) was planned for {group_size} ranks on mesh "
                         f"axis {c.mesh_axis_name!r}, but the mesh {mesh} has {mesh.shape[c.mesh_axis]} there; the "
                         f"mesh was swapped after optimizing: re-optimize for this mesh (ed.optimize(fd, mesh))")
+
+
+def _views_of(d, inputs, outputs, values) -> dict[str, PinView]:
+    """plan JSON's "views": {input or output: pins.PinView}, each of a name the plan binds or delivers whose
+    value has the view's shape; PlanError naming the field otherwise."""
+    if not isinstance(d, dict):
+        raise PlanError(f"plan JSON: views must be an object {{input or output: view}}, got {type(d).__name__}")
+    out = {}
+    for name, v in d.items():
+        if not isinstance(v, dict):
+            raise PlanError(f"plan JSON: views[{name!r}] must be an object, as Plan.to_json writes it")
+        view = PinView.from_dict(v)
+        held = inputs[name][0] if name in inputs else outputs.get(name)
+        if held is None or tuple(values[held].shape) != view.view_shape:
+            raise PlanError(f"plan JSON: views[{name!r}] reshapes {name} to {list(view.view_shape)}, but the plan "
+                            f"{'holds ' + str(list(values[held].shape)) if held else 'takes or gives no ' + repr(name)}")
+        out[name] = view
+    return out
 
 
 def _is_dtensor(x) -> bool:

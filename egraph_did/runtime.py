@@ -12,14 +12,16 @@ Semantics are simulate()'s: the same local kernels, the same cuts; collectives a
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from .errors import EgraphDidError, PlanError, ShapeError
+from .errors import EgraphDidError, PlanError, ShapeError, ShardingError
 from .layout import Layout
 from . import collectives
 from .lowering.communication import (axis_group, check_world, world_key, ensure_groups, gather_to_all, local_shape,
@@ -29,7 +31,7 @@ from .lowering.program import SegmentFailed, program_for, program_inputs
 from .lowering.segment import eager_segments
 from .mesh import DeviceMesh
 from .plan import Plan, register_runner
-from .shards import dtensor_chunks_agree, shard, unshard
+from .shards import RankContext, dtensor_chunks_agree, shard, unshard
 
 INPUT_KINDS = ("global", "local", "dtensor")
 OUTPUT_KINDS = ("global", "local", "dtensor")
@@ -124,45 +126,132 @@ def _is_dtensor(x) -> bool:
 
 
 def _local_of_dtensor(plan: Plan, name: str, value: str, dt, rank: int) -> torch.Tensor:
-    """This rank's shard of a DTensor input: its local tensor when its mesh, placements and chunks are
-    the plan's; otherwise the whole tensor (full_tensor, collective on every rank) sharded as planned."""
+    """This rank's shard of a DTensor input: its local tensor where its mesh, placements and shard order
+    give every rank the elements the plan's value holds, in the same order (Shard, _StridedShard and
+    non-default shard orders read as DTensor chunks them; a viewed input's shard reshaped to its view);
+    otherwise the whole tensor (full_tensor, collective on every rank) sharded as planned."""
     val = plan.values[value]
-    layout = val.layout
-    if tuple(dt.shape) != val.shape:
+    if tuple(dt.shape) != plan.input_shape(name):
         raise ShapeError(f"run_plan: input {name!r} is a DTensor of global shape {tuple(dt.shape)}, the plan "
-                         f"expects {val.shape}")
-    placements = tuple(_normalized(p, len(val.shape)) for p in dt.placements)
-    same = (dt.device_mesh.ndim == plan.mesh.ndim and dt.device_mesh.mesh.tolist() == _grid(plan.mesh)
-            and placements == _torch_placements(layout) and dtensor_chunks_agree(val.shape, layout, plan.mesh))
-    if same:
+                         f"expects {plan.input_shape(name)}")
+    if dt.device_mesh.ndim == plan.mesh.ndim and dt.device_mesh.mesh.tolist() == _grid(plan.mesh) and \
+            _dtensor_agrees(plan, name, value, dtensor_placements(dt)):
         local = dt.to_local()
-        want = local_shape(plan, value, rank)
+        want = plan.input_shape(name, rank)
         if tuple(local.shape) != want:  # pragma: no cover - DTensor broke its own chunking
             raise ShapeError(f"run_plan: input {name!r}: rank {rank}'s DTensor shard is {tuple(local.shape)}, "
                              f"its placements give {want}")
-        return local.contiguous()
-    return shard(dt.full_tensor(), layout, plan.mesh, rank, val.tensor)
+        return plan.bind_view(name, local, rank).contiguous()
+    return shard(plan.bind_view(name, dt.full_tensor()), val.layout, plan.mesh, rank, val.tensor)
 
 
-def _normalized(p, ndim: int):
-    from torch.distributed.tensor import Shard
-    if type(p) is Shard and p.dim < 0:
-        return Shard(p.dim % ndim)
-    return p
+def dtensor_placements(dt) -> tuple:
+    """A DTensor's placements with its shard order written into them: a tensor axis split over several mesh
+    axes in a non-default order (DTensorSpec.shard_order) as the _StridedShard placements DTensor itself
+    converts it to, so the placements alone say which elements each rank holds."""
+    placements, spec = tuple(dt.placements), getattr(dt, "_spec", None)
+    order = getattr(spec, "shard_order", None)
+    if not order or any(_is_strided(p) for p in placements):
+        return placements
+    cls = type(spec)
+    if cls.is_default_device_order(order):
+        return placements
+    return tuple(cls._convert_shard_order_to_StridedShard(order, placements, dt.device_mesh))
 
 
-def _to_dtensor(plan: Plan, value: str, local: torch.Tensor, rank: int, timeout: float | None):
+def _is_strided(p) -> bool:
+    return type(p).__name__ == "_StridedShard"
+
+
+def _dtensor_indices(shape, placements, mesh: DeviceMesh, rank: int) -> list[list[int]]:
+    """Per tensor axis, the global indices DTensor gives `rank` under `placements`, in its local order:
+    DTensor's own chunking (Shard and _StridedShard._split_tensor), left to right over the mesh axes."""
+    coords = mesh.coords(rank)
+    idx = [torch.arange(e) for e in shape]
+    for m, p in enumerate(placements):
+        if not (p.is_replicate() or p.is_partial()):  # Shard or _StridedShard (whose is_shard() is False)
+            d = p.dim % len(shape)
+            chunks = p._split_tensor(idx[d], mesh.shape[m], with_padding=False)[0]
+            idx[d] = chunks[coords[m]] if coords[m] < len(chunks) else idx[d][:0]
+    return [i.tolist() for i in idx]
+
+
+def _plan_indices(plan: Plan, name: str, value: str, rank: int) -> list[list[int]]:
+    """Per axis of the tensor the user binds or receives as `name`, the global indices `rank` holds of
+    `value`, in local order (a viewed one's view axes combined back into the tensor's own)."""
+    val = plan.values[value]
+    ctx = RankContext(plan.mesh, rank)
+    ranges = [np.arange(*ctx.shard_range(e, val.layout, a)) for a, e in enumerate(val.shape)]
+    if name not in plan.views:
+        return [r.tolist() for r in ranges]
+    view, out, k = plan.views[name], [], 0
+    for g in view.groups:
+        flat = np.zeros(1, dtype=np.int64)
+        for j in range(k, k + g):
+            flat = (flat[:, None] * view.view_shape[j] + ranges[j][None, :]).ravel()
+        out.append(flat.tolist())
+        k += g
+    return out
+
+
+def _dtensor_agrees(plan: Plan, name: str, value: str, placements) -> bool:
+    """Whether DTensor `placements` hold what the plan's `value` holds on every rank: the same pending
+    reductions on the same mesh axes, the same elements in the same order (decided alike on every rank:
+    the fallback is collective)."""
+    layout = plan.values[value].layout
+    if len(placements) != len(layout):
+        return False
+    for p, q in zip(placements, layout):
+        if q.is_partial != p.is_partial() or (q.is_partial and getattr(p, "reduce_op", "") != q.reduce):
+            return False  # elements alike, values not: a summand is not a shard
+    shape = plan.views[name].shape if name in plan.views else plan.values[value].shape
+    return all(_dtensor_indices(shape, placements, plan.mesh, r) == _plan_indices(plan, name, value, r)
+               for r in plan.mesh.ranks)
+
+
+def _view_placements(plan: Plan, name: str, value: str) -> tuple:
+    """The DTensor placements of an output delivered through a view (plan.views): per mesh axis that splits
+    a view axis k of the tensor's axis a, Shard(a) where no digit of a that is still whole when DTensor
+    reaches that mesh axis (left to right) precedes k, else _StridedShard(a, split_factor = their extent)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    view, layout = plan.views[name], plan.values[value].layout
+    axis_of = [a for a, g in enumerate(view.groups) for _ in range(g)]
+    out = []
+    for m, p in enumerate(layout):
+        if not p.is_shard:
+            out.append(Partial(p.reduce) if p.is_partial else Replicate())
+            continue
+        k, a = p.axis, axis_of[p.axis]
+        taken = {q.axis for q in layout.placements[:m] if q.is_shard}
+        sf = math.prod(view.view_shape[j] for j in range(k) if axis_of[j] == a and j not in taken)
+        out.append(Shard(a) if sf == 1 else _StridedShard(a, split_factor=sf))
+    return tuple(out)
+
+
+def _to_dtensor(plan: Plan, name: str, value: str, local: torch.Tensor, rank: int, timeout: float | None):
     from torch.distributed.tensor import DTensor
     val = plan.values[value]
     layout = val.layout
     tmesh = torch_device_mesh(plan.mesh, local.device.type)
-    if not dtensor_chunks_agree(val.shape, layout, plan.mesh):
+    viewed = name in plan.views
+    placements = _view_placements(plan, name, value) if viewed else _torch_placements(layout)
+    shape = plan.views[name].shape if viewed else val.shape
+    if viewed and not _dtensor_agrees(plan, name, value, placements):
+        if layout.has_partial:
+            raise ShardingError(f"run_plan: output {name!r} is a pending sum held through the view "
+                                f"{plan.views[name]}, whose uneven chunks DTensor's placements {placements} do not "
+                                f"express: take outputs='global' or 'local'")
+        whole = plan.deliver_view(name, _global_of(plan, value, local, timeout))
+        local = whole[np.ix_(*_dtensor_indices(shape, placements, plan.mesh, rank))].contiguous()
+    elif viewed:
+        local = plan.deliver_view(name, local, rank)
+    elif not dtensor_chunks_agree(val.shape, layout, plan.mesh):
         # DTensor cannot express these nested uneven chunks: deliver its own chunks of the same placements
         whole = _global_of(plan, value, local, timeout)
         local = shard(whole, layout, plan.mesh, rank, val.tensor, chunks="dtensor")
-    stride = torch.empty(val.shape, device="meta").stride()
-    return DTensor.from_local(local, tmesh, _torch_placements(layout), run_check=False,
-                              shape=torch.Size(val.shape), stride=stride)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, tmesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
 
 
 def _global_of(plan: Plan, value: str, local: torch.Tensor, timeout: float | None) -> torch.Tensor:
@@ -200,10 +289,10 @@ def _bind_inputs(plan: Plan, inputs: Mapping[str, Any], kind: str, rank: int, de
         if kind == "global":
             for v in vals:
                 val = plan.values[v]
-                if tuple(given.shape) != val.shape:
+                if tuple(given.shape) != plan.input_shape(name):
                     raise ShapeError(f"run_plan: input {name!r} has shape {tuple(given.shape)}, the plan expects "
-                                     f"the global shape {val.shape} (pass inputs_kind='local' for shards)")
-                piece = shard(given, val.layout, plan.mesh, rank, name)  # cut first: only the piece moves
+                                     f"the global shape {plan.input_shape(name)} (pass inputs_kind='local' for shards)")
+                piece = shard(plan.bind_view(name, given), val.layout, plan.mesh, rank, name)  # only the piece moves
                 env[v] = piece if device is None else piece.to(device)
             continue
         if device is not None:
@@ -211,13 +300,14 @@ def _bind_inputs(plan: Plan, inputs: Mapping[str, Any], kind: str, rank: int, de
         # local: the shard of the input's first layout; any other layout it is loaded in is cut from the
         # whole tensor (gathered: every rank takes this branch, so the gather matches)
         first = vals[0]
-        want = local_shape(plan, first, rank)
+        want = plan.input_shape(name, rank)
         if tuple(given.shape) != want:
+            loop = plan.views[name].loop if name in plan.views else plan.value_view(first).loop_str()
             raise ShapeError(f"run_plan: input {name!r} on rank {rank}: the local shard has shape "
-                             f"{tuple(given.shape)}, but its loop domain {plan.value_view(first).loop_str()} "
-                             f"gives rank {rank} the shape {want} (of global {plan.values[first].shape}); pass "
+                             f"{tuple(given.shape)}, but its loop domain {loop} "
+                             f"gives rank {rank} the shape {want} (of global {plan.input_shape(name)}); pass "
                              f"that shard (ed.shard_tensor) or the global tensor with inputs_kind='global'")
-        env[first] = given.contiguous()
+        env[first] = plan.bind_view(name, given, rank).contiguous()  # a viewed input: its view's shard
         if len(vals) > 1:
             whole = _global_of(plan, first, env[first], timeout)
             for v in vals[1:]:
@@ -349,11 +439,11 @@ def run_plan(plan: Plan, inputs: Mapping[str, Any], *, inputs_kind: str = "globa
         out = {}
         for name, v in plan.outputs.items():
             if outputs_kind == "local":
-                out[name] = env[v]
+                out[name] = plan.deliver_view(name, env[v], rank)
             elif outputs_kind == "global":
-                out[name] = _global_of(plan, v, env[v], step_timeout)
+                out[name] = plan.deliver_view(name, _global_of(plan, v, env[v], step_timeout))
             else:
-                out[name] = _to_dtensor(plan, v, env[v], rank, step_timeout)
+                out[name] = _to_dtensor(plan, name, v, env[v], rank, step_timeout)
         return out
 
     out = phase(total, f"delivering outputs ({outputs_kind})", deliver)

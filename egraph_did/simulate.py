@@ -50,11 +50,12 @@ def bind_inputs(plan: Plan, inputs: Mapping[str, torch.Tensor]) -> dict[str, dic
     for name, vals in plan.inputs.items():
         for v in vals:
             val = plan.values[v]
-            if tuple(inputs[name].shape) != val.shape:
+            if tuple(inputs[name].shape) != plan.input_shape(name):
                 raise ShapeError(f"simulate: input {name!r} has shape {tuple(inputs[name].shape)}, the plan expects "
-                                 f"{val.shape}; simulate takes whole (global) tensors, of the shapes the plan was "
+                                 f"{plan.input_shape(name)}; simulate takes whole (global) tensors, of the shapes the plan was "
                                  f"optimized for (optimize the fusion at these shapes, with like=plan)")
-            env[v] = {r: shard(inputs[name], val.layout, plan.mesh, r, name) for r in plan.mesh.ranks}
+            whole = plan.bind_view(name, inputs[name])  # a viewed input: reshaped to the view it is planned as
+            env[v] = {r: shard(whole, val.layout, plan.mesh, r, name) for r in plan.mesh.ranks}
     return env
 
 
@@ -112,7 +113,7 @@ def simulate(plan: Plan, inputs: Mapping[str, torch.Tensor], lowered: bool = Tru
                 outs = compute_on_rank(plan, step, {v: env[v][r] for v in env if r in env[v]}, r)
                 for v, t in outs.items():
                     env.setdefault(v, {})[r] = t
-    return {name: unshard(env[v], plan.values[v].layout, mesh, plan.values[v].shape, name)
+    return {name: plan.deliver_view(name, unshard(env[v], plan.values[v].layout, mesh, plan.values[v].shape, name))
             for name, v in plan.outputs.items()}
 
 

@@ -540,6 +540,25 @@ def _():
     return x.add_partial(P.DIDx)
 
 
+# issue 12: a non-outermost or inner-first DID split now plans through a reshaped view of the tensor; where
+# its splits do not divide the extent, no reshape holds it, and the refusal says what to do
+@bad("non-outermost split of an odd axis", PlanError, "x: the loop domain", "non-outermost DID split",
+     "axis 0 (extent 5)", "no reshape of x", "outer_split(axis, mesh size)", "leave it free")
+def _():
+    fd, x = fusion_x((5, 6))
+    x.set_device_mesh(MESH2).outer_split(0, 2).outer_split(1, 2).parallelize(1, P.DIDx)
+    return ed.optimize(fd, MESH2)
+
+
+@bad("inner-first split of an axis no reshape nests", PlanError, "x: the loop domain",
+     "inner mesh axis splitting first", "axis 0 (extent 5)", "no reshape of x", "leave it free")
+def _():
+    fd, x = fusion_x((5, 6))
+    mesh = ed.DeviceMesh(torch.arange(4).reshape(2, 2))
+    x.set_device_mesh(mesh).outer_split(0, 2).parallelize(0, P.DIDx).outer_split(1, 2).parallelize(1, P.DIDy)
+    return ed.optimize(fd, mesh)
+
+
 @bad("partial avg", ShardingError, "x.add_partial", "got 'avg'", "pending sum of x / n", "reduce='sum'")
 def _():
     _, x = fusion_x()
