@@ -36,7 +36,7 @@ from egraph_did.rewrites.sorts import (AX, KERNS, LAYOUTS, OPS_SORT, PLAN, RUN, 
 from egraph_did.rewrites.sorts import Kern as KernSort, Layout as LayoutSort
 from egraph_did.rewrites.sorts import P as P_, Pmax as Pmax_, R as R_, S as S_
 
-from .collectives import connecting
+from .collectives import RING_FLAGS, connecting
 from .egglog_io import frozen_rows, run_text, string_term
 from .layout import PMAX, Layout, P, R, S, is_valid
 from .ops import OPS
@@ -62,6 +62,8 @@ RUN_OF = {(n, o): relation(f"RunOf{n}x{o}", D, String, KernSort, LayoutSort, *([
           for (n, o) in RUN if o == 1}
 
 # The family rulesets (rules.family_ruleset, one per module of rewrites/), composed into one by the schedule
+RING_FLAG_SET = frozenset(RING_FLAGS)
+
 FAMILIES = (pointwise.pointwise | views.views | reduction.reduction | aten.aten | grad_ops.grad_ops
             | frontend_ops.frontend_ops | scans.scans)
 
@@ -218,6 +220,8 @@ def encode(problem: Problem) -> tuple[list[str], dict[str, str], dict[str, str]]
         out.append(f"(Valid {t(name)} {lay_text(lay)})")
     for d in sorted(set(mesh.shape)):
         out.append(f"(MeshSize {d})")
+    if collective_matmul.NAME in problem.rewrites:
+        out.append("(RingsOn 1)")
     if problem.input_layouts:  # restricted to a plan's strategies (Problem._restrict_to sets both)
         out += _allowed_plans(problem, ident)
     else:
@@ -376,7 +380,8 @@ def _template(shape: tuple[int, ...]):
     """An EGraph with every sort, function and ruleset for meshes of this shape declared and compiled, and
     the program and physical rulesets: declaring costs about 0.15 s, a problem loaded into a pushed copy
     of it (loaded) pays only for its facts."""
-    program = ruleset(*program_rules(shape), name=f"program{shape}")
+    # the collective matmuls' rings are strategies too: their rules join the program rules (RingsOn switches them)
+    program = ruleset(*program_rules(shape), *collective_matmul.egglog_rules(shape), name=f"program{shape}")
     rules = ruleset(*mesh_rules(shape), name=f"mesh{shape}")
     eg = EGraph()
     _declare(eg)
@@ -417,13 +422,17 @@ def saturate(problem: Problem) -> PhysGraph:
         report = eg.run(FAMILIES.saturate() + program.saturate() + rules.saturate())
         t2 = time.perf_counter()
         graph = read_back(eg, problem, {v: k for k, v in ident.items()})
-        # collective matmuls: ring steps beside the GEMMs of the saturated graph (rewrites/collective_matmul.py)
-        rings = collective_matmul.offer(problem, graph) if collective_matmul.NAME in problem.rewrites else 0
         t3 = time.perf_counter()
     graph.stats.update(template_s=tt - t0, encode_s=t1 - tt, saturate_s=t2 - t1, serialize_s=t3 - t2, facts=len(facts),
                        iterations=len(report.iterations), classes=len(graph.classes), nodes=graph.n_nodes,
-                       ring_nodes=rings)
+                       ring_nodes=_ring_nodes(graph, problem))
     return graph
+
+
+def _ring_nodes(graph: PhysGraph, problem: Problem) -> int:
+    """How many nodes run a collective matmul's ring (rewrites/collective_matmul.py)."""
+    rings = {(k, s.sid) for k, ss in problem.strategies.items() for s in ss if any(f & RING_FLAG_SET for f in s.flags)}
+    return sum(1 for ns in graph.classes.values() for n in ns if n.op == "Apply" and (n.key, n.sid) in rings) if rings else 0
 
 
 def transitions(problem) -> list[tuple[str, str, str, int]]:

@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass, field
 
 
-from egraph_did.rewrites import AxisStrategy, Operand, OpView, axis_strategies
+from egraph_did.rewrites import AxisStrategy, Operand, OpView, axis_strategies, collective_matmul
+from egraph_did.rewrites.collective_matmul import add_ring_strategies
 
 from .cost import CostModel
 from .errors import PlanError
@@ -394,6 +395,8 @@ def _build(user: Fusion, mesh: DeviceMesh, cost_model: CostModel | None, pins, l
         key = e.outputs[0].name
         problem.exprs[key] = e
         problem.strategies[key] = expr_strategies(e, mesh, cm, problem, priced, fused[key])
+    if collective_matmul.NAME in problem.rewrites:  # rings of GEMMs and their collectives, priced (a replay keeps its own)
+        add_ring_strategies(problem)
     if like is not None:
         _restrict_to(problem, like)
     return problem

@@ -8,11 +8,14 @@ Priced by cost.CostModel.ring_time (per step the longer of a block's GEMM and it
 paid per step, one GEMM alone), so extraction takes it only where it wins: large GEMMs on slow-ish links,
 never tiny ones, where n latencies cost more than one collective's.
 
-The rules read the saturated physical graph (egraph.saturate runs `offer` after read back, where the
-ruleset is on: `optimize(..., rewrites=)` names it "collective_matmul"). A rule takes one priced strategy
-of a matmul (2-D weight) or a bias-free linear on one mesh axis m and returns the ring strategy's layouts
-on m, or None. The ring cuts x's rows (or y's) in n equal blocks: offered where the axis divides by n and
-no other mesh axis splits it.
+A ring is a strategy of the GEMM with a communicating local kernel (flags ag_ring / rs_ring on its mesh
+axis): a rule takes one whole-mesh strategy of a matmul (2-D weight) or a bias-free linear that names no
+kernel, and a mesh axis m, and returns the ring's layouts on m. As the sharding rules, each rule has an
+executable Python spec (RULES: build_problem prices what they derive, add_ring_strategies) and an egglog
+form (egglog_rules: Strat rows the program rules then apply at every site; tests/optimizer/
+test_collective_matmul.py holds both equal). `optimize(..., rewrites=)` switches them by the name
+"collective_matmul" (RingsOn). The ring cuts x's rows (or y's) in n equal blocks: offered where the axis
+divides by n and no other mesh axis splits it.
 
 >>> sorted(RULES)
 ['allgather_matmul', 'matmul_reduce_scatter']
@@ -25,10 +28,15 @@ import math
 from dataclasses import replace
 from typing import Callable
 
+from egglog import String, eq, i64, ne, relation, var
+from egglog import rule as erule
+
 from egraph_did.collectives import RINGS, gemm  # noqa: F401  (gemm: what the ring computes per block)
-from egraph_did.layout import P, Layout, R, S
-from egraph_did.physgraph import Node
+from egraph_did.layout import P, Layout, R, S, is_valid
 from egraph_did.shards import local_extents
+
+from .sorts import KERNS, LAYOUTS, SIG, STRAT, Extent, Fits, Placement, Rank, Shape
+from .sorts import P as P_, R as R_, S as S_
 
 NAME = "collective_matmul"  # the ruleset's name, as optimize(rewrites=...) takes it
 RULES: dict[str, Callable] = {}
@@ -77,7 +85,7 @@ def matmul_reduce_scatter(x, y, lx: Layout, ly: Layout, m: int, n: int):
     return [_with(ly, m, S(a)) for a in range(len(y.shape) - 1) if _cuttable(y.shape, [ly, lx], m, a, n)]
 
 
-# ---------------------------------------------------------------------- offering them to extraction
+# ---------------------------------------------------------------------- the strategies (Python: the spec, priced)
 
 def _eligible(e) -> bool:
     """A matmul of a 2-D weight or a linear without bias: what the ring's kernels compute (collectives.gemm)."""
@@ -107,87 +115,92 @@ def ring_strategy(problem, e, s, m: int, ring: str, lx: Layout, ly: Layout):
                    memory=float(math.prod(lyl) * y.dtype.itemsize))
 
 
-def offer(problem, graph) -> int:
-    """Add to the saturated physical graph a ring step beside every GEMM strategy a rule applies to: an
-    Apply node of a new strategy (appended to problem.strategies) in the class of the output it makes,
-    reading x's class in its new layout (allgather_matmul: where the graph holds x so), or making y's
-    class in its row split (matmul_reduce_scatter: the class and its Keeps up the levels made where
-    missing). Returns how many nodes it added.
+def add_ring_strategies(problem) -> int:
+    """Append to every GEMM's strategies the rings the rules derive from them (on each mesh axis of two or
+    more ranks, from strategies that name no local kernel, into layouts that fit), priced by
+    ring_strategy; the e-graph derives the same rows by `egglog_rules` and read back maps its nodes onto
+    these. Returns how many it added (build_problem calls it where the ruleset is on, before a replay
+    restricts the strategies to a plan's).
 
     >>> import egraph_did as ed, torch
     >>> from egraph_did.problem import build_problem
-    >>> from egraph_did.egraph import saturate
     >>> with ed.FusionDefinition() as fd:
     ...     x, w = fd.define_tensor((64, 32), name="x"), fd.define_tensor((32, 16), name="w")
     ...     fd.add_output(fd.ops.matmul(x, w), name="y")
-    >>> problem = build_problem(fd, ed.DeviceMesh.arange(4), rewrites=())
-    >>> offer(problem, saturate(problem)) > 0
-    True
+    >>> problem = build_problem(fd, ed.DeviceMesh.arange(4), rewrites=["collective_matmul"])
+    >>> for s in sorted({(str(s.inputs[0]), str(s.inputs[1]), str(s.outputs[0]), s.rules[0])
+    ...                  for s in problem.strategies["y"] if any(s.flags)}):
+    ...     print(*s)  # x, w, y and the ring: any pending sum reduce-scatters (x or w partial, or the inner axis split)
+    [P] [R] [S(0)] matmul_reduce_scatter
+    [R] [P] [S(0)] matmul_reduce_scatter
+    [S(0)] [R] [R] allgather_matmul
+    [S(0)] [S(1)] [S(1)] allgather_matmul
+    [S(1)] [S(0)] [S(0)] matmul_reduce_scatter
     """
-    if problem.input_layouts or not hasattr(problem.cost_model, "ring_time"):
-        return 0  # a replay keeps the plan's steps alone; a cost model without rings prices none
-    mesh, levels, added = problem.mesh, problem.mesh.ndim, 0
-    made: dict[tuple, int] = {}  # (key, inputs, outputs, flags) -> sid of the ring strategy
-    for cls, nodes in list(graph.classes.items()):
-        for node in list(nodes):
-            if node.op != "Apply" or cls not in graph.ident:
-                continue
-            e = problem.exprs[node.key]
-            if not _eligible(e):
-                continue
-            s = problem.strategies[node.key][node.sid]
+    if not hasattr(problem.cost_model, "ring_time"):
+        return 0  # a cost model without rings prices none
+    mesh, added = problem.mesh, 0
+    for key, e in problem.exprs.items():
+        if not _eligible(e):
+            continue
+        x, y = next(v for _, v in e.args if hasattr(v, "logical_domain")), e.outputs[0]
+        strategies = problem.strategies[key]
+        for s in list(strategies):
             if any(s.flags):
                 continue
-            x = next(v for _, v in e.args if hasattr(v, "logical_domain"))
             for m, n in enumerate(mesh.shape):
                 if n < 2:
                     continue
                 for ring, rule in RULES.items():
-                    for lay in rule(x, e.outputs[0], s.inputs[0], s.outputs[0], m, n):
+                    for lay in rule(x, y, s.inputs[0], s.outputs[0], m, n):
                         lx, ly = (lay, s.outputs[0]) if ring == "allgather_matmul" else (s.inputs[0], lay)
-                        added += _add(problem, graph, cls, node, e, s, m, ring, lx, ly, made, levels)
+                        if is_valid(lay, (x if ring == "allgather_matmul" else y).shape, mesh):
+                            strategies.append(replace(ring_strategy(problem, e, s, m, ring, lx, ly), sid=len(strategies)))
+                            added += 1
     return added
 
 
-def _add(problem, graph, cls, node, e, s, m, ring, lx, ly, made, levels) -> int:
-    """One ring node (see offer); 0 where the graph holds no class it needs."""
-    xc, wc = node.children
-    if ring == "allgather_matmul":
-        xc = graph.index.get((graph.ident[xc][0], lx.code(), levels))
-        if xc is None:
-            return 0
-        target = cls
-    else:
-        if ly not in problem.layouts.get(e.outputs[0].name, [ly]):
-            return 0
-        target = _held(graph, graph.ident[cls][0], ly.code(), levels)
-    strat = ring_strategy(problem, e, s, m, ring, lx, ly)
-    sig = (node.key, strat.inputs, strat.outputs, strat.flags)
-    if sig not in made:
-        made[sig] = len(problem.strategies[node.key])
-        problem.strategies[node.key].append(replace(strat, sid=made[sig]))
-    new = Node("Apply", (xc, wc), node.key, made[sig])
-    if any(n.op == "Apply" and n.key == new.key and n.sid == new.sid for n in graph.classes[target]):
-        return 0
-    graph.classes[target].append(new)
-    return 1
+# ---------------------------------------------------------------------- the egglog form (what the e-graph runs)
+
+# RingsOn(1): the e-graph derives ring strategies (egraph.encode writes it where optimize names the ruleset)
+RingsOn = relation("RingsOn", i64, egg_fn="RingsOn")
 
 
-def _held(graph, t: str, code: str, levels: int) -> str:
-    """The class of t held in layout `code` at level 0, made (with a Keep up each level, into the classes
-    there, made where missing) if the graph has none."""
-    if (t, code, 0) in graph.index:
-        return graph.index[(t, code, 0)]
-    below = None
-    for k in range(levels + 1):
-        c = graph.index.get((t, code, k))
-        if c is None:
-            c = f"c{len(graph.classes)}:ring"
-            graph.classes[c], graph.ident[c], graph.index[(t, code, k)] = [], (t, code, k), c
-        if below is not None:
-            graph.classes[c].append(Node("Keep", (below,)))
-        below = c
-    return graph.index[(t, code, 0)]
+def egglog_rules(shape: tuple[int, ...]):
+    """The rules' egglog form for meshes of this shape: from each whole-mesh strategy (Strat row) of a matmul
+    or linear signature that names no kernel, the ring strategy on each mesh axis j of two or more ranks,
+    as the Python rules derive it (a Strat row the program rules then apply at every site of the
+    signature; tests/optimizer/test_collective_matmul.py holds both equal)."""
+    m = len(shape)
+    L, K = LAYOUTS[m], KERNS[m]
+    sig, op = var("sig", String), var("op", String)
+    sy, sx, sw = (var(v, Shape) for v in ("sy", "sx", "sw"))
+    a, e, r = (var(v, i64) for v in ("a", "e", "r"))
+    px, py, pw = ([var(f"{c}{k}", Placement) for k in range(m)] for c in ("px", "py", "pw"))
+    lw = L(*pw)
+    none = K(*[""] * m)
+    for j, n in enumerate(shape):
+        if n < 2:
+            continue
+        ag = K(*["ag_ring" if k == j else "" for k in range(m)])
+        rs = K(*["rs_ring" if k == j else "" for k in range(m)])
+        at = lambda ps, p: L(*[p if k == j else ps[k] for k in range(m)])  # noqa: E731
+        common = [RingsOn(1), SIG[(2, 1)](sig, op, sy, sx, sw), Rank(sw, 2), Rank(sy, r), a >= 0, a < r - 1]
+        for name in ("matmul", "linear"):
+            gemm_sig = [eq(op).to(String(name))]
+            # allgather_matmul: x whole on j, y whole or split on its last axis there
+            for yj in (R_(), S_(r - 1)):
+                yield erule(*common, *gemm_sig, STRAT[(2, 1)](sig, none, at(py, yj), at(px, R_()), lw),
+                            Extent(sx, a, e), eq(e % n).to(i64(0)), *[ne(px[k]).to(S_(a)) for k in range(m) if k != j],
+                            Fits(sx, at(px, S_(a)))).then(
+                    STRAT[(2, 1)](sig, ag, at(py, yj), at(px, S_(a)), lw))
+            # matmul_reduce_scatter: y a pending sum on j
+            yield erule(*common, *gemm_sig, STRAT[(2, 1)](sig, none, at(py, P_()), L(*px), lw),
+                        Extent(sy, a, e), eq(e % n).to(i64(0)),
+                        *[ne(p[k]).to(S_(a)) for p in (px, py) for k in range(m) if k != j],
+                        Fits(sy, at(py, S_(a)))).then(
+                STRAT[(2, 1)](sig, rs, at(py, S_(a)), L(*px), lw))
 
 
-__all__ = ["NAME", "RULES", "allgather_matmul", "matmul_reduce_scatter", "offer", "ring_rule", "ring_strategy"]
+__all__ = ["NAME", "RULES", "RingsOn", "add_ring_strategies", "allgather_matmul", "egglog_rules", "matmul_reduce_scatter",
+           "ring_rule", "ring_strategy"]

@@ -15,7 +15,11 @@ import pytest
 import torch
 
 import egraph_did as ed
+from egraph_did import models
 from egraph_did.cost import CostModel, Link
+from egraph_did.egglog_io import frozen_rows
+from egraph_did.egraph import FAMILIES, loaded
+from egraph_did.problem import build_problem
 from egraph_did.layout import Layout, R, S
 from egraph_did.pins import apply_layout
 from egraph_did.simulate import compute_on_rank
@@ -75,6 +79,12 @@ def test_gpt3_mlp_runs_both_gemms_as_rings_and_is_strictly_cheaper():
     assert on.predicted_time == pytest.approx(3759.6e-6, rel=1e-3)
     text = on.explain()
     assert "collective_matmul" in text and "allgather_matmul" in text and "matmul_reduce_scatter" in text
+    small = mlp(16, 8, 32, torch.float64, mesh)  # the golden plan replayed where float64 is affordable
+    replay = ed.optimize(small, mesh, like=on)
+    assert rings(replay) == ["ag_ring", "rs_ring"]
+    g = torch.Generator().manual_seed(3)
+    inputs = {t.name: torch.randn(t.shape, generator=g, dtype=torch.float64) for t in small.fusion.inputs}
+    torch.testing.assert_close(ed.simulate(replay, inputs)["y"], ed.evaluate(small, inputs)["y"], rtol=1e-12, atol=1e-12)
 
 
 def test_tiny_shapes_keep_the_collectives():
@@ -129,7 +139,6 @@ def test_a_ring_step_outside_torch_distributed_says_how_to_run_it():
 
 def data_parallel_backward(tokens, hidden, dtype, mesh):
     """models.mlp_with_backward with tokens split (data parallel) and the weight gradients delivered whole."""
-    from egraph_did import models
     fd = models.mlp_with_backward(tokens, hidden, dtype)
     for n in ("x", "dy", "y", "dx"):
         fd[n].set_device_mesh(mesh).outer_split(0, mesh.size).axis(0).parallelize(ed.ParallelType.DIDx)
@@ -156,3 +165,41 @@ def test_data_parallel_weight_gradients_reduce_scatter_behind_their_gemms():
     got, want = ed.simulate(plan, inputs), ed.evaluate(small, inputs)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-12)
+
+
+def egglog_rings(problem) -> set[tuple]:
+    """The ring strategies the e-graph's rules derive, per expr: (key, input codes, output code, flags), read
+    from the Strat rows of each expr's signature."""
+    m = problem.mesh.ndim
+    with loaded(problem) as (eg, program, _, _, _, sig_of):
+        eg.run(FAMILIES.saturate() + program.saturate())
+        rows, raw = frozen_rows(eg, ["Strat2x1", "R", "P", "Pmax", "S", f"L{m}", f"K{m}"])
+    place = {out: p for name, p in (("R", "R"), ("P", "P"), ("Pmax", "Pmax")) for _, out in rows.get(name, [])}
+    place.update({out: f"S{raw.value_to_i64(ins[0])}" for ins, out in rows.get("S", [])})
+    lay = {out: ".".join(place[v] for v in ins) for ins, out in rows.get(f"L{m}", [])}
+    kern = {out: tuple(raw.value_to_string(v) for v in ins) for ins, out in rows.get(f"K{m}", [])}
+    by_sig = {}
+    for ins, _ in rows.get("Strat2x1", []):
+        k = kern[ins[1]]
+        if any(f.endswith("_ring") for f in k):
+            by_sig.setdefault(raw.value_to_string(ins[0]), set()).add(((lay[ins[3]], lay[ins[4]]), lay[ins[2]], k))
+    return {(key, *row) for key, sig in sig_of.items() for row in by_sig.get(sig, ())}
+
+
+def python_rings(problem) -> set[tuple]:
+    """The ring strategies build_problem priced (add_ring_strategies), in egglog_rings' form."""
+    return {(key, tuple(lay.code() for lay in s.inputs), s.outputs[0].code(),
+             tuple(next(iter(f), "") for f in s.flags))
+            for key, ss in problem.strategies.items() for s in ss if any(f for f in s.flags if any(x.endswith("_ring") for x in f))}
+
+
+@pytest.mark.parametrize("case", ["mlp", "linear", "2d", "backward", "uneven"])
+def test_the_egglog_rules_derive_exactly_the_python_rings(case):
+    mesh = MESH2 if case == "2d" else ed.DeviceMesh.arange(4)
+    fd = {"mlp": lambda: mlp(16, 8, 32, torch.float64, mesh), "linear": lambda: mlp(16, 8, 32, torch.float64, mesh, "linear"),
+          "2d": lambda: mlp_2d(mesh), "backward": lambda: data_parallel_backward(16, 8, torch.float64, mesh),
+          "uneven": lambda: mlp(18, 8, 32, torch.float64, mesh)}[case]()
+    problem = build_problem(fd, mesh, SLOW, rewrites=["collective_matmul"])
+    want = python_rings(problem)
+    assert egglog_rings(problem) == want
+    assert bool(want) == (case != "uneven")  # 18 rows cut in no 4 equal blocks: no ring either way
