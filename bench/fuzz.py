@@ -704,6 +704,17 @@ class _Gen:
                 ["shape", list(t.shape)], ["dtype", t.dtype]]
         return bool(self.emit("opaque", args, bound=t.bound))
 
+    def g_opaque_grad(self):
+        t = self.pick(pred=lambda t: t.ndim >= 1)
+        if t is None:
+            return False
+        dims = sorted(self.rng.sample(range(t.ndim), self.rng.randint(1, t.ndim)))
+        g = self.new_input(t.shape, t.dtype)  # the cotangent of flip(t, dims): its gradient is g flipped back
+        call = json.dumps({"args": [{"tensor": 0}, dims]})
+        args = [["a", _tensor_arg(t.name)], ["g", _tensor_arg(g.name)], ["target", "aten.flip.default"],
+                ["call", call], ["wrt", 0]]
+        return bool(self.emit("opaque_grad", args, bound=g.bound))
+
     def g_dropout(self):
         t = self.pick()
         if t is None:

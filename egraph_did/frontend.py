@@ -21,8 +21,9 @@ order and emits each node through a table (ATEN: ATen op -> a function emitting 
   dropout draws new numbers on every forward; several processes must feed the same seed (seed torch alike
   on every rank, or pass {"rng.seed": tensor} yourself), and a backward must reuse the forward's;
 - an op with no mapping becomes an opaque step (torch runs it on whole operands, replicated on every
-  rank; the plan names it with its source line), or, under strict=True, raises ExportError naming the
-  op, the source line it came from and what to do;
+  rank; the plan names it with its source line; ed.grad differentiates it with torch's autograd of the
+  same call, an opaque_grad step), or, under strict=True, raises ExportError naming the op, the source
+  line it came from and what to do;
 - an in-place op (x.div_(...)) maps as its out-of-place form where that gives what torch gives (nothing
   reads x afterwards, x is no view and has none), else it raises naming the line;
 - the routing of mixture-of-experts layers: topk and sort are gathers at an (opaque) argsort, and an

@@ -1883,9 +1883,14 @@ def _opaque_ref(a, b=None, c=None, d=None, target="", call="{}", shape=(), dtype
     return out
 
 
-@op("opaque", "opaque", _opaque_ref,
-    no_grad="an opaque ATen step has no gradient rule: map the op in egraph_did/frontend.py (onto fd.ops) to "
-            "differentiate through it")
+def _vjp_opaque(ops, g, out, a, b=None, c=None, d=None, target="", call="{}", shape=(), dtype=None, source=""):
+    """The gradient of each floating operand: an opaque_grad step, torch's autograd of the same call."""
+    tensors = [t for t in (a, b, c, d) if t is not None]
+    return {name: ops.opaque_grad(*tensors, g=g, target=target, call=call, wrt=i, source=source)
+            for i, (name, t) in enumerate(zip("abcd", tensors)) if t.dtype in FLOAT_DTYPES}
+
+
+@op("opaque", "opaque", _opaque_ref, vjp=_vjp_opaque)
 def opaque(a, b=None, c=None, d=None, target: str = "", call: str = "{}", shape: tuple = (), dtype=None,
            source: str = ""):
     """An ATen op with no fusion mapping, run as torch runs it (`target`, e.g. 'aten.flip.default') on its
@@ -1918,6 +1923,51 @@ def opaque(a, b=None, c=None, d=None, target: str = "", call: str = "{}", shape:
     shape = tuple(shape)
     same = next((t for t in tensors if t.shape == shape), None)  # flip, roll, ...: the operand's axes
     return [OutSpec(shape, canonical_dtype(dtype), same.axes if same else tuple(str(e) for e in shape))]
+
+
+def _opaque_grad_ref(a, b=None, c=None, d=None, g=None, target="", call="{}", wrt=0, source=""):
+    tensors = [t for t in (a, b, c, d) if t is not None]
+    leaves = [t.detach().requires_grad_(i == wrt) for i, t in enumerate(tensors)]
+    with torch.enable_grad():
+        args, kwargs = opaque_call(call, leaves)
+        out = aten_overload(target)(*args, **kwargs)
+        if not out.requires_grad:  # torch treats this operand as a constant of the call (an index, a count)
+            return torch.zeros_like(tensors[wrt])
+        try:
+            (grad,) = torch.autograd.grad(out, leaves[wrt], g.to(out.dtype), allow_unused=True)
+        except RuntimeError as e:  # a derivative torch does not implement: say which step, and where
+            raise ShapeError(f"opaque_grad {target} ({source}): torch cannot differentiate it ({e}); map the op "
+                             f"in egraph_did/frontend.py onto fd.ops, or take no gradient through it") from None
+    return torch.zeros_like(tensors[wrt]) if grad is None else grad
+
+
+@op("opaque_grad", "opaque", _opaque_grad_ref,
+    no_grad="the gradient of an opaque step: a second derivative through an ATen op egraph-did does not map "
+            "is not supported; map the op in egraph_did/frontend.py (onto fd.ops)")
+def opaque_grad(a, b=None, c=None, d=None, g=None, target: str = "", call: str = "{}", wrt: int = 0,
+                source: str = ""):
+    """The gradient of an opaque step's output with respect to its operand number `wrt` (among a..d),
+    given the output's cotangent `g`: torch's autograd of the same ATen call, run on whole operands like
+    the step itself (every rank, replicated). ed.grad emits it as the opaque step's vjp.
+
+    >>> import egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     x, g = fd.define_tensor((2, 3), name="x"), fd.define_tensor((2, 3), name="g")
+    ...     fd.add_output(fd.ops.opaque_grad(x, g=g, target="aten.flip.default",
+    ...                                      call='{"args": [{"tensor": 0}, [1]]}'), name="dx")
+    >>> ed.evaluate(fd, {"x": torch.zeros(2, 3), "g": torch.tensor([[1., 2., 3.], [4., 5., 6.]])})["dx"]
+    tensor([[3., 2., 1.],
+            [6., 5., 4.]])
+    """
+    tensors = [t for t in (a, b, c, d) if t is not None]
+    if not tensors or not all(_is_tensor(t) for t in tensors) or not _is_tensor(g):
+        raise ShapeError(f"opaque_grad {target}: its operands a..d and the cotangent g must be tensors of the fusion")
+    aten_overload(target)
+    if not isinstance(wrt, int) or not 0 <= wrt < len(tensors) or tensors[wrt].dtype not in FLOAT_DTYPES:
+        raise ShapeError(f"opaque_grad {target}: wrt must number a floating operand among the {len(tensors)} given, "
+                         f"got {wrt!r}")
+    x = tensors[wrt]
+    return [OutSpec(x.shape, x.dtype, x.axes)]
 
 
 # ------------------------------------------------------------------ literal arguments

@@ -416,6 +416,11 @@ CASES: list[Case] = [
     Case("opaque", "opaque-two-operands-and-a-list", xy((3, 4), (3, 4)), lambda o, t: o.opaque(
         t["x"], t["y"], target="aten.stack.default", call='{"args": [[{"tensor": 0}, {"tensor": 1}]], "kwargs": {"dim": 1}}',
         shape=(3, 2, 4), dtype=t["x"].dtype), lambda v: torch.stack([v["x"], v["y"]], 1)),
+    # its gradient: torch's autograd of the same call, with respect to one operand (opaque's vjp)
+    Case("opaque_grad", "opaque-grad-of-stack-wrt-the-second", lambda dt: {"x": rand(3, 4, dtype=dt),
+         "y": rand(3, 4, dtype=dt), "g": rand(3, 2, 4, dtype=dt)}, lambda o, t: o.opaque_grad(
+        t["x"], t["y"], g=t["g"], target="aten.stack.default", wrt=1,
+        call='{"args": [[{"tensor": 0}, {"tensor": 1}]], "kwargs": {"dim": 1}}'), lambda v: v["g"][:, 1]),
 ]
 
 

@@ -9,8 +9,9 @@ parameter's rows, sharded or not as the plan says) and applied with bmm. The rou
 at the first k of an argsort, an opaque step every rank runs replicated; explain() names it and the
 model's line. (The default "grouped_mm" sorts tokens by expert, counts them with histc and calls
 transformers' own grouped_mm_fallback op on per-expert row ranges that depend on the data: its forward
-runs as opaque replicated steps, with no gradient, see tests/program/test_frontend.py; "eager" loops over
-the experts hit, a data-dependent count torch.export refuses.)
+runs as opaque replicated steps, their gradients torch's autograd of each (opaque_grad, replicated),
+see tests/program/test_frontend.py; "eager" loops over the experts hit, a data-dependent count
+torch.export refuses.)
 """
 from __future__ import annotations
 

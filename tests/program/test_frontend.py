@@ -489,11 +489,12 @@ def _mixtral(implementation: str):
     return transformers.MixtralForCausalLM(cfg).eval()
 
 
-def test_mixtral_grouped_experts_run_replicated_as_opaque_steps_and_refuse_a_gradient():
+def test_mixtral_grouped_experts_run_replicated_as_opaque_steps_and_train_through_torch_autograd():
     """transformers' default experts ("grouped_mm") sort the tokens by expert, count them (histc) and call
     its own grouped_mm_fallback op, whose per-expert row ranges depend on the data: opaque steps, which
-    plan and simulate to the model's logits on 4 ranks and which explain() names; a gradient through them
-    is refused naming the op (tests/face/test_parallelize_mixtral.py trains the "batched_mm" experts)."""
+    plan and simulate to the model's logits on 4 ranks and which explain() names. Their gradients are
+    opaque_grad steps (torch's autograd of the same call, replicated): the experts' and the router's weight
+    gradients equal torch.autograd's on the model, evaluated and simulated on 4 ranks."""
     model = _mixtral("grouped_mm")
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     fd = ed.from_torch(model, (ids,), {"use_cache": False})
@@ -505,9 +506,23 @@ def test_mixtral_grouped_experts_run_replicated_as_opaque_steps_and_refuse_a_gra
     assert_close(ed.simulate(plan, fd.bind(ids, use_cache=False))["logits"], want, F32)
     rows = [line for line in plan.explain().splitlines() if "= opaque(" in line]
     assert any("replicated (transformers.grouped_mm_fallback.default at " in r for r in rows)
-    fd.add_output(fd.ops.sum(fd["logits"]), name="loss")
-    with pytest.raises(ed.ShapeError, match="grouped_mm_fallback"):
-        ed.grad(fd, loss="loss", wrt=["model.layers.0.mlp.experts.down_proj"])
+
+    fd.add_output(fd.ops.sum(fd.ops.mul(fd["logits"], fd["logits"])), name="loss")
+    wrt = ["model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.gate_up_proj",
+           "model.layers.1.mlp.gate.weight"]
+    g = ed.grad(fd, loss="loss", wrt=wrt)
+    assert {dict(e.args)["target"] for e in g.fusion.exprs if e.op.name == "opaque_grad"} >= {
+        "transformers.grouped_mm_fallback.default"}
+    model(ids, use_cache=False).logits.square().sum().backward()
+    params = dict(model.named_parameters())
+    got = ed.evaluate(g, fd.bind(ids, use_cache=False))
+    for w in g.fusion.outputs:
+        g[w].set_device_mesh(MESH)
+    simulated = ed.simulate(ed.optimize(g, MESH), fd.bind(ids, use_cache=False))
+    for w in wrt:
+        scale = params[w].grad.abs().max()
+        torch.testing.assert_close(got[f"grad_{w}"] / scale, params[w].grad / scale, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(simulated[f"grad_{w}"] / scale, params[w].grad / scale, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------- complex numbers as pairs of reals
