@@ -246,7 +246,8 @@ def cmd_optimize(args) -> int:
         _write(args.out, plan.to_json())
     if args.quiet:
         print(f"{plan_family(plan)}: predicted {plan.predicted_time * 1e6:.1f} us, "
-              f"{len(plan.collectives)} collective(s)" + (f" -> {args.out}" if args.out else ""))
+              f"{len(plan.collectives)} collective(s)" + (f", {len(plan.rings)} ring(s)" if plan.rings else "")
+              + (f" -> {args.out}" if args.out else ""))
     else:
         print(plan.explain())
         print(f"\nplan family: {plan_family(plan)}" + (f"\nplan written to {args.out}" if args.out else ""))

@@ -45,6 +45,7 @@ def _mib(n: float) -> str:
 def _header(plan) -> str:
     return (f"plan for {plan.mesh} under cost model {plan.cost_model.name} ({plan.method}): "
             f"predicted {plan.predicted_time * 1e6:.1f} us, {len(plan.collectives)} collective(s), "
+            + (f"{len(plan.rings)} collective matmul ring(s), " if plan.rings else "") +
             f"{plan.memory / 2**20:.1f} MiB per device")
 
 

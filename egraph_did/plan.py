@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .collectives import KINDS, Move, cancellation, communicating, get, is_local
+from .collectives import KINDS, RING_FLAGS, Move, cancellation, communicating, get, is_local
 from .cost import CostModel, check_cost_model
 from .errors import DtypeError, EgraphDidError, PlanError, ShapeError
 from .explain import explain_plan
@@ -221,6 +221,18 @@ class Plan:
     def collectives(self) -> list[Collective]:
         """Every communicating collective, in execution order (local slices excluded)."""
         return [s for s in self.steps if isinstance(s, Collective) and not is_local(s.kind)]
+
+    @property
+    def rings(self) -> list[ComputeStep]:
+        """Every compute step that communicates inside (a collective matmul's ring, rewrites/
+        collective_matmul.py), in execution order: plan.collectives does not hold them.
+
+        >>> import egraph_did as ed
+        >>> from egraph_did.models import mlp
+        >>> ed.optimize(mlp(tokens=8, hidden=16), ed.DeviceMesh.arange(2)).rings  # too small to pay
+        []
+        """
+        return [s for s in self.steps if isinstance(s, ComputeStep) and any(f in RING_FLAGS for f, _ in s.flags)]
 
     @property
     def compute_steps(self) -> list[ComputeStep]:

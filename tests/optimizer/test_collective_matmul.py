@@ -79,6 +79,8 @@ def test_gpt3_mlp_runs_both_gemms_as_rings_and_is_strictly_cheaper():
     assert on.predicted_time == pytest.approx(3759.6e-6, rel=1e-3)
     text = on.explain()
     assert "collective_matmul" in text and "allgather_matmul" in text and "matmul_reduce_scatter" in text
+    assert len(on.rings) == 2 and "0 collective(s), 2 collective matmul ring(s)" in text.splitlines()[0]
+    assert not off.rings and "ring" not in off.explain().splitlines()[0]
     small = mlp(16, 8, 32, torch.float64, mesh)  # the golden plan replayed where float64 is affordable
     replay = ed.optimize(small, mesh, like=on)
     assert rings(replay) == ["ag_ring", "rs_ring"]
