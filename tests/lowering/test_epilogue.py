@@ -6,16 +6,18 @@ reference (relative norm; bf16 rounds once in the GEMM instead of twice). What w
 import os
 import sys
 
-import pytest
-import torch
+os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors: fused kernels through the interpreter, also on a GPU machine
 
-import egraph_did as ed
-from conftest import stand_in
-from egraph_did.lowering.epilogue import epilogue_plan, fuse_epilogues
-from egraph_did.lowering.execute import run_rank
-from egraph_did.lowering.program import prepare, program_inputs
-from egraph_did.lowering.segment import lowered_plan
-from egraph_did.shards import Operand, RankContext
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import egraph_did as ed  # noqa: E402
+from conftest import stand_in  # noqa: E402
+from egraph_did.lowering.epilogue import epilogue_plan, fuse_epilogues  # noqa: E402
+from egraph_did.lowering.execute import run_rank  # noqa: E402
+from egraph_did.lowering.program import prepare, program_inputs  # noqa: E402
+from egraph_did.lowering.segment import lowered_plan  # noqa: E402
+from egraph_did.shards import Operand, RankContext  # noqa: E402
 
 ONE = ed.DeviceMesh.arange(1)
 
