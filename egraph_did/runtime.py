@@ -171,7 +171,8 @@ def _dtensor_indices(shape, placements, mesh: DeviceMesh, rank: int) -> list[lis
     for m, p in enumerate(placements):
         if not (p.is_replicate() or p.is_partial()):  # Shard or _StridedShard (whose is_shard() is False)
             d = p.dim % len(shape)
-            chunks = p._split_tensor(idx[d], mesh.shape[m], with_padding=False)[0]
+            along0 = type(p)(0, split_factor=p.split_factor) if _is_strided(p) else type(p)(0)  # idx[d] is 1-D
+            chunks = along0._split_tensor(idx[d], mesh.shape[m], with_padding=False)[0]
             idx[d] = chunks[coords[m]] if coords[m] < len(chunks) else idx[d][:0]
     return [i.tolist() for i in idx]
 
