@@ -167,9 +167,10 @@ def report_views(plan: Plan, views: dict[str, PinView]) -> None:
         return
     by_view = {v.view: name for name, v in views.items()}
     for vname, name in by_view.items():
-        plan.pins[name] = plan.pins.pop(vname)
         plan.pinned_loops.pop(vname, None)
-        plan.pinned_loops[name] = [views[name].loop, plan.values[plan.pins[name]].layout.code()]
+        if vname in plan.pins:  # held (an input no step reads is not)
+            plan.pins[name] = plan.pins.pop(vname)
+            plan.pinned_loops[name] = [views[name].loop, plan.values[plan.pins[name]].layout.code()]
     plan.inputs = {by_view.get(k, k): vs for k, vs in plan.inputs.items()}
     plan.outputs = {by_view.get(k, k): v for k, v in plan.outputs.items()}
     plan.views = {name: v for name, v in views.items() if name in plan.inputs or name in plan.outputs}

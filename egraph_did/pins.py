@@ -334,8 +334,9 @@ def view_pins(fusion: Fusion, mesh: DeviceMesh) -> tuple[Fusion, dict[str, PinVi
     """The fusion the optimizer plans where some pins are views (pin_of): a pinned input becomes an input
     of the view's shape named '<name>.view', pinned canonical, reshaped to its own shape under its own
     name; a pinned output or intermediate is reshaped to the view, '<name>.view', pinned canonical (an
-    output's place among the outputs goes to it). A slice of a viewed input along whole view blocks reads
-    the view (slice, then reshape), so slicing gate and up out of a merged weight stays local. Returns
+    output's place among the outputs goes to it). A slice of a viewed input along whole view blocks, or a
+    reshape of it, reads the view (slice, then reshape; one reshape), so slicing gate and up out of a merged
+    weight, or reshaping a QKV weight to [3, heads, head_dim, hidden], stays local where the view rules say. Returns
     (fusion, {tensor: its view}); the fusion itself where no pin is a view.
 
     >>> import egraph_did as ed
@@ -420,12 +421,15 @@ def view_pins(fusion: Fusion, mesh: DeviceMesh) -> tuple[Fusion, dict[str, PinVi
 
 def _slice_of_view(ops: Ops, e, viewed: dict, helper):
     """slice(x, axis, lo, hi) of a viewed input x as reshape(slice(view, view axis, lo / b, hi / b)) where the
-    slice takes whole blocks b of the view axis that leads the sliced axis's group; None otherwise."""
+    slice takes whole blocks b of the view axis that leads the sliced axis's group, and reshape(x, s) as
+    reshape(view, s); None otherwise."""
     args = dict(e.args)
     x = args.get("x")
-    if e.op.name != "slice" or id(x) not in viewed:
+    if e.op.name not in ("slice", "reshape") or id(x) not in viewed:
         return None
     vin, v = viewed[id(x)]
+    if e.op.name == "reshape":  # reshape(reshape(view, shape), s) = reshape(view, s): the view rules decide
+        return ops.reshape(vin, e.outputs[0].shape)
     n = x.shape[dim := args["dim"] % x.ndim]
     first = sum(v.groups[:dim])
     block = n // v.view_shape[first] if v.view_shape[first] else 0

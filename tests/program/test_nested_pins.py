@@ -239,36 +239,71 @@ def test_a_non_default_dtensor_shard_order_reads_as_strided_shards():
 
 # ---------------------------------------------------------------------- one gloo run
 
-def gloo_work(rank: int, plan_json: str, inputs: dict, pinned_shards: list):
-    """Global inputs; the merged weight as its pinned local shard; and as a DTensor with _StridedShard."""
+def gloo_work(rank: int, plan_json: str, inputs: dict, pinned_shards: list, out_plan_json: str, out_inputs: dict):
+    """The merged gate/up plan from global inputs, from the weight's pinned local shard, and from a DTensor
+    with _StridedShard; the inner-first output plan delivered global, local and as a DTensor."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import _StridedShard
     from egraph_did.runtime import torch_device_mesh
     plan = Plan.from_json(plan_json)
     out = {"global": run_plan(plan, inputs)["y"]}
     w = pinned_shards[rank]
-    tmesh = torch_device_mesh(plan.mesh, "cpu")
-    local_inputs = {n: (w if n == "w_gate_up" else ed.shard_tensor(t, _input_view(plan, n), rank))
+    local_inputs = {n: (w if n == "w_gate_up" else ed.shard_tensor(t, plan.value_view(plan.inputs[n][0]), rank))
                     for n, t in inputs.items()}
     out["local"] = run_plan(plan, local_inputs, inputs_kind="local")["y"]
     full = inputs["w_gate_up"]
-    dt = DTensor.from_local(w, tmesh, [_StridedShard(0, split_factor=2)], run_check=False, shape=full.shape,
-                            stride=full.stride())
+    dt = DTensor.from_local(w, torch_device_mesh(plan.mesh, "cpu"), [_StridedShard(0, split_factor=2)],
+                            run_check=False, shape=full.shape, stride=full.stride())
     out["dtensor"] = run_plan(plan, {**inputs, "w_gate_up": dt})["y"]
-    return out
+    second = Plan.from_json(out_plan_json)
+    y = run_plan(second, out_inputs)["y"]
+    ydt = run_plan(second, out_inputs, outputs_kind="dtensor")["y"]
+    ylocal = run_plan(second, out_inputs, outputs_kind="local")["y"]
+    return out, y, (tuple(map(str, ydt.placements)), ydt.to_local(), ydt.full_tensor()), ylocal
 
 
-def _input_view(plan, name):
-    return plan.value_view(plan.inputs[name][0])
+def inner_first_output():
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((8, 6), F64, name="x")
+        fd.add_output(fd.ops.neg(x), name="y")
+    x.set_device_mesh(MESH22).outer_split(0, 2).parallelize(0, DIDy).outer_split(1, 2).parallelize(1, DIDx)
+    inner_first(fd["y"])
+    return fd
 
 
-def test_the_merged_gate_up_plan_runs_on_four_gloo_ranks_from_global_local_and_dtensor_inputs():
+def test_nested_pins_run_on_four_gloo_ranks_from_global_local_and_dtensor_inputs_and_to_dtensor_outputs():
     fd, mesh = swiglu(4)
     plan = ed.optimize(fd, mesh)
     ins = swiglu_inputs(fd, 2)
     ref = ed.evaluate(fd, ins)["y"]
     shards = [ed.shard_tensor(ins["w_gate_up"], fd["w_gate_up"], r) for r in mesh.ranks]
-    results = launch(gloo_work, nprocs=4, backend="gloo", args=(plan.to_json(), ins, shards), timeout=120)
-    for rank, out in enumerate(results):
-        for kind, y in out.items():
-            torch.testing.assert_close(y, ref, rtol=0, atol=1e-12, msg=f"{kind} inputs on rank {rank}")
+    fd2 = inner_first_output()
+    X = torch.randn(8, 6, dtype=F64)
+    results = launch(gloo_work, nprocs=4, backend="gloo", timeout=120,
+                     args=(plan.to_json(), ins, shards, ed.optimize(fd2, MESH22).to_json(), {"x": X}))
+    for rank, (out, y, (placements, ydt_local, ydt_full), ylocal) in enumerate(results):
+        for kind, got in out.items():
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-12, msg=f"{kind} inputs on rank {rank}")
+        assert torch.equal(y, -X) and torch.equal(ydt_full, -X)
+        assert placements == ("_S(0, 2)", "S(0)")  # _StridedShard(0, split_factor=2), Shard(0)
+        mine = ed.shard_tensor(-X, fd2["y"], rank)  # the pinned inner-first shard, as DTensor holds it
+        assert torch.equal(ydt_local, mine) and torch.equal(ylocal, mine)
+
+
+def test_a_merged_qkv_weight_reshaped_by_the_user_is_read_through_its_view_with_no_collective():
+    """w_qkv [3 * 8, H] pinned [3, DIDx{2}, 8/2, H]: the user's reshape to [3, 8, H] then select-by-slice of
+    q, k, v reads the pinned view [3, 8, H] laid out S(1), each rank its half of every head block."""
+    mesh = ed.DeviceMesh.arange(2)
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((T, H), F64, name="x")
+        w = fd.define_tensor((24, H), F64, name="w_qkv")
+        w3 = fd.ops.reshape(w, (3, 8, H))
+        q, k, v = (fd.ops.linear(x, fd.ops.reshape(fd.ops.slice(w3, 0, i, i + 1), (8, H))) for i in range(3))
+        fd.add_output(fd.ops.add(fd.ops.mul(q, k), v), name="y")
+    w.set_device_mesh(mesh).outer_split(0, 3).outer_split(1, 2).parallelize(1, DIDx)
+    x.set_device_mesh(mesh)
+    plan = ed.optimize(fd, mesh, rewrites=())
+    assert plan.collectives == [] and str(plan.layout_of("y")) == "[S(1)]"  # y stays column-split, as q, k, v
+    assert plan.loop_domain("w_qkv") == "[3, DIDx{2}, 24/3/2, 8]"
+    ins = swiglu_inputs(fd, 3)
+    torch.testing.assert_close(ed.simulate(plan, ins)["y"], ed.evaluate(fd, ins)["y"], rtol=0, atol=1e-12)
