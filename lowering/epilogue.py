@@ -86,15 +86,16 @@ def _absorb(plan: Plan, linear: ComputeStep, seg: Segment, readers: dict[str, in
     if first is None:
         return None
     steps, kind = [first], None
-    rank = plan.mesh.ranks[0]
-    n = _local(plan, y, rank)
+
+    def on_every_rank(c, shape_of_y):  # uneven shards: what holds on one rank may not on another
+        return all(_local(plan, c, r) == shape_of_y(_local(plan, y, r)) for r in plan.mesh.ranks)
     if first.op == "add" and bias is None:
         (c,) = [v for v in first.reads if v != y] or [None]
         if c is None or plan.values[c].dtype != plan.values[y].dtype:
             return None
-        if _local(plan, c, rank) == n[-1:]:
+        if on_every_rank(c, lambda n: n[-1:]):
             kind, bias = "bias", c
-        elif _local(plan, c, rank) == n and readers.get(c) == 1 and _fresh(segments, upto, c):
+        elif on_every_rank(c, lambda n: n) and readers.get(c) == 1 and _fresh(segments, upto, c):
             return "residual", steps, c
         else:
             return None
@@ -233,7 +234,7 @@ def gemm_fn(plan: Plan, seg: Segment, rank: int) -> Callable[..., tuple]:
     if kind == "residual":
         def residual(x, w, r):
             x2 = x.reshape(-1, x.shape[-1])
-            if r.is_contiguous():  # the residual is dead after this (see _absorb): accumulate into it
+            if r.is_contiguous() and not r.requires_grad:  # dead after this (see _absorb): accumulate into it
                 return (r.view(-1, n).addmm_(x2, w.t()).view(shape),)
             return (torch.addmm(r.reshape(-1, n), x2, w.t()).view(shape),)
         return residual

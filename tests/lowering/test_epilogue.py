@@ -173,3 +173,17 @@ def test_gpt3_rank_programs_have_no_cublaslt_epilogue(sp):
     gelu = [s for s in plan.compute_steps if s.op == "gelu"]
     assert [dict(s.args)["approximate"] for s in gelu] == ["none"]
     assert not any(s.operands.get("bias") for s in plan.compute_steps if s.op == "linear")
+
+
+def test_a_residual_that_autograd_records_is_not_overwritten():
+    # in place would break the residual's own backward (exp's gradient reads its output): out of place
+    plan = linear_then(CASES["dead residual"][0], bias=False, residual_first=True)
+    seg = next(s for s in epilogue_plan(plan).segments if s.kind == "gemm")
+    from egraph_did.lowering.epilogue import gemm_fn
+    x, w = torch.randn(8, 16, dtype=torch.float64), torch.randn(32, 16, dtype=torch.float64)
+    a = torch.randn(8, 32, dtype=torch.float64, requires_grad=True)
+    r = a.exp()
+    out = gemm_fn(plan, seg, 0)(x, w, r)[0]
+    out.sum().backward()
+    torch.testing.assert_close(a.grad, a.exp().detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out.detach(), (x @ w.t() + a.exp()).detach(), rtol=1e-12, atol=1e-12)
