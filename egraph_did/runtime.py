@@ -29,6 +29,7 @@ from .lowering.communication import (axis_group, check_world, world_key, ensure_
 from .lowering.graphs import run_graphed
 from .lowering.program import SegmentFailed, program_for, program_inputs
 from .lowering.segment import eager_segments
+from .ir import ParallelType
 from .mesh import DeviceMesh
 from .plan import Plan, register_runner
 from .shards import RankContext, dtensor_chunks_agree, shard, unshard
@@ -208,6 +209,78 @@ def _dtensor_agrees(plan: Plan, name: str, value: str, placements) -> bool:
     shape = plan.views[name].shape if name in plan.views else plan.values[value].shape
     return all(_dtensor_indices(shape, placements, plan.mesh, r) == _plan_indices(plan, name, value, r)
                for r in plan.mesh.ranks)
+
+
+def pin_placements(tv, placements, mesh: DeviceMesh):
+    """Pin `tv` to the loop domain DTensor `placements` express on `mesh` (Shard, _StridedShard, Partial,
+    Replicate; a DTensor's own through dtensor_placements, its shard order included): per tensor axis, the
+    digits DTensor's left-to-right chunking cuts, outer first, each mesh axis's bound to it. Plain Shards in
+    the default order are the canonical layout (uneven allowed, as DTensor chunks it where the loop domain
+    agrees); a _StridedShard nesting must divide the extents (ShardingError naming the tensor otherwise).
+    Returns tv.
+
+    >>> import torch, egraph_did as ed
+    >>> from torch.distributed.tensor import Shard
+    >>> from torch.distributed.tensor.placement_types import _StridedShard
+    >>> mesh = ed.DeviceMesh([[0, 1], [2, 3]])
+    >>> with ed.FusionDefinition() as fd:
+    ...     x = fd.define_tensor((8, 6), name="x")
+    >>> pin_placements(x, (_StridedShard(0, split_factor=2), Shard(0)), mesh).loop_str()  # inner-first
+    '[DIDx{2}, DIDy{2}, 8/2/2, 6]'
+    >>> pin_placements(x, (_StridedShard(0, split_factor=2),), ed.DeviceMesh.arange(4)).loop_str()  # gate/up
+    '[2, DIDx{4}, 8/2/4, 6]'
+    """
+    if len(placements) != mesh.ndim:
+        raise ShardingError(f"{tv.name}: {len(placements)} placements for the {mesh.ndim}-D {mesh}; give one per "
+                            f"mesh axis")
+    digits = {a: [[e, None]] for a, e in enumerate(tv.shape)}  # per axis: [extent, mesh axis or None], outer first
+    for m, p in enumerate(placements):
+        if p.is_replicate() or p.is_partial():
+            continue
+        a, n, sf = p.dim % tv.ndim, mesh.shape[m], int(getattr(p, "split_factor", 1))
+        row, i, acc = digits[a], 0, 1
+        while acc < sf:  # the free digits DTensor keeps whole before this mesh axis's chunk (sf of them)
+            while i < len(row) and row[i][1] is not None:
+                i += 1
+            if i == len(row):
+                break
+            e = row[i][0]
+            if acc * e > sf:
+                if sf % acc or e % (sf // acc):
+                    break
+                row[i:i + 1] = [[sf // acc, None], [e // (sf // acc), None]]
+                e = sf // acc
+            acc, i = acc * e, i + 1
+        while i < len(row) and row[i][1] is not None:
+            i += 1
+        if acc != sf or i == len(row) or (sf > 1 and row[i][0] % n):
+            raise ShardingError(f"{tv.name}: placement {p} on mesh axis {m} (size {n}) does not divide axis {a} "
+                                f"(extent {tv.shape[a]}) as its nesting needs; give an extent the nested splits "
+                                f"divide, or plain Shard placements")
+        e = row[i][0]
+        row[i:i + 1] = [[n, m]] + ([[-(-e // n), None]] if -(-e // n) > 1 or i + 1 == len(row) else [])
+    tv.reset_loop_domain().set_device_mesh(mesh)
+    for a in reversed(range(tv.ndim)):
+        pos = a
+        row = digits[a]
+        for k, (e, m) in enumerate(row):
+            if k == len(row) - 1 and m is None:
+                break
+            tv.outer_split(pos, e)
+            if m is not None:
+                tv.parallelize(pos, ParallelType.for_mesh_axis(mesh, m))
+            pos += 1
+    for m, p in enumerate(placements):
+        if p.is_partial():
+            tv.add_partial(ParallelType.for_mesh_axis(mesh, m), getattr(p, "reduce_op", "sum"))
+    for r in mesh.ranks:  # exactly DTensor's chunks, or no pin (uneven nested chunks can differ)
+        if [i.tolist() for i in tv.local_indices(r)] != _dtensor_indices(tv.shape, placements, mesh, r):
+            tv.reset_loop_domain()
+            raise ShardingError(f"{tv.name}: DTensor's chunks of {tuple(tv.shape)} under {tuple(placements)} differ "
+                                f"from every loop domain's on rank {r} (an uneven split nested in another: DTensor "
+                                f"chunks what the mesh axes before left, the loop domain their ceil extent); give "
+                                f"extents the splits divide, or pin the loop domain itself")
+    return tv
 
 
 def _view_placements(plan: Plan, name: str, value: str) -> tuple:
@@ -455,4 +528,4 @@ def run_plan(plan: Plan, inputs: Mapping[str, Any], *, inputs_kind: str = "globa
 register_runner(run_plan)  # plan.run() runs through this; `import egraph_did` imports this module
 
 __all__ = ["run_plan", "Progress", "StepError", "last_progress",
-           "add_progress_hook", "torch_device_mesh"]
+           "add_progress_hook", "torch_device_mesh", "dtensor_placements", "pin_placements"]

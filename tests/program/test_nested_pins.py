@@ -307,3 +307,41 @@ def test_a_merged_qkv_weight_reshaped_by_the_user_is_read_through_its_view_with_
     assert plan.loop_domain("w_qkv") == "[3, DIDx{2}, 24/3/2, 8]"
     ins = swiglu_inputs(fd, 3)
     torch.testing.assert_close(ed.simulate(plan, ins)["y"], ed.evaluate(fd, ins)["y"], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("mesh_shape, shape, pin", [
+    ((4,), (16, 8), lambda t: t.outer_split(0, 2).outer_split(1, 4).parallelize(1, DIDx)),          # gate/up
+    ((2, 2), (8, 6), lambda t: inner_first(t)),                                                     # inner-first
+    ((2, 2), (8, 12), lambda t: t.outer_split(1, 3).outer_split(2, 2).parallelize(2, DIDy)
+     .outer_split(0, 2).parallelize(0, DIDx)),                                                      # QKV-like, 2-D
+    ((2, 2), (7, 6), lambda t: t.outer_split(0, 2).parallelize(0, DIDy).outer_split(1, 2).parallelize(1, DIDx)),
+])
+def test_dtensor_placements_and_loop_domains_map_onto_each_other(mesh_shape, shape, pin):
+    """A loop domain -> DTensor placements (as plans deliver outputs) -> a loop domain again (pin_placements):
+    the same loop domain, and DTensor's own chunks equal local_indices on every rank."""
+    from egraph_did.runtime import _dtensor_indices, _torch_placements, pin_placements
+    mesh = MESH22 if len(mesh_shape) == 2 else ed.DeviceMesh.arange(4)
+    with ed.FusionDefinition() as fd:
+        t = fd.define_tensor(shape, F64, name="t")
+        fd.add_output(fd.ops.neg(t), name="y")
+    pin(fd["y"].set_device_mesh(mesh))
+    pinned = fd["y"].loop_str()
+    plan = ed.optimize(fd, mesh)
+    v = plan.outputs["y"]
+    placements = _view_placements(plan, "y", v) if "y" in plan.views else _torch_placements(plan.values[v].layout)
+    assert pin_placements(t, placements, mesh).loop_str() == pinned
+    for r in mesh.ranks:
+        assert _dtensor_indices(shape, placements, mesh, r) == [i.tolist() for i in t.local_indices(r)]
+        assert _dtensor_indices(shape, placements, mesh, r) == [i.tolist() for i in fd["y"].local_indices(r)]
+
+
+def test_dtensor_placements_no_loop_domain_holds_are_refused_naming_the_tensor():
+    """5 rows over 2x2 as (Shard(0), Shard(0)): DTensor chunks 3 | 2 into 2, 1 | 1, 1; the loop domain
+    cuts the ceil extent (3) of each half: 2, 1 | 2, 0. No loop domain is DTensor's here."""
+    from torch.distributed.tensor import Shard
+    from egraph_did.runtime import pin_placements
+    with ed.FusionDefinition() as fd:
+        t = fd.define_tensor((5, 4), F64, name="t")
+    with pytest.raises(ed.ShardingError, match=r"^t: DTensor's chunks of \(5, 4\) .* differ from every loop domain"):
+        pin_placements(t, (Shard(0), Shard(0)), MESH22)
+    assert t.loop_str() == "[5, 4]"  # left unpinned
