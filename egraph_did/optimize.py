@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import time
 
 from . import collectives
@@ -106,6 +107,29 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
                         f"optimize without like=")
     time_limit = _check_time_limit(time_limit, extractor)
     names = check_rewrites(rewrites)
+    try:
+        return _optimize(fd, mesh, cost_model, extractor, like, time_limit, names, views)
+    except PlanError as e:  # an error about a view names the tensor the user pinned
+        if views:
+            e.args = (_as_pinned(str(e), views),) + e.args[1:]
+        raise
+
+
+def _as_pinned(message: str, views: dict[str, PinView]) -> str:
+    """`message` with each view's tensor named as the user pinned it.
+
+    >>> v = PinView("w", (4, 2), (2, 2, 2), (2, 1), Layout.from_code("S1"), ("a", "b", "c"), "[2, DIDx{2}, 4/2/2, 2]", "w.view")
+    >>> _as_pinned("w.view: no layout in ['[S(1)]'] is reachable", {"w": v})
+    "w (pinned [2, DIDx{2}, 4/2/2, 2], held as its view w.view [2, 2, 2]): no layout in ['[S(1)]'] is reachable"
+    """
+    for name, v in views.items():
+        message = re.sub(rf"(?<![\w.]){re.escape(v.view)}(?![\w.])",
+                         f"{name} (pinned {v.loop}, held as its view {v.view} {list(v.view_shape)})", message)
+    return message
+
+
+def _optimize(fd, mesh: DeviceMesh, cost_model, extractor: str, like, time_limit: float, names, views) -> Plan:
+    """optimize's work on view_pins' fusion `fd` (arguments checked)."""
     t0 = time.perf_counter()
     cm = cost_model or CostModel.h200()
     pins = None if like is None else {name: like.values[v].layout for name, v in like.outputs.items()}
