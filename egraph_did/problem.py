@@ -19,7 +19,8 @@ from .errors import PlanError
 from .expand import expand
 from .fusion import Expr, Fusion, Ops, as_fusion, replay
 from .ir import TensorView
-from .layout import Layout, canonical_layout, is_valid, valid_layouts
+from .collectives import RING_FLAGS
+from .layout import P, R, Layout, canonical_layout, is_valid, valid_layouts
 from .physgraph import gc_paused
 from .pins import layout_of
 from .shards import local_extents
@@ -408,7 +409,12 @@ def _restrict_to(problem: Problem, like) -> None:
     for s in like.compute_steps:
         key = s.key
         ins = tuple(like.values[v].layout for v in s.operands.values())
-        used.setdefault(key, set()).add((ins, tuple(like.values[o].layout for o in s.outputs)))
+        outs = tuple(like.values[o].layout for o in s.outputs)
+        used.setdefault(key, set()).add((ins, outs))
+        for flag, axes in s.flags:  # a ring: the plain GEMM it replaced serves where these shapes cannot ring
+            if flag in RING_FLAGS and not any(
+                    (t.inputs, t.outputs) == (ins, outs) for t in problem.strategies.get(key, ())):
+                used[key].add(_unringed(RING_FLAGS[flag].name, ins, outs, axes[0]))
     for key, strats in problem.strategies.items():
         keep = used.get(key, set())
         problem.strategies[key] = [s for s in strats if (s.inputs, s.outputs) in keep]
@@ -416,6 +422,14 @@ def _restrict_to(problem: Problem, like) -> None:
             problem.strategies[key][i] = dataclasses.replace(s, sid=i)
     for name, vals in like.inputs.items():
         problem.input_layouts[name] = [canonical_layout(like.values[v].layout, problem.mesh) for v in vals]
+
+
+def _unringed(ring: str, ins: tuple, outs: tuple, m: int) -> tuple[tuple, tuple]:
+    """The (inputs, outputs) layouts of the plain GEMM a ring over mesh axis m replaced: x whole on m before
+    an allgather_matmul, y pending a sum on m before a matmul_reduce_scatter (rewrites/collective_matmul.py)."""
+    if ring == "allgather_matmul":
+        return (ins[0].replace(m, R), *ins[1:]), outs
+    return ins, (outs[0].replace(m, P), *outs[1:])
 
 
 __all__ = ["Problem", "Strategy", "build_problem", "expr_strategies", "signature", "clone_fusion", "REDUCING_COMPOSITES"]

@@ -89,6 +89,20 @@ def test_gpt3_mlp_runs_both_gemms_as_rings_and_is_strictly_cheaper():
     torch.testing.assert_close(ed.simulate(replay, inputs)["y"], ed.evaluate(small, inputs)["y"], rtol=1e-12, atol=1e-12)
 
 
+def test_a_replay_where_the_rows_do_not_cut_evenly_runs_the_plain_gemm_the_ring_replaced():
+    """like= keeps a plan's rings; at 7 tokens on 8 ranks a ring cannot cut the rows, so the replay takes
+    the GEMM each ring replaced, with its collective, and still simulates to the reference."""
+    mesh = ed.DeviceMesh.arange(8)
+    golden = ed.optimize(mlp(8192, 12288, 49152, torch.bfloat16, mesh), mesh)
+    assert rings(golden) == ["ag_ring", "rs_ring"]
+    small = mlp(7, 8, 16, torch.float64, mesh)
+    replay = ed.optimize(small, mesh, like=golden)
+    assert not rings(replay) and [c.kind for c in replay.collectives] == ["allgather", "reduce_scatter"]
+    g = torch.Generator().manual_seed(5)
+    inputs = {t.name: torch.randn(t.shape, generator=g, dtype=torch.float64) for t in small.fusion.inputs}
+    torch.testing.assert_close(ed.simulate(replay, inputs)["y"], ed.evaluate(small, inputs)["y"], rtol=1e-12, atol=1e-12)
+
+
 def test_tiny_shapes_keep_the_collectives():
     """n latencies of a ring cost more than one collective's where the GEMM is small."""
     mesh = ed.DeviceMesh.arange(8)
