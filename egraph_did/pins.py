@@ -268,8 +268,7 @@ def _run_extent(run, leaves, extent: int) -> int:
     while all(len(p) > common for p in paths) and len({p[common] for p in paths}) == 1:
         common += 1
     prefix = paths[0][:common]
-    if all(p[:common] == prefix for p, _ in leaves if p[:common] == prefix) and \
-            {p for p, _ in leaves if p[:common] == prefix} == set(paths):
+    if {p for p, _ in leaves if p[:common] == prefix} == set(paths):  # the subtree holds the run and no more
         return _node_extent(prefix[-1], extent) if prefix else extent
     return math.prod(d.extent for _, d in run)
 
@@ -323,8 +322,6 @@ def _non_outermost(tv: TensorView):
                 if outer is not None and not outer.is_device and outer.extent > 1:
                     return d, outer
     return None
-
-
 
 
 VIEW_SUFFIX = ".view"
