@@ -412,9 +412,10 @@ class Plan:
         v = self.values[value]
         return layout_view(v.tensor, v.shape, canonical_dtype(v.dtype), v.layout, self.mesh, v.axes)
 
-    def input_shape(self, name: str, rank: int | None = None) -> tuple[int, ...]:
-        """The shape plan.run takes for input `name`: global (rank None), or `rank`'s local shard; a viewed
-        input's (plan.views) is the user's, not its view's.
+    def input_shape(self, name: str, rank: int | None = None, value: str | None = None) -> tuple[int, ...]:
+        """The shape plan.run takes for input `name`: global (rank None), or `rank`'s local shard (of the
+        layout of `value`, one of plan.inputs[name]; default the first it is loaded in); a viewed input's
+        (plan.views) is the user's, not its view's.
 
         >>> import egraph_did as ed
         >>> from egraph_did.models import row_sum
@@ -422,7 +423,7 @@ class Plan:
         >>> plan.input_shape("x"), plan.input_shape("x", 3)  # rows 3, 3, 3, 1
         ((10, 3), (1, 3))
         """
-        val = self.values[self.inputs[name][0]]
+        val = self.values[value or self.inputs[name][0]]
         local = val.shape if rank is None else RankContext(self.mesh, rank).local_shape(Operand(val.shape, val.layout))
         if name not in self.views:
             return local

@@ -138,7 +138,7 @@ def _local_of_dtensor(plan: Plan, name: str, value: str, dt, rank: int) -> torch
     if dt.device_mesh.ndim == plan.mesh.ndim and dt.device_mesh.mesh.tolist() == _grid(plan.mesh) and \
             _dtensor_agrees(plan, name, value, dtensor_placements(dt)):
         local = dt.to_local()
-        want = plan.input_shape(name, rank)
+        want = plan.input_shape(name, rank, value)  # the shard of this value's layout (an input may load in several)
         if tuple(local.shape) != want:  # pragma: no cover - DTensor broke its own chunking
             raise ShapeError(f"run_plan: input {name!r}: rank {rank}'s DTensor shard is {tuple(local.shape)}, "
                              f"its placements give {want}")
