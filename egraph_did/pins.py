@@ -360,83 +360,157 @@ def view_pins(fusion: Fusion, mesh: DeviceMesh) -> tuple[Fusion, dict[str, PinVi
         if fusion[name] in fusion.inputs and name in fusion.outputs:
             raise PlanError(f"{name}: an input output as itself cannot be pinned as a view ({views[name]}); pin it "
                             f"as outer_split(axis, mesh size) then parallelize the outer part, or leave it free")
-    dst = Fusion()
-    ops = Ops(dst)
-    new: dict[int, TensorView] = {}
-    taken = set(fusion.tensors)
+    return _ViewedFusion(fusion, mesh, views).build(), views
 
-    def view_name(name: str) -> str:  # a name no tensor of the user's fusion has
-        out, k = (name if name.endswith(".part") else name + VIEW_SUFFIX), 1
-        while out in taken:
-            out, k = f"{name}{VIEW_SUFFIX}{k}", k + 1
-        taken.add(out)
+
+class _ViewedFusion:
+    """view_pins' work: the user's fusion replayed with viewed tensors replaced by their views. A tensor the
+    replay reads through a view (a viewed input; a linear of a viewed weight, held as its blocks) is made
+    whole only where an op reads it whole (`operand`)."""
+
+    def __init__(self, fusion: Fusion, mesh: DeviceMesh, views: dict[str, PinView]):
+        self.fusion, self.mesh, self.views = fusion, mesh, views
+        self.dst = Fusion()
+        self.ops = Ops(self.dst)
+        self.new: dict[int, TensorView] = {}  # user tensor -> its tensor in the replay
+        self.viewed: dict[int, tuple[TensorView, PinView]] = {}  # viewed input -> (its view input, the view)
+        self.blocks: dict[int, tuple[list[TensorView], int]] = {}  # linear of a viewed weight -> (blocks, width)
+        self.taken = set(fusion.tensors)
+
+    def fresh(self, base: str) -> str:
+        """A name no tensor of the user's fusion (nor of the replay) has."""
+        out, k = base, 1
+        while out in self.taken:
+            out, k = f"{base}{k}", k + 1
+        self.taken.add(out)
         return out
 
-    def rename(tv: TensorView, name: str) -> TensorView:
-        dst.tensors.pop(tv.name)
+    def rename(self, tv: TensorView, name: str) -> TensorView:
+        self.dst.tensors.pop(tv.name)
         tv.name = name
-        dst.tensors[name] = tv
+        self.dst.tensors[name] = tv
         return tv
 
-    def pin(tv: TensorView, src: TensorView) -> None:  # the user's pin, as written, on the working copy
-        tv.set_device_mesh(mesh)
+    def part(self, tv: TensorView, of: str) -> TensorView:
+        """A helper tensor of the replay, named after the user tensor it helps compute."""
+        return self.rename(tv, self.fresh(f"{of}.part"))
+
+    def pin(self, tv: TensorView, src: TensorView) -> None:  # the user's pin, as written, on the replay's copy
+        tv.set_device_mesh(self.mesh)
         tv._loop = list(src.loop_domain)
 
-    viewed: dict[int, tuple[TensorView, PinView]] = {}  # a viewed input -> (its view input, the view)
-    for tv in fusion.inputs:
-        if tv.name in views:
-            v = views[tv.name] = dataclasses.replace(views[tv.name], view=view_name(tv.name))
-            viewed[id(tv)] = (apply_layout(dst.define_tensor(v.view_shape, tv.dtype, v.view, v.axes),
-                                           v.layout, mesh), v)
-        else:
-            new[id(tv)] = dst.define_tensor(tv.shape, tv.dtype, tv.name, [d.name for d in tv.logical_domain])
-            if tv.mesh is not None:
-                pin(new[id(tv)], tv)
+    def operand(self, tv: TensorView) -> TensorView:
+        """The replay's tensor for a user tensor an op reads whole: a viewed input reshaped back, a linear
+        held as blocks joined (cat along its last axis)."""
+        if id(tv) not in self.new:
+            if id(tv) in self.viewed:
+                whole = self.ops.reshape(self.viewed[id(tv)][0], tv.shape)
+            else:
+                parts = self.blocks[id(tv)][0]
+                whole = parts[0]
+                for p in parts[1:]:
+                    whole = self.ops.cat(whole if whole is parts[0] else self.part(whole, tv.name), p, -1)
+            self.new[id(tv)] = self.rename(whole, tv.name)
+        return self.new[id(tv)]
 
-    def operand(tv: TensorView) -> TensorView:  # a viewed input, reshaped back where an op reads it whole
-        if id(tv) not in new:
-            new[id(tv)] = rename(ops.reshape(viewed[id(tv)][0], tv.shape), tv.name)
-        return new[id(tv)]
-    outputs = {}
-    for e in fusion.exprs:
-        outs = _slice_of_view(ops, e, viewed, lambda tv: rename(tv, view_name(f"{e.outputs[0].name}.part")))
-        if outs is None:
-            outs = dst.emit(e.op.name, **{k: operand(v) if isinstance(v, TensorView) else v for k, v in e.args})
-        for old, tv in zip(e.outputs, outs if isinstance(outs, tuple) else (outs,)):
-            new[id(old)] = rename(tv, old.name)
-            if old.name in views:
-                v = views[old.name] = dataclasses.replace(views[old.name], view=view_name(old.name))
-                vt = apply_layout(rename(ops.reshape(tv, v.view_shape), v.view), v.layout, mesh)
-                outputs[old.name] = vt
-            elif old.mesh is not None:
-                pin(tv, old)
-    for name, tv in fusion.outputs.items():
-        out = outputs.get(name, new[id(tv)])
-        dst.outputs[out.name] = out
-    return dst, views
+    def build(self) -> Fusion:
+        ops, views = self.ops, self.views
+        for tv in self.fusion.inputs:
+            if tv.name in views:
+                v = views[tv.name] = dataclasses.replace(views[tv.name], view=self.fresh(tv.name + VIEW_SUFFIX))
+                vin = self.dst.define_tensor(v.view_shape, tv.dtype, v.view, v.axes)
+                self.viewed[id(tv)] = (apply_layout(vin, v.layout, self.mesh), v)
+            else:
+                self.new[id(tv)] = self.dst.define_tensor(tv.shape, tv.dtype, tv.name, [d.name for d in tv.logical_domain])
+                if tv.mesh is not None:
+                    self.pin(self.new[id(tv)], tv)
+        outputs = {}
+        for e in self.fusion.exprs:
+            outs = self.through_view(e)
+            if outs is None:
+                outs = self.dst.emit(e.op.name, **{k: self.operand(v) if isinstance(v, TensorView) else v
+                                                   for k, v in e.args})
+            elif isinstance(outs, tuple) and not outs:  # held as blocks; made whole only if read whole, pinned or output
+                old = e.outputs[0]
+                if old.mesh is None and old.name not in self.fusion.outputs:
+                    continue
+                outs = self.operand(old)
+            for old, tv in zip(e.outputs, outs if isinstance(outs, tuple) else (outs,)):
+                self.new[id(old)] = self.rename(tv, old.name)
+                if old.name in views:
+                    v = views[old.name] = dataclasses.replace(views[old.name], view=self.fresh(old.name + VIEW_SUFFIX))
+                    outputs[old.name] = apply_layout(self.rename(ops.reshape(tv, v.view_shape), v.view), v.layout,
+                                                     self.mesh)
+                elif old.mesh is not None:
+                    self.pin(tv, old)
+        for name, tv in self.fusion.outputs.items():
+            out = outputs.get(name, self.new[id(tv)])
+            self.dst.outputs[out.name] = out
+        return self.dst
 
-
-def _slice_of_view(ops: Ops, e, viewed: dict, helper):
-    """slice(x, axis, lo, hi) of a viewed input x as reshape(slice(view, view axis, lo / b, hi / b)) where the
-    slice takes whole blocks b of the view axis that leads the sliced axis's group, and reshape(x, s) as
-    reshape(view, s); None otherwise."""
-    args = dict(e.args)
-    x = args.get("x")
-    if e.op.name not in ("slice", "reshape") or id(x) not in viewed:
+    def through_view(self, e):
+        """e computed from views and blocks, not whole tensors: its new output(s); () where e is a linear held
+        as blocks; None where e reads its operands whole.
+          slice(x, a, lo, hi) of a viewed input = reshape(slice(view, view axis, lo / b, hi / b)) where the slice
+            takes whole blocks b of the view axis that leads a's group;
+          reshape(x, s) of a viewed input = reshape(view, s);
+          linear(x, w, bias) of a weight viewed as [k, out / k, ...] (its leading part serial) = the k blocks
+            linear(x, reshape(view[i]), bias[i]), joined along the last axis;
+          slice(y, -1, lo, hi) of such a linear along whole blocks = those blocks (one: a copy of it)."""
+        args = dict(e.args)
+        x, name = args.get("x"), e.outputs[0].name
+        if e.op.name == "reshape" and id(x) in self.viewed:
+            return self.ops.reshape(self.viewed[id(x)][0], e.outputs[0].shape)
+        if e.op.name == "slice" and id(x) in self.viewed:
+            vin, v = self.viewed[id(x)]
+            dim = args["dim"] % x.ndim
+            first = sum(v.groups[:dim])
+            cut = _whole_blocks(args, x.shape[dim], v.view_shape[first] if v.groups[dim] > 1 else 0)
+            if cut is None:
+                return None
+            (lo, hi), b = cut
+            shape = list(x.shape)
+            shape[dim] = hi - lo
+            return self.ops.reshape(self.part(self.ops.slice(vin, first, lo // b, hi // b), name), tuple(shape))
+        if e.op.name == "slice" and id(x) in self.blocks and args["dim"] % x.ndim == x.ndim - 1:
+            parts, width = self.blocks[id(x)]
+            cut = _whole_blocks(args, x.shape[-1], len(parts))
+            if cut is None:
+                return None
+            (lo, hi), _ = cut
+            taken = parts[lo // width:hi // width]
+            out = taken[0]
+            for p in taken[1:]:
+                out = self.part(self.ops.cat(out, p, -1), name)
+            return self.ops.reshape(out, tuple(e.outputs[0].shape))  # a tensor of its own, for the slice's name
+        w = args.get("weight")
+        if e.op.name == "linear" and id(w) in self.viewed:
+            vin, v = self.viewed[id(w)]
+            k = v.view_shape[0]
+            if v.groups[0] < 2 or any(p.is_shard and p.axis == 0 for p in v.layout) or k < 2:
+                return None
+            width, bias = w.shape[0] // k, args.get("bias")
+            parts = []
+            for i in range(k):
+                wi = self.part(self.ops.reshape(self.part(self.ops.slice(vin, 0, i, i + 1), name), (width, w.shape[1])),
+                               name)
+                bi = None if bias is None else self.part(
+                    self.ops.slice(self.operand(bias), 0, i * width, (i + 1) * width), name)
+                parts.append(self.part(self.ops.linear(self.operand(x), wi, bi), name))
+            self.blocks[id(e.outputs[0])] = (parts, width)
+            return ()
         return None
-    vin, v = viewed[id(x)]
-    if e.op.name == "reshape":  # reshape(reshape(view, shape), s) = reshape(view, s): the view rules decide
-        return ops.reshape(vin, e.outputs[0].shape)
-    n = x.shape[dim := args["dim"] % x.ndim]
-    first = sum(v.groups[:dim])
-    block = n // v.view_shape[first] if v.view_shape[first] else 0
+
+
+def _whole_blocks(args: dict, n: int, pieces: int):
+    """((lo, hi), block) of slice args over an axis of extent n cut in `pieces` equal blocks, where the slice
+    takes whole blocks; None otherwise."""
+    block = n // pieces if pieces > 1 and n % pieces == 0 else 0
     lo = min(max(args["start"] + (n if args["start"] < 0 else 0), 0), n)
     hi = n if args["end"] is None else min(max(args["end"] + (n if args["end"] < 0 else 0), 0), n)
-    if v.groups[dim] < 2 or block == 0 or lo % block or hi % block or hi <= lo:
+    if block == 0 or lo % block or hi % block or hi <= lo:
         return None
-    shape = list(x.shape)
-    shape[dim] = hi - lo
-    return ops.reshape(helper(ops.slice(vin, first, lo // block, hi // block)), tuple(shape))
+    return (lo, hi), block
 
 
 __all__ = ["apply_layout", "layout_of", "layout_view", "pin_of", "pin_view", "PinView", "view_pins",

@@ -23,17 +23,22 @@ MESH22 = ed.DeviceMesh(torch.arange(4).reshape(2, 2), axis_names=("dp", "tp"))
 T, H = 6, 8
 
 
-def swiglu(n: int):
-    """y = (silu(x w_gate^T) * (x w_up^T)) w_down^T with gate and up one merged weight [2F, H], sliced;
-    the merged weight pinned non-outermost (each rank a 1/n of gate and of up), w_down row-parallel, x and
-    y replicated: Megatron's MLP, whose only collective is the allreduce of y."""
+def swiglu(n: int, merged_gemm: bool = False):
+    """y = (silu(x w_gate^T) * (x w_up^T)) w_down^T with gate and up one merged weight [2F, H], sliced (or,
+    merged_gemm, one GEMM x w^T whose output is sliced, as torch models write it); the merged weight pinned
+    non-outermost (each rank a 1/n of gate and of up), w_down row-parallel, x and y replicated: Megatron's
+    MLP, whose only collective is the allreduce of y."""
     mesh, f = ed.DeviceMesh.arange(n), 4 * n
     with ed.FusionDefinition() as fd:
         x = fd.define_tensor((T, H), F64, name="x")
         w = fd.define_tensor((2 * f, H), F64, name="w_gate_up", axis_names=("f2", "h"))
         w2 = fd.define_tensor((H, f), F64, name="w_down")
-        gate = fd.ops.linear(x, fd.ops.slice(w, 0, 0, f))
-        up = fd.ops.linear(x, fd.ops.slice(w, 0, f, 2 * f))
+        if merged_gemm:
+            h = fd.ops.linear(x, w)
+            gate, up = fd.ops.slice(h, -1, 0, f), fd.ops.slice(h, -1, f)
+        else:
+            gate = fd.ops.linear(x, fd.ops.slice(w, 0, 0, f))
+            up = fd.ops.linear(x, fd.ops.slice(w, 0, f, 2 * f))
         fd.add_output(fd.ops.linear(fd.ops.mul(fd.ops.silu(gate), up), w2), name="y")
     w.set_device_mesh(mesh).outer_split(0, 2).outer_split(1, n).parallelize(1, DIDx)
     w2.set_device_mesh(mesh).outer_split(1, n).parallelize(1, DIDx)
@@ -47,9 +52,10 @@ def swiglu_inputs(fd, seed=0):
     return {t.name: torch.randn(t.shape, generator=g, dtype=F64) for t in fd.fusion.inputs}
 
 
+@pytest.mark.parametrize("merged_gemm", [False, True])
 @pytest.mark.parametrize("n", [2, 4])
-def test_a_merged_gate_up_weight_pinned_non_outermost_plans_with_no_collective_for_the_weight(n):
-    fd, mesh = swiglu(n)
+def test_a_merged_gate_up_weight_pinned_non_outermost_plans_with_no_collective_for_the_weight(n, merged_gemm):
+    fd, mesh = swiglu(n, merged_gemm)
     pinned = fd["w_gate_up"].loop_str()
     assert pinned == f"[2, DIDx{{{n}}}, f2/2/{n}, h]"
     plan = ed.optimize(fd, mesh, rewrites=())  # the program as written: Megatron's one allreduce
@@ -272,7 +278,7 @@ def inner_first_output():
 
 
 def test_nested_pins_run_on_four_gloo_ranks_from_global_local_and_dtensor_inputs_and_to_dtensor_outputs():
-    fd, mesh = swiglu(4)
+    fd, mesh = swiglu(4, merged_gemm=True)
     plan = ed.optimize(fd, mesh)
     ins = swiglu_inputs(fd, 2)
     ref = ed.evaluate(fd, ins)["y"]
