@@ -10,7 +10,13 @@ re-checks its shard: about 70 µs of Python a segment. Everything those lookups 
 * an ATen step is the op's reference with its literals bound and its local output shapes computed;
 * a collective is the caller's function with the collective bound (the runtime binds the registry
   entry, the move and the process group once);
-* each call lists the slots to drop after it (their last reader has run).
+* each call lists the slots to drop after it (their last reader has run);
+* a view of a view read by nothing else is one call (one learned as_strided), and a linear's matmul
+  epilogue is part of its call where lowering/epilogue.py takes one.
+
+After the first run the calls run as one generated straight-line function (values are local variables),
+and fused kernels launch through their compiled launcher without Triton's per-call lookups: on a GPU
+host what remains per call is ATen's and the driver's own launch cost.
 
 The first run of a program takes the checked path for kernels and collectives (the shape, dtype and
 device checks of Kernel.__call__ and run_collective); later runs skip them: every shape is fixed by the
