@@ -429,10 +429,11 @@ class Plan:
             return local
         return self.views[name].shape if rank is None else self.views[name].local_shape(local)
 
-    def bind_view(self, name: str, tensor, rank: int | None = None):
-        """The tensor the plan loads for input `name` from the user's (global, or `rank`'s local shard): itself,
-        or for a viewed input (plan.views) the same elements reshaped to its view (every rank's shard holds
-        the pin's elements in the pin's order, so a local reshape binds it); deliver_view is the inverse.
+    def bind_view(self, name: str, tensor, rank: int | None = None, value: str | None = None):
+        """The tensor the plan loads for input `name` from the user's (global, or `rank`'s local shard of the
+        layout of `value`, one of plan.inputs[name]; default the first): itself, or for a viewed input
+        (plan.views) the same elements reshaped to its view (every rank's shard holds the pin's elements in
+        the pin's order, so a local reshape binds it); deliver_view is the inverse.
 
         >>> import torch, egraph_did as ed
         >>> mesh = ed.DeviceMesh.arange(2)
@@ -447,7 +448,7 @@ class Plan:
         """
         if name not in self.views:
             return tensor
-        val = self.values[self.inputs[name][0]]
+        val = self.values[value or self.inputs[name][0]]
         shape = val.shape if rank is None else RankContext(self.mesh, rank).local_shape(Operand(val.shape, val.layout))
         return tensor.reshape(shape)
 

@@ -142,7 +142,7 @@ def _local_of_dtensor(plan: Plan, name: str, value: str, dt, rank: int) -> torch
         if tuple(local.shape) != want:  # pragma: no cover - DTensor broke its own chunking
             raise ShapeError(f"run_plan: input {name!r}: rank {rank}'s DTensor shard is {tuple(local.shape)}, "
                              f"its placements give {want}")
-        return plan.bind_view(name, local, rank).contiguous()
+        return plan.bind_view(name, local, rank, value).contiguous()
     return shard(plan.bind_view(name, dt.full_tensor()), val.layout, plan.mesh, rank, val.tensor)
 
 
