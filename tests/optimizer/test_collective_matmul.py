@@ -219,3 +219,11 @@ def test_the_egglog_rules_derive_exactly_the_python_rings(case):
     want = python_rings(problem)
     assert egglog_rings(problem) == want
     assert bool(want) == (case != "uneven")  # 18 rows cut in no 4 equal blocks: no ring either way
+
+
+def test_a_one_device_mesh_plans_with_the_ruleset_on():
+    """No mesh axis of two ranks: no ring rule exists, and optimize still plans (d6ef330 wrote RingsOn for a
+    rule set that declared none: 'Unbound function RingsOn')."""
+    for mesh in (ed.DeviceMesh.arange(1), ed.DeviceMesh([[0]])):
+        plan = ed.optimize(mlp(16, 8, 32, torch.float32, mesh), mesh)
+        assert not rings(plan) and not plan.collectives
