@@ -387,3 +387,12 @@ def test_every_dividing_nesting_plans_and_simulates_exactly(seed):
     assert plan.loop_domain(t.name) == pinned
     X = torch.randn(tuple(shape), dtype=F64)
     assert torch.equal(ed.simulate(plan, {"x": X})["y"], ed.evaluate(fd, {"x": X})["y"])
+
+
+def test_a_view_pin_keeps_its_view_through_simplified_and_refuses_like_replays_saying_so():
+    fd, mesh = swiglu(2)
+    plan = ed.optimize(fd, mesh)
+    assert plan.simplified().views == plan.views
+    small, _ = swiglu(2)
+    with pytest.raises(ed.PlanError, match=r"optimize: w_gate_up is pinned as a view .* optimize\(like=\)"):
+        ed.optimize(small, mesh, like=plan)
