@@ -100,11 +100,12 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     """
     check_optimize_args(fd, mesh, cost_model, extractor, like)
     fd, views = view_pins(as_fusion(fd), mesh)  # pins no layout names, as layouts of reshaped views
-    if views and (like is not None or loop_ties(fd)):
+    if views and loop_ties(fd):
         raise PlanError(f"optimize: {', '.join(views)} {'is' if len(views) == 1 else 'are'} pinned as a view "
-                        f"({'; '.join(map(str, views.values()))}), which optimize(like=) and training-step loops "
-                        f"do not replay yet: pin outer_split(axis, mesh size) then parallelize the outer part, or "
-                        f"optimize without like=")
+                        f"({'; '.join(map(str, views.values()))}), which training-step loops do not carry yet: pin "
+                        f"outer_split(axis, mesh size) then parallelize the outer part")
+    if like is not None and (views or like.views):
+        like = _like_in_view_names(like, views)
     time_limit = _check_time_limit(time_limit, extractor)
     names = check_rewrites(rewrites)
     try:
@@ -113,6 +114,33 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
         if views:
             e.args = (_as_pinned(str(e), views),) + e.args[1:]
         raise
+
+
+def _like_in_view_names(like: Plan, views: dict[str, PinView]) -> Plan:
+    """A like= plan as view_pins' fusion names its inputs and outputs (a viewed one by its view), so the replay
+    keeps the layouts of the same terms; PlanError where the two fusions pin different tensors as views.
+
+    >>> import egraph_did as ed
+    >>> mesh = ed.DeviceMesh.arange(2)
+    >>> def fusion(rows):
+    ...     with ed.FusionDefinition() as fd:
+    ...         w = fd.define_tensor((rows, 4), name="w")
+    ...         fd.add_output(fd.ops.relu(w), name="y")
+    ...     _ = w.set_device_mesh(mesh).outer_split(0, 2).outer_split(1, 2).parallelize(1, ed.ParallelType.DIDx)
+    ...     return fd
+    >>> plan = ed.optimize(fusion(4), mesh, like=ed.optimize(fusion(64), mesh))  # replayed at 4 rows
+    >>> plan.views["w"].view_shape
+    (2, 2, 4)
+    """
+    held = {n: v.view for n, v in views.items() if n in like.inputs or n in like.outputs}
+    if held != {n: v.view for n, v in like.views.items()}:
+        theirs, ours = sorted(like.views), sorted(held)
+        raise PlanError(f"optimize(like=plan): the like plan holds {theirs or 'no tensor'} through a view (a pin no "
+                        f"layout names), this fusion {ours or 'none'}; pin the same tensors the same way in both, or "
+                        f"optimize without like=")
+    by_name = {n: v.view for n, v in like.views.items()}
+    return dataclasses.replace(like, inputs={by_name.get(k, k): vs for k, vs in like.inputs.items()},
+                               outputs={by_name.get(k, k): v for k, v in like.outputs.items()}, views={})
 
 
 def _as_pinned(message: str, views: dict[str, PinView]) -> str:

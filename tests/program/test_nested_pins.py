@@ -23,16 +23,16 @@ MESH22 = ed.DeviceMesh(torch.arange(4).reshape(2, 2), axis_names=("dp", "tp"))
 T, H = 6, 8
 
 
-def swiglu(n: int, merged_gemm: bool = False):
+def swiglu(n: int, merged_gemm: bool = False, tokens: int = T, hidden: int = H, f: int | None = None):
     """y = (silu(x w_gate^T) * (x w_up^T)) w_down^T with gate and up one merged weight [2F, H], sliced (or,
     merged_gemm, one GEMM x w^T whose output is sliced, as torch models write it); the merged weight pinned
     non-outermost (each rank a 1/n of gate and of up), w_down row-parallel, x and y replicated: Megatron's
     MLP, whose only collective is the allreduce of y."""
-    mesh, f = ed.DeviceMesh.arange(n), 4 * n
+    mesh, f = ed.DeviceMesh.arange(n), f or 4 * n
     with ed.FusionDefinition() as fd:
-        x = fd.define_tensor((T, H), F64, name="x")
-        w = fd.define_tensor((2 * f, H), F64, name="w_gate_up", axis_names=("f2", "h"))
-        w2 = fd.define_tensor((H, f), F64, name="w_down")
+        x = fd.define_tensor((tokens, hidden), F64, name="x")
+        w = fd.define_tensor((2 * f, hidden), F64, name="w_gate_up", axis_names=("f2", "h"))
+        w2 = fd.define_tensor((hidden, f), F64, name="w_down")
         if merged_gemm:
             h = fd.ops.linear(x, w)
             gate, up = fd.ops.slice(h, -1, 0, f), fd.ops.slice(h, -1, f)
@@ -389,10 +389,19 @@ def test_every_dividing_nesting_plans_and_simulates_exactly(seed):
     assert torch.equal(ed.simulate(plan, {"x": X})["y"], ed.evaluate(fd, {"x": X})["y"])
 
 
-def test_a_view_pin_keeps_its_view_through_simplified_and_refuses_like_replays_saying_so():
-    fd, mesh = swiglu(2)
-    plan = ed.optimize(fd, mesh)
+def test_a_view_pin_keeps_its_view_through_simplified_and_replays_with_like():
+    """Layouts chosen at large shapes (bf16-sized hidden 512), replayed at small ones: the same steps, the
+    weight still local, simulated to the reference; a like plan of a fusion pinned otherwise is refused."""
+    fd, mesh = swiglu(2, merged_gemm=True)
+    plan = ed.optimize(fd, mesh, rewrites=())
     assert plan.simplified().views == plan.views
-    small, _ = swiglu(2)
-    with pytest.raises(ed.PlanError, match=r"optimize: w_gate_up is pinned as a view .* optimize\(like=\)"):
-        ed.optimize(small, mesh, like=plan)
+    big, _ = swiglu(2, merged_gemm=True, tokens=4096, hidden=512, f=2048)
+    replayed = ed.optimize(fd, mesh, like=ed.optimize(big, mesh, rewrites=()), rewrites=())
+    assert [(c.kind, c.tensor) for c in replayed.collectives] == [("allreduce", "y")]
+    assert replayed.loop_domain("w_gate_up") == fd["w_gate_up"].loop_str()
+    ins = swiglu_inputs(fd, 4)
+    torch.testing.assert_close(ed.simulate(replayed, ins)["y"], ed.evaluate(fd, ins)["y"], rtol=0, atol=1e-12)
+    other, _ = swiglu(2, merged_gemm=True)
+    other["w_gate_up"].reset_loop_domain().outer_split(0, 2).parallelize(0, DIDx)  # a plain row split
+    with pytest.raises(ed.PlanError, match=r"like plan holds \['w_gate_up'\] through a view .* this fusion none"):
+        ed.optimize(other, mesh, like=plan)
