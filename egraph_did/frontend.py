@@ -1069,6 +1069,45 @@ def _index(c, self, indices):
     return rows if x.ndim == 2 else c.ops.reshape(rows, ids.shape + rest)
 
 
+@maps(aten.gather)
+def _gather(c, self, dim, index, sparse_grad=False):
+    """torch.gather: take_along_axis where index matches x on every axis but dim (an index narrower on
+    another axis is an opaque step)."""
+    x, ids = c._tensor(self), c._tensor(index)
+    d = dim % max(x.ndim, 1)
+    if ids.dtype != torch.int64 or ids.ndim != x.ndim or any(
+            i != d and a != b for i, (a, b) in enumerate(zip(x.shape, ids.shape))):
+        return c.unmapped(c.node)
+    return c.ops.take_along_axis(x, ids, d)
+
+
+@maps(aten.scatter_add)
+def _scatter_add(c, self, dim, index, src):
+    """torch.scatter_add where index has src's shape and matches x on every axis but dim (the routing
+    of mixture-of-experts layers: tokens' outputs summed back per token); other forms are opaque steps."""
+    x, ids, y = c._tensor(self), c._tensor(index), c._tensor(src)
+    d = dim % max(x.ndim, 1)
+    if ids.dtype != torch.int64 or ids.shape != y.shape or ids.ndim != x.ndim or y.dtype != x.dtype or any(
+            i != d and a != b for i, (a, b) in enumerate(zip(x.shape, ids.shape))):
+        return c.unmapped(c.node)
+    return c.ops.scatter_add(x, d, ids, y)
+
+
+@maps(aten.index_add)
+def _index_add(c, self, dim, index, source, alpha=1):
+    """x.index_add(dim, idx, src): src's slices along dim added at x's rows idx, as a scatter_add whose
+    index is idx broadcast to src's shape (alpha scales src first)."""
+    x, ids, y = c._tensor(self), c._tensor(index), c._tensor(source)
+    d = dim % max(x.ndim, 1)
+    if ids.ndim != 1 or ids.dtype not in (torch.int32, torch.int64) or y.ndim != x.ndim or y.dtype != x.dtype \
+            or any(i != d and a != b for i, (a, b) in enumerate(zip(x.shape, y.shape))):
+        return c.unmapped(c.node)
+    if ids.dtype != torch.int64:
+        ids = c.ops.cast(ids, torch.int64)
+    wide = c.ops.expand(c.ops.reshape(ids, tuple(ids.shape[0] if i == d else 1 for i in range(y.ndim))), y.shape)
+    return c.ops.scatter_add(x, d, wide, y if alpha == 1 else c.ops.mul(y, alpha))
+
+
 @maps(aten.repeat_interleave)
 def _repeat_interleave(c, self=None, repeats=None, dim=None, output_size=None):
     """x.repeat_interleave(n, dim) with an int n: each slice along dim n times in a row, as an expand of

@@ -489,6 +489,44 @@ def _mixtral(implementation: str):
     return transformers.MixtralForCausalLM(cfg).eval()
 
 
+def _route(x, idx, w, src, rows):
+    """Mixture-of-experts routing as torch writes it: picked scores (gather), weighted outputs summed back per
+    token (scatter_add) and per-expert rows accumulated (index_add, alpha 0.5)."""
+    picked = torch.gather(x, 1, idx)
+    summed = torch.zeros(4, 5, dtype=x.dtype).scatter_add(1, idx, picked * w)
+    return summed, torch.zeros(6, 5, dtype=x.dtype).index_add(0, rows, src, alpha=0.5)
+
+
+def test_gather_scatter_add_and_index_add_map_onto_fusion_ops_and_differentiate():
+    """gather -> take_along_axis, scatter_add -> scatter_add, index_add -> scatter_add at the rows broadcast
+    (strict export: no opaque step): equal to torch, simulated on 4 ranks, and the gradients of the scores,
+    the weights and the source rows equal torch.autograd (float64)."""
+    g = torch.Generator().manual_seed(3)
+    args = (torch.randn(4, 5, generator=g, dtype=F64), torch.randint(0, 5, (4, 3), generator=g),
+            torch.randn(4, 3, generator=g, dtype=F64), torch.randn(7, 5, generator=g, dtype=F64),
+            torch.randint(0, 6, (7,), generator=g))
+    fd = ed.from_torch(_route, args, strict=True)
+    assert {e.op.name for e in fd.fusion.exprs} >= {"take_along_axis", "scatter_add"}
+    want = _route(*args)
+    got = ed.evaluate(fd, fd.bind(*args))
+    for name, w in zip(fd.fusion.outputs, want):
+        assert_close(got[name], w, F64)
+        fd[name].set_device_mesh(MESH)
+    simulated = ed.simulate(ed.optimize(fd, MESH), fd.bind(*args))
+    for name, w in zip(fd.fusion.outputs, want):
+        assert_close(simulated[name], w, F64)
+    names = list(fd.fusion.outputs)
+    loss = fd.ops.add(fd.ops.sum(fd.ops.mul(fd[names[0]], fd[names[0]])), fd.ops.sum(fd[names[1]]))
+    fd.add_output(loss, name="loss")
+    inputs = [t.name for t in fd.fusion.inputs]
+    grads = ed.evaluate(ed.grad(fd, loss="loss", wrt=[inputs[0], inputs[2], inputs[3]]), fd.bind(*args))
+    leaves = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
+    summed, accumulated = _route(*leaves)
+    (summed.square().sum() + accumulated.sum()).backward()
+    for i in (0, 2, 3):
+        assert_close(grads[f"grad_{inputs[i]}"], leaves[i].grad, F64)
+
+
 def test_mixtral_grouped_experts_run_replicated_as_opaque_steps_and_train_through_torch_autograd():
     """transformers' default experts ("grouped_mm") sort the tokens by expert, count them (histc) and call
     its own grouped_mm_fallback op, whose per-expert row ranges depend on the data: opaque steps, which
