@@ -7,7 +7,7 @@ predicted time. `draw` renders it with matplotlib (PNG, SVG or PDF by the file's
 >>> fd = mlp(32, 8192); _ = fd["x"].set_device_mesh(ed.DeviceMesh.arange(4)); _ = fd["y"].set_device_mesh(ed.DeviceMesh.arange(4))
 >>> g = plan_graph(ed.optimize(fd, ed.DeviceMesh.arange(4)))
 >>> [d["label"] for _, _, d in g.edges(data=True) if d["kind"] == "collective"]
-['allreduce[x]\\n1 MiB, 24.3 µs']
+['allgather[x]\\n1 MiB, 12.1 µs']
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from egraph_did.collectives import RING_FLAGS
 from egraph_did.lowering.kernel_spec import KERNEL_OPS
 from egraph_did.lowering.segment import spec_from_fusion
 from egraph_did.ops import KINDS, OPS, LocalKernel, ops_where
@@ -47,13 +48,30 @@ def test_a_composite_is_fusible_exactly_when_every_case_decomposes_into_kernel_p
 
 
 def test_every_local_kernel_is_named_by_a_rule_on_its_cases():
-    declared = {(n, k.name) for n, d in OPS.items() for k in d.local_kernels}
+    """(The collective matmul rings are derived from these strategies, not by a rule of their own: below.)"""
+    declared = {(n, k.name) for n, d in OPS.items() for k in d.local_kernels if k.name not in RING_FLAGS}
     named = set()
     for r in ALL_RULES:
         for c in r.cases:
             _, _, _, pairs = user_strategies(c)
             named |= {(e.op.name, f) for e, s in pairs for fs in s.flags for f in fs}
     assert named == declared
+
+
+def test_every_ring_kernel_is_named_by_the_collective_matmul_rules():
+    """Each op's ring kernels (ag_ring, rs_ring) are what add_ring_strategies derives for it on a 4-rank mesh."""
+    import egraph_did as ed
+    from egraph_did.problem import build_problem
+
+    declared = {(n, k.name) for n, d in OPS.items() for k in d.local_kernels if k.name in RING_FLAGS}
+    named = set()
+    for op, w_shape in (("matmul", (32, 16)), ("linear", (16, 32))):
+        with ed.FusionDefinition() as fd:
+            x, w = fd.define_tensor((64, 32), name="x"), fd.define_tensor(w_shape, name="w")
+            fd.add_output(getattr(fd.ops, op)(x, w), name="y")
+        problem = build_problem(fd, ed.DeviceMesh.arange(4), rewrites=["collective_matmul"])
+        named |= {(op, f) for s in problem.strategies["y"] for fs in s.flags for f in fs if f in RING_FLAGS}
+    assert named == declared and declared
 
 
 @pytest.mark.parametrize("kernel", [k for d in OPS.values() for k in d.local_kernels], ids=str)

@@ -145,7 +145,8 @@ def test_three_adamw_steps_on_four_gloo_ranks_equal_one_device(name, cases, resu
 
 def test_the_plans_are_their_families(cases):
     """TP: all-reduces only; TP+SP: allgathers and reduce-scatters, no all-reduce of an activation; dp x tp:
-    both mesh axes communicate; FSDP: the weights all-gathered, the gradients reduce-scattered."""
+    both mesh axes communicate; FSDP: the weights all-gathered, the gradients reduce-scattered (by a collective,
+    or by the ring of the GEMM that computes them)."""
     kinds = {name: {c.kind for c in plan.collectives} for name, (plan, *_) in cases.items()}
     assert "allreduce" in kinds["tp"] and "reduce_scatter" not in kinds["tp"]
     assert {"allgather", "reduce_scatter"} <= kinds["tp_sp"]
@@ -153,4 +154,7 @@ def test_the_plans_are_their_families(cases):
     fsdp_plan = cases["fsdp"][0]
     gathered = {c.tensor for c in fsdp_plan.collectives if c.kind == "allgather"}
     assert {"l0.wq", "l1.w2"} <= gathered
-    assert {"grad_l0.wq", "grad_l1.w2"} <= {c.tensor for c in fsdp_plan.collectives if c.kind == "reduce_scatter"}
+    scattered = {c.tensor for c in fsdp_plan.collectives if c.kind == "reduce_scatter"}
+    scattered |= {fsdp_plan.values[o].tensor for s in fsdp_plan.rings for o in s.outputs  # a GEMM's own
+                  if any(f == "rs_ring" for f, _ in s.flags)}  # reduce-scatter ring (collective_matmul)
+    assert {"grad_l0.wq", "grad_l1.w2"} <= scattered
