@@ -1227,8 +1227,29 @@ def matmul(a, b):
     return [OutSpec(batch + (a.shape[-2], b.shape[-1]), a.dtype, names + (a.axes[-2], b.axes[-1]))]
 
 
+def attention(q, k, v, **kwargs):
+    """F.scaled_dot_product_attention; on the CPU through its math backend, whatever the shapes: torch picks
+    a CPU backend by shape, and they disagree on a row with no finite score (the fused one gives 0, the math
+    one nan), so a rank's slice of v (sdpa_value_dim) would differ from the whole tensor's. The math
+    backend is the decomposition's (softmax of the scaled scores, times v); on a GPU torch's choice stands.
+
+    >>> q = torch.tensor([1.0, -math.inf, -math.inf], dtype=torch.float64).view(1, 1, 1, 3)
+    >>> k = torch.tensor([[1.0, -1, 1], [1, 1, -1], [-1, 1, 1]], dtype=torch.float64).view(1, 1, 3, 3)
+    >>> v = torch.ones(1, 1, 3, 3, dtype=torch.float64)  # every score is nan: torch's fused CPU kernel gives 0
+    >>> F.scaled_dot_product_attention(q, k, v).flatten().tolist(), attention(q, k, v).isnan().all().item()
+    ([0.0, 0.0, 0.0], True)
+    >>> attention(q, k, v[..., :2]).isnan().all().item()  # as the rank holding two columns of v computes
+    True
+    """
+    if q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
 def _sdpa_ref(q, k, v, is_causal=False, scale=None):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+    return attention(q, k, v, is_causal=is_causal, scale=scale)
 
 
 def _decompose_sdpa(ops, q, k, v, is_causal=False, scale=None):
@@ -1253,7 +1274,7 @@ def _sdpa_query_offset(args, operands, outputs, ctx, axes):
     q, k = args["q"], args["k"]
     rows = torch.arange(q.shape[2], device=q.device).unsqueeze(1) + lo
     keep = torch.arange(k.shape[2], device=q.device).unsqueeze(0) <= rows
-    return F.scaled_dot_product_attention(q, k, args["v"], attn_mask=keep, scale=args.get("scale"))
+    return attention(q, k, args["v"], attn_mask=keep, scale=args.get("scale"))
 
 
 SDPA_QUERY_OFFSET = LocalKernel("q_offset", _sdpa_query_offset)

@@ -164,3 +164,26 @@ def test_a_pending_max_of_bools_or_ints_reassembles_to_the_value(dtype):
     assert ref["t2"].any() and not ref["t2"].all()
     for lowered in (True, False):
         assert torch.equal(ed.simulate(plan, inputs, lowered=lowered)["t2"], ref["t2"])
+
+
+def test_attention_of_rows_with_no_finite_score_is_the_same_whole_and_on_a_slice_of_v():
+    """`simulate-eager-mismatch` (seed 13, case 36): queries holding -inf (a causal mask of a 1-row tensor)
+    make every score nan. torch's fused CPU attention gives 0 for the whole v, its math path nan for the
+    rank's two columns of v (sdpa_value_dim); ops.attention takes the math path on the CPU for both."""
+    mesh = ed.DeviceMesh.arange(2)
+    with ed.FusionDefinition() as fd:
+        x2 = fd.define_tensor((3, 1, 1, 3), torch.float64, name="x2")
+        x5 = fd.define_tensor((3, 1, 3, 3), torch.float64, name="x5")
+        x6 = fd.define_tensor((3, 1, 3, 3), torch.float64, name="x6")
+        t1 = fd.ops.causal_mask(x=x2)
+        fd.add_output(fd.ops.sdpa(q=t1, k=x5, v=x6, scale=0.5), name="t5")
+    t1.set_device_mesh(mesh)
+    g = torch.Generator().manual_seed(0)
+    inputs = {n: torch.randn(s, generator=g, dtype=torch.float64)
+              for n, s in (("x2", (3, 1, 1, 3)), ("x5", (3, 1, 3, 3)), ("x6", (3, 1, 3, 3)))}
+    plan = ed.optimize(fd, mesh)
+    assert "sdpa_value_dim" in plan.explain()  # v split on its last axis: each rank attends with 2 columns
+    ref = ed.evaluate(fd, inputs)["t5"]
+    assert ref.isnan().any()  # the case's point: rows with no finite score
+    for lowered in (True, False):
+        torch.testing.assert_close(ed.simulate(plan, inputs, lowered=lowered)["t5"], ref, equal_nan=True)
