@@ -56,6 +56,19 @@ class Link:
         return phases * self.alpha + phases * factor * nbytes / self.bandwidth
 
 
+def size_text(nbytes: float, digits: int = 3) -> str:
+    """Bytes in the largest unit that keeps them >= 1 (`digits` significant), so tiny bounds do not print as
+    0.00 GiB: the one spelling of a memory size in messages, explain() and pictures.
+
+    >>> size_text(80 * 2**30), size_text(1536), size_text(96), size_text(295424, digits=4)
+    ('80 GiB', '1.5 KiB', '96 B', '288.5 KiB')
+    """
+    for unit, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= f:
+            return f"{nbytes / f:.{digits}g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 def _number(v, inf_ok: bool = False) -> bool:
     """A real number, not nan, finite unless inf_ok (bools excluded)."""
     return (isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .cost import size_text
 from .physgraph import Node, PhysGraph, gc_paused
 from .errors import MemoryBoundError, PlanError
 
@@ -73,18 +74,6 @@ def with_roots(graph: PhysGraph, outputs: dict[str, list[str]]) -> list[str]:
         roots.append(cls)
     graph.classes[ROOT] = [Node("Root", tuple(roots))]
     return [ROOT]
-
-
-def _size(nbytes: float) -> str:
-    """Bytes in the largest unit that keeps them >= 1, so tiny bounds do not print as 0.00 GiB.
-
-    >>> _size(80 * 2**30), _size(1536), _size(96)
-    ('80 GiB', '1.5 KiB', '96 B')
-    """
-    for unit, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= f:
-            return f"{nbytes / f:.3g} {unit}"
-    return f"{nbytes:.0f} B"
 
 
 def _total(choice: dict[str, Node]) -> tuple[float, float]:
@@ -474,8 +463,8 @@ def _greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None) 
                 break
             hi *= 4
         if best_fit is None:
-            raise MemoryBoundError(f"no plan fits the memory bound of {_size(memory_limit)} per device (the smallest "
-                            f"found needs {_size(_total(trial)[1])}); raise the cost model's memory_limit")
+            raise MemoryBoundError(f"no plan fits the memory bound of {size_text(memory_limit)} per device (the smallest "
+                            f"found needs {size_text(_total(trial)[1])}); raise the cost model's memory_limit")
         for _ in range(40):
             mid = (lo + hi) / 2
             trial = _best_of(graph, order, mid, False, skeleton)

@@ -16,14 +16,8 @@ import os
 import networkx as nx
 
 from .collectives import is_local
+from .cost import size_text
 from .plan import Collective, ComputeStep, Plan
-
-
-def _size(nbytes: float) -> str:
-    for unit, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= f:
-            return f"{nbytes / f:.3g} {unit}"
-    return f"{nbytes:.0f} B"
 
 
 def plan_graph(plan: Plan) -> nx.DiGraph:
@@ -59,7 +53,7 @@ def plan_graph(plan: Plan) -> nx.DiGraph:
                 g.add_edge(node, f"v:{v}", kind="data")
         elif isinstance(s, Collective):
             label = (s.kind if is_local(s.kind)  # a slice: no link, no bytes
-                     else f"{s.kind}[{s.mesh_axis_name}]\n{_size(s.bytes)}, {s.time * 1e6:.3g} µs")
+                     else f"{s.kind}[{s.mesh_axis_name}]\n{size_text(s.bytes)}, {s.time * 1e6:.3g} µs")
             g.add_edge(f"v:{s.src}", f"v:{s.dst}", kind="collective", coll=s.kind, axis=s.mesh_axis_name,
                        bytes=s.bytes, time=s.time, label=label)
     return g

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from .cost import size_text
 from .errors import PlanError
 from .ops import canonical_dtype
 from .plan import Plan, Step
@@ -67,11 +68,11 @@ class SplitPlan:
         lines = [f"split at {', '.join(self.late)}: the first part runs {len(self.first.steps)} of the "
                  f"{len(self.joint.steps)} steps, the second {len(self.second.steps)}; the first saves "
                  f"{len(self.saved)} value{'s' * (len(self.saved) != 1)} for the second "
-                 f"({_size(self.saved_bytes())} per device):"]
+                 f"({size_text(self.saved_bytes(), digits=4)} per device):"]
         for v in self.saved:
             reader = next((s for s in self.second.steps if v in s.reads), None)
             why = f"read by: {reader}" if reader is not None else "an output of the second part"
-            lines.append(f"  {v}  {self.joint.value_view(v).loop_str()}  {_size(_held(self.joint, v))}, {why}")
+            lines.append(f"  {v}  {self.joint.value_view(v).loop_str()}  {size_text(_held(self.joint, v), digits=4)}, {why}")
         return self.joint.explain() + "\n\n" + "\n".join(lines)
 
 
@@ -147,14 +148,6 @@ def _part(joint: Plan, steps: list[Step], outputs: dict[str, str], handed: dict[
     plan.memory = plan.memory_breakdown()["total"]  # as the memory model counts it: views are free
     plan.validate()
     return plan
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n:.4g} {unit}"
-        n /= 1024
-    return f"{n:.4g} GiB"
 
 
 def _held(plan: Plan, value: str) -> float:
