@@ -49,7 +49,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import EgraphDidError
-from .fusion import FusionDefinition
+from .fusion import FusionDefinition, replay
 from .ir import TensorView
 from .ops import SUPPORTED_DTYPES, canonical_dtype
 
@@ -299,7 +299,7 @@ class _Converter:
         kwargs = {k: self._value(v) for k, v in _by_schema(schema, node.args, node.kwargs).items()}
         if not _has_tensor(kwargs):
             return self._fold(node, kwargs)
-        fn = ATEN.get(node.target) or ATEN.get(getattr(node.target, "overloadpacket", None)) or self._in_place(node)
+        fn = mapping(node.target) or self._in_place(node)
         if fn is None:
             return self.unmapped(node, kwargs)
         return fn(self, **kwargs)
@@ -329,7 +329,7 @@ class _Converter:
         if overload is None:
             return None
         self._check_overwrite(node)
-        fn = ATEN.get(overload) or ATEN.get(pure)
+        fn = mapping(overload)  # its own, or its packet (pure)
         return fn or (lambda c, **kwargs: c.unmapped(node, kwargs, overload))
 
     def _check_overwrite(self, node) -> None:
@@ -396,7 +396,7 @@ class _Converter:
     def _fold(self, node, kwargs):
         """The node computed now by torch: every tensor it reads is known at export."""
         if torch.Tag.nondeterministic_seeded in node.target.tags:
-            mapped = ATEN.get(node.target) or ATEN.get(getattr(node.target, "overloadpacket", None))
+            mapped = mapping(node.target)
             if mapped is not None:  # dropout of a buffer: drawn at run time from the seed, never at export
                 return mapped(self, **kwargs)
             raise self.error("is random", "export the module in eval mode (module.eval()); a random op has no "
@@ -480,11 +480,8 @@ def _undropped(src: TorchFusion) -> TorchFusion:
     out.user_inputs, out._module, out.leaves, out.params = src.user_inputs, src._module, src.leaves, src.params
     out.output_skeleton, out.constants, out.training = src.output_skeleton, src.constants, False
     out.dropouts = src.dropouts
-    new = {id(t): out.define_tensor(t.shape, t.dtype, t.name) for t in src.fusion.inputs}
-    for e in src.fusion.exprs:
-        args = {k: new[id(v)] if isinstance(v, TensorView) else v for k, v in e.args}
-        res = args["x"] if e.op.name == "dropout" else out.fusion.emit(e.op.name, **args)
-        new |= {id(o): t for o, t in zip(e.outputs, res if isinstance(res, tuple) else (res,))}
+    out.fusion, out.ops, new = replay(src.fusion, lambda ops, e, args: args["x"] if e.op.name == "dropout"
+                                      else ops._fusion.emit(e.op.name, **args))
     seen: set[int] = set()
     for name, tv in src.fusion.outputs.items():
         tv = new[id(tv)]
@@ -566,6 +563,11 @@ def _output_names(spec, n: int) -> list[str]:
 # ---------------------------------------------------------------------- the table: ATen op -> fusion ops
 
 ATEN: dict[Any, Callable[..., Any]] = {}
+
+
+def mapping(target) -> Callable[..., Any] | None:
+    """The registered mapping of an ATen overload: its own, or its packet's (see maps); None if neither."""
+    return ATEN.get(target) or ATEN.get(getattr(target, "overloadpacket", None))
 
 
 def maps(*targets):
