@@ -412,6 +412,18 @@ class Plan:
         v = self.values[value]
         return layout_view(v.tensor, v.shape, canonical_dtype(v.dtype), v.layout, self.mesh, v.axes)
 
+    def local_shape(self, value: str, rank: int) -> tuple[int, ...]:
+        """The shape of `rank`'s shard of a plan value (its allocation: ceil-cut, uneven splits exact).
+
+        >>> import egraph_did as ed
+        >>> from egraph_did.models import row_sum
+        >>> plan = ed.optimize(row_sum(10, 3), ed.DeviceMesh.arange(4))  # x's 10 rows split over 4 ranks
+        >>> [plan.local_shape("x:S0", r) for r in range(4)]
+        [(3, 3), (3, 3), (3, 3), (1, 3)]
+        """
+        v = self.values[value]
+        return RankContext(self.mesh, rank).local_shape(Operand(v.shape, v.layout))
+
     def input_shape(self, name: str, rank: int | None = None, value: str | None = None) -> tuple[int, ...]:
         """The shape plan.run takes for input `name`: global (rank None), or `rank`'s local shard (of the
         layout of `value`, one of plan.inputs[name]; default the first it is loaded in); a viewed input's
@@ -423,8 +435,8 @@ class Plan:
         >>> plan.input_shape("x"), plan.input_shape("x", 3)  # rows 3, 3, 3, 1
         ((10, 3), (1, 3))
         """
-        val = self.values[value or self.inputs[name][0]]
-        local = val.shape if rank is None else RankContext(self.mesh, rank).local_shape(Operand(val.shape, val.layout))
+        value = value or self.inputs[name][0]
+        local = self.values[value].shape if rank is None else self.local_shape(value, rank)
         if name not in self.views:
             return local
         return self.views[name].shape if rank is None else self.views[name].local_shape(local)
@@ -448,9 +460,8 @@ class Plan:
         """
         if name not in self.views:
             return tensor
-        val = self.values[value or self.inputs[name][0]]
-        shape = val.shape if rank is None else RankContext(self.mesh, rank).local_shape(Operand(val.shape, val.layout))
-        return tensor.reshape(shape)
+        value = value or self.inputs[name][0]
+        return tensor.reshape(self.values[value].shape if rank is None else self.local_shape(value, rank))
 
     def deliver_view(self, name: str, tensor, rank: int | None = None):
         """Output `name` as the user pinned it from the plan's value (global, or `rank`'s local shard): itself,

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from .errors import EgraphDidError, PlanError, ShapeError, ShardingError
 from .layout import Layout
 from . import collectives
-from .lowering.communication import (axis_group, check_world, world_key, ensure_groups, gather_to_all, local_shape,
+from .lowering.communication import (axis_group, check_world, world_key, ensure_groups, gather_to_all,
                                      run_collective, check_shard)
 from .lowering.graphs import run_graphed
 from .lowering.program import SegmentFailed, program_for, program_inputs
@@ -199,7 +199,16 @@ def _plan_indices(plan: Plan, name: str, value: str, rank: int) -> list[list[int
 def _dtensor_agrees(plan: Plan, name: str, value: str, placements) -> bool:
     """Whether DTensor `placements` hold what the plan's `value` holds on every rank: the same pending
     reductions on the same mesh axes, the same elements in the same order (decided alike on every rank:
-    the fallback is collective)."""
+    the fallback is collective). Cached on the plan: binding compares every rank's indices, and a
+    parallelized module binds its DTensors on every call."""
+    cache = plan.__dict__.setdefault("_dtensor_agrees", {})
+    key = (name, value, tuple(placements))
+    if key not in cache:
+        cache[key] = _agrees(plan, name, value, placements)
+    return cache[key]
+
+
+def _agrees(plan: Plan, name: str, value: str, placements) -> bool:
     layout = plan.values[value].layout
     if len(placements) != len(layout):
         return False
@@ -332,7 +341,7 @@ def _global_of(plan: Plan, value: str, local: torch.Tensor, timeout: float | Non
     """The whole tensor of a value on every rank: every rank's shard gathered, partials summed."""
     if plan.values[value].layout.is_replicated:
         return local
-    pieces = gather_to_all(local, [local_shape(plan, value, r) for r in sorted(plan.mesh.ranks)], timeout)
+    pieces = gather_to_all(local, [plan.local_shape(value, r) for r in sorted(plan.mesh.ranks)], timeout)
     val = plan.values[value]
     return unshard(pieces, val.layout, plan.mesh, val.shape, val.tensor)
 

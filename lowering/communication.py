@@ -21,7 +21,6 @@ from egraph_did.collectives import AxisGroup, from_wire, padded, to_wire, wait
 from egraph_did.errors import PlanError, ShapeError
 from egraph_did.mesh import DeviceMesh
 from egraph_did.plan import Collective, Plan
-from egraph_did.shards import Operand, RankContext
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -140,19 +139,6 @@ def gather_to_all(t: torch.Tensor, shapes: Sequence[Sequence[int]], timeout: flo
     return [out[r * chunk: r * chunk + sizes[r]].reshape(tuple(shapes[r])).clone() for r in range(world)]
 
 
-def local_shape(plan: Plan, value: str, rank: int) -> tuple[int, ...]:
-    """The shape of `rank`'s shard of a plan value (its allocation: ceil-cut, uneven splits exact).
-
-    >>> import egraph_did as ed
-    >>> from egraph_did.models import row_sum
-    >>> plan = ed.optimize(row_sum(10, 3), ed.DeviceMesh.arange(4))  # x's 10 rows split over 4 ranks
-    >>> [local_shape(plan, "x:S0", r) for r in range(4)]
-    [(3, 3), (3, 3), (3, 3), (1, 3)]
-    """
-    v = plan.values[value]
-    return RankContext(plan.mesh, rank).local_shape(Operand(v.shape, v.layout))
-
-
 def run_collective(plan: Plan, c: Collective, local: torch.Tensor, rank: int, *,
                    timeout: float | None = None) -> torch.Tensor:
     """This rank's result of collective `c`, given this rank's shard of c.src: exactly
@@ -187,11 +173,11 @@ def check_shard(plan: Plan, c: Collective, local: torch.Tensor, rank: int) -> No
     ...
     egraph_did.errors.ShapeError: reduce_scatter[x] y: rank 0 holds a shard of shape (3,), but y:P's layout gives it (8,)
     """
-    want = local_shape(plan, c.src, rank)
+    want = plan.local_shape(c.src, rank)
     if tuple(local.shape) != want:
         raise ShapeError(f"{c.kind}[{c.mesh_axis_name}] {c.tensor}: rank {rank} holds a shard of shape "
                          f"{tuple(local.shape)}, but {c.src}'s layout gives it {want}")
 
 
-__all__ = ["AxisGroup", "axis_group", "ensure_groups", "check_world", "world_key", "gather_to_all", "local_shape",
+__all__ = ["AxisGroup", "axis_group", "ensure_groups", "check_world", "world_key", "gather_to_all",
            "run_collective", "check_shard"]

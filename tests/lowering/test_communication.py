@@ -68,7 +68,7 @@ def local_inputs(plan: Plan, seed, dtype=torch.float32) -> dict[int, torch.Tenso
     g = torch.Generator().manual_seed(zlib.crc32(repr(seed).encode()))
     out = {}
     for r in sorted(plan.mesh.ranks):
-        shape = comm.local_shape(plan, "src", r)
+        shape = plan.local_shape("src", r)
         out[r] = torch.randint(-50, 50, shape, generator=g).to(dtype)
     return out
 
