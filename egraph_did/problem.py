@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 
 from egraph_did.rewrites import AxisStrategy, Operand, OpView, axis_strategies, collective_matmul
-from egraph_did.rewrites.collective_matmul import add_ring_strategies
+from egraph_did.rewrites.collective_matmul import add_ring_strategies, unringed
 
 from .cost import CostModel
 from .errors import PlanError
@@ -20,7 +20,7 @@ from .expand import expand
 from .fusion import Expr, Fusion, Ops, as_fusion, replay
 from .ir import TensorView
 from .collectives import RING_FLAGS
-from .layout import P, R, Layout, canonical_layout, is_valid, valid_layouts
+from .layout import Layout, canonical_layout, is_valid, valid_layouts
 from .physgraph import gc_paused
 from .pins import layout_of
 from .shards import local_extents
@@ -414,7 +414,7 @@ def _restrict_to(problem: Problem, like) -> None:
         for flag, axes in s.flags:  # a ring: the plain GEMM it replaced serves where these shapes cannot ring
             if flag in RING_FLAGS and not any(
                     (t.inputs, t.outputs) == (ins, outs) for t in problem.strategies.get(key, ())):
-                used[key].add(_unringed(RING_FLAGS[flag].name, ins, outs, axes[0]))
+                used[key].add(unringed(RING_FLAGS[flag].name, ins, outs, axes[0]))
     for key, strats in problem.strategies.items():
         keep = used.get(key, set())
         problem.strategies[key] = [s for s in strats if (s.inputs, s.outputs) in keep]
@@ -422,14 +422,6 @@ def _restrict_to(problem: Problem, like) -> None:
             problem.strategies[key][i] = dataclasses.replace(s, sid=i)
     for name, vals in like.inputs.items():
         problem.input_layouts[name] = [canonical_layout(like.values[v].layout, problem.mesh) for v in vals]
-
-
-def _unringed(ring: str, ins: tuple, outs: tuple, m: int) -> tuple[tuple, tuple]:
-    """The (inputs, outputs) layouts of the plain GEMM a ring over mesh axis m replaced: x whole on m before
-    an allgather_matmul, y pending a sum on m before a matmul_reduce_scatter (rewrites/collective_matmul.py)."""
-    if ring == "allgather_matmul":
-        return (ins[0].replace(m, R), *ins[1:]), outs
-    return ins, (outs[0].replace(m, P), *outs[1:])
 
 
 __all__ = ["Problem", "Strategy", "build_problem", "expr_strategies", "signature", "clone_fusion", "REDUCING_COMPOSITES"]

@@ -85,6 +85,20 @@ def matmul_reduce_scatter(x, y, lx: Layout, ly: Layout, m: int, n: int):
     return [_with(ly, m, S(a)) for a in range(len(y.shape) - 1) if _cuttable(y.shape, [ly, lx], m, a, n)]
 
 
+def unringed(ring: str, ins: tuple, outs: tuple, m: int) -> tuple[tuple, tuple]:
+    """The (inputs, outputs) layouts of the plain GEMM a ring over mesh axis m replaced (the rule read
+    backwards): x whole on m before an allgather_matmul, y pending a sum on m before a matmul_reduce_scatter.
+    A replay (like=) at shapes a ring cannot cut keeps that GEMM.
+
+    >>> x, w, y = Layout((S(0),)), Layout((R,)), Layout((R,))  # x split on its rows on mesh axis 0
+    >>> [[str(lay) for lay in side] for side in unringed("allgather_matmul", (x, w), (y,), 0)]
+    [['[R]', '[R]'], ['[R]']]
+    """
+    if ring == "allgather_matmul":
+        return (ins[0].replace(m, R), *ins[1:]), outs
+    return ins, (outs[0].replace(m, P), *outs[1:])
+
+
 # ---------------------------------------------------------------------- the strategies (Python: the spec, priced)
 
 def _eligible(e) -> bool:
@@ -203,4 +217,4 @@ def egglog_rules(shape: tuple[int, ...]):
 
 
 __all__ = ["NAME", "RULES", "RingsOn", "add_ring_strategies", "allgather_matmul", "egglog_rules", "matmul_reduce_scatter",
-           "ring_rule", "ring_strategy"]
+           "ring_rule", "ring_strategy", "unringed"]
