@@ -200,6 +200,7 @@ class CountingCommMode:
             def __init__(self):
                 super().__init__()
                 self.records: list[Record] = []
+                self.advanced_module_tracker = _OnceHookedTracker()
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -213,6 +214,39 @@ class CountingCommMode:
                 return out
 
         return _Mode()
+
+
+def _OnceHookedTracker():
+    """CommDebugMode's module tracker, made safe for modules that share a name. Its pre-hook registers a
+    post-hook on the module at each call and keeps the handles in a dict keyed by the module's name, so
+    of two modules named alike only the last one's hook is removed on exit: the other's stays on the
+    module and pops the parent stack of the next CommDebugMode, which fails (IndexError) or misnames
+    modules. transformers 5.25 wraps apply_rotary_pos_emb as a module ("Func", new instances per call,
+    some kept). This one keeps one post-hook per module object and removes all of them on exit."""
+    import weakref
+
+    from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker
+
+    class Tracker(_CommModeModuleTracker):
+        def __enter__(self):
+            self.post_hook_of = weakref.WeakKeyDictionary()  # module -> the one post-hook it has from us
+            return super().__enter__()
+
+        def _fw_pre_hook(self, mod, input):
+            if mod in self.post_hook_of:
+                self.post_hook_of.pop(mod).remove()
+            before = set(mod._forward_hooks)
+            super()._fw_pre_hook(mod, input)
+            handle = self.register_forward_hook_handles.get(self.name)
+            if handle is not None and handle.id in set(mod._forward_hooks) - before:
+                self.post_hook_of[mod] = handle
+
+        def __exit__(self, *args):
+            super().__exit__(*args)
+            for handle in list(self.post_hook_of.values()):
+                handle.remove()
+
+    return Tracker()
 
 
 def _record(kind: str, args, out, module: str) -> Record:

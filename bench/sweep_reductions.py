@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from bench.kernels import build, cases, rel_err  # noqa: E402
+from bench.kernel_speed import build, cases, rel_err  # noqa: E402
 from egraph_did.lowering import schedulers as sch  # noqa: E402
 from egraph_did.lowering.segment import spec_from_fusion  # noqa: E402
 

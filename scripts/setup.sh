@@ -13,7 +13,7 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     .venv/bin/pip install --quiet "torch==2.13.0"
 fi
 # the models extra (transformers) lets the tests run the Hugging Face models; egraph_did never needs it
-.venv/bin/pip install --quiet -e '.[test,models]' 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/pip install --quiet -c scripts/constraints.txt -e '.[test,models]' 2>&1 | grep -v "^WARNING: Location" || true
 # torchtitan's Llama3 model and its parallelize code, for tests/face/test_torchtitan.py and bench/compare_tp.py.
 # --no-deps: torchtitan declares its trainer's dependencies (datasets, wandb, tensorboard, ...), which the model
 # and parallelize modules never import; these four are all that `import torchtitan.models.llama3` needs

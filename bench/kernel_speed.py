@@ -5,8 +5,8 @@ named in the table). Times are medians of triton.testing.do_bench (CUDA events);
 input read once and each output written once; "copy" is a device-to-device copy of one bf16 [M, N]
 tensor measured in the same run (read + write), the ceiling for memory-bound kernels.
 
-    python bench/kernels.py                 # on the GPU: bf16 [16384, 12288]
-    python bench/kernels.py --small         # anywhere: tiny shapes, correctness only (TRITON_INTERPRET on CPU)
+    python bench/kernel_speed.py                 # on the GPU: bf16 [16384, 12288]
+    python bench/kernel_speed.py --small         # anywhere: tiny shapes, correctness only (TRITON_INTERPRET on CPU)
 """
 from __future__ import annotations
 
