@@ -695,6 +695,18 @@ def cast(x, dtype):
     return [OutSpec(x.shape, dt, x.axes)]
 
 
+# The backward reads a forward value through saved(t) (egraph_did/grad.py): the marker of "kept from the
+# forward for the backward", which the memory model of a training step prices (plan.StepMemory) and the
+# program rewrite recompute (rewrites/recompute.py) may replace by recomputing t. Its local result is t
+# itself: no kernel, no time of its own.
+@op("saved", "pointwise", lambda x: x, arity=1, template="{x}", metadata_only=True,
+    vjp=lambda ops, g, out, x: {"x": g})
+def saved(x):
+    """x, as kept from a training step's forward for its backward (an alias of x)."""
+    x = _need_tensor("saved", "x", x)
+    return [OutSpec(x.shape, x.dtype, x.axes)]
+
+
 def _causal_mask_ref(x, offset=0):
     s_q, s_k = x.shape[-2], x.shape[-1]
     keep = torch.ones(s_q, s_k, dtype=torch.bool, device=x.device).tril(offset)
