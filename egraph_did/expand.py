@@ -15,8 +15,9 @@ from typing import Iterable
 
 from egglog import EGraph
 
-from egraph_did.rewrites import collective_matmul
+from egraph_did.rewrites import collective_matmul, recompute  # noqa: F401  (recompute registers its rewrite)
 from egraph_did.rewrites.algebra import REWRITES, Bucket, Member, Merge, MergedB, MergedW, MergedY, Rewrote, rewrite_ruleset
+from egraph_did.rewrites.recompute import Keepable, Kept
 from egraph_did.rewrites.sorts import OPS_SORT, Def, Lit, ShapeOf, Shp, T, shape_code
 
 from .egglog_io import frozen_rows, held_string, run_text, string_term
@@ -70,11 +71,11 @@ def check_rewrites(rewrites) -> tuple[str, ...]:
     """The program rewrites to apply, by name: all of them for None, none for ().
 
     >>> check_rewrites(None)
-    ('bucket_pair', 'collective_matmul', 'merge_siblings', 'sum_partials_first')
+    ('bucket_pair', 'collective_matmul', 'merge_siblings', 'recompute', 'sum_partials_first')
     >>> check_rewrites(["sum_partial_first"])
     Traceback (most recent call last):
     ...
-    egraph_did.errors.PlanError: optimize: unknown program rewrite 'sum_partial_first'; rewrites= takes names from ['bucket_pair', 'collective_matmul', 'merge_siblings', 'sum_partials_first'] (None: all of them, (): none)
+    egraph_did.errors.PlanError: optimize: unknown program rewrite 'sum_partial_first'; rewrites= takes names from ['bucket_pair', 'collective_matmul', 'merge_siblings', 'recompute', 'sum_partials_first'] (None: all of them, (): none)
     """
     if rewrites is None:
         return ALL_REWRITES
@@ -95,7 +96,8 @@ def _template(names: tuple[str, ...]):
     rules = rewrite_ruleset(names)
     eg = EGraph()
     junk = Lit("declare")  # a class no program names: read back never emits a term that uses it
-    eg.register(ShapeOf(junk, Shp("declare")), Rewrote(junk, "declare"), Def(T("declare"), junk), Bucket(*[junk] * 8),
+    # ShapeOf on a class of its own: on junk (which every op's term joins) recompute's Kept would grow terms
+    eg.register(ShapeOf(Lit("declare-shape"), Shp("declare")), Rewrote(junk, "declare"), Def(T("declare"), junk), Bucket(*[junk] * 8), Kept(junk), Keepable(junk),
                 Merge(-1, junk, -1, *[junk] * 4), Member(-1, -1, *[junk] * 8), MergedW(-1, -1), MergedB(-1, -1), MergedY(-1),
                 *[Def(junk, OPS_SORT[op](*[junk] * len(OPS[op].signature.parameters))) for op in sorted(OPS_SORT)])
     eg.run(1, ruleset=rules)

@@ -158,6 +158,7 @@ def _backward(src: Fusion, ops: Ops, new: dict, need: set[int], loss: str, where
     # a constant: the backward reads the loss only where its ops do (a seed computed from the loss would
     # make every gradient depend on the forward's output, and order collectives that need not be)
     grads: dict[int, TensorView] = {id(src.outputs[loss]): ops.full(tuple(seed.shape), 1.0, seed.dtype)}
+    keep = _keeper(ops, {id(new[id(t)]) for t in src.inputs})
     for e in reversed(src.exprs):
         gs = [grads.get(id(o)) for o in e.outputs]
         wanted = [(p, v) for p, v in e.args if isinstance(v, TensorView) and id(v) in need]
@@ -169,7 +170,9 @@ def _backward(src: Fusion, ops: Ops, new: dict, need: set[int], loss: str, where
                              f"respect to inputs that do not reach it, or express it with differentiable ops")
         outs = tuple(new[id(o)] for o in e.outputs)
         single = len(outs) == 1
-        got = e.op.vjp(ops, gs[0] if single else tuple(gs), outs[0] if single else outs, **_bind(e, new))
+        outs = tuple(keep(o) for o in outs)
+        got = e.op.vjp(ops, gs[0] if single else tuple(gs), outs[0] if single else outs,
+                       **{k: keep(v) for k, v in _bind(e, new).items()})
         for p, v in wanted:
             g = got.get(p)
             assert g is not None, f"vjp of {e.op.name} gave no gradient for {p} ({v.name}) in `{e}`"
@@ -179,6 +182,22 @@ def _backward(src: Fusion, ops: Ops, new: dict, need: set[int], loss: str, where
             prev = grads.get(id(v))
             grads[id(v)] = g if prev is None else ops.add(prev, g)
     return grads
+
+
+def _keeper(ops: Ops, inputs: set[int]):
+    """keep(v): what the backward reads for the forward value v: saved(v), one marker per value, so that
+    the memory model prices what the forward keeps for the backward and the recompute rewrite
+    (rewrites/recompute.py) may compute it again instead; an input (held for the whole step anyway) or
+    a literal as it is."""
+    kept: dict[int, TensorView] = {}
+
+    def keep(v):
+        if not isinstance(v, TensorView) or id(v) in inputs:
+            return v
+        if id(v) not in kept:
+            kept[id(v)] = ops.saved(v)
+        return kept[id(v)]
+    return keep
 
 
 def _live_copy(work: Fusion, results: dict[str, TensorView], names: dict[str, TensorView] | None = None
