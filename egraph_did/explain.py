@@ -28,14 +28,40 @@ def explain_plan(plan) -> str:
 
 def _memory(plan) -> list[str]:
     """Per-device bytes by category (plan.memory_breakdown), for a plan of a training step: one that takes
-    weights (inputs it outputs again as next.<name>); nothing for other plans."""
+    weights (inputs it outputs again as next.<name>) or reads saved activations; nothing for other plans.
+    Where the plan recomputes values in the backward, which ones and the bound that forced it."""
     mem = plan.memory_breakdown()
-    if not mem["weights"]:
+    if not mem["weights"] and "saved activations" not in mem:
         return []
     bound = plan.cost_model.memory_limit
-    lines = [f"memory per device (every value the plan holds; bound {'none' if bound is None else _mib(bound)}):"]
-    lines += [f"  {k:<18} {_mib(v)}" for k, v in mem.items()]
-    return lines + [""]
+    bound_text = "none" if bound is None else _mib(bound).strip()
+    if "saved activations" in mem:
+        head = (f"memory per device (held across the step: persistent values and the activations saved for "
+                f"the backward; transients not counted; bound {bound_text}):")
+    else:
+        head = f"memory per device (every value the plan holds; bound {bound_text}):"
+    lines = [head] + [f"  {k:<18} {_mib(v)}" for k, v in mem.items()]
+    return lines + _recomputed(plan, mem, bound) + [""]
+
+
+def _recomputed(plan, mem: Mapping[str, float], bound) -> list[str]:
+    """The values the backward recomputes instead of reading them saved (rewrites/recompute.py), their
+    bytes, and why: the memory bound that saving them would break."""
+    rewritten = getattr(plan, "rewrites", {})
+    redone = [s for s in plan.steps if s.kind == "compute" and rewritten.get(s.key) == "recompute"]
+    kept_for = [v for s in redone for v in s.outputs if plan.values[v].tensor != s.key]  # a saved value's class
+    if not redone:
+        return []
+    spared = sum(plan.held_bytes(v) for v in kept_for)
+    names = ", ".join(plan.values[v].tensor for v in kept_for) or "none"
+    lines = [f"  recomputed in the backward: {len(redone)} step(s); instead of saving {names} "
+             f"({_mib(spared).strip()})"]
+    if bound is not None and plan.memory + spared > bound:
+        lines.append(f"  the memory bound of {_mib(bound).strip()} forced it: saving them would hold "
+                     f"{_mib(plan.memory + spared).strip()} per device")
+    elif bound is not None:
+        lines.append(f"  chosen under the memory bound of {_mib(bound).strip()} (the plan's cheapest within it)")
+    return lines
 
 
 def _mib(n: float) -> str:

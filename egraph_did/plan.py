@@ -36,6 +36,38 @@ FORMAT = f"{FORMAT_NAME}/{FORMAT_VERSION}"
 
 # names ed.training_step gives (egraph_did/grad.py; the plan layer does not import it): memory_breakdown reads them
 NEXT_PREFIX, GRAD_PREFIX = "next.", "grad_"
+SAVE_OP, RECOMPUTE = "saved", "recompute"  # grad's marker op (ops.py) and the rewrite replacing it (rewrites/recompute.py)
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """The memory model of a training step (a fusion whose backward reads forward values through the
+    `saved` marker, as ed.grad and ed.training_step make it): what one device holds across the step.
+
+    - persistent: the inputs, the outputs and the gradients (`grad_<p>`), in every layout the plan holds
+      them (as the plain model counts them: FSDP's gathered weight counts);
+    - saved activations: each `saved(t)` the plan keeps, t's bytes in the layout it keeps it (nothing for
+      a persistent t: it is held anyway);
+    - transient: everything else (forward and backward temporaries, values recomputed in the backward):
+      not counted; they live inside a phase of the step, and the largest one is reported beside.
+
+    Linear in the chosen nodes, so both extractors bound it (each node's `memory` weight: optimize.price).
+    A plan of another fusion keeps the plain model: every value it holds, for the whole step.
+
+    >>> m = StepMemory(frozenset({"x", "w", "loss"}))
+    >>> m.counts("w"), m.counts("h"), m.counts("saved_3", SAVE_OP, "h"), m.counts("saved_4", SAVE_OP, "x")
+    (True, False, True, False)
+    >>> m.counts("gelu_9", "gelu"), m.counts("grad_w", "matmul")
+    (False, True)
+    """
+
+    persistent: frozenset
+
+    def counts(self, tensor: str, op: str | None = None, operand: str | None = None) -> bool:
+        """Whether a value of `tensor` (made by `op` from `operand`, for a compute step) is held across the step."""
+        if tensor in self.persistent or tensor.startswith(GRAD_PREFIX):
+            return True
+        return op == SAVE_OP and operand not in self.persistent and not (operand or "").startswith(GRAD_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -276,9 +308,14 @@ class Plan:
         return sum(1 for c in self.collectives if c.kind == kind)
 
     def memory_breakdown(self) -> dict[str, float]:
-        """Bytes one device holds, by category: the plan's values summed as the memory model sums them
-        (every value the plan holds, the largest shard of each, views of another value at no bytes; no
-        liveness: a value is held for the whole step), grouped by tensor name; "total" is their sum.
+        """Bytes one device holds, by category, summed as the memory model the plan was optimized under
+        sums them (the largest shard of each value, views of another value at no bytes), grouped by tensor
+        name; "total" is their sum (plan.memory).
+
+        Two models: a training step whose backward reads forward values through ed.grad's `saved` marker
+        is priced by StepMemory (what lives across the step: persistent values, and the activations saved
+        for the backward; transients not counted, "largest transient" reports the largest, outside the
+        total); any other plan holds every value for the whole step (no liveness).
 
         Categories are recognized from names alone, as ed.training_step makes them:
           weights     an input `p` the plan also outputs as `next.p` (and `next.p` itself), unless a
@@ -287,8 +324,10 @@ class Plan:
                       where `p` is a weight (and the `next.` outputs);
           gradients   the tensors named `grad_<p>` (training_step names each weight's gradient so; ed.grad
                       outputs them so);
-          activations/other  everything else: data, activations saved or not, the update's temporaries,
-                      the `step` counter.
+          saved activations  (a training step) the values the forward keeps for the backward: `saved` steps
+                      the plan runs rather than recomputing them (rewrites/recompute.py);
+          activations/other  everything else counted: data, outputs, the `step` counter (and, in the plain
+                      model, every activation and temporary).
         A plan of another fusion has weights, states and gradients only where its names say so.
 
         >>> import torch, egraph_did as ed
@@ -302,8 +341,10 @@ class Plan:
         >>> mem = plan.memory_breakdown()
         >>> mem["weights"] >= 2 * 2 * 64 * 16 * 4, mem["total"] == plan.memory  # w1, w2, next.w1, next.w2 whole
         (True, True)
+        >>> mem["saved activations"]  # h = x w1^T, gelu(h) and the loss's difference, a quarter of the tokens each
+        5120.0
         >>> sorted(mem)
-        ['activations/other', 'gradients', 'optimizer states', 'total', 'weights']
+        ['activations/other', 'gradients', 'largest transient', 'optimizer states', 'saved activations', 'total', 'weights']
         """
         carried = {n for n in self.inputs if NEXT_PREFIX + n in self.outputs}
         states = {n for n in carried if "." in n and n.split(".", 1)[1] in carried}  # '<state>.<p>': no dot in <state>
@@ -318,15 +359,55 @@ class Plan:
             if tensor.startswith(GRAD_PREFIX):
                 return "gradients"
             return "activations/other"
+        model = self.step_memory()
         out = dict.fromkeys(("weights", "gradients", "optimizer states", "activations/other"), 0.0)
-        views = {v for s in self.compute_steps if OPS[s.op].metadata_only for v in s.outputs}
+        if model is not None:
+            out.update({"saved activations": 0.0})
+        transient = 0.0
+        made = {v: s for s in self.compute_steps for v in s.outputs}
         for v in self.values.values():
-            if v.name in views:
-                continue  # a reshape, expand or other view: the memory model prices it at no bytes
-            held = math.prod(local_extents(v.shape, v.layout, self.mesh)) * canonical_dtype(v.dtype).itemsize
-            out[category(v.tensor)] += held
+            held = self.held_bytes(v.name)
+            s = made.get(v.name)
+            if model is None:
+                if s is None or not OPS[s.op].metadata_only:  # a view: the memory model prices it at no bytes
+                    out[category(v.tensor)] += held
+                continue
+            operand = self.values[s.reads[0]].tensor if s is not None and s.op == SAVE_OP else None
+            if not model.counts(v.tensor, s and s.op, operand):
+                transient = max(transient, 0.0 if s is not None and OPS[s.op].metadata_only else held)
+            elif operand is not None:
+                out["saved activations"] += held
+            elif s is None or not OPS[s.op].metadata_only:
+                out[category(v.tensor)] += held
         out["total"] = sum(out.values())
+        if model is not None:
+            out["largest transient"] = transient
         return out
+
+    def held_bytes(self, value: str) -> float:
+        """Bytes of the largest shard of a value: what one device holds of it.
+
+        >>> import egraph_did as ed
+        >>> from egraph_did.models import row_sum
+        >>> plan = ed.optimize(row_sum(8, 64), ed.DeviceMesh.arange(4))
+        >>> plan.held_bytes(plan.inputs["x"][0])  # x [8, 64] float32, its rows split over 4
+        512
+        """
+        v = self.values[value]
+        return math.prod(local_extents(v.shape, v.layout, self.mesh)) * canonical_dtype(v.dtype).itemsize
+
+    def step_memory(self) -> StepMemory | None:
+        """The memory model of a training step (StepMemory) where the plan is one: its backward reads
+        forward values through the `saved` marker, kept or recomputed; None for other plans.
+
+        >>> import egraph_did as ed
+        >>> from egraph_did.models import row_sum
+        >>> ed.optimize(row_sum(8, 64), ed.DeviceMesh.arange(4)).step_memory() is None
+        True
+        """
+        if not any(s.op == SAVE_OP for s in self.compute_steps) and RECOMPUTE not in self.rewrites.values():
+            return None
+        return StepMemory(frozenset(list(self.inputs) + [self.values[v].tensor for v in self.outputs.values()]))
 
     def layout_of(self, tensor: str) -> Layout:
         """The layout a tensor is pinned to, or else produced (or, for an output, delivered) in."""
