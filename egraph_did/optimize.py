@@ -18,7 +18,7 @@ from .extract import ROOT, Selection, exact, greedy_dag, with_roots
 from .layout import Layout, R
 from .mesh import DeviceMesh
 from .pins import PinView, view_pins
-from .plan import Collective, ComputeStep, Plan, Value, check_optimize_args
+from .plan import SAVE_OP, Collective, ComputeStep, Plan, StepMemory, Value, check_optimize_args
 from .grad import NEXT
 from .problem import Problem, build_problem
 
@@ -49,6 +49,34 @@ def price(graph: PhysGraph, problem: Problem) -> None:
                 n.cost, nbytes = collective_cost(problem, n.key, n.sid, t, Layout.from_code(src),
                                                  Layout.from_code(dst))
                 n.memory = problem.nbytes(t, Layout.from_code(dst))
+    model = step_memory(problem)
+    if model is not None:
+        for cls, nodes in graph.classes.items():
+            for n in nodes:
+                n.memory = _held(graph, problem, model, cls, n)
+
+
+def step_memory(problem: Problem) -> StepMemory | None:
+    """The memory model of a training step (plan.StepMemory), where the backward reads forward values
+    through the saved marker (ed.grad's); None for other fusions: every value counts, for the whole step."""
+    if not any(e.op.name == SAVE_OP for e in problem.exprs.values()):
+        return None
+    f = problem.fusion
+    return StepMemory(frozenset([t.name for t in f.inputs] + [t.name for t in f.outputs.values()]))
+
+
+def _held(graph: PhysGraph, problem: Problem, model: StepMemory, cls: str, n: Node) -> float:
+    """A node's bytes under the step's memory model: its class's bytes where they are held across the step."""
+    if n.op != "Apply":
+        return n.memory if cls not in graph.ident or model.counts(graph.ident[cls][0]) else 0.0
+    e = problem.exprs[n.key]
+    if cls not in graph.ident:  # a multi-output op's tuple class
+        return n.memory if any(model.counts(o.name) for o in e.outputs) else 0.0
+    t, lay, _ = graph.ident[cls]
+    operand = graph.ident[n.children[0]][0] if e.op.name == SAVE_OP else None
+    if not model.counts(t, e.op.name, operand):
+        return 0.0
+    return problem.nbytes(t, Layout.from_code(lay)) if e.op.name == SAVE_OP else n.memory
 
 
 def collective_cost(problem: Problem, kind: str, axis: int, tensor: str, src: Layout, dst: Layout
