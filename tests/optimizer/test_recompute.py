@@ -1,0 +1,109 @@
+"""Golden plans of recomputation (issue 10 item 2): a training step's backward reads forward values through
+ed.grad's `saved` marker, and the recompute rewrite (rewrites/recompute.py) offers each as computed again
+from kept operands. The memory model of a training step (plan.StepMemory) counts what lives across the step
+(weights, gradients, moments, data, and the saved activations), so recomputing a value lowers memory and
+costs time: the extractor picks per tensor under the memory bound."""
+import pytest
+import torch
+
+import egraph_did as ed
+from egraph_did import models
+from egraph_did.errors import MemoryBoundError
+from egraph_did.layout import Layout, R, S
+from egraph_did.pins import apply_layout
+
+BF16, F64 = torch.bfloat16, torch.float64
+MESH = ed.DeviceMesh.arange(4)
+SHAPE = (16384, 1024)  # tokens, hidden: 4 ranks split 16384 tokens; h and gelu(h) [4096, 4096] bf16 per rank
+
+
+def mlp_step(tokens, hidden, dtype):
+    """The MLP training step (AdamW), data parallel: x and target split over tokens, weights and moments
+    replicated (DDP), so the activations are what a bound can take."""
+    fd = models.mlp_training_step(tokens, hidden, dtype)
+    for n in ("x", "target"):
+        apply_layout(fd[n], Layout((S(0),)), MESH)
+    for n in ("w1", "w2"):
+        for t in (n, f"next.{n}", f"exp_avg.{n}", f"exp_avg_sq.{n}", f"next.exp_avg.{n}", f"next.exp_avg_sq.{n}"):
+            apply_layout(fd[t], Layout((R,)), MESH)
+    return fd
+
+
+def recomputed(plan) -> list[str]:
+    return sorted(s.key for s in plan.compute_steps if plan.rewrites.get(s.key) == "recompute")
+
+
+def saved_tensors(plan) -> list[str]:
+    return [plan.values[s.reads[0]].tensor for s in plan.compute_steps if s.op == "saved"]
+
+
+@pytest.fixture(scope="module")
+def free():
+    return ed.optimize(mlp_step(*SHAPE, BF16), MESH)
+
+
+def test_without_a_bound_every_activation_is_saved(free):
+    """Saving costs no time, recomputing does: with no bound the plan saves h = x w1^T, gelu(h) and the
+    loss's difference, and recomputes nothing."""
+    assert recomputed(free) == []
+    mem = free.memory_breakdown()
+    assert mem["total"] == free.memory
+    per_rank = SHAPE[0] // 4
+    assert mem["saved activations"] == 2 * per_rank * 4 * SHAPE[1] * 2 + per_rank * SHAPE[1] * 2
+    assert "recomputed" not in free.explain()
+
+
+def test_a_bound_below_the_saved_activations_recomputes_gelu(free):
+    """A bound that cannot hold both of the MLP's activations: the plan keeps h and recomputes gelu(h) in the
+    backward (a pointwise kernel, far cheaper than the GEMM that would recompute h), fits the bound, and
+    explain says the bound forced it."""
+    mem = free.memory_breakdown()
+    gelu_bytes = SHAPE[0] // 4 * 4 * SHAPE[1] * 2
+    bound = free.memory - gelu_bytes / 2
+    plan = ed.optimize(mlp_step(*SHAPE, BF16), MESH, ed.CostModel.h200(memory_limit=bound))
+    assert plan.memory <= bound
+    assert [s.op for s in plan.compute_steps if plan.rewrites.get(s.key) == "recompute"] == ["gelu"]
+    got = plan.memory_breakdown()
+    assert got["saved activations"] == mem["saved activations"] - gelu_bytes
+    assert got["weights"] == mem["weights"] and got["optimizer states"] == mem["optimizer states"]
+    # no worse than needed: one gelu more than the free plan, nothing else
+    extra = plan.predicted_time - free.predicted_time
+    assert 0 < extra < 0.1 * free.predicted_time
+    text = plan.explain()
+    assert "recomputed in the backward" in text and "forced it" in text
+
+
+def test_a_tighter_bound_recomputes_the_gemm_too(free):
+    """Below h's bytes as well: the plan recomputes h = x w1^T (from x and w1, held anyway) and gelu(h)."""
+    per_rank = SHAPE[0] // 4
+    bound = free.memory - 2 * per_rank * 4 * SHAPE[1] * 2 + 1
+    plan = ed.optimize(mlp_step(*SHAPE, BF16), MESH, ed.CostModel.h200(memory_limit=bound))
+    assert plan.memory <= bound
+    redone = [s.op for s in plan.compute_steps if plan.rewrites.get(s.key) == "recompute" and s.op != "saved"]
+    assert sorted(redone) == ["gelu", "linear"]  # (and the saved marks of x and w1, which hold no bytes)
+    assert plan.memory_breakdown()["saved activations"] == per_rank * SHAPE[1] * 2  # the loss's difference only
+
+
+def test_a_bound_no_recomputation_fits_is_refused():
+    """Weights, gradients and moments alone exceed the bound: no plan fits, and the error says so."""
+    with pytest.raises(MemoryBoundError, match="memory bound"):
+        ed.optimize(mlp_step(*SHAPE, BF16), MESH, ed.CostModel.h200(memory_limit=2**20))
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.0])
+def test_recomputing_plans_simulate_equal_to_the_reference(fraction):
+    """At float64 shapes a bound that saves a fraction of the activations: the recomputing plan's loss, next
+    weights and moments equal the single-device reference."""
+    small = mlp_step(64, 16, F64)
+    base = ed.optimize(small, MESH)
+    saved = base.memory_breakdown()["saved activations"]
+    bound = base.memory - saved + fraction * saved + 1
+    plan = ed.optimize(mlp_step(64, 16, F64), MESH, ed.CostModel.h200(memory_limit=bound))
+    assert plan.memory <= bound and recomputed(plan)
+    g = torch.Generator().manual_seed(0)
+    inputs = {t.name: torch.randn(t.shape, generator=g, dtype=F64) for t in small.fusion.inputs}
+    inputs = {n: v.abs() if n.startswith("exp_avg_sq.") else v for n, v in inputs.items()}
+    inputs["step"] = torch.tensor(2.0, dtype=F64)
+    ref, got = ed.evaluate(small, inputs), ed.simulate(plan, inputs)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-9, atol=1e-10, msg=lambda m: f"{name}: {m}")
