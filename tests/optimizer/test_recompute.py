@@ -107,3 +107,44 @@ def test_recomputing_plans_simulate_equal_to_the_reference(fraction):
     ref, got = ed.evaluate(small, inputs), ed.simulate(plan, inputs)
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], rtol=1e-9, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+def attention_step(batch, heads, seq, dim, dtype):
+    """Attention written out (scores, softmax, times v) with q, k, v as weights, loss = mean(o^2): the
+    backward reads the probabilities p (softmax's and p v's vjps), and q, k, v are inputs."""
+    with ed.FusionDefinition() as fd:
+        q, k, v = (fd.define_tensor((batch, heads, seq, dim), dtype, name=n) for n in "qkv")
+        scores = fd.ops.mul(fd.ops.matmul(q, fd.ops.transpose(k, -2, -1)), dim ** -0.5)
+        o = fd.ops.matmul(fd.ops.softmax(scores, -1), v)
+        fd.add_output(fd.ops.mean(fd.ops.mul(o, o)), name="loss")
+    step = ed.training_step(fd, "loss", ["q", "k", "v"], ed.SGD(lr=0.1))
+    for n in step.fusion.inputs + list(step.fusion.outputs.values()):
+        if n.ndim:
+            apply_layout(n, Layout((S(1),)), MESH)  # heads split: attention runs locally per head
+    return step
+
+
+def test_attention_probabilities_are_recomputed_under_a_bound():
+    """Free, the plan saves the probabilities p [b, h, s, s]; under a bound below them it recomputes p (and
+    the scores' GEMM, from q and k, held anyway), fits the bound, and at float64 equals the reference."""
+    shape = (4, 16, 2048, 64)
+    free = ed.optimize(attention_step(*shape, BF16), MESH)
+    assert recomputed(free) == []
+    p_bytes = shape[0] * shape[1] // 4 * shape[2] ** 2 * 2
+    assert free.memory_breakdown()["saved activations"] >= p_bytes
+    plan = ed.optimize(attention_step(*shape, BF16), MESH,
+                       ed.CostModel.h200(memory_limit=free.memory - p_bytes / 2))
+    assert plan.memory <= free.memory - p_bytes / 2
+    assert {"softmax", "matmul"} <= {s.op for s in plan.compute_steps if plan.rewrites.get(s.key) == "recompute"}
+    assert "forced it" in plan.explain()
+    small = attention_step(1, 4, 8, 4, F64)
+    base = ed.optimize(small, MESH)
+    saved = base.memory_breakdown()["saved activations"]
+    plan = ed.optimize(attention_step(1, 4, 8, 4, F64), MESH, ed.CostModel.h200(memory_limit=base.memory - saved + 1))
+    assert recomputed(plan)
+    g = torch.Generator().manual_seed(1)
+    inputs = {t.name: torch.randn(t.shape, generator=g, dtype=F64) for t in small.fusion.inputs}
+    inputs["step"] = torch.tensor(0.0, dtype=F64)
+    ref, got = ed.evaluate(small, inputs), ed.simulate(plan, inputs)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-9, atol=1e-10, msg=lambda m: f"{name}: {m}")
