@@ -192,6 +192,7 @@ CASES: list[Case] = [
     Case("gelu", "gelu-tanh", x_(4, 7), lambda o, t: o.gelu(t["x"], approximate="tanh"),
          lambda v: F.gelu(v["x"], approximate="tanh")),
     Case("silu", "silu", x_(4, 7), lambda o, t: o.silu(t["x"]), lambda v: F.silu(v["x"])),
+    Case("saved", "saved", x_(4, 7), lambda o, t: o.saved(o.exp(t["x"])), lambda v: torch.exp(v["x"])),
     Case("cast", "cast-to-bf16", x_(3, 4), lambda o, t: o.cast(t["x"], torch.bfloat16),
          lambda v: v["x"].to(torch.bfloat16)),
     Case("cast", "cast-int-to-float-by-name", lambda dt: {"x": ints(3, high=9)}, lambda o, t: o.cast(t["x"], "fp32"),
