@@ -31,10 +31,13 @@ from .ops import FLOAT_DTYPES, zeros_like
 GRAD_PREFIX = "grad_"
 
 
-def grad(fd: FusionDefinition | Fusion, loss: str, wrt: Sequence[str] | None = None) -> FusionDefinition:
+def grad(fd: FusionDefinition | Fusion, loss: str, wrt: Sequence[str] | None = None, recompute: bool = False
+         ) -> FusionDefinition:
     """A new fusion: fd's outputs, and `grad_<name>` (the gradient of the scalar output `loss`) for each
     input name in wrt (None: every floating-point input). An input the loss does not depend on gets
-    zeros, as in JAX.
+    zeros, as in JAX. recompute: the backward reads each forward value through the `saved` marker, so the
+    plan is priced by the training step's memory model (plan.StepMemory: what lives across the step) and
+    may recompute a value instead of keeping it, where a memory bound makes that pay (rewrites/recompute.py).
 
     >>> import torch, egraph_did as ed
     >>> from egraph_did.models import mlp
@@ -43,13 +46,16 @@ def grad(fd: FusionDefinition | Fusion, loss: str, wrt: Sequence[str] | None = N
     >>> gfd = ed.grad(fd, loss="loss", wrt=["w1", "w2"])
     >>> {n: t.shape for n, t in gfd.fusion.outputs.items()}
     {'y': (4, 8), 'loss': (), 'grad_w1': (32, 8), 'grad_w2': (8, 32)}
+    >>> marked = ed.grad(fd, loss="loss", wrt=["w1", "w2"], recompute=True)  # the backward reads saved(.)
+    >>> sorted(str(e).split(" = ")[1] for e in marked.fusion.exprs if e.op.name == "saved")
+    ['saved(gelu_1)', 'saved(linear_0)', 'saved(y)']
     """
-    return _differentiate(as_fusion(fd, "grad"), loss, wrt, keep_outputs=True)
+    return _differentiate(as_fusion(fd, "grad"), loss, wrt, keep_outputs=True, recompute=recompute)
 
 
-def value_and_grad(fd: FusionDefinition | Fusion, loss: str, wrt: Sequence[str] | None = None
-                   ) -> FusionDefinition:
-    """As grad, but the new fusion outputs the loss and the gradients only (fd's other outputs are not
+def value_and_grad(fd: FusionDefinition | Fusion, loss: str, wrt: Sequence[str] | None = None,
+                   recompute: bool = False) -> FusionDefinition:
+    """As grad (recompute likewise), but the new fusion outputs the loss and the gradients only (fd's other outputs are not
     computed unless a gradient needs them).
 
     >>> import egraph_did as ed
@@ -60,7 +66,7 @@ def value_and_grad(fd: FusionDefinition | Fusion, loss: str, wrt: Sequence[str] 
     >>> list(ed.value_and_grad(fd, loss="loss").fusion.outputs)
     ['loss', 'grad_x']
     """
-    return _differentiate(as_fusion(fd, "value_and_grad"), loss, wrt, keep_outputs=False)
+    return _differentiate(as_fusion(fd, "value_and_grad"), loss, wrt, keep_outputs=False, recompute=recompute)
 
 
 # ---------------------------------------------------------------------- checks
@@ -130,20 +136,20 @@ def _needs_grad(src: Fusion, wrt: list[str]) -> set[int]:
     return need
 
 
-def _differentiate(src: Fusion, loss: str, wrt, keep_outputs: bool) -> FusionDefinition:
+def _differentiate(src: Fusion, loss: str, wrt, keep_outputs: bool, recompute: bool = False) -> FusionDefinition:
     where = "grad" if keep_outputs else "value_and_grad"
-    work, ops, new, grads = _forward_and_backward(src, loss, _check(src, loss, wrt, where), where)
+    work, ops, new, grads = _forward_and_backward(src, loss, _check(src, loss, wrt, where), where, recompute)
     outputs = dict(src.outputs) if keep_outputs else {loss: src.outputs[loss]}
     results = {name: new[id(tv)] for name, tv in outputs.items()}
     results.update({GRAD_PREFIX + w: g for w, g in grads.items()})
     return _live_copy(work, results)
 
 
-def _forward_and_backward(src: Fusion, loss: str, wrt: list[str], where: str):
+def _forward_and_backward(src: Fusion, loss: str, wrt: list[str], where: str, recompute: bool = False):
     """(work fusion, its ops, {id(src tensor): work tensor}, {wrt name: gradient}): src copied into a new
     fusion, then the backward; an input the loss does not reach gets zeros."""
     work, ops, new = replay(src, lambda ops, e, args: ops._fusion.emit(e.op.name, **args))
-    grads = _backward(src, ops, new, _needs_grad(src, wrt), loss, where)
+    grads = _backward(src, ops, new, _needs_grad(src, wrt), loss, where, recompute)
     out = {w: grads.get(id(src[w])) for w in wrt}
     return work, ops, new, {w: zeros_like(ops, new[id(src[w])]) if g is None else g for w, g in out.items()}
 
@@ -152,13 +158,14 @@ def _bind(e, new: dict[int, TensorView]) -> dict:
     return {k: new[id(v)] if isinstance(v, TensorView) else v for k, v in e.args}
 
 
-def _backward(src: Fusion, ops: Ops, new: dict, need: set[int], loss: str, where: str) -> dict[int, TensorView]:
+def _backward(src: Fusion, ops: Ops, new: dict, need: set[int], loss: str, where: str, recompute: bool = False
+              ) -> dict[int, TensorView]:
     """{id(src tensor): its gradient in the new fusion}, seeded with d loss / d loss = 1."""
     seed = new[id(src.outputs[loss])]
     # a constant: the backward reads the loss only where its ops do (a seed computed from the loss would
     # make every gradient depend on the forward's output, and order collectives that need not be)
     grads: dict[int, TensorView] = {id(src.outputs[loss]): ops.full(tuple(seed.shape), 1.0, seed.dtype)}
-    keep = _keeper(ops, {id(new[id(t)]) for t in src.inputs})
+    keep = _keeper(ops, {id(new[id(t)]) for t in src.inputs}) if recompute else (lambda v: v)
     for e in reversed(src.exprs):
         gs = [grads.get(id(o)) for o in e.outputs]
         wanted = [(p, v) for p, v in e.args if isinstance(v, TensorView) and id(v) in need]
@@ -291,12 +298,15 @@ class AdamW:
 STEP, NEXT = "step", "next."
 
 
-def training_step(fd: FusionDefinition | Fusion, loss: str, params: Sequence[str], optimizer) -> FusionDefinition:
+def training_step(fd: FusionDefinition | Fusion, loss: str, params: Sequence[str], optimizer, recompute: bool = False
+                  ) -> FusionDefinition:
     """One training step as one fusion: the forward, the backward of `loss` and the optimizer's update of
     each input in params. Inputs: fd's, then each optimizer state as `<state>.<param>` (zeros before the
     first step) and `step` (float64 scalar: steps taken). Outputs: the loss, `next.<param>`,
     `next.<state>.<param>` and `next.step`; feed them back as the next step's inputs. The gradient of
     each param is the intermediate tensor `grad_<param>` (so plans and plan.memory_breakdown name it).
+    recompute: as ed.grad's (the backward reads the forward through `saved` markers: activation
+    checkpointing chosen by cost under a memory bound, priced by the memory model of a training step).
 
     >>> import torch, egraph_did as ed
     >>> with ed.FusionDefinition() as fd:
@@ -314,7 +324,7 @@ def training_step(fd: FusionDefinition | Fusion, loss: str, params: Sequence[str
         raise ShapeError(f"training_step: optimizer must be ed.SGD(...) or ed.AdamW(...), got {optimizer!r:.60}")
     params = _check(src, loss, list(params) if not isinstance(params, str) else params, "training_step")
     _check_free_names(src, params, optimizer)
-    work, ops, new, grads = _forward_and_backward(src, loss, params, "training_step")
+    work, ops, new, grads = _forward_and_backward(src, loss, params, "training_step", recompute)
     step = work.define_tensor((), torch.float64, STEP)
     t = ops.add(step, 1.0)
     results = {loss: new[id(src.outputs[loss])]}

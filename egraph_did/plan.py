@@ -341,10 +341,18 @@ class Plan:
         >>> mem = plan.memory_breakdown()
         >>> mem["weights"] >= 2 * 2 * 64 * 16 * 4, mem["total"] == plan.memory  # w1, w2, next.w1, next.w2 whole
         (True, True)
-        >>> mem["saved activations"]  # h = x w1^T, gelu(h) and the loss's difference, a quarter of the tokens each
-        5120.0
         >>> sorted(mem)
-        ['activations/other', 'gradients', 'largest transient', 'optimizer states', 'saved activations', 'total', 'weights']
+        ['activations/other', 'gradients', 'optimizer states', 'total', 'weights']
+
+        A training step made with recompute=True (ed.training_step) is priced by StepMemory:
+
+        >>> with ed.FusionDefinition() as f:
+        ...     x, w = f.define_tensor((64, 16), name="x"), f.define_tensor((16,), name="w")
+        ...     f.add_output(f.ops.sum(f.ops.exp(f.ops.mul(x, w))), name="loss")  # exp's vjp reads exp(x w)
+        >>> step = ed.training_step(f, "loss", ["w"], ed.SGD(lr=0.1), recompute=True)
+        >>> mem = ed.optimize(step, ed.DeviceMesh.arange(2)).memory_breakdown()
+        >>> mem["saved activations"], mem["total"] - mem["saved activations"] - mem["largest transient"] > 0
+        (4096.0, True)
         """
         carried = {n for n in self.inputs if NEXT_PREFIX + n in self.outputs}
         states = {n for n in carried if "." in n and n.split(".", 1)[1] in carried}  # '<state>.<p>': no dot in <state>

@@ -1,5 +1,5 @@
-"""Golden plans of recomputation (issue 10 item 2): a training step's backward reads forward values through
-ed.grad's `saved` marker, and the recompute rewrite (rewrites/recompute.py) offers each as computed again
+"""Golden plans of recomputation (issue 10 item 2): a training step made with recompute=True reads forward
+values in its backward through ed.grad's `saved` marker, and the recompute rewrite (rewrites/recompute.py) offers each as computed again
 from kept operands. The memory model of a training step (plan.StepMemory) counts what lives across the step
 (weights, gradients, moments, data, and the saved activations), so recomputing a value lowers memory and
 costs time: the extractor picks per tensor under the memory bound."""
@@ -20,7 +20,11 @@ SHAPE = (16384, 1024)  # tokens, hidden: 4 ranks split 16384 tokens; h and gelu(
 def mlp_step(tokens, hidden, dtype):
     """The MLP training step (AdamW), data parallel: x and target split over tokens, weights and moments
     replicated (DDP), so the activations are what a bound can take."""
-    fd = models.mlp_training_step(tokens, hidden, dtype)
+    fd = models.mlp(tokens, hidden, dtype)
+    target = fd.define_tensor((tokens, hidden), dtype, name="target", axis_names=("s", "h"))
+    err = fd.ops.sub(fd["y"], target)
+    fd.add_output(fd.ops.mean(fd.ops.mul(err, err)), name="loss")
+    fd = ed.training_step(fd, "loss", ["w1", "w2"], ed.AdamW(), recompute=True)
     for n in ("x", "target"):
         apply_layout(fd[n], Layout((S(0),)), MESH)
     for n in ("w1", "w2"):
@@ -40,6 +44,13 @@ def saved_tensors(plan) -> list[str]:
 @pytest.fixture(scope="module")
 def free():
     return ed.optimize(mlp_step(*SHAPE, BF16), MESH)
+
+
+def test_without_recompute_the_step_has_no_marker_and_the_plain_memory_model():
+    """recompute=False (the default): the backward reads the forward directly, and every value counts."""
+    plain = models.mlp_training_step(64, 16, F64)
+    assert not any(e.op.name == "saved" for e in plain.fusion.exprs)
+    assert "saved activations" not in ed.optimize(plain, MESH).memory_breakdown()
 
 
 def test_without_a_bound_every_activation_is_saved(free):
@@ -117,7 +128,7 @@ def attention_step(batch, heads, seq, dim, dtype):
         scores = fd.ops.mul(fd.ops.matmul(q, fd.ops.transpose(k, -2, -1)), dim ** -0.5)
         o = fd.ops.matmul(fd.ops.softmax(scores, -1), v)
         fd.add_output(fd.ops.mean(fd.ops.mul(o, o)), name="loss")
-    step = ed.training_step(fd, "loss", ["q", "k", "v"], ed.SGD(lr=0.1))
+    step = ed.training_step(fd, "loss", ["q", "k", "v"], ed.SGD(lr=0.1), recompute=True)
     for n in step.fusion.inputs + list(step.fusion.outputs.values()):
         if n.ndim:
             apply_layout(n, Layout((S(1),)), MESH)  # heads split: attention runs locally per head
