@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import extract_dp
 from .cost import size_text
 from .physgraph import Node, PhysGraph, gc_paused
 from .errors import MemoryBoundError, PlanError
@@ -945,13 +946,14 @@ def _exact_by_parts(graph: PhysGraph, roots: list[str], parts: list[tuple[str, .
     deadline = time.perf_counter() + time_limit
     whole = graph.classes[ROOT]
     choice: dict[str, Node] = {}
-    proven, stats = True, {"exact_components": len(parts)}
+    proven, stats, methods = True, {"exact_components": len(parts)}, []
     try:
         for part in parts:
             graph.classes[ROOT] = [Node("Root", part)]
             sel = exact(graph, roots, None, max(deadline - time.perf_counter(), 1.0))
             choice.update(sel.choice)
             proven &= sel.proven
+            methods.append(sel.stats.get("exact_method", "ilp"))
             for k, v in sel.stats.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     stats[k] = stats.get(k, 0) + v
@@ -964,16 +966,70 @@ def _exact_by_parts(graph: PhysGraph, roots: list[str], parts: list[tuple[str, .
         stats.update(exact_from="greedy", exact_proven=False,
                      exact_note="greedy's plan beat the parts' unproven incumbents")
         return Selection(greedy.choice, greedy.cost, greedy.memory, "exact-unproven", False, stats)
-    stats.update(exact_from="ilp", exact_proven=proven)
+    # which method proved each part, in the parts' order ("dp", "ilp")
+    stats.update(exact_from="+".join(sorted(set(methods))), exact_method=",".join(methods), exact_proven=proven)
     return Selection(choice, total, mem, "exact" if proven else "exact-unproven", proven, stats)
+
+
+def _usable(graph: PhysGraph, roots: list[str], memory_limit: float | None) -> tuple[list[str], dict[str, list[Node]]]:
+    """The classes some root can still need, children first, with the nodes that can be derived (without a
+    memory bound, a class with a free derivation keeps only it: _fix_free). A root missing from the
+    classes cannot be derived."""
+    order = _topo_order(graph, roots)
+    classes = _feasible_nodes(graph, order)
+    if any(r not in classes for r in roots):
+        return order, classes
+    if memory_limit is None:
+        _fix_free(graph, classes, order)
+    keep, stack = set(), list(roots)
+    while stack:
+        c = stack.pop()
+        if c in keep:
+            continue
+        keep.add(c)
+        stack.extend(ch for n in classes[c] for ch in n.children)
+    return [c for c in order if c in keep], classes
+
+
+# the DP's share of exact's time: on what it cannot prove in this time the 0/1 program gets the rest
+DP_SHARE, DP_MAX_S = 0.3, 20.0
+
+
+def _exact_dp(graph: PhysGraph, roots: list[str], memory_limit: float | None, greedy: Selection | None,
+              time_limit: float) -> "Selection | dict":
+    """The exact DP over tensors (extract_dp) within its share of time_limit: a proven Selection, or the
+    stats of its try (the caller then solves the 0/1 program)."""
+    t0 = time.perf_counter()
+    order, classes = _usable(graph, roots, memory_limit)
+    if any(r not in classes for r in roots):
+        return {"exact_dp": "no derivation of a root"}
+    res = extract_dp.solve(graph, roots, classes, order, _canonical_colls(graph, classes),
+                           upper=None if greedy is None else greedy.cost, memory_limit=memory_limit,
+                           time_limit=min(DP_SHARE * time_limit, DP_MAX_S))
+    stats = {"exact_dp_s": time.perf_counter() - t0, **({} if res is None else res.stats)}
+    if res is None:
+        return {**stats, "exact_dp": "gave up (states or time): the 0/1 program solves it"}
+    if res.choice is None:
+        if greedy is None:  # nothing within no limit: no plan exists
+            return {**stats, "exact_dp": "found no plan: the 0/1 program checks"}
+        # greedy's plan is within the DP's limit, so the DP must reach it (or better)
+        return {**stats, "exact_dp": "missed greedy's plan: the 0/1 program solves it"}  # pragma: no cover
+    total, mem = _total(res.choice)
+    if abs(total - res.cost) > 1e-9 * max(abs(total), 1e-12) or (memory_limit is not None and mem > memory_limit):
+        return {**stats, "exact_dp": "its plan disagrees with its cost: the 0/1 program solves it"}  # pragma: no cover
+    stats.update(exact_from="dp", exact_method="dp", exact_proven=True, exact_status="optimal",
+                 greedy_cost=None if greedy is None else greedy.cost)
+    return Selection(res.choice, total, mem, "exact", True, stats)
 
 
 def exact(graph: PhysGraph, roots: list[str], memory_limit: float | None = None,
           time_limit: float = 60.0) -> Selection:
-    """Minimum-cost DAG extraction as a 0/1 program (HiGHS), honest about what it proved.
+    """Minimum-cost DAG extraction, proven: a dynamic program over the fusion's tensors (extract_dp), and
+    where that outgrows its share of time_limit, a 0/1 program (HiGHS), honest about what it proved.
 
-    Greedy runs first: its plan is the solver's first incumbent (so it bounds the search), and it is
-    returned if the solver finds nothing better in time. `method` is "exact" only when optimality is proven; otherwise "exact-unproven" (and
+    Greedy runs first: its cost bounds the DP's search and its plan is the 0/1 program's first incumbent,
+    returned if the solver finds nothing better in time. `stats["exact_method"]` says which method
+    ran ("dp" or "ilp"; per independent part, comma-separated). `method` is "exact" only when optimality is proven; otherwise "exact-unproven" (and
     `proven` is False). `stats` says which plan was returned and why. Pins or a memory bound are
     reported infeasible only when the solver proves it.
 
@@ -984,8 +1040,8 @@ def exact(graph: PhysGraph, roots: list[str], memory_limit: float | None = None,
     >>> exact(g, roots).choice["y"].sid, exact(g, roots, memory_limit=2048).choice["y"].sid
     (0, 1)
     >>> sel = exact(g, roots)
-    >>> sel.method, sel.proven, sel.stats["exact_from"]
-    ('exact', True, 'ilp')
+    >>> sel.method, sel.proven, sel.stats["exact_method"]
+    ('exact', True, 'dp')
     """
     parts = _components(graph, roots) if memory_limit is None else []
     if len(parts) > 1:
@@ -996,8 +1052,13 @@ def exact(graph: PhysGraph, roots: list[str], memory_limit: float | None = None,
     except PlanError:
         greedy = None
     t1 = time.perf_counter()
+    by_dp = _exact_dp(graph, roots, memory_limit, greedy, time_limit)
+    if isinstance(by_dp, Selection):
+        by_dp.stats["greedy_s"] = t1 - t0
+        return by_dp
+    time_limit = max(time_limit - (time.perf_counter() - t1), 1.0)
     info = _ilp(graph, roots, memory_limit, time_limit, None if greedy is None else greedy.choice)
-    stats = {"exact_proven": bool(info["proven"] and info["choice"] is not None), "exact_status": info["status"],
+    stats = {**by_dp, "exact_method": "ilp", "exact_proven": bool(info["proven"] and info["choice"] is not None), "exact_status": info["status"],
              "exact_lp_bound": None if info["lp_bound"] is None else info["lp_bound"] / 1e9,
              "exact_bound": info["bound"], "exact_cuts": info["cuts"], "exact_cut_rounds": info["rounds"],
              "exact_cut_s": info["cut_s"], "exact_solve_s": info["solve_s"], "greedy_s": t1 - t0,

@@ -183,6 +183,7 @@ def test_exact_says_when_it_is_not_proven_and_is_never_worse_than_greedy():
 def test_exact_timing_out_without_a_plan_returns_greedys_plan_not_infeasible(monkeypatch):
     g = diamond()
     roots = with_roots(g, {"b": ["b"], "c": ["c"]})
+    monkeypatch.setattr(extract, "_exact_dp", lambda *a, **k: {"exact_dp": "gave up (as if out of time)"})
     monkeypatch.setattr(extract, "_ilp", lambda *a, **k: {"choice": None, "proven": False, "status": "time limit",
                                                            "bound": None, "lp_bound": None, "cuts": 0, "rounds": 0,
                                                            "cut_s": 0.0, "solve_s": 60.0})
@@ -227,10 +228,15 @@ def test_greedy_matches_exact_on_the_mlp_with_backward_where_values_are_shared()
     assert ed.optimize(fd, mesh).predicted_time == pytest.approx(best.predicted_time, rel=1e-9)
 
 
+def _ilp_only(monkeypatch):
+    """exact without its DP (as if the DP gave up): what exercises the 0/1 program."""
+    monkeypatch.setattr(extract, "_exact_dp", lambda *a, **k: {"exact_dp": "off in this test"})
+
+
 def test_optimize_passes_its_time_limit_to_the_exact_solver_and_checks_it(monkeypatch):
     seen = []
-    real = extract._ilp
-    monkeypatch.setattr(extract, "_ilp", lambda *a, **k: seen.append(a[3]) or real(*a, **k))
+    real = extract._exact_dp
+    monkeypatch.setattr(extract, "_exact_dp", lambda *a, **k: seen.append(a[4]) or real(*a, **k))
     fd = models.row_sum(8, 64)
     mesh = ed.DeviceMesh.arange(2)
     assert ed.optimize(fd, mesh, extractor="exact", time_limit=7).method == "exact"
@@ -249,7 +255,7 @@ def _partial_mlp_graph():
     return _graph(fd, MESH2)
 
 
-def test_greedys_plan_is_a_feasible_start_for_the_0_1_program_and_costs_no_more_there():
+def test_greedys_plan_is_a_feasible_start_for_the_0_1_program_and_costs_no_more_there(monkeypatch):
     """exact hands greedy's plan to HiGHS as its first incumbent; a start that broke a row (a Keep where the
     program only allows a collective, a class _fix_free cut down) would be dropped silently."""
     graph, roots = _partial_mlp_graph()
@@ -258,6 +264,7 @@ def test_greedys_plan_is_a_feasible_start_for_the_0_1_program_and_costs_no_more_
     start = program.start(greedy.choice, roots)
     assert program.solver.feasible(start)
     assert program.cost @ start <= greedy.cost * 1e9 * (1 + 1e-12)
+    _ilp_only(monkeypatch)
     assert exact(graph, roots).stats["exact_start_feasible"] is True
 
 
@@ -265,7 +272,9 @@ def test_the_0_1_program_has_the_same_optimum_through_scipys_milp_as_through_the
     """The warm cut loop and the MIP start use scipy's private HiGHS bindings; an older scipy solves the
     same program through milp. Both must prove the same optimum."""
     graph, roots = _partial_mlp_graph()
+    _ilp_only(monkeypatch)
     fast = exact(graph, roots)
+    assert fast.stats["exact_method"] == "ilp"
     monkeypatch.setattr(extract, "_highs_bindings", lambda: None)
     slow = exact(graph, roots)
     assert fast.proven and slow.proven

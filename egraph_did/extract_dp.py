@@ -1,0 +1,433 @@
+"""Exact DAG extraction by dynamic programming over the fusion's tensors (issue 12): what proves the cases
+whose 0/1 program's relaxation stays weak.
+
+Why a DP: the physical graph's classes are (tensor, layout, level); a tensor's classes are made from one
+another (collectives, Keeps) and its level-0 classes by a computation reading its inputs' classes. So
+tensors interact only through which of an input's classes their computations read. Walk the tensors
+consumers first: when a tensor's turn comes, every class its readers need is known (its demand), and how
+to make that demand (its own collectives and computations) is a small search inside the tensor that leaves
+a demand on its inputs. A state is the set of classes demanded of the tensors not yet walked (the
+frontier); a value several readers read is one class in that set, so it is paid once. States reached
+twice keep the cheaper, and a state whose cost plus a lower bound of what it still needs exceeds the best
+known plan is dropped. The DP is exact; it gives up (returns None) when its states exceed a budget, and
+the caller falls back to the 0/1 program.
+
+Memory bounds: a state keeps its (cost, memory) Pareto front, so the bound is honoured exactly.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .physgraph import Node, PhysGraph
+
+_EPS = 1e-15
+
+
+@dataclass
+class DPResult:
+    """What the DP proved: the optimal choice (None: no plan, proven), its cost, and what it measured.
+
+    >>> DPResult(None, None, {"dp_states": 0}).choice is None
+    True
+    """
+    choice: dict[str, Node] | None
+    cost: float | None
+    stats: dict = field(default_factory=dict)
+
+
+class _Budget(Exception):
+    """The DP's states outgrew its budget (or time ran out): the caller falls back."""
+
+
+class _Clock:
+    """The DP's budget: states expanded and a deadline, checked as work is done."""
+
+    def __init__(self, max_states: int, time_limit: float):
+        self.left, self.deadline = max_states, time.perf_counter() + time_limit
+        self.used = 0
+
+    def spend(self, states: int) -> None:
+        self.left -= states
+        self.used += states
+        if self.left < 0 or time.perf_counter() > self.deadline:
+            raise _Budget()
+
+
+def _group_of(graph: PhysGraph, classes: dict[str, list[Node]], order: list[str]) -> dict[str, str]:
+    """Each class's tensor: its ident's, or for a class with no ident whose nodes all compute one op (a
+    multi-output op's tuple, read through Proj) that op's; else the class alone."""
+    out = {}
+    for c in order:
+        if c in graph.ident:
+            out[c] = graph.ident[c][0]
+            continue
+        keys = {(n.op, n.key) for n in classes[c]}
+        op, key = next(iter(keys))
+        out[c] = f"#{key}" if len(keys) == 1 and op == "Apply" else c
+    return out
+
+
+def _groups(group: dict[str, str], classes: dict[str, list[Node]], order: list[str]
+            ) -> tuple[list[str], dict[str, list[str]], dict[str, set[str]]] | None:
+    """The tensors in an order consumers-first that keeps the frontier narrow, each tensor's classes (children
+    first), and each tensor's input tensors; None if tensors read each other in a cycle."""
+    members: dict[str, list[str]] = {}
+    inputs: dict[str, set[str]] = {}
+    for c in order:
+        g = group[c]
+        members.setdefault(g, []).append(c)
+        ins = inputs.setdefault(g, set())
+        for n in classes[c]:
+            ins.update(group[ch] for ch in n.children)
+        ins.discard(g)
+    readers: dict[str, set[str]] = {g: set() for g in members}
+    for g, ins in inputs.items():
+        for u in ins:
+            readers[u].add(g)
+    # a tensor's width: how many of its classes others read (what its demand may be drawn from)
+    read = {ch for c in order for n in classes[c] for ch in n.children if group[ch] != group[c]}
+    width = {g: max(sum(c in read for c in cs), 1) for g, cs in members.items()}
+    left = {g: len(rs) for g, rs in readers.items()}
+    ready = [g for g, k in left.items() if k == 0]
+    walked, frontier, out = set(), set(), []
+    while ready:
+        # the ready tensor that leaves the narrowest frontier (ties: the one opened last)
+        g = min(ready, key=lambda g: (sum(width[u] for u in inputs[g] - frontier) - width[g], -out.index(g)
+                                      if g in out else 0))
+        ready.remove(g)
+        out.append(g)
+        walked.add(g)
+        frontier.discard(g)
+        frontier.update(inputs[g])
+        for u in inputs[g]:
+            left[u] -= 1
+            if left[u] == 0:
+                ready.append(u)
+    if len(out) != len(members):
+        return None
+    return out, members, inputs
+
+
+class _Tensor:
+    """One tensor's classes and its options: for a demand (a bitmask of its classes), every Pareto-minimal
+    way to make it, as (what it demands of other tensors as a bitmask, cost, memory, the nodes it chose).
+    Bit i is the class at position i of the extraction's topological order, so a demand's highest bit is
+    the class all of whose readers are decided."""
+
+    def __init__(self, classes: dict[str, list[Node]], members: list[str], bit: dict[str, int],
+                 memory: bool, free: dict[str, Node], canon: set[int], ident: dict):
+        self.members = members
+        self.mask = 0
+        for c in members:
+            self.mask |= 1 << bit[c]
+        self.cls = {bit[c]: c for c in members}
+        self.cache: dict[int, list] = {}
+        # each node as (node, own classes it reads, others' classes it reads, cost, memory); a free class
+        # (made at no cost from free classes: a loaded input) is never demanded
+        self.nodes: dict[int, list] = {}
+        for c in members:
+            es = self.nodes[bit[c]] = []
+            for n in classes[c]:
+                kids = 0
+                for ch in n.children:
+                    if ch not in free:
+                        kids |= 1 << bit[ch]
+                own = kids & self.mask
+                es.append((n, own, kids & ~self.mask, n.cost, n.memory if memory else 0.0,
+                           own if id(n) in canon else 0, n.op == "Keep"))
+        # a lower bound of each class's cost inside this tensor (its cheapest chain of own nodes), and of
+        # each layout's: a class is made by a node other than a Keep in its layout at its level or below,
+        # so distinct layouts demanded pay distinct nodes
+        self.lb: dict[int, float] = {}
+        self.layout: dict[int, int] = {}
+        first: dict[object, float] = {}
+        for c in members:
+            i = bit[c]
+            self.lb[i] = min((cost + max((self.lb[j] for j in _bits(own)), default=0.0)
+                              for _, own, _, cost, _, _, _ in self.nodes[i]), default=0.0)
+            lay = ident[c][1] if c in ident else c
+            self.layout[i] = lay
+            made = min((e[3] for e in self.nodes[i] if not e[6]), default=float("inf"))
+            first[lay] = min(first.get(lay, float("inf")), made)
+        self.first = {i: first[lay] for i, lay in self.layout.items()}
+        self.floor = min(self.lb.values(), default=0.0)  # the least any plan using this tensor pays in it
+        self.forced = 0  # set by _forced_closure
+        self.bounds: dict[int, float] = {}
+
+    def bound(self, demand: int) -> float:
+        """A lower bound of what making `demand` costs inside this tensor: its costliest member's chain, or
+        the cheapest first node of each layout it holds."""
+        got = self.bounds.get(demand)
+        if got is None:
+            got = self.bounds[demand] = self._bound(demand)
+        return got
+
+    def _bound(self, demand: int) -> float:
+        chain, layouts = 0.0, {}
+        for i in _bits(demand):
+            chain = max(chain, self.lb[i])
+            layouts[self.layout[i]] = self.first[i]
+        return max(chain, sum(layouts.values())) if len(layouts) > 1 else chain
+
+    def options(self, demand: int, cap: float, merge, clock: _Clock) -> list:
+        """[(external demand, cost, memory, chosen nodes)] costing at most `cap`, Pareto-minimal, cheapest
+        first (cached: a later call with a cap no higher filters the cached list)."""
+        got = self.cache.get(demand)
+        if got is None or got[0] < cap:
+            got = self.cache[demand] = (cap, self._options(demand, cap, merge, clock))
+        opts = got[1]
+        if got[0] > cap:
+            opts = [o for o in opts if o[1] <= cap]
+        return opts
+
+    def _options(self, demand: int, cap: float, merge, clock: _Clock) -> list:
+        # states (own classes still to make, others' classes demanded) -> front of (cost, memory, chosen),
+        # bucketed by the highest class still to make: its readers are all decided, so its demand is final
+        buckets: dict[int, dict] = {demand.bit_length() - 1: {(demand, 0, 0): [(0.0, 0.0, ())]}}
+        done: dict[int, list] = {}
+        work = 0
+        while buckets:
+            top = max(buckets)
+            states = buckets.pop(top)
+            work += len(states)
+            if work > 20000:
+                clock.spend(work)
+                work = 0
+            c, clear = self.cls[top], ~(1 << top)
+            for (pend, strict, ext), front in states.items():
+                rest, no_keep = pend & clear, strict >> top & 1
+                strict &= clear
+                for n, own, other, cost, mem, canon, keep in self.nodes[top]:
+                    if keep and no_keep:  # a canonical collective reads it: the Keep goes after instead
+                        continue
+                    p2, e2 = rest | own, ext | other
+                    need = cap - cost - (self.bound(p2) if p2 else 0.0)
+                    entries = [(k + cost, m + mem, (ch, (c, n))) for k, m, ch in front if k <= need]
+                    if not entries:
+                        continue
+                    if p2:
+                        merge(buckets.setdefault(p2.bit_length() - 1, {}), (p2, strict | canon, e2), entries)
+                    else:
+                        merge(done, e2, entries)
+        clock.spend(work)
+        return _pareto_ext([(ext, k, m, ch) for ext, front in done.items() for k, m, ch in front])
+
+
+def _bits(mask: int):
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def _dominates(a, b) -> bool:
+    return a[0] <= b[0] + _EPS and a[1] <= b[1]
+
+
+def _merge_min(table: dict, key, front: list) -> None:
+    """table[key] keeps the cheapest entry (no memory bound: memory is not tracked)."""
+    old = table.get(key)
+    if old is None or front[0][0] < old[0][0]:
+        table[key] = front[:1] if len(front) == 1 else [min(front, key=lambda e: e[0])]
+
+
+def _merge(table: dict, key, front: list) -> None:
+    """Add (cost, memory, chosen) entries to table[key], keeping its Pareto front."""
+    old = table.get(key)
+    table[key] = _pareto(front if old is None else old + front)
+
+
+def _pareto(front: list) -> list:
+    """The (cost, memory) Pareto-minimal entries, cheapest first."""
+    if len(front) == 1:
+        return front
+    front = sorted(front, key=lambda e: (e[0], e[1]))
+    out = [front[0]]
+    for e in front[1:]:
+        if e[1] < out[-1][1]:
+            out.append(e)
+    return out
+
+
+def _pareto_ext(opts: list) -> list:
+    """Drop an option whose external demand contains another's that costs and holds no more (more demand
+    never makes the rest cheaper)."""
+    opts.sort(key=lambda o: (o[1], o[2], bin(o[0]).count("1")))
+    kept: list = []
+    for o in opts:
+        if not any(k[0] & ~o[0] == 0 and _dominates((k[1], k[2]), (o[1], o[2])) for k in kept):
+            kept.append(o)
+    return kept
+
+
+def _unwind(chosen) -> dict[str, Node]:
+    """The nodes of a chain of choices: (earlier, item), item a (class, node) pair or another chain."""
+    out: dict[str, Node] = {}
+    stack = [chosen]
+    while stack:
+        ch = stack.pop()
+        while ch:
+            ch, item = ch
+            if len(item) == 2 and isinstance(item[1], Node):
+                out[item[0]] = item[1]
+            else:
+                stack.append(item)
+    return out
+
+
+def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], order: list[str],
+          canon: set[int] = frozenset(), upper: float | None = None, memory_limit: float | None = None, max_states: int = 2_000_000,
+          time_limit: float = 30.0, beam: int = 64) -> DPResult | None:
+    """The cheapest plan (within memory_limit) over `classes` (each class's usable nodes, `order` children
+    first), proven; None when the DP outgrew `max_states` or `time_limit` (nothing proven). `upper`: the
+    cost of a known plan (greedy's), which prunes; the result is then None-choice only if nothing is
+    strictly cheaper AND the DP found nothing at all, so callers pass a plan they already hold.
+
+    >>> from egraph_did.extract import with_roots, _topo_order
+    >>> g = PhysGraph({"w": [Node("Load", (), "w")],
+    ...                "w:R": [Node("Coll", ("w",), "allgather", 0, cost=20e-6)],
+    ...                "y": [Node("Apply", ("w:R",), "y", 0, cost=1e-6), Node("Apply", ("w",), "y", 1, cost=15e-6)],
+    ...                "z": [Node("Apply", ("w:R",), "z", 0, cost=1e-6), Node("Apply", ("w",), "z", 1, cost=15e-6)]})
+    >>> roots = with_roots(g, {"y": ["y"], "z": ["z"]})
+    >>> order = _topo_order(g, roots)
+    >>> r = solve(g, roots, {c: g.classes[c] for c in order}, order)
+    >>> round(r.cost * 1e6), r.choice["y"].sid, r.choice["z"].sid  # one allgather serves both
+    (22, 0, 0)
+    """
+    t0 = time.perf_counter()
+    group = _group_of(graph, classes, order)
+    walk = _groups(group, classes, order)
+    if walk is None:
+        return None
+    seq, members, inputs = walk
+    memory = memory_limit is not None
+    free = _free(classes, order, memory)
+    bit = {c: i for i, c in enumerate(order)}
+    tensors = [_Tensor(classes, members[g], bit, memory, free, canon, graph.ident) for g in seq]
+    _forced_closure(tensors, seq, members, classes, group)
+    start = 0
+    for r in roots:
+        if r not in free:
+            start |= 1 << bit[r]
+    clock = _Clock(max_states, time_limit)
+    stats = {"dp_tensors": len(seq), "dp_rounds": 0}
+    # iterative deepening on the cost limit: a round explores every state within its limit, so a plan found
+    # within it is optimal; low limits prune hard and cost little next to the last round
+    # first a beam (the best states of each step only) for a plan near the optimum: its cost is the exact
+    # walk's limit, which prunes every state that cannot beat it
+    try:
+        lim = upper
+        got = _walk(tensors, start, upper, memory_limit, clock, beam=beam) if beam else []
+        if got:
+            lim = min(e[0] for e in got)
+        stats["dp_beam_cost"] = lim
+        got = _walk(tensors, start, lim, memory_limit, clock) or got
+    except _Budget:
+        return None
+    stats.update(dp_states=clock.used, dp_s=time.perf_counter() - t0)
+    if not got:
+        return DPResult(None, None, stats)
+    k, m, ch = min(got, key=lambda e: (e[0], e[1]))
+    return DPResult(_complete(_unwind(ch), roots, free), k, stats)
+
+
+def _walk(tensors: list["_Tensor"], start: int, upper: float | None, memory_limit: float | None,
+          clock: _Clock, beam: int = 0) -> list:
+    """The DP over the tensors in order, keeping states within `upper` (None: no limit); the final front."""
+    memory = memory_limit is not None
+    merge = _merge if memory else _merge_min
+    limit = float("inf") if upper is None else upper * (1 + 1e-9) + 1e-18
+    mem_cap = float("inf") if memory_limit is None else memory_limit
+    states: dict[int, list] = {start: [(0.0, 0.0, ())]}
+    for step, tensor in enumerate(tensors):
+        nxt: dict[int, list] = {}
+        for pend, front in states.items():
+            demand = pend & tensor.mask
+            if not demand:
+                merge(nxt, pend, front)
+                continue
+            rest = pend & ~demand
+            # what the rest still needs bounds what this tensor may spend
+            cap = limit - front[0][0] - _lower(rest, tensors, step + 1)
+            for ext, k, m, ch in tensor.options(demand, cap, merge, clock):
+                new = [(k0 + k, m0 + m, (c0, ch)) for k0, m0, c0 in front
+                       if k0 + k <= limit and m0 + m <= mem_cap]
+                if new:
+                    merge(nxt, rest | ext, new)
+        if upper is not None or beam:  # drop states whose cost and a bound of what they still need exceed
+            pruned, score = {}, {}
+            for s, f in nxt.items():
+                need = _lower(s, tensors, step + 1)
+                f = [e for e in f if e[0] + need <= limit]
+                if f:
+                    pruned[s] = f
+                    score[s] = f[0][0] + need
+            if beam and len(pruned) > beam:
+                pruned = {s: pruned[s] for s in sorted(score, key=score.get)[:beam]}
+            nxt = pruned
+        states = nxt
+        clock.spend(len(states))
+    return states.get(0, [])
+
+
+def _forced_closure(tensors: list["_Tensor"], seq: list[str], members: dict[str, list[str]],
+                    classes: dict[str, list[Node]], group: dict[str, str]) -> None:
+    """Each tensor's `forced`: the tensors (as a bitmask of positions in seq) any plan that uses it must
+    compute too: every node that makes one of its classes from nothing of its own reads those tensors
+    (and, transitively, what they force). A loaded input forces nothing."""
+    pos = {g: i for i, g in enumerate(seq)}
+    for i in reversed(range(len(seq))):  # inputs come later in seq: their closures are done
+        g, need = seq[i], None
+        for c in members[g]:
+            for n in classes[c]:
+                if any(group[ch] == g for ch in n.children):
+                    continue
+                reads = {group[ch] for ch in n.children}
+                need = reads if need is None else need & reads
+        mask = 0
+        for u in need or ():
+            mask |= 1 << pos[u] | tensors[pos[u]].forced
+        tensors[i].forced = mask
+
+
+def _lower(state: int, tensors: list["_Tensor"], first: int) -> float:
+    """A lower bound of what `state` still costs: each demanded tensor's own bound, plus the cheapest
+    class of each tensor they force that is not demanded itself."""
+    total, demanded, forced = 0.0, 0, 0
+    for i in range(first, len(tensors)):
+        t = tensors[i]
+        d = state & t.mask
+        if d:
+            total += t.bound(d)
+            demanded |= 1 << i
+            forced |= t.forced
+    forced &= ~demanded
+    while forced:
+        low = forced & -forced
+        total += tensors[low.bit_length() - 1].floor
+        forced ^= low
+    return total
+
+
+def _free(classes: dict[str, list[Node]], order: list[str], memory: bool) -> dict[str, Node]:
+    """Classes made at no cost (and, under a memory bound, no memory) from free classes: a loaded input
+    and its Keeps. The DP never demands them; the plan takes them at that node."""
+    free: dict[str, Node] = {}
+    for c in order:
+        for n in classes[c]:
+            if n.cost == 0.0 and (not memory or n.memory == 0.0) and all(ch in free for ch in n.children):
+                free[c] = n
+                break
+    return free
+
+
+def _complete(choice: dict[str, Node], roots: list[str], free: dict[str, Node]) -> dict[str, Node]:
+    """The chosen nodes plus the free classes they (or the roots) read, at their free node."""
+    stack = list(roots) + [ch for n in choice.values() for ch in n.children]
+    while stack:
+        c = stack.pop()
+        if c not in choice:
+            choice[c] = free[c]
+            stack.extend(choice[c].children)
+    return choice
