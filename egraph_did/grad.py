@@ -29,6 +29,7 @@ from .ir import TensorView
 from .ops import FLOAT_DTYPES, zeros_like
 
 GRAD_PREFIX = "grad_"
+SAVED_PREFIX = "saved."  # a saved marker's name: saved.<the forward value it keeps>
 
 
 def grad(fd: FusionDefinition | Fusion, loss: str, wrt: Sequence[str] | None = None, recompute: bool = False
@@ -47,8 +48,8 @@ def grad(fd: FusionDefinition | Fusion, loss: str, wrt: Sequence[str] | None = N
     >>> {n: t.shape for n, t in gfd.fusion.outputs.items()}
     {'y': (4, 8), 'loss': (), 'grad_w1': (32, 8), 'grad_w2': (8, 32)}
     >>> marked = ed.grad(fd, loss="loss", wrt=["w1", "w2"], recompute=True)  # the backward reads saved(.)
-    >>> sorted(str(e).split(" = ")[1] for e in marked.fusion.exprs if e.op.name == "saved")
-    ['saved(gelu_1)', 'saved(linear_0)', 'saved(y)']
+    >>> sorted(str(e) for e in marked.fusion.exprs if e.op.name == "saved")
+    ['saved.gelu_1 = saved(gelu_1)', 'saved.linear_0 = saved(linear_0)', 'saved.y = saved(y)']
     """
     return _differentiate(as_fusion(fd, "grad"), loss, wrt, keep_outputs=True, recompute=recompute)
 
@@ -229,8 +230,10 @@ def _live_copy(work: Fusion, results: dict[str, TensorView], names: dict[str, Te
         if (out in fd.fusion.inputs and out.name != name) or any(o is out for o in fd.fusion.outputs.values()):
             out = fd.ops.cast(out, out.dtype)  # an input, or one tensor under two names: output a copy
         fd.add_output(out, name)
-    for name, tv in (names or {}).items():
-        t = new.get(id(tv))
+    renames = [(name, new.get(id(tv))) for name, tv in (names or {}).items()]
+    # a marker is named after the value it keeps (explain and memory_breakdown name it so)
+    renames += [(SAVED_PREFIX + e.inputs[0].name, e.outputs[0]) for e in fd.fusion.exprs if e.op.name == "saved"]
+    for name, t in renames:
         f = fd.fusion
         if t is None or t in f.inputs or any(o is t for o in f.outputs.values()) or name in f.tensors:
             continue  # not in the copy, an input or an output (named already), or the name is taken
