@@ -991,8 +991,9 @@ def _usable(graph: PhysGraph, roots: list[str], memory_limit: float | None) -> t
     return [c for c in order if c in keep], classes
 
 
-# the DP's share of exact's time: on what it cannot prove in this time the 0/1 program gets the rest
-DP_SHARE, DP_MAX_S = 0.3, 20.0
+# the DP's share of exact's time (the hard fuzz cases it proves take 0.1-5 s; on what it cannot prove, e.g. a
+# GPT training step whose many independent branches multiply its states, the 0/1 program gets the rest)
+DP_SHARE, DP_MAX_S = 0.2, 8.0
 
 
 def _exact_dp(graph: PhysGraph, roots: list[str], memory_limit: float | None, greedy: Selection | None,

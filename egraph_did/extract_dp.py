@@ -43,8 +43,9 @@ class _Budget(Exception):
 class _Clock:
     """The DP's budget: states expanded and a deadline, checked as work is done."""
 
-    def __init__(self, max_states: int, time_limit: float):
+    def __init__(self, max_states: int, time_limit: float, max_width: int = 40_000):
         self.left, self.deadline = max_states, time.perf_counter() + time_limit
+        self.max_width = max_width  # states after one step (the hard fuzz cases peak at 17,000)
         self.used = 0
 
     def spend(self, states: int) -> None:
@@ -55,8 +56,10 @@ class _Clock:
 
 
 def _group_of(graph: PhysGraph, classes: dict[str, list[Node]], order: list[str]) -> dict[str, str]:
-    """Each class's tensor: its ident's, or for a class with no ident whose nodes all compute one op (a
-    multi-output op's tuple, read through Proj) that op's; else the class alone."""
+    """Each class's tensor: its ident's; for an output's choice among one tensor's classes, that tensor's
+    (so the choice is made inside it, not multiplied over every output's choices before any is made); for
+    a class with no ident whose nodes all compute one op (a multi-output op's tuple, read through Proj)
+    that op's; else the class alone."""
     out = {}
     for c in order:
         if c in graph.ident:
@@ -64,7 +67,11 @@ def _group_of(graph: PhysGraph, classes: dict[str, list[Node]], order: list[str]
             continue
         keys = {(n.op, n.key) for n in classes[c]}
         op, key = next(iter(keys))
-        out[c] = f"#{key}" if len(keys) == 1 and op == "Apply" else c
+        read = {out[ch] for n in classes[c] for ch in n.children}
+        if op == "Choose" and len(read) == 1 and all(ch in graph.ident for n in classes[c] for ch in n.children):
+            out[c] = next(iter(read))
+        else:
+            out[c] = f"#{key}" if len(keys) == 1 and op == "Apply" else c
     return out
 
 
@@ -278,9 +285,11 @@ def _unwind(chosen) -> dict[str, Node]:
 
 def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], order: list[str],
           canon: set[int] = frozenset(), upper: float | None = None, memory_limit: float | None = None, max_states: int = 2_000_000,
-          time_limit: float = 30.0, beam: int = 64) -> DPResult | None:
+          time_limit: float = 30.0, beam: int = 64, max_tensors: int = 120) -> DPResult | None:
     """The cheapest plan (within memory_limit) over `classes` (each class's usable nodes, `order` children
-    first), proven; None when the DP outgrew `max_states` or `time_limit` (nothing proven). `upper`: the
+    first), proven; None when the DP outgrew `max_states` or `time_limit`, or the graph has more than
+    `max_tensors` tensors (a GPT training step's ~370: measured 8 s without a plan; the fuzz cases it proves
+    have 6-20) (nothing proven). `upper`: the
     cost of a known plan (greedy's), which prunes; the result is then None-choice only if nothing is
     strictly cheaper AND the DP found nothing at all, so callers pass a plan they already hold.
 
@@ -301,6 +310,8 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
     if walk is None:
         return None
     seq, members, inputs = walk
+    if len(seq) > max_tensors:  # many tensors, many independent branches: the frontier's states multiply
+        return None
     memory = memory_limit is not None
     free = _free(classes, order, memory)
     bit = {c: i for i, c in enumerate(order)}
@@ -367,6 +378,8 @@ def _walk(tensors: list["_Tensor"], start: int, upper: float | None, memory_limi
                 pruned = {s: pruned[s] for s in sorted(score, key=score.get)[:beam]}
             nxt = pruned
         states = nxt
+        if len(states) > clock.max_width:  # the frontier's states multiply: this graph is too wide for the DP
+            raise _Budget()
         clock.spend(len(states))
     return states.get(0, [])
 
