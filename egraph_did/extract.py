@@ -708,20 +708,9 @@ def _program(graph: PhysGraph, roots: list[str], memory_limit: float | None) -> 
     """The base rows of the 0/1 program (see _ilp), or None if a root cannot be derived."""
     from scipy.sparse import coo_matrix
 
-    order = _topo_order(graph, roots)
-    classes = _feasible_nodes(graph, order)
+    order, classes = _usable(graph, roots, memory_limit)
     if any(r not in classes for r in roots):
         return None
-    if memory_limit is None:
-        _fix_free(graph, classes, order)
-    keep, stack = set(), list(roots)  # keep only classes some root can still need
-    while stack:
-        c = stack.pop()
-        if c in keep:
-            continue
-        keep.add(c)
-        stack.extend(ch for n in classes[c] for ch in n.children)
-    order = [c for c in order if c in keep]
     canon = _canonical_colls(graph, classes)
     cidx = {c: i for i, c in enumerate(order)}
     nodes = [(c, n) for c in order for n in classes[c]]
@@ -991,9 +980,10 @@ def _usable(graph: PhysGraph, roots: list[str], memory_limit: float | None) -> t
     return [c for c in order if c in keep], classes
 
 
-# the DP's share of exact's time (the hard fuzz cases it proves take 0.1-5 s; on what it cannot prove, e.g. a
-# GPT training step whose many independent branches multiply its states, the 0/1 program gets the rest)
-DP_SHARE, DP_MAX_S = 0.2, 8.0
+# the DP's share of exact's time (the hard fuzz cases it proves take 0.1-5 s alone on 2 cores, 4x that under
+# load: case 2446 gave up at 8 s beside a test run; on what it cannot prove, e.g. a GPT training step whose
+# many independent branches multiply its states, the 0/1 program gets the rest)
+DP_SHARE, DP_MAX_S = 0.35, 20.0
 
 
 def _exact_dp(graph: PhysGraph, roots: list[str], memory_limit: float | None, greedy: Selection | None,
