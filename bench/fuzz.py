@@ -1450,6 +1450,7 @@ def _worker_main(conn) -> None:
     import torch
     torch.set_num_threads(1)
     import egraph_did  # noqa: F401 - import once, before the first case's clock
+    conn.send(("ready", None))  # the case clock starts after this (a loaded machine takes seconds to import)
     parent = os.getppid()
     while True:
         try:
@@ -1468,6 +1469,9 @@ def _worker_main(conn) -> None:
             res = {"failures": [{"cls": _crash_class("fuzzer", e), "detail": traceback.format_exc()[-2000:],
                                  "extractor": None}], "refusal": None, "gap": None, "times": {}}
         conn.send(("result", res))
+
+
+STARTUP_TIMEOUT = 300.0  # seconds a fresh worker may take to import torch and egraph_did
 
 
 class Runner:
@@ -1495,6 +1499,18 @@ class Runner:
         self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=False, name="egraph-did-fuzz-worker")
         self.proc.start()
         child.close()
+        # the worker's imports are not the first case's time: wait for it to be ready (seconds on a loaded
+        # machine; a hang test with a 5 s timeout saw 'timeout in start' beside another test run)
+        if not self.conn.poll(STARTUP_TIMEOUT):
+            self._kill()
+            raise RuntimeError(f"the fuzz worker did not start within {STARTUP_TIMEOUT:.0f} s")
+        try:
+            kind, _ = self.conn.recv()
+        except EOFError:
+            code = self.proc.exitcode
+            self._kill()
+            raise RuntimeError(f"the fuzz worker died while starting (exit code {code})") from None
+        assert kind == "ready", kind
 
     def _kill(self) -> None:
         import signal
