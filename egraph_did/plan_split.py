@@ -18,15 +18,12 @@ forward keeps for its backward).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
 from .cost import size_text
 from .errors import PlanError
-from .ops import canonical_dtype
 from .plan import Plan, Step
-from .shards import local_extents
 
 SAVED_PREFIX = "saved."  # the first part's output, and the second part's input, that hands over a value
 
@@ -49,7 +46,7 @@ class SplitPlan:
 
     def saved_bytes(self) -> float:
         """Bytes one device keeps between the two parts (the largest shard of each saved value)."""
-        return sum(_held(self.joint, v) for v in self.saved)
+        return sum(self.joint.held_bytes(v) for v in self.saved)
 
     def explain(self) -> str:
         """The joint plan's explain(), then how it is split: the steps of each part, and each saved value
@@ -72,7 +69,7 @@ class SplitPlan:
         for v in self.saved:
             reader = next((s for s in self.second.steps if v in s.reads), None)
             why = f"read by: {reader}" if reader is not None else "an output of the second part"
-            lines.append(f"  {v}  {self.joint.value_view(v).loop_str()}  {size_text(_held(self.joint, v), digits=4)}, {why}")
+            lines.append(f"  {v}  {self.joint.value_view(v).loop_str()}  {size_text(self.joint.held_bytes(v), digits=4)}, {why}")
         return self.joint.explain() + "\n\n" + "\n".join(lines)
 
 
@@ -148,11 +145,6 @@ def _part(joint: Plan, steps: list[Step], outputs: dict[str, str], handed: dict[
     plan.memory = plan.memory_breakdown()["total"]  # as the memory model counts it: views are free
     plan.validate()
     return plan
-
-
-def _held(plan: Plan, value: str) -> float:
-    v = plan.values[value]
-    return math.prod(local_extents(v.shape, v.layout, plan.mesh)) * canonical_dtype(v.dtype).itemsize
 
 
 __all__ = ["SplitPlan", "SplitError", "split_plan", "SAVED_PREFIX"]
