@@ -497,15 +497,8 @@ def _feasible_nodes(graph: PhysGraph, order: list[str]) -> dict[str, list[Node]]
 def _fix_free(graph: PhysGraph, classes: dict[str, list[Node]], order: list[str]) -> None:
     """Without a memory bound, a class with a derivation that costs nothing (a pinned or free input and
     Keeps) keeps only that node: switching any plan to it never costs more (costs are >= 0)."""
-    free: set[str] = set()
-    for c in order:
-        if c not in classes:
-            continue
-        for n in classes[c]:
-            if n.cost == 0.0 and all(ch in free for ch in n.children):
-                free.add(c)
-                classes[c] = [n]
-                break
+    for c, n in extract_dp.free_classes(classes, order, memory=False).items():
+        classes[c] = [n]
 
 
 def _level(graph: PhysGraph, c: str) -> int:

@@ -313,7 +313,7 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
     if len(seq) > max_tensors:  # many tensors, many independent branches: the frontier's states multiply
         return None
     memory = memory_limit is not None
-    free = _free(classes, order, memory)
+    free = free_classes(classes, order, memory)
     bit = {c: i for i, c in enumerate(order)}
     tensors = [_Tensor(classes, members[g], bit, memory, free, canon, graph.ident) for g in seq]
     _forced_closure(tensors, seq, members, classes, group)
@@ -322,9 +322,7 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
         if r not in free:
             start |= 1 << bit[r]
     clock = _Clock(max_states, time_limit)
-    stats = {"dp_tensors": len(seq), "dp_rounds": 0}
-    # iterative deepening on the cost limit: a round explores every state within its limit, so a plan found
-    # within it is optimal; low limits prune hard and cost little next to the last round
+    stats = {"dp_tensors": len(seq)}
     # first a beam (the best states of each step only) for a plan near the optimum: its cost is the exact
     # walk's limit, which prunes every state that cannot beat it
     try:
@@ -423,12 +421,20 @@ def _lower(state: int, tensors: list["_Tensor"], first: int) -> float:
     return total
 
 
-def _free(classes: dict[str, list[Node]], order: list[str], memory: bool) -> dict[str, Node]:
+def free_classes(classes: dict[str, list[Node]], order: list[str], memory: bool) -> dict[str, Node]:
     """Classes made at no cost (and, under a memory bound, no memory) from free classes: a loaded input
-    and its Keeps. The DP never demands them; the plan takes them at that node."""
+    and its Keeps. The DP never demands them; the plan takes them at that node. Without a memory bound,
+    extract._fix_free keeps only these nodes in their classes.
+
+    >>> classes = {"x": [Node("Load", (), "x")], "x:R": [Node("Coll", ("x",), "allgather", 0, cost=2e-5)],
+    ...            "y": [Node("Apply", ("x",), "y", 0, cost=0.0, memory=64.0)]}
+    >>> order = ["x", "x:R", "y"]
+    >>> sorted(free_classes(classes, order, memory=False)), list(free_classes(classes, order, memory=True))
+    (['x', 'y'], ['x'])
+    """
     free: dict[str, Node] = {}
     for c in order:
-        for n in classes[c]:
+        for n in classes.get(c, ()):
             if n.cost == 0.0 and (not memory or n.memory == 0.0) and all(ch in free for ch in n.children):
                 free[c] = n
                 break
