@@ -47,6 +47,11 @@ _BIG = 2**31 - 2**20       # past this many elements, offsets are computed in in
 # Eviction hints (inductor's evict_first / evict_last) bought nothing there: rms_norm 0.2049 vs 0.2045 ms,
 # softmax 0.2067 vs 0.1993, add+layer_norm 0.4144 vs 0.3938, row sum 0.1026 vs 0.1012; they stay off.
 PERSISTENT_HINTS = False     # eviction hints in persistent kernels
+# rms_norm [16384, 12288] one-shot (BLOCK_N 16384, a quarter of the lanes masked) 0.2003 ms, torch.compile
+# (a looped kernel: the row in chunks, reloaded from L2 for the epilogue) 0.1935 ms = the copy. The looped
+# form (Schedule.loop_block) is built and swept (bench/sweep_reductions.py) but off until measured:
+PERSISTENT_LOOP_FROM: int | None = None  # rows of at least this many elements loop; None: never
+PERSISTENT_LOOP_BLOCK = 4096             # the chunk a looped row aims at (persistent_loop_block)
 REDUCTION_HINTS = False      # eviction hints in reduction kernels
 # Column sum [16384, 12288]: one pass 256 x 32 (384 programs) 0.1130 ms; split into row chunks with a
 # finishing pass 0.1088-0.1100 ms over 12 configurations (64..128 columns, 1536..6144 programs, 4 warps),
@@ -74,6 +79,33 @@ def outer_split(kk: int, cols: int) -> int:
     return split
 
 
+def persistent_loop_block(row: int, target: int = PERSISTENT_LOOP_BLOCK, smallest: int = 512) -> int:
+    """The chunk of a looped persistent row: the largest power of two up to target that divides the row
+    (no masks), down to smallest; else target (the last chunk masked).
+
+    >>> persistent_loop_block(12288), persistent_loop_block(12288, 2048), persistent_loop_block(1000)
+    (4096, 2048, 4096)
+    """
+    b = target
+    while b >= smallest:
+        if row % b == 0:
+            return b
+        b //= 2
+    return target
+
+
+def persistent_form(row: int) -> int | None:
+    """The loop_block a persistent schedule takes for rows of `row` elements: None (the row held on chip
+    in one pass) below PERSISTENT_LOOP_FROM, else persistent_loop_block(row).
+
+    >>> persistent_form(12288) is None   # off until the sweep says otherwise
+    True
+    """
+    if PERSISTENT_LOOP_FROM is None or row < PERSISTENT_LOOP_FROM:
+        return None
+    return persistent_loop_block(row)
+
+
 class Unsupported(PlanError):
     """No Triton scheduler takes this spec (classify answers None; run it with run_eager)."""
 
@@ -96,6 +128,10 @@ class Schedule:
     outer: bool = False            # reduction over leading axes (a column sum)
     split: int = 1                 # outer reduction: row chunks reduced apart, then a finishing pass
     hints: bool = False            # cache hints: streamed loads evict_first, broadcast operands evict_last
+    # persistent, source-level alternatives to holding the row as one masked block of next_pow2(row):
+    loop_block: int | None = None  # looped: chunks of this many elements, one pass a reduction level
+                                   # and a final pass that reloads the row (from L2), as inductor does
+    pieces: int = 1                # one-shot, the row held as up to this many power-of-two blocks
 
     @property
     def base(self) -> tuple[int, ...]:
@@ -314,6 +350,7 @@ def _persistent(spec: KernelSpec, reds: list[KernelOp]) -> Schedule:
         raise Unsupported(f"rows of {row} elements do not fit on chip (the persistent scheduler takes up to "
                           f"{PERSISTENT_MAX_ROW})")
     s.hints = PERSISTENT_HINTS
+    s.loop_block = persistent_form(row)
     return s
 
 
@@ -394,11 +431,13 @@ def heuristics(spec: KernelSpec, s: Schedule, interpret: bool | None = None) -> 
     if s.kind == "persistent":
         k = len(s.red_axes)
         rows, cols = math.prod(L[:len(L) - k]), math.prod(L[len(L) - k:])
-        bn = _p2(cols)
+        bn = s.loop_block or _p2(cols)
         tile = 65536 if interpret else 4096
         bm = min(_p2(rows), max(1, tile // bn))
         # H200, bf16 rows of 12288 (BLOCK_N 16384): 8 warps 96% of copy, 16 warps 86%, 32 warps 50%
         warps = 8 if not interpret and bm * bn >= 8192 else 4
+        if s.loop_block or s.pieces > 1:  # the chunks are literals of the source: only BLOCK_M is free
+            return LaunchConfig(-(-rows // bm), (("BLOCK_M", bm),), warps)
         return LaunchConfig(-(-rows // bm), (("BLOCK_M", bm), ("BLOCK_N", bn)), warps)
     if s.kind == "reduction":
         k = len(s.red_axes)
@@ -496,11 +535,219 @@ def _pid(big: bool) -> str:
     return "tl.program_id(0).to(tl.int64)" if big else "tl.program_id(0)"
 
 
+class _PassWriter(Writer):
+    """A Writer whose loads all evict last while `keep` is set (with hints on): the reduction passes of a
+    looped persistent kernel read the row its final pass reads again."""
+
+    keep = False
+
+    def policy(self, shape: tuple[int, ...], loop: tuple[int, ...]) -> str:
+        if self.hints and self.keep:
+            return ', eviction_policy="evict_last"'
+        return super().policy(shape, loop)
+
+
+def _check_persistent_form(s: Schedule) -> None:
+    if not (s.loop_block or s.pieces > 1):
+        return
+    if s.kind != "persistent":
+        raise Unsupported(f"loop_block={s.loop_block}, pieces={s.pieces}: only the persistent scheduler loops "
+                          f"over or splits its row; this is a {s.kind} schedule")
+    if s.loop_block and s.pieces > 1:
+        raise Unsupported(f"loop_block={s.loop_block} and pieces={s.pieces}: a persistent row either loops "
+                          f"over chunks or is held in pieces; set one")
+    if s.loop_block and (s.loop_block < 1 or s.loop_block & (s.loop_block - 1)):
+        raise Unsupported(f"loop_block={s.loop_block}: Triton blocks are powers of two "
+                          f"(persistent_loop_block(row) picks one)")
+
+
+def _varying(spec: KernelSpec, s: Schedule) -> set[str]:
+    """Tensors of a persistent spec that vary along the row (the reduced axes): inputs spanning it and
+    the pointwise ops reading one. A reduction (keepdim) yields one value a row."""
+    out = set()
+    for n in spec.inputs:
+        if any(a in s.red_axes for a in align_to(spec.shape(n), s.base, s.loop) if a is not None):
+            out.add(n)
+    for op in spec.ops:
+        if op.op not in REDUCTIONS and any(v in out for v in _tensor_args(spec, op)):
+            out.add(op.out)
+    return out
+
+
+def _pass_numbers(spec: KernelSpec, varying: set[str]) -> dict[str, int]:
+    """For every tensor, the number of passes over the row before it exists: a reduction of a varying
+    operand takes one pass more than its operand (layer_norm: the mean 1, the variance 2)."""
+    depth = {n: 0 for n in spec.inputs}
+    for op in spec.ops:
+        d = max((depth[v] for v in _tensor_args(spec, op)), default=0)
+        depth[op.out] = d + (op.op in REDUCTIONS and _args(op)["x"] in varying)
+    return depth
+
+
+def _needed_ops(spec: KernelSpec, targets: list[str], varying: set[str], have) -> list[KernelOp]:
+    """The varying pointwise ops that targets read (themselves included), transitively, less those in have."""
+    need = set(targets)
+    for op in reversed(spec.ops):
+        if op.out in need and op.out in varying and op.out not in have:
+            need.update(_tensor_args(spec, op))
+    return [op for op in spec.ops if op.out in need and op.out in varying and op.out not in have]
+
+
+def _row_pieces(cols: int, most: int) -> list[tuple[int, int, bool]]:
+    """(offset, size, masked) of up to `most` power-of-two blocks covering a row: the largest that fit,
+    the last rounded up (and masked) when the row has more set bits than that.
+
+    >>> _row_pieces(12288, 2), _row_pieces(13, 2)
+    ([(0, 8192, False), (8192, 4096, False)], [(0, 8, False), (8, 8, True)])
+    """
+    out, off = [], 0
+    while off < cols:
+        left = cols - off
+        size = 1 << (left.bit_length() - 1) if len(out) < most - 1 else _p2(left)
+        out.append((off, size, size > left))
+        off += size
+    return out
+
+
+def _emit_row_ops(w: Writer, spec: KernelSpec, s: Schedule, phase: Phase, env: dict[str, str],
+                  varying: set[str], outs: dict[str, str]) -> None:
+    """Emit, outside any pass, the ops yielding one value a row whose operands exist (the rsqrt of
+    rms_norm's mean square); store the outputs among them once a row."""
+    for op in spec.ops:
+        if op.out in env or op.out in varying:
+            continue
+        args = _tensor_args(spec, op)
+        if not all(v in env or (v in spec.inputs and v not in varying) for v in args):
+            continue
+        if op.op in REDUCTIONS and _args(op)["x"] in varying:
+            continue  # a pass reduces it
+
+        def operand(v):
+            return env[v] if v in env else w.load(v, s.base, phase, "row")
+
+        if op.op in REDUCTIONS:
+            v = operand(_args(op)["x"])
+            var = w.fresh(op.out)
+            w.emit(f"{var} = {v}  # {op.op} over extent-1 axes")
+            w.spans[var] = w.spans[v]
+            env[op.out] = var
+        else:
+            env[op.out] = w.pointwise(op, operand)
+        if op.out in outs:
+            w.store(op.out, env[op.out], s.out_frame[op.out], phase)
+
+
+def _emit_persistent_passes(w: _PassWriter, spec: KernelSpec, s: Schedule, outs: dict[str, str]) -> None:
+    """A persistent kernel in passes over its row: pass p reduces the reductions whose operands read
+    results of p - 1 passes, a final pass computes and stores the row's outputs; between passes, the
+    ops on one value a row. Looped (s.loop_block): each pass a loop over chunks, recomputing from the
+    inputs (reloaded, from L2) what it needs. In pieces (s.pieces): the row as a few power-of-two blocks
+    of the source, each keeping its values from one pass to the next (one read of the row)."""
+    L = s.loop
+    n, k = len(L), len(s.red_axes)
+    rows, cols = math.prod(L[:n - k]), math.prod(L[n - k:])
+    w.emit("rows = (pid * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]")
+    w.emit(f"rows_mask = rows < {rows}")
+    g_rows = Group(tuple(range(n - k)), "rows", "rows_mask")
+    row_phase = Phase(L, [g_rows])
+    varying = _varying(spec, s)
+    passes = _pass_numbers(spec, varying)
+    reds = [op for op in spec.ops if op.op in REDUCTIONS and _args(op)["x"] in varying]
+    env: dict[str, str] = {}
+    row_outs = {m: p for m, p in outs.items() if m not in varying}
+    for m in row_outs:
+        if m in spec.inputs:
+            w.store(m, w.load(m, s.base, row_phase, "row"), s.base, row_phase)
+    _emit_row_ops(w, spec, s, row_phase, env, varying, row_outs)
+
+    if s.loop_block:
+        b = s.loop_block
+        chunks = [("cols", None if cols % b == 0 else "cols_mask", b)]
+    else:
+        chunks = []
+        for i, (off, size, masked) in enumerate(_row_pieces(cols, s.pieces)):
+            w.emit(f"cols_{i} = {off} + tl.arange(0, {size})[None, :]")
+            if masked:
+                w.emit(f"cols_{i}_mask = cols_{i} < {cols}")
+            chunks.append((f"cols_{i}", f"cols_{i}_mask" if masked else None, size))
+    kept = [dict() for _ in chunks]  # pieces: each block's values, kept across passes
+
+    def over_row(key: str, body) -> None:
+        """body(phase, env, mask, i) once a chunk: in a loop (looped) or once a piece."""
+        if s.loop_block:
+            flat, mask, b = chunks[0]
+            w.emit(f"for k0 in range(0, {cols}, {b}):")
+            w.indent += 1
+            w.emit(f"cols = k0 + tl.arange(0, {b})[None, :]")
+            if mask:
+                w.emit(f"cols_mask = cols < {cols}")
+            body(Phase(L, [g_rows, Group(s.red_axes, flat, mask)]), dict(env), mask, key, 0)
+            w.indent -= 1
+            return
+        for i, (flat, mask, _) in enumerate(chunks):
+            kept[i].update(env)
+            body(Phase(L, [g_rows, Group(s.red_axes, flat, mask)]), kept[i], mask, f"piece{i}", i)
+
+    def value(name, phase, penv, key):
+        return penv[name] if name in penv else w.load(name, s.base, phase, key)
+
+    for p in range(1, max((passes[r.out] for r in reds), default=0) + 1):
+        now = [r for r in reds if passes[r.out] == p]
+        accs = {r.out: w.fresh(r.out + "_acc") for r in now}
+        if s.loop_block:
+            for r in now:
+                w.emit(f"{accs[r.out]} = tl.full([BLOCK_M, {s.loop_block}], {literal(OPS[r.op].identity)}, "
+                       f"tl.float32)")
+        spans = {}
+
+        def reduce_pass(phase, penv, mask, key, i):
+            _emit_ops(w, spec, s, _needed_ops(spec, [_args(r)["x"] for r in now], varying, penv), phase, key,
+                      penv, {})
+            for r in now:
+                x = _args(r)["x"]
+                v = value(x, phase, penv, key)
+                fill = literal(OPS[r.op].identity)
+                part = f"tl.where({mask}, {v}, {fill})" if mask else v
+                spans[r.out] = w.spans[v] & {g_rows}
+                acc = accs[r.out]
+                if s.loop_block:
+                    w.emit(f"{acc} = " + OPS[r.op].template.format(a=acc, b=part))
+                elif i == 0:
+                    w.emit(f"{acc} = {w.reduce(r.op, part, 1, True, r.out + '_0', f'  # {r.op} of {x}')}")
+                else:
+                    partial = w.reduce(r.op, part, 1, True, f"{r.out}_{i}", f"  # {r.op} of {x}")
+                    w.emit(f"{acc} = " + OPS[r.op].template.format(a=acc, b=partial))
+
+        w.keep = True
+        over_row(f"pass{p}", reduce_pass)
+        w.keep = False
+        for r in now:
+            var = accs[r.out]
+            if s.loop_block:
+                var = w.reduce(r.op, accs[r.out], 1, True, r.out, f"  # {r.op} of {_args(r)['x']}")
+            w.spans[var] = frozenset(spans[r.out])
+            env[r.out] = var
+            if r.out in row_outs:
+                w.store(r.out, var, s.out_frame[r.out], row_phase)
+        _emit_row_ops(w, spec, s, row_phase, env, varying, row_outs)
+
+    stored = [m for m in outs if m in varying]
+
+    def final_pass(phase, penv, mask, key, i):
+        _emit_ops(w, spec, s, _needed_ops(spec, stored, varying, penv), phase, key, penv, {})
+        for m in stored:
+            w.store(m, value(m, phase, penv, key), s.out_frame.get(m, s.base), phase)
+
+    if stored:
+        over_row("final", final_pass)
+
+
 def generate_source(spec: KernelSpec, s: Schedule | None = None) -> str:
     """The Triton source of spec's kernel: a module defining `kernel(inputs..., outputs..., BLOCKs)`."""
     s = s or schedule(spec)
+    _check_persistent_form(s)
     ins, outs, params = _params(spec)
-    w = Writer(spec, ins, outs)
+    w = _PassWriter(spec, ins, outs)
     w.hints = s.hints
     L = s.loop
     n = len(L)
@@ -518,6 +765,10 @@ def generate_source(spec: KernelSpec, s: Schedule | None = None) -> str:
         phase = Phase(L, [Group(s.base, "offs", "offs_mask")])
         _store_input_outputs(w, spec, s, phase, "main", outs)
         _emit_ops(w, spec, s, ops, phase, "main", env, outs)
+
+    elif s.kind == "persistent" and (s.loop_block or s.pieces > 1):
+        consts = ["BLOCK_M"]
+        _emit_persistent_passes(w, spec, s, outs)
 
     elif s.kind == "persistent":
         consts = ["BLOCK_M", "BLOCK_N"]

@@ -646,3 +646,128 @@ def test_cache_hints_mark_streamed_loads_evict_first_and_broadcast_operands_evic
     assert 'eviction_policy="evict_first"' in x_load and 'eviction_policy="evict_last"' in w_load
     check_schedule(spec, s)
     assert "eviction_policy" not in sch.generate_source(spec)   # off by default (measured no gain)
+
+
+# ------------------------------------------------------------------ persistent in passes (looped, pieces)
+
+def in_passes(spec, **changes):
+    """spec's persistent schedule with a looped (loop_block=) or pieces (pieces=) row."""
+    s = sch.schedule(spec)
+    assert s.kind == "persistent" and s.loop_block is None and s.pieces == 1   # off by default
+    return dataclasses.replace(s, **changes)
+
+
+def rows_config(rows, block_m):
+    return sch.LaunchConfig(-(-rows // block_m), (("BLOCK_M", block_m),), 4)
+
+
+def run_schedule(spec, s, inputs, cfg=None):
+    kernel = sch.load_kernel(spec, s)
+    if cfg is not None:
+        kernel._config = cfg
+    return kernel(inputs)
+
+
+FORMS = [dict(loop_block=64), dict(loop_block=64, hints=True), dict(loop_block=8), dict(pieces=2),
+         dict(pieces=3)]
+
+
+@pytest.mark.parametrize("cols", [256, 300, 13])
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("block_m", [1, 4])
+def test_rms_norm_in_passes_equals_one_shot_and_torch_in_float64(cols, form, block_m):
+    """Rows that divide the chunk (256 / 64) and not (300, 13); 9 rows, so BLOCK_M 4 masks the last block."""
+    spec = rms_norm((9, cols))
+    ins = make_inputs(spec)
+    got = run_schedule(spec, in_passes(spec, **form), ins, rows_config(9, block_m))[spec.outputs[0]]
+    one_shot = sch.compile_kernel(spec)(ins)[spec.outputs[0]]
+    want = F.rms_norm(ins["x"].double(), (cols,), ins["w"].double(), 1e-6)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, one_shot, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", [dict(loop_block=64), dict(loop_block=32, hints=True), dict(pieces=2)])
+def test_rms_norm_in_passes_in_bf16(form):
+    spec = rms_norm((5, 96), torch.bfloat16)
+    ins = make_inputs(spec)
+    got = run_schedule(spec, in_passes(spec, **form), ins, rows_config(5, 2))[spec.outputs[0]]
+    want = F.rms_norm(ins["x"].double(), (96,), ins["w"].double(), 1e-6)
+    torch.testing.assert_close(got.double(), want, rtol=1.6e-2, atol=1.6e-2)
+    torch.testing.assert_close(got, sch.compile_kernel(spec)(ins)[spec.outputs[0]], rtol=1.6e-2, atol=1.6e-2)
+
+
+def test_looped_source_has_no_column_mask_when_the_chunk_divides_the_row():
+    spec = rms_norm((4, 12288), torch.bfloat16)
+    src = sch.generate_source(spec, in_passes(spec, loop_block=4096))
+    assert "cols_mask" not in src and src.count("for k0 in range(0, 12288, 4096)") == 2
+    assert "cols_mask" in sch.generate_source(spec, in_passes(spec, loop_block=8192))
+    pieces = sch.generate_source(spec, in_passes(spec, pieces=2))
+    assert "tl.arange(0, 8192)" in pieces and "tl.arange(0, 4096)" in pieces and "mask" not in pieces.replace(
+        "mask=rows_mask", "").replace("rows_mask =", "")
+    assert dict(sch.heuristics(spec, in_passes(spec, loop_block=4096), False).constexprs) == {"BLOCK_M": 1}
+
+
+def test_looped_hints_keep_the_row_for_the_final_pass_and_stream_it_out():
+    spec = rms_norm((4, 256), torch.bfloat16)
+    src = sch.generate_source(spec, in_passes(spec, loop_block=64, hints=True))
+    first, final = src.split("for k0")[1:]
+    assert 'evict_last' in next(line for line in first.splitlines() if "tl.load(in_x" in line)
+    assert 'evict_first' in next(line for line in final.splitlines() if "tl.load(in_x" in line)
+    assert 'evict_last' in next(line for line in final.splitlines() if "tl.load(in_w" in line)
+
+
+@pytest.mark.parametrize("make", [lambda d: layer_norm((7, 300), d), lambda d: layer_norm((7, 300), d, residual=True),
+                                  lambda d: softmax((7, 300), d)])
+@pytest.mark.parametrize("form", [dict(loop_block=64), dict(loop_block=128, hints=True), dict(pieces=2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_norm_residual_and_softmax_in_passes_match_eager(make, form, dtype):
+    """Two reduction passes (the mean, then the variance; the max, then the sum of exp), the residual sum
+    an output stored once, by the final pass."""
+    spec = make(dtype)
+    check_schedule(spec, in_passes(spec, **form), rows_config(7, 2))
+
+
+@pytest.mark.parametrize("form", [dict(loop_block=16), dict(pieces=2)])
+def test_passes_store_per_row_outputs_once_and_read_per_row_operands(form):
+    """x * rsqrt(sum(x^2) + s) with s [M, 1], x passed through and sum(y) [M, 1] (a second pass) as outputs."""
+    b = Build()
+    x, s = b.input("x", (9, 50)), b.input("s", (9, 1))
+    y = b.mul(x, b.rsqrt(b.add(b.sum(b.mul(x, x), -1, True), s)))
+    spec = b.spec(y, x, b.sum(y, -1, True), b.mul(s, 2.0))
+    ins = make_inputs(spec, positive=("s",))
+    check_schedule(spec, in_passes(spec, **form), rows_config(9, 4), inputs=ins)
+
+
+@pytest.mark.parametrize("form", [dict(loop_block=8), dict(pieces=3)])
+def test_passes_normalize_over_two_trailing_axes(form):
+    b = Build()
+    x, w = b.input("x", (4, 3, 10)), b.input("w", (3, 10))
+    spec = b.spec(b.layer_norm(x, (3, 10), w, None))
+    check_schedule(spec, in_passes(spec, **form), rows_config(4, 2))
+
+
+@pytest.mark.parametrize("form", [dict(loop_block=64), dict(pieces=2)])
+def test_softmax_in_passes_propagates_nan(form):
+    spec = softmax((4, 300))
+    ins = make_inputs(spec)
+    ins["x"][1, 200] = float("nan")
+    got = check_schedule(spec, in_passes(spec, **form), inputs=ins)[spec.outputs[0]]
+    assert got[1].isnan().all() and not got[0].isnan().any()
+
+
+def test_pieces_cover_the_row_with_powers_of_two():
+    assert sch._row_pieces(12288, 2) == [(0, 8192, False), (8192, 4096, False)]
+    assert sch._row_pieces(300, 3) == [(0, 256, False), (256, 32, False), (288, 16, True)]
+    assert sch._row_pieces(64, 4) == [(0, 64, False)]
+
+
+def test_loop_block_is_a_dividing_power_of_two_and_bad_forms_are_refused():
+    assert sch.persistent_loop_block(12288) == 4096 and sch.persistent_loop_block(12288, 8192) == 4096
+    assert sch.persistent_loop_block(3 * 2048 + 1024) == 1024 and sch.persistent_loop_block(1000) == 4096
+    spec = rms_norm((4, 96))
+    for bad in (dict(loop_block=48), dict(loop_block=32, pieces=2)):
+        with pytest.raises(sch.Unsupported):
+            sch.generate_source(spec, in_passes(spec, **bad))
+    row = row_reduce((4, 96))
+    with pytest.raises(sch.Unsupported, match="only the persistent"):
+        sch.generate_source(row, dataclasses.replace(sch.schedule(row), loop_block=32))
