@@ -52,6 +52,9 @@ PERSISTENT_HINTS = False     # eviction hints in persistent kernels
 # form (Schedule.loop_block) is built and swept (bench/sweep_reductions.py) but off until measured:
 PERSISTENT_LOOP_FROM: int | None = None  # rows of at least this many elements loop; None: never
 PERSISTENT_LOOP_BLOCK = 4096             # the chunk a looped row aims at (persistent_loop_block)
+PERSISTENT_LOOP_TILE = 4096              # BLOCK_M x chunk of a looped program on GPU
+PERSISTENT_LOOP_WARPS = 8
+PERSISTENT_LOOP_HINTS = False            # looped: reduction passes evict_last, the final pass evict_first
 REDUCTION_HINTS = False      # eviction hints in reduction kernels
 # Column sum [16384, 12288]: one pass 256 x 32 (384 programs) 0.1130 ms; split into row chunks with a
 # finishing pass 0.1088-0.1100 ms over 12 configurations (64..128 columns, 1536..6144 programs, 4 warps),
@@ -81,11 +84,12 @@ def outer_split(kk: int, cols: int) -> int:
 
 def persistent_loop_block(row: int, target: int = PERSISTENT_LOOP_BLOCK, smallest: int = 512) -> int:
     """The chunk of a looped persistent row: the largest power of two up to target that divides the row
-    (no masks), down to smallest; else target (the last chunk masked).
+    (no masks), down to smallest; else target, at most next_pow2(row) (the last chunk masked).
 
     >>> persistent_loop_block(12288), persistent_loop_block(12288, 2048), persistent_loop_block(1000)
-    (4096, 2048, 4096)
+    (4096, 2048, 1024)
     """
+    target = min(target, _p2(row))
     b = target
     while b >= smallest:
         if row % b == 0:
@@ -349,8 +353,8 @@ def _persistent(spec: KernelSpec, reds: list[KernelOp]) -> Schedule:
     if row > PERSISTENT_MAX_ROW:
         raise Unsupported(f"rows of {row} elements do not fit on chip (the persistent scheduler takes up to "
                           f"{PERSISTENT_MAX_ROW})")
-    s.hints = PERSISTENT_HINTS
     s.loop_block = persistent_form(row)
+    s.hints = PERSISTENT_LOOP_HINTS if s.loop_block else PERSISTENT_HINTS
     return s
 
 
@@ -431,12 +435,15 @@ def heuristics(spec: KernelSpec, s: Schedule, interpret: bool | None = None) -> 
     if s.kind == "persistent":
         k = len(s.red_axes)
         rows, cols = math.prod(L[:len(L) - k]), math.prod(L[len(L) - k:])
-        bn = s.loop_block or _p2(cols)
+        if s.loop_block:  # the chunk is a literal of the source: only BLOCK_M is free
+            bm = min(_p2(rows), max(1, (65536 if interpret else PERSISTENT_LOOP_TILE) // s.loop_block))
+            return LaunchConfig(-(-rows // bm), (("BLOCK_M", bm),), 4 if interpret else PERSISTENT_LOOP_WARPS)
+        bn = _p2(cols)
         tile = 65536 if interpret else 4096
         bm = min(_p2(rows), max(1, tile // bn))
         # H200, bf16 rows of 12288 (BLOCK_N 16384): 8 warps 96% of copy, 16 warps 86%, 32 warps 50%
         warps = 8 if not interpret and bm * bn >= 8192 else 4
-        if s.loop_block or s.pieces > 1:  # the chunks are literals of the source: only BLOCK_M is free
+        if s.pieces > 1:  # the pieces are literals of the source: only BLOCK_M is free
             return LaunchConfig(-(-rows // bm), (("BLOCK_M", bm),), warps)
         return LaunchConfig(-(-rows // bm), (("BLOCK_M", bm), ("BLOCK_N", bn)), warps)
     if s.kind == "reduction":
@@ -1082,4 +1089,5 @@ def run_eager(spec: KernelSpec, inputs: dict[str, torch.Tensor]) -> dict[str, to
 
 __all__ = ["classify", "compile_kernel", "run_eager", "schedule", "generate_source", "heuristics",
            "cache_dir", "cache_info", "clear_cache", "load_kernel", "outer_split", "Kernel", "LaunchConfig",
-           "Schedule", "SplitLaunch", "Unsupported", "PERSISTENT_MAX_ROW"]
+           "Schedule", "SplitLaunch", "Unsupported", "PERSISTENT_MAX_ROW", "persistent_form",
+           "persistent_loop_block"]

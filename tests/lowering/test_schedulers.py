@@ -763,7 +763,7 @@ def test_pieces_cover_the_row_with_powers_of_two():
 
 def test_loop_block_is_a_dividing_power_of_two_and_bad_forms_are_refused():
     assert sch.persistent_loop_block(12288) == 4096 and sch.persistent_loop_block(12288, 8192) == 4096
-    assert sch.persistent_loop_block(3 * 2048 + 1024) == 1024 and sch.persistent_loop_block(1000) == 4096
+    assert sch.persistent_loop_block(3 * 2048 + 1024) == 1024 and sch.persistent_loop_block(1000) == 1024
     spec = rms_norm((4, 96))
     for bad in (dict(loop_block=48), dict(loop_block=32, pieces=2)):
         with pytest.raises(sch.Unsupported):
@@ -771,3 +771,19 @@ def test_loop_block_is_a_dividing_power_of_two_and_bad_forms_are_refused():
     row = row_reduce((4, 96))
     with pytest.raises(sch.Unsupported, match="only the persistent"):
         sch.generate_source(row, dataclasses.replace(sch.schedule(row), loop_block=32))
+
+
+def test_rows_from_persistent_loop_from_take_the_looped_form(monkeypatch):
+    """The switch the sweep's winner is set through: rows of at least PERSISTENT_LOOP_FROM elements loop
+    over chunks of persistent_loop_block(row), launched with PERSISTENT_LOOP_TILE and _WARPS on GPU."""
+    monkeypatch.setattr(sch, "PERSISTENT_LOOP_FROM", 500)
+    big = rms_norm((3, 12288), torch.bfloat16)
+    s = sch.schedule(big)
+    assert s.loop_block == 4096 and s.hints == sch.PERSISTENT_LOOP_HINTS
+    cfg = sch.heuristics(big, s, False)
+    assert cfg.constexprs == (("BLOCK_M", 1),) and cfg.num_warps == sch.PERSISTENT_LOOP_WARPS and cfg.grid == 3
+    assert sch.schedule(rms_norm((3, 300))).loop_block is None
+    spec = rms_norm((6, 520))
+    s = sch.schedule(spec)
+    assert s.loop_block == 1024
+    check_schedule(spec, s)
