@@ -1,12 +1,18 @@
 """Sweep of the source-level choices and launch configurations of the persistent and reduction
-schedulers (issue 13, item 4), against torch.compile in the same run (GPU only).
+schedulers (issue 13, item 4), against torch.compile in the same run (GPU; --dry-run anywhere).
 
-Each variant is a schedule (split, hints: dataclasses.replace of the scheduler's own) and a
-LaunchConfig; every variant's output is checked against torch in float64 before it is timed. Times are
-medians of triton.testing.do_bench; torch.compile is timed before and after a case's variants (its
-spread is the noise floor of the comparison).
+Each variant is a schedule (split, hints, loop_block, pieces: dataclasses.replace of the scheduler's
+own) and a LaunchConfig; every variant's output is checked against torch in float64 before it is timed.
+Times are medians of triton.testing.do_bench; torch.compile is timed before and after a case's variants
+(its spread is the noise floor of the comparison).
 
-    python bench/sweep_reductions.py [--quick] [--inductor-dump DIR]
+Persistent cases (rms_norm, layer_norm, softmax, add+layer_norm) sweep the row held in one masked block
+of next_pow2(row) (the default; all its configurations without --quick), in power-of-two pieces, and
+looped over chunks of 1024/2048/4096 (x warps 4/8/16 x hints x BLOCK_M 1/2).
+
+    python bench/sweep_reductions.py [--quick] [--cases rms_norm] [--inductor-dump DIR]
+    python bench/sweep_reductions.py --dry-run --cases rms_norm   # anywhere: builds and checks every
+                                                                  # variant on 3 rows, interpreted, untimed
 """
 from __future__ import annotations
 
@@ -18,7 +24,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import time  # noqa: E402
+
 import torch  # noqa: E402
+
+if not torch.cuda.is_available():  # --dry-run: Triton's own jitted helpers (tl.sum) must be interpreted too
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from triton.testing import do_bench  # noqa: E402
 
 from bench.kernel_speed import build, cases, rel_err  # noqa: E402
@@ -34,11 +46,18 @@ def cdiv(a, b):
     return -(-a // b)
 
 
-def persistent_variants(m, sms):
-    """(label, schedule changes, BLOCK_M, warps, grid or None for one row block a program)."""
-    return [(f"BM {bm} w{w} hints {h}", dict(hints=h), bm, w, None)
-            for bm in (1, 2) for w in (8, 16) for h in (False, True)] + \
-        [("BM 1 w4 hints False", dict(hints=False), 1, 4, None)]
+def persistent_variants(quick, n):
+    """(label, schedule changes, constexprs, warps) of a persistent case with rows of n elements: the row
+    in one block of next_pow2(n) (measured before: without --quick only), in two power-of-two pieces
+    (12288 = 8192 + 4096, no masks), and looped over chunks (inductor's form)."""
+    bn = sch._p2(n)
+    out = [] if quick else [(f"one-shot BM {bm} w{w} hints {h}", dict(hints=h), {"BLOCK_M": bm, "BLOCK_N": bn}, w)
+                            for bm in (1, 2) for w in (4, 8, 16) for h in (False, True)]
+    out += [(f"pieces 2 BM {bm} w{w}", dict(pieces=2, hints=False), {"BLOCK_M": bm}, w)
+            for bm in (1, 2) for w in (8, 16)]
+    out += [(f"looped {b} BM {bm} w{w} hints {h}", dict(loop_block=b, hints=h), {"BLOCK_M": bm}, w)
+            for b in (1024, 2048, 4096) for w in (4, 8, 16) for h in (False, True) for bm in (1, 2)]
+    return out
 
 
 def column_variants(quick):
@@ -73,68 +92,87 @@ def dump_inductor(out_dir):
         f.write("\n\n".join(texts))
 
 
+def case_variants(spec, base, m, n, quick):
+    """(label, schedule changes, constexprs, warps, grid) of one case, the scheduler's default last."""
+    if base.kind == "persistent":
+        variants = [(lbl, ch, c, w, cdiv(m, c["BLOCK_M"])) for lbl, ch, c, w in persistent_variants(quick, n)]
+    elif base.kind == "reduction" and base.outer:
+        variants = []
+        for lbl, split, bn, bk, w, bf, hints in column_variants(quick):
+            c = {"BLOCK_K": bk, "BLOCK_N": bn} | ({"BLOCK_F": bf} if split > 1 else {})
+            variants.append((lbl, dict(split=split, hints=hints), c, w, cdiv(n, bn) * split))
+    else:
+        cfg = sch.heuristics(spec, base, False)
+        variants = [(f"hints {h}", dict(hints=h), dict(cfg.constexprs), cfg.num_warps, cfg.grid)
+                    for h in (False, True)]
+    default = sch.heuristics(spec, base, False)
+    form = f" loop_block {base.loop_block}" if base.loop_block else ""
+    variants.append((f"DEFAULT split {base.split} hints {base.hints}{form}",
+                     {}, dict(default.constexprs), default.num_warps, default.grid))
+    return variants
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--inductor-dump", default=None)
     ap.add_argument("--cases", default="rms_norm,column sum,layer_norm,softmax,add+layer_norm,row sum")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="build and check every variant (interpreted without a GPU), time nothing")
+    ap.add_argument("--m", type=int, default=None, help="rows (default 16384; 3 with --dry-run)")
+    ap.add_argument("--n", type=int, default=12288)
     args = ap.parse_args()
-    m, n, dtype = 16384, 12288, torch.bfloat16
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    src = torch.randn(m, n, device="cuda", dtype=dtype)
-    dst = torch.empty_like(src)
-    print(f"{torch.cuda.get_device_name()} ({sms} SMs) | torch {torch.__version__} | copy {bench(lambda: dst.copy_(src)):.4f} ms",
-          flush=True)
-    del src, dst
+    start = time.perf_counter()
+    gpu = torch.cuda.is_available()
+    if not gpu and not args.dry_run:
+        ap.error("timing needs a GPU; --dry-run builds and checks the variants here")
+    dev = "cuda" if gpu else "cpu"
+    m, n, dtype = args.m or (3 if args.dry_run else 16384), args.n, torch.bfloat16
+    if not args.dry_run:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        src = torch.randn(m, n, device=dev, dtype=dtype)
+        dst = torch.empty_like(src)
+        print(f"{torch.cuda.get_device_name()} ({sms} SMs) | torch {torch.__version__} | "
+              f"copy {bench(lambda: dst.copy_(src)):.4f} ms", flush=True)
+        del src, dst
     table = cases(m, n, dtype)
     summary = []
     for name in args.cases.split(","):
         body, torch_fn, shapes = table[name]
         spec = spec_from_fusion(build(body, shapes, dtype).fusion)
         base = sch.schedule(spec)
-        g = torch.Generator(device="cuda").manual_seed(1)
-        inputs = {k: torch.randn(s, device="cuda", dtype=dtype, generator=g) for k, s in shapes.items()}
+        g = torch.Generator(device=dev).manual_seed(1)
+        inputs = {k: torch.randn(s, device=dev, dtype=dtype, generator=g) for k, s in shapes.items()}
         ref = torch_fn(*[inputs[k].double() for k in shapes])
         ref = list(ref) if isinstance(ref, tuple) else [ref]
-        compiled = torch.compile(torch_fn)
-        compiled(*inputs.values())
-        comp = [bench(lambda: compiled(*inputs.values()))]
+        comp = []
+        if not args.dry_run:
+            compiled = torch.compile(torch_fn)
+            compiled(*inputs.values())
+            comp.append(bench(lambda: compiled(*inputs.values())))
         rows = []
-        if base.kind == "persistent":
-            variants = [(lbl, ch, {"BLOCK_M": bm, "BLOCK_N": sch._p2(n)}, w, grid)
-                        for lbl, ch, bm, w, grid in persistent_variants(m, sms)]
-            variants = [(lbl, ch, c, w, grid if grid is not None else cdiv(m, c["BLOCK_M"]))
-                        for lbl, ch, c, w, grid in variants]
-        elif base.kind == "reduction" and base.outer:
-            variants = []
-            for lbl, split, bn, bk, w, bf, hints in column_variants(args.quick):
-                c = {"BLOCK_K": bk, "BLOCK_N": bn} | ({"BLOCK_F": bf} if split > 1 else {})
-                variants.append((lbl, dict(split=split, hints=hints), c, w, cdiv(n, bn) * split))
-        else:
-            cfg = sch.heuristics(spec, base, False)
-            variants = [(f"hints {h}", dict(hints=h), dict(cfg.constexprs), cfg.num_warps, cfg.grid)
-                        for h in (False, True)]
-        default = sch.heuristics(spec, base, False)
-        variants.append((f"DEFAULT split {base.split} hints {base.hints}",
-                         {}, dict(default.constexprs), default.num_warps, default.grid))
-        for lbl, changes, consts, w, grid in variants:
+        for lbl, changes, consts, w, grid in case_variants(spec, base, m, n, args.quick):
             s = dataclasses.replace(base, **changes)
             try:
                 kernel = sch.load_kernel(spec, s)
                 kernel._config = sch.LaunchConfig(grid, tuple(consts.items()), w)
                 out = kernel(inputs)
                 err = max(rel_err(out[k], r) for k, r in zip(spec.outputs, ref))
-                t = bench(lambda: kernel(inputs))
+                t = float("nan") if args.dry_run else bench(lambda: kernel(inputs))
             except Exception as e:  # noqa: BLE001 - a config the compiler rejects
                 print(f"  {lbl}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
             flag = "" if err < 1e-2 else "  WRONG"
-            rows.append((t, lbl, err))
+            if not flag:
+                rows.append((t, lbl, err))
             print(f"  {name:<14} {t:.4f} ms  {lbl:<44} grid {grid:>6} {consts} w{w} err {err:.1e}{flag}", flush=True)
+        print(f"{name}: {len(rows)} variants right, {time.perf_counter() - start:.0f} s so far", flush=True)
+        if args.dry_run:
+            continue
         comp.append(bench(lambda: compiled(*inputs.values())))
         c = min(comp)
         print(f"{name}: torch.compile {comp[0]:.4f} / {comp[1]:.4f} ms", flush=True)
-        for t, lbl, err in sorted(rows)[:6]:
+        for t, lbl, err in sorted(rows)[:8]:
             summary.append(f"{name:<14} {t:.4f} ms  compile/ours {c / t:.3f}  {lbl}")
         dflt = [r for r in rows if r[1].startswith("DEFAULT")]
         if dflt:
@@ -142,9 +180,10 @@ def main() -> None:
         summary.append("")
         del inputs, ref
         torch.cuda.empty_cache()
-    if args.inductor_dump:
+    if args.inductor_dump and not args.dry_run:
         dump_inductor(args.inductor_dump)
     print("\n".join(summary))
+    print(f"total {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":
