@@ -331,7 +331,10 @@ def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit) ->
         outputs[name] = classes
     price(graph, problem)
     roots = with_roots(graph, outputs)
-    if extractor == "greedy":
+    kept = keeping_everything(graph, problem, roots, cm.memory_limit) if extractor == "greedy" else None
+    if kept is not None:
+        sel = kept
+    elif extractor == "greedy":
         try:
             sel = greedy_dag(graph, roots, cm.memory_limit)
         except MemoryBoundError as refused:  # one price per byte can miss a plan that fits: the 0/1 program decides
@@ -351,6 +354,39 @@ def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit) ->
                       classes=len(graph.classes), nodes=graph.n_nodes,
                       rewrite_terms=len(problem.rewritten))  # ops the program rewrites added (used or not)
     return plan, problem
+
+
+def keeping_everything(graph: PhysGraph, problem: Problem, roots: list[str], memory_limit: float | None
+                       ) -> Selection | None:
+    """Greedy's plan of a training step with saved markers (ed.grad's recompute=True) where the backward reads
+    every forward value as the forward made it (saved(t) from t, in t's layout: no recomputation, no
+    collective on a saved value), if it fits memory_limit; None where the fusion has no marker or it does
+    not fit. Keeping costs no time, so this is the plan without markers (the same classes, each saved
+    value a free alias of t's), and it is what greedy picks among: on the whole graph, a bottom-up choice
+    per class does not see that the forward already holds t where the backward reads saved(t), and
+    re-gathers or recomputes it (a GPT layer, tensor+sequence parallel: two all-gathers more). The whole
+    graph is for a bound this plan does not fit (the exact extractor searches it anyway: its optimum is
+    never worse).
+
+    >>> import egraph_did as ed
+    >>> from egraph_did.models import mlp
+    >>> fd = mlp(tokens=64, hidden=32)
+    >>> fd.add_output(fd.ops.sum(fd["y"]), name="loss")
+    >>> plain, marked = (ed.optimize(ed.grad(fd, "loss", ["w1"], recompute=r), ed.DeviceMesh.arange(2))
+    ...                  for r in (False, True))
+    >>> [s.op for s in marked.compute_steps if s.op == "saved"], marked.predicted_time <= plain.predicted_time
+    (['saved'], True)
+    """
+    if step_memory(problem) is None:
+        return None
+    saved = {canonical(graph, problem, k) for k, e in problem.exprs.items() if e.op.name == SAVE_OP}
+    classes = dict(graph.classes)
+    for cls, nodes in graph.classes.items():
+        if graph.ident.get(cls, ("",))[0] in saved:
+            classes[cls] = [n for n in nodes if n.op == "Keep" or
+                            (n.op == "Apply" and problem.exprs[n.key].op.name == SAVE_OP)]
+    sel = greedy_dag(dataclasses.replace(graph, classes=classes), roots)
+    return sel if memory_limit is None or sel.memory <= memory_limit else None
 
 
 def _bucket_priority(problem: Problem):

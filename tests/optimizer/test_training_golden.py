@@ -113,9 +113,9 @@ def test_tp_mlp_vjp_with_a_given_dy_shares_one_allreduce():
 GPT_WEIGHTS = ["ln1_w", "ln1_b", "wq", "wk", "wv", "wo", "ln2_w", "ln2_b", "w1", "w2"]
 
 
-def gpt_grad(batch, seq, hidden, heads, dtype):
+def gpt_grad(batch, seq, hidden, heads, dtype, recompute=False):
     fd = mse(models.gpt_layer(batch, seq, hidden, heads, dtype), dtype)
-    g = ed.grad(fd, "loss", ["x", *GPT_WEIGHTS])
+    g = ed.grad(fd, "loss", ["x", *GPT_WEIGHTS], recompute=recompute)
     sp = Layout((S(1),))
     for n in ("x", "target", "y", "grad_x"):
         pin(g, n, sp)
