@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from .physgraph import Node, PhysGraph
 
 _EPS = 1e-15
+# the largest demand a forest tensor's options take by the Steiner-tree DP (its partitions: Bell(k), 52 for 5)
+FOREST_MAX_DEMAND = 4
 
 
 @dataclass
@@ -161,6 +163,21 @@ class _Tensor:
         self.floor = min(self.lb.values(), default=0.0)  # the least any plan using this tensor pays in it
         self.forced = 0  # set by _forced_closure
         self.bounds: dict[int, float] = {}
+        # without a memory bound, a tensor whose every node reads at most one own class, and none both its
+        # own and others' (Keeps and collectives convert; computations read inputs only), makes its classes
+        # as trees each grown from one computation: its options come from a Steiner-tree DP (_forest_options)
+        self.up: dict[int, list] = {i: [] for i in self.nodes}  # class -> [(cost, class reading it, node)]
+        self.sources: dict[int, list] = {}  # class -> its nodes that read no own class
+        self.forest = not memory
+        for i, es in self.nodes.items():
+            for e in es:
+                own = e[1]
+                if own & (own - 1) or (own and e[2]):
+                    self.forest = False
+                elif own:
+                    self.up[own.bit_length() - 1].append((e[3], i, e))
+                else:
+                    self.sources.setdefault(i, []).append(e)
 
     def bound(self, demand: int) -> float:
         """A lower bound of what making `demand` costs inside this tensor: its costliest member's chain, or
@@ -189,6 +206,162 @@ class _Tensor:
         return opts
 
     def _options(self, demand: int, cap: float, merge, clock: _Clock) -> list:
+        if self.forest and demand.bit_count() <= FOREST_MAX_DEMAND:
+            return self._forest_options(demand, cap, clock)
+        return self._search_options(demand, cap, merge, clock)
+
+    def _forest_options(self, demand: int, cap: float, clock: _Clock) -> list:
+        """The options of `demand` in a forest tensor (see __init__): each option is a partition of the
+        demand into groups, each group made by one tree from one source, and the cheapest tree from each
+        class to each group is a Steiner-tree DP over the demand's subsets (_steiner) on the tensor's
+        classes, where a search over the sets of classes still to make (_search_options) keeps ~100k states
+        for 3 classes of a tensor in 52 layouts."""
+        terms = list(_bits(demand))
+        h, back = self._steiner(terms)
+        full = (1 << len(terms)) - 1
+        # per group of the demand, its trees: the cheapest per external demand, cheapest first
+        trees: dict[int, list] = {}
+        for a in range(1, full + 1):
+            best: dict[int, tuple] = {}
+            for v, es in self.sources.items():
+                hv = h.get(v)
+                if hv is None or hv[a] > cap or hv[a] == float("inf"):  # no tree from v, or none within cap
+                    continue
+                for e in es:
+                    k = e[3] + hv[a]
+                    if k <= cap and (e[2] not in best or k < best[e[2]][0]):
+                        best[e[2]] = (k, v, e)
+            trees[a] = sorted((self._settle(self._tree(back, v, a) + [(v, e)], terms, a)
+                               for k, v, e in best.values()), key=lambda t: t[0])
+        found: dict[int, tuple] = {}
+        work = 0
+        for groups in _partitions(full):
+            lists = [trees[g] for g in groups]
+            if not all(lists):
+                continue
+            rest = [0.0] * (len(groups) + 1)  # the least the groups from i on cost
+            for i in reversed(range(len(groups))):
+                rest[i] = rest[i + 1] + lists[i][0][0]
+            work += self._combine(lists, rest, cap, terms, found)
+            if work > 20000:
+                clock.spend(work)
+                work = 0
+        clock.spend(work + len(h))
+        return _pareto_ext([(ext, k, 0.0, _Trees(self.cls, p)) for ext, (k, p) in found.items()])
+
+    def _combine(self, lists: list, rest: list, cap: float, terms: list[int], found: dict) -> int:
+        """Every choice of one tree per group within `cap` into found (external demand -> the cheapest
+        (cost, trees)), cheapest trees first; a choice is dropped as soon as an option found already
+        demands a subset of what its trees demand for no more than its trees cost at least. Trees that
+        share a class are settled into one plan (_settle). Returns the choices tried."""
+        last, made = len(lists) - 1, 0
+        inf = (float("inf"),)
+
+        def extend(i: int, cost: float, ext: int, held: int, picked: tuple, subs: tuple) -> None:
+            nonlocal made
+            least = rest[i + 1]
+            for t in lists[i]:
+                k = cost + t[0]
+                if k + least > cap:
+                    break
+                made += 1
+                e = t[1]
+                more = subs + tuple(u | e for u in subs) + (e,)
+                if any(found.get(u, inf)[0] <= k + least for u in more):
+                    continue
+                if i < last:
+                    extend(i + 1, k, ext | e, held | t[2], picked + (t,), more)
+                    continue
+                if held & t[2]:
+                    k, e2, _, pairs = self._settle([p for x in picked + (t,) for p in x[3]], terms,
+                                                   (1 << len(terms)) - 1)
+                    if k < found.get(e2, inf)[0]:
+                        found[e2] = (k, (((), pairs),))
+                else:
+                    found[ext | e] = (k, picked + (t,))
+        extend(0, 0.0, 0, 0, (), ())
+        return made
+
+    def _steiner(self, terms: list[int]) -> tuple[dict, dict]:
+        """h[v][a]: the least cost of the nodes that make the terminals in subset `a` of `terms` from class
+        v (v made), through this tensor's conversions; back[v][a] how (0: v is a terminal of a, then the
+        rest; 1: the node of a class reading v, then from there; 2: a split of a into two subsets, each
+        from v). Dreyfus-Wagner on the tensor's DAG, parents first (a class's readers have higher bits)."""
+        full = (1 << len(terms)) - 1
+        index = {t: j for j, t in enumerate(terms)}
+        near, stack = set(terms), list(terms)  # the classes a terminal is made from: only they can be on a tree
+        while stack:
+            for e in self.nodes[stack.pop()]:
+                if e[1] and e[1].bit_length() - 1 not in near:
+                    near.add(e[1].bit_length() - 1)
+                    stack.append(e[1].bit_length() - 1)
+        subsets = sorted(range(1, full + 1), key=int.bit_count)
+        splits = {a: [s for s in range(1, a) if s & a == s and s & (a & -a)] for a in subsets}
+        inf = float("inf")
+        h: dict[int, list] = {}
+        back: dict[int, list] = {}
+        for v in sorted(near, reverse=True):
+            hv, bv = [0.0] + [inf] * full, [None] * (full + 1)
+            j = index.get(v)
+            ups = [(c, u, e) for c, u, e in self.up[v] if u in near]
+            for a in subsets:
+                if j is not None and a >> j & 1:
+                    hv[a], bv[a] = hv[a ^ 1 << j], (0, a ^ 1 << j)
+                    continue
+                best, how = inf, None
+                for c, u, e in ups:
+                    k = c + h[u][a]
+                    if k < best:
+                        best, how = k, (1, u, e)
+                for s in splits[a]:
+                    k = hv[s] + hv[a ^ s]
+                    if k < best:
+                        best, how = k, (2, s)
+                hv[a], bv[a] = best, how
+            h[v], back[v] = hv, bv
+        return h, back
+
+    @staticmethod
+    def _tree(back: dict, v: int, a: int) -> list:
+        """The (class, node entry) pairs of the tree back[v][a] chose (the source of v not included)."""
+        out, stack = [], [(v, a)]
+        while stack:
+            v, a = stack.pop()
+            if not a:
+                continue
+            how = back[v][a]
+            if how[0] == 0:
+                stack.append((v, how[1]))
+            elif how[0] == 1:
+                out.append((how[1], how[2]))
+                stack.append((how[1], a))
+            else:
+                stack.append((v, how[1]))
+                stack.append((v, a ^ how[1]))
+        return out
+
+    def _settle(self, pairs: list, terms: list[int], group: int) -> tuple:
+        """(cost, external demand, classes held, pairs) of the plan that makes the terminals of `group`
+        by `pairs`, each class by its first pair: trees that reach one class by two routes pay it once."""
+        node: dict[int, tuple] = {}
+        for v, e in pairs:
+            node.setdefault(v, e)
+        cost, ext, held, out = 0.0, 0, 0, []
+        stack = [t for j, t in enumerate(terms) if group >> j & 1]
+        while stack:
+            v = stack.pop()
+            if held >> v & 1:
+                continue
+            held |= 1 << v
+            e = node[v]
+            cost += e[3]
+            ext |= e[2]
+            out.append((v, e))
+            if e[1]:
+                stack.append(e[1].bit_length() - 1)
+        return cost, ext, held, out
+
+    def _search_options(self, demand: int, cap: float, merge, clock: _Clock) -> list:
         # states (own classes still to make, others' classes demanded) -> front of (cost, memory, chosen),
         # bucketed by the highest class still to make: its readers are all decided, so its demand is final
         buckets: dict[int, dict] = {demand.bit_length() - 1: {(demand, 0, 0): [(0.0, 0.0, ())]}}
@@ -219,6 +392,44 @@ class _Tensor:
                         merge(done, e2, entries)
         clock.spend(work)
         return _pareto_ext([(ext, k, m, ch) for ext, front in done.items() for k, m, ch in front])
+
+
+def _partitions(full: int):
+    """The partitions of the bits of `full` into groups (bitmasks), the fewest groups first.
+
+    >>> sorted(sorted(p) for p in _partitions(0b111))[:2]
+    [[1, 2, 4], [1, 6]]
+    >>> len(list(_partitions(0b111))), len(list(_partitions(0b1111)))
+    (5, 15)
+    """
+    def split(rest: int):
+        if not rest:
+            yield []
+            return
+        low = rest & -rest
+        others = rest ^ low
+        sub = others
+        while True:  # the group holding the lowest bit: it plus every subset of the others
+            for more in split(others ^ sub):
+                yield [low | sub] + more
+            if not sub:
+                break
+            sub = (sub - 1) & others
+    return sorted(split(full), key=len)
+
+
+class _Trees:
+    """A forest option's choices: its trees, each (..., [(class bit, node entry)]), read only by _unwind
+    for the plan the DP returns (most options are dropped before)."""
+    __slots__ = ("cls", "trees")
+
+    def __init__(self, cls: dict[int, str], trees: tuple):
+        self.cls, self.trees = cls, trees
+
+    def pairs(self):
+        for t in self.trees:
+            for v, e in t[-1]:
+                yield self.cls[v], e[0]
 
 
 def _bits(mask: int):
@@ -260,11 +471,28 @@ def _pareto(front: list) -> list:
 def _pareto_ext(opts: list) -> list:
     """Drop an option whose external demand contains another's that costs and holds no more (more demand
     never makes the rest cheaper)."""
-    opts.sort(key=lambda o: (o[1], o[2], bin(o[0]).count("1")))
+    opts.sort(key=lambda o: (o[1], o[2], o[0].bit_count()))
     kept: list = []
+    if any(o[2] for o in opts):
+        for o in opts:
+            if not any(k[0] & ~o[0] == 0 and _dominates((k[1], k[2]), (o[1], o[2])) for k in kept):
+                kept.append(o)
+        return kept
+    # no memory: an option is dominated by any kept before it (no dearer) whose demand is a subset of its
+    # own, found by walking its demand's subsets where they are few
+    seen: set[int] = set()
     for o in opts:
-        if not any(k[0] & ~o[0] == 0 and _dominates((k[1], k[2]), (o[1], o[2])) for k in kept):
+        ext = o[0]
+        if ext.bit_count() <= 10:
+            sub = ext
+            while sub not in seen and sub:
+                sub = (sub - 1) & ext
+            dominated = sub in seen
+        else:
+            dominated = any(k[0] & ~ext == 0 for k in kept)
+        if not dominated:
             kept.append(o)
+            seen.add(ext)
     return kept
 
 
@@ -276,7 +504,9 @@ def _unwind(chosen) -> dict[str, Node]:
         ch = stack.pop()
         while ch:
             ch, item = ch
-            if len(item) == 2 and isinstance(item[1], Node):
+            if isinstance(item, _Trees):
+                out.update(item.pairs())
+            elif len(item) == 2 and isinstance(item[1], Node):
                 out[item[0]] = item[1]
             else:
                 stack.append(item)
@@ -317,6 +547,7 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
     bit = {c: i for i, c in enumerate(order)}
     tensors = [_Tensor(classes, members[g], bit, memory, free, canon, graph.ident) for g in seq]
     _forced_closure(tensors, seq, members, classes, group)
+    lower = _Lower(tensors, seq, inputs, classes, order, free, bit)
     start = 0
     for r in roots:
         if r not in free:
@@ -327,11 +558,11 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
     # walk's limit, which prunes every state that cannot beat it
     try:
         lim = upper
-        got = _walk(tensors, start, upper, memory_limit, clock, beam=beam) if beam else []
+        got = _walk(tensors, lower, start, upper, memory_limit, clock, beam=beam) if beam else []
         if got:
             lim = min(e[0] for e in got)
         stats["dp_beam_cost"] = lim
-        got = _walk(tensors, start, lim, memory_limit, clock) or got
+        got = _walk(tensors, lower, start, lim, memory_limit, clock) or got
     except _Budget:
         return None
     stats.update(dp_states=clock.used, dp_s=time.perf_counter() - t0)
@@ -341,7 +572,7 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
     return DPResult(_complete(_unwind(ch), roots, free), k, stats)
 
 
-def _walk(tensors: list["_Tensor"], start: int, upper: float | None, memory_limit: float | None,
+def _walk(tensors: list["_Tensor"], lower: _Lower, start: int, upper: float | None, memory_limit: float | None,
           clock: _Clock, beam: int = 0) -> list:
     """The DP over the tensors in order, keeping states within `upper` (None: no limit); the final front."""
     memory = memory_limit is not None
@@ -358,7 +589,7 @@ def _walk(tensors: list["_Tensor"], start: int, upper: float | None, memory_limi
                 continue
             rest = pend & ~demand
             # what the rest still needs bounds what this tensor may spend
-            cap = limit - front[0][0] - _lower(rest, tensors, step + 1)
+            cap = limit - front[0][0] - lower(rest, step + 1)
             for ext, k, m, ch in tensor.options(demand, cap, merge, clock):
                 new = [(k0 + k, m0 + m, (c0, ch)) for k0, m0, c0 in front
                        if k0 + k <= limit and m0 + m <= mem_cap]
@@ -367,7 +598,7 @@ def _walk(tensors: list["_Tensor"], start: int, upper: float | None, memory_limi
         if upper is not None or beam:  # drop states whose cost and a bound of what they still need exceed
             pruned, score = {}, {}
             for s, f in nxt.items():
-                need = _lower(s, tensors, step + 1)
+                need = lower(s, step + 1)
                 f = [e for e in f if e[0] + need <= limit]
                 if f:
                     pruned[s] = f
@@ -402,23 +633,81 @@ def _forced_closure(tensors: list["_Tensor"], seq: list[str], members: dict[str,
         tensors[i].forced = mask
 
 
-def _lower(state: int, tensors: list["_Tensor"], first: int) -> float:
-    """A lower bound of what `state` still costs: each demanded tensor's own bound, plus the cheapest
-    class of each tensor they force that is not demanded itself."""
-    total, demanded, forced = 0.0, 0, 0
-    for i in range(first, len(tensors)):
-        t = tensors[i]
-        d = state & t.mask
-        if d:
-            total += t.bound(d)
-            demanded |= 1 << i
-            forced |= t.forced
-    forced &= ~demanded
-    while forced:
-        low = forced & -forced
-        total += tensors[low.bit_length() - 1].floor
-        forced ^= low
-    return total
+class _Lower:
+    """Lower bounds of what a state (classes demanded of the tensors not yet walked) still costs, the
+    larger of two:
+    - by tensor: each demanded tensor's own bound, plus the cheapest class of each tensor they force that
+      is not demanded itself;
+    - by cone: a class's `reach`, the least cost of making it and everything it reads (below), where
+      readings whose cones (the tensors they may draw from, loaded inputs left out: those cost nothing) are
+      disjoint add up, as no class can serve two of them, and others count their largest; a state's bound
+      is the same sum over its classes. The first misses the collectives a tensor's readers force below
+      it (case 6658: 16 us at the start, the optimum 86); the second sees them (66 us).
+    """
+
+    def __init__(self, tensors: list["_Tensor"], seq: list[str], inputs: dict[str, set[str]],
+                 classes: dict[str, list[Node]], order: list[str], free: dict[str, Node], bit: dict[str, int]):
+        self.tensors = tensors
+        pos = {g: i for i, g in enumerate(seq)}
+        cone: dict[str, int] = {}
+        for i in reversed(range(len(seq))):  # inputs come later in seq
+            g = seq[i]
+            mask = 0 if all(c in free for c in tensors[i].members) else 1 << i
+            for u in inputs[g]:
+                mask |= cone[u]
+            cone[g] = mask
+        self.cone: dict[int, int] = {}  # class bit -> its tensor's cone
+        for i, g in enumerate(seq):
+            for c in tensors[i].members:
+                self.cone[bit[c]] = cone[g]
+        self.reach: dict[int, float] = {}
+        for c in order:
+            if c in free:
+                continue
+            i = bit[c]
+            self.reach[i] = min((n.cost + self._spread(bit[ch] for ch in n.children if ch not in free)
+                                 for n in classes[c]), default=float("inf"))
+        self.cache: dict[int, float] = {}
+
+    def _spread(self, bits) -> float:
+        """What the classes `bits` cost at least together: the sum over groups of overlapping cones of the
+        largest reach in each."""
+        groups: list[list] = []  # [cone, largest reach]
+        for i in bits:
+            cone, most = self.cone[i], self.reach[i]
+            keep = []
+            for g in groups:
+                if g[0] & cone:
+                    cone |= g[0]
+                    most = max(most, g[1])
+                else:
+                    keep.append(g)
+            keep.append([cone, most])
+            groups = keep
+        return sum(g[1] for g in groups)
+
+    def __call__(self, state: int, first: int) -> float:
+        got = self.cache.get(state)
+        if got is None:
+            got = self.cache[state] = max(self._by_tensor(state, first), self._spread(_bits(state)))
+        return got
+
+    def _by_tensor(self, state: int, first: int) -> float:
+        tensors = self.tensors
+        total, demanded, forced = 0.0, 0, 0
+        for i in range(first, len(tensors)):
+            t = tensors[i]
+            d = state & t.mask
+            if d:
+                total += t.bound(d)
+                demanded |= 1 << i
+                forced |= t.forced
+        forced &= ~demanded
+        while forced:
+            low = forced & -forced
+            total += tensors[low.bit_length() - 1].floor
+            forced ^= low
+        return total
 
 
 def free_classes(classes: dict[str, list[Node]], order: list[str], memory: bool) -> dict[str, Node]:
