@@ -47,14 +47,19 @@ _BIG = 2**31 - 2**20       # past this many elements, offsets are computed in in
 # Eviction hints (inductor's evict_first / evict_last) bought nothing there: rms_norm 0.2049 vs 0.2045 ms,
 # softmax 0.2067 vs 0.1993, add+layer_norm 0.4144 vs 0.3938, row sum 0.1026 vs 0.1012; they stay off.
 PERSISTENT_HINTS = False     # eviction hints in persistent kernels
-# rms_norm [16384, 12288] one-shot (BLOCK_N 16384, a quarter of the lanes masked) 0.2003 ms, torch.compile
-# (a looped kernel: the row in chunks, reloaded from L2 for the epilogue) 0.1935 ms = the copy. The looped
-# form (Schedule.loop_block) is built and swept (bench/sweep_reductions.py) but off until measured:
-PERSISTENT_LOOP_FROM: int | None = None  # rows of at least this many elements loop; None: never
+# rms_norm [16384, 12288] one-shot (BLOCK_N 16384, a quarter of the lanes masked) 0.2011 ms, torch.compile
+# (a looped kernel: the row in chunks, reloaded from L2 for the epilogue) 0.1927 ms = the copy. The looped
+# form (Schedule.loop_block), swept over chunk 1024-4096 x warps 4-16 x hints x BLOCK_M 1-2
+# (bench/results_sweep_reductions_h200.txt, 2026-12-03 19:30): chunk 4096 (or 2048), BLOCK_M 1, 16 warps,
+# hints on: 0.1926 ms = torch.compile; without hints 0.2028, with 8 warps 0.2004. It reads the row once a
+# reduction level plus once for the epilogue, so it pays only with one level (rms_norm, a row sum's
+# epilogue); layer_norm (two levels) and softmax keep the one-shot form, faster than torch.compile there.
+PERSISTENT_LOOP_FROM: int | None = 8192  # rows of at least this many elements loop; None: never
+PERSISTENT_LOOP_LEVELS = 1               # ... when the kernel has at most this many reduction levels
 PERSISTENT_LOOP_BLOCK = 4096             # the chunk a looped row aims at (persistent_loop_block)
 PERSISTENT_LOOP_TILE = 4096              # BLOCK_M x chunk of a looped program on GPU
-PERSISTENT_LOOP_WARPS = 8
-PERSISTENT_LOOP_HINTS = False            # looped: reduction passes evict_last, the final pass evict_first
+PERSISTENT_LOOP_WARPS = 16
+PERSISTENT_LOOP_HINTS = True             # looped: reduction passes evict_last, the final pass evict_first
 REDUCTION_HINTS = False      # eviction hints in reduction kernels
 # Column sum [16384, 12288]: one pass 256 x 32 (384 programs) 0.1130 ms; split into row chunks with a
 # finishing pass 0.1088-0.1100 ms over 12 configurations (64..128 columns, 1536..6144 programs, 4 warps),
@@ -98,14 +103,15 @@ def persistent_loop_block(row: int, target: int = PERSISTENT_LOOP_BLOCK, smalles
     return target
 
 
-def persistent_form(row: int) -> int | None:
-    """The loop_block a persistent schedule takes for rows of `row` elements: None (the row held on chip
-    in one pass) below PERSISTENT_LOOP_FROM, else persistent_loop_block(row).
+def persistent_form(row: int, levels: int = 1) -> int | None:
+    """The loop_block a persistent schedule takes for rows of `row` elements reduced in `levels` passes
+    (layer_norm: the mean, then the variance): None (the row held on chip in one pass) below
+    PERSISTENT_LOOP_FROM or above PERSISTENT_LOOP_LEVELS, else persistent_loop_block(row).
 
-    >>> persistent_form(12288) is None   # off until the sweep says otherwise
-    True
+    >>> persistent_form(12288), persistent_form(12288, levels=2), persistent_form(4096)
+    (4096, None, None)
     """
-    if PERSISTENT_LOOP_FROM is None or row < PERSISTENT_LOOP_FROM:
+    if PERSISTENT_LOOP_FROM is None or row < PERSISTENT_LOOP_FROM or levels > PERSISTENT_LOOP_LEVELS:
         return None
     return persistent_loop_block(row)
 
@@ -353,7 +359,8 @@ def _persistent(spec: KernelSpec, reds: list[KernelOp]) -> Schedule:
     if row > PERSISTENT_MAX_ROW:
         raise Unsupported(f"rows of {row} elements do not fit on chip (the persistent scheduler takes up to "
                           f"{PERSISTENT_MAX_ROW})")
-    s.loop_block = persistent_form(row)
+    levels = max(_pass_numbers(spec, _varying(spec, s)).values())
+    s.loop_block = persistent_form(row, levels)
     s.hints = PERSISTENT_LOOP_HINTS if s.loop_block else PERSISTENT_HINTS
     return s
 
