@@ -332,16 +332,16 @@ def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit) ->
     price(graph, problem)
     roots = with_roots(graph, outputs)
     kept = keeping_everything(graph, problem, roots, cm.memory_limit) if extractor == "greedy" else None
-    if kept is not None:
-        sel = kept
-    elif extractor == "greedy":
+    if extractor == "greedy":
         try:
             sel = greedy_dag(graph, roots, cm.memory_limit)
         except MemoryBoundError as refused:  # one price per byte can miss a plan that fits: the 0/1 program decides
             try:
-                sel = exact(graph, roots, cm.memory_limit, time_limit=GREEDY_FALLBACK_S)
+                sel = kept or exact(graph, roots, cm.memory_limit, time_limit=GREEDY_FALLBACK_S)
             except PlanError:  # none there either: greedy's message says what the smallest plan needs
                 raise refused from None
+        if kept is not None and kept.cost < sel.cost:
+            sel = kept
     elif extractor == "exact":
         sel = exact(graph, roots, cm.memory_limit, time_limit=time_limit)
     else:
@@ -362,11 +362,11 @@ def keeping_everything(graph: PhysGraph, problem: Problem, roots: list[str], mem
     every forward value as the forward made it (saved(t) from t, in t's layout: no recomputation, no
     collective on a saved value), if it fits memory_limit; None where the fusion has no marker or it does
     not fit. Keeping costs no time, so this is the plan without markers (the same classes, each saved
-    value a free alias of t's), and it is what greedy picks among: on the whole graph, a bottom-up choice
-    per class does not see that the forward already holds t where the backward reads saved(t), and
-    re-gathers or recomputes it (a GPT layer, tensor+sequence parallel: two all-gathers more). The whole
-    graph is for a bound this plan does not fit (the exact extractor searches it anyway: its optimum is
-    never worse).
+    value a free alias of t's); optimize keeps the cheaper of it and greedy's plan of the whole graph,
+    where a bottom-up choice per class does not see that the forward already holds t where the backward
+    reads saved(t), and may re-gather or recompute it (a GPT layer, tensor+sequence parallel: two
+    all-gathers more), or may find a cheaper plan (the exact extractor searches the whole graph: its
+    optimum is never worse).
 
     >>> import egraph_did as ed
     >>> from egraph_did.models import mlp
