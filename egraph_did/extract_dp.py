@@ -517,7 +517,9 @@ def _pareto_ext(opts: list) -> list:
                 kept.append(o)
         return kept
     # no memory: an option is dominated by any kept before it (no dearer) whose demand is a subset of its
-    # own, found by walking its demand's subsets where they are few
+    # own, found by walking its demand's subsets where they are few; costs within _EPS are one cost (sums
+    # of the same nodes in another order), the smaller demand first
+    opts.sort(key=lambda o: (round(o[1] / _EPS), o[0].bit_count()))
     seen: set[int] = set()
     for o in opts:
         ext = o[0]
@@ -573,25 +575,12 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
     (22, 0, 0)
     """
     t0 = time.perf_counter()
-    group = _group_of(graph, classes, order)
-    walk = _groups(group, classes, order)
-    if walk is None:
+    setup = _setup(graph, roots, classes, order, canon, memory_limit is not None, max_tensors)
+    if setup is None:
         return None
-    seq, members, inputs = walk
-    if len(seq) > max_tensors:  # many tensors, many independent branches: the frontier's states multiply
-        return None
-    memory = memory_limit is not None
-    free = free_classes(classes, order, memory)
-    bit = {c: i for i, c in enumerate(order)}
-    tensors = [_Tensor(classes, members[g], bit, memory, free, canon, graph.ident) for g in seq]
-    _forced_closure(tensors, seq, members, classes, group)
-    lower = _Lower(tensors, seq, inputs, classes, order, free, bit)
-    start = 0
-    for r in roots:
-        if r not in free:
-            start |= 1 << bit[r]
+    tensors, lower, start, free = setup
     clock = _Clock(max_states, time_limit)
-    stats = {"dp_tensors": len(seq)}
+    stats = {"dp_tensors": len(tensors)}
     # first a beam (the best states of each step only) for a plan near the optimum: its cost is the exact
     # walk's limit, which prunes every state that cannot beat it. Again while it gets cheaper: a lower limit
     # drops states before the beam ranks them (case 5441: 98 us from no limit, then the optimum, 84)
@@ -625,6 +614,29 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
         return DPResult(None, None, stats)
     k, m, ch = min(got, key=lambda e: (e[0], e[1]))
     return DPResult(_complete(_unwind(ch), roots, free), k, stats)
+
+
+def _setup(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], order: list[str], canon: set[int],
+           memory: bool, max_tensors: int) -> tuple | None:
+    """(the tensors in walk order, their lower bounds, the start state, the free classes); None where
+    tensors read each other in a cycle or there are more than max_tensors."""
+    group = _group_of(graph, classes, order)
+    walk = _groups(group, classes, order)
+    if walk is None:
+        return None
+    seq, members, inputs = walk
+    if len(seq) > max_tensors:  # many tensors, many independent branches: the frontier's states multiply
+        return None
+    free = free_classes(classes, order, memory)
+    bit = {c: i for i, c in enumerate(order)}
+    tensors = [_Tensor(classes, members[g], bit, memory, free, canon, graph.ident) for g in seq]
+    _forced_closure(tensors, seq, members, classes, group)
+    lower = _Lower(tensors, seq, inputs, classes, order, free, bit)
+    start = 0
+    for r in roots:
+        if r not in free:
+            start |= 1 << bit[r]
+    return tensors, lower, start, free
 
 
 def _walk(tensors: list["_Tensor"], lower: _Lower, start: int, upper: float | None, memory_limit: float | None,
