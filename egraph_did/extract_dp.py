@@ -5,12 +5,22 @@ Why a DP: the physical graph's classes are (tensor, layout, level); a tensor's c
 another (collectives, Keeps) and its level-0 classes by a computation reading its inputs' classes. So
 tensors interact only through which of an input's classes their computations read. Walk the tensors
 consumers first: when a tensor's turn comes, every class its readers need is known (its demand), and how
-to make that demand (its own collectives and computations) is a small search inside the tensor that leaves
-a demand on its inputs. A state is the set of classes demanded of the tensors not yet walked (the
+to make that demand (its own collectives and computations) is a small problem inside the tensor that
+leaves a demand on its inputs. A state is the set of classes demanded of the tensors not yet walked (the
 frontier); a value several readers read is one class in that set, so it is paid once. States reached
 twice keep the cheaper, and a state whose cost plus a lower bound of what it still needs exceeds the best
 known plan is dropped. The DP is exact; it gives up (returns None) when its states exceed a budget, and
 the caller falls back to the 0/1 program.
+
+Inside a tensor: where every node reads at most one class of its own tensor (collectives and Keeps) and
+computations read only inputs, the classes made are trees, each grown from one computation, and the
+options come from a Steiner-tree DP over the demand's subsets (_Tensor._forest_options); otherwise a
+search over the sets of classes still to make (_Tensor._search_options).
+
+Bounds: a state's lower bound is the larger of a per-tensor one and a cone one (_Lower: a class's least
+cost with everything below it, readings with disjoint cones adding up). The walk's limit comes from a beam,
+then from probes between the start's bound and that limit (a walk that finds a plan under a probe has
+found the optimum).
 
 Memory bounds: a state keeps its (cost, memory) Pareto front, so the bound is honoured exactly.
 """
