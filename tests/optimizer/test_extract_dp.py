@@ -148,5 +148,5 @@ def test_the_lower_bounds_never_exceed_the_proven_optimum(graphs):
         assert lower(start, 0) <= res.cost * (1 + 1e-12), case
         checked += 1
         if case == (7, 6658):
-            assert lower.spread_of(start) > 0.7 * res.cost > lower._by_tensor(start, 0)
+            assert lower.cone_bound(start) > 0.7 * res.cost > lower._by_tensor(start, 0)
     assert checked >= 4
