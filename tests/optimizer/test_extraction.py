@@ -84,6 +84,29 @@ def test_greedy_buys_one_allgather_that_two_consumers_share():
     assert ed.optimize(fd, mesh).predicted_time == pytest.approx(best.predicted_time, rel=1e-9)
 
 
+def test_greedy_computes_a_value_once_in_the_layout_its_readers_derive_theirs_from():
+    """Fuzz seed 22 case 169, minimized (issue 12): gelu(x) with x row-sharded is read by cross_entropy (wants
+    it replicated) and by take_along_axis over the rows (wants it column-sharded). Greedy derived each
+    layout its own cheapest way: gelu sharded then gathered for one, x re-split (alltoall) for the other,
+    32 us. Gathering x once, gelu replicated and a slice for the second reader is exact's 26 us: the value
+    worth sharing is one layout of a tensor that the plan holds in several (_shared_seeds with layouts)."""
+    mesh = ed.DeviceMesh.arange(3)
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((3, 7), torch.float64, name="x")
+        target = fd.define_tensor((3,), torch.int64, name="target")
+        index = fd.define_tensor((2, 7), torch.int64, name="index")
+        h = fd.ops.gelu(x)
+        fd.add_output(fd.ops.cross_entropy(logits=h, target=target, reduction="mean"), name="loss")
+        fd.add_output(fd.ops.take_along_axis(x=h, index=index, dim=-2), name="picked")
+    apply_layout(x, Layout((S(0),)), mesh)
+    apply_layout(index, Layout((S(1),)), mesh)
+    greedy = ed.optimize(fd, mesh)
+    best = ed.optimize(fd, mesh, extractor="exact")
+    assert best.stats["extract_method"] == "exact"  # proven optimal
+    assert greedy.predicted_time == pytest.approx(best.predicted_time, rel=1e-9), greedy.explain()
+    assert greedy.count("allgather") == 1 and greedy.count("alltoall") == 0
+
+
 def diamond() -> PhysGraph:
     """a is needed by b and c; a has a cheap-alone node and a node that b and c share."""
     g = PhysGraph()
