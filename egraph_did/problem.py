@@ -23,6 +23,7 @@ from .collectives import RING_FLAGS
 from .layout import Layout, canonical_layout, is_valid, valid_layouts
 from .physgraph import gc_paused
 from .pins import layout_of
+from .plan import SAVE_OP as SAVED
 from .shards import local_extents
 from .mesh import DeviceMesh
 from .ops import canonical_dtype, ops_where
@@ -258,20 +259,50 @@ def fusion_context(work: Fusion, materialized=()) -> dict[str, Fused]:
     >>> ctx["y"]  # joins exp's kernel; an output is written
     Fused(operands=frozenset({'a'}), output=False)
     """
+    real = _unsaved(work)
     readers: dict[str, list[Expr]] = {}
     for e in work.exprs:
+        if e.op.name == SAVED:
+            continue
         for v in {id(t): t for t in e.inputs}.values():
-            readers.setdefault(v.name, []).append(e)
+            readers.setdefault(real(v).name, []).append(e)
     keep = set(work.outputs) | set(materialized)
     out = {}
     for e in work.exprs:
-        ins = frozenset(k for k, v in e.args if isinstance(v, TensorView) and work.producer(v) is not None
-                        and _fuses(work.producer(v), e))
+        if e.op.name == SAVED:
+            continue
+        ins = frozenset(k for k, v in e.args if isinstance(v, TensorView) and work.producer(real(v)) is not None
+                        and _fuses(work.producer(real(v)), e))
         name = e.outputs[0].name
         write_free = (len(e.outputs) == 1 and name not in keep and bool(readers.get(name))
                       and all(_fuses(e, r) for r in readers[name]))
         out[name] = Fused(ins, write_free)
+    for e in work.exprs:  # saved(t) is written where t is (a collective on it breaks t's kernel as one on t
+        if e.op.name == SAVED:  # would: collective_cost); the marker itself reads nothing in registers
+            out[e.outputs[0].name] = Fused(output=out.get(real(e.outputs[0]).name, Fused()).output)
     return out
+
+
+def _unsaved(work: Fusion):
+    """The tensor a value aliases through grad's saved markers (saved(saved(t)) -> t; any other -> itself).
+    The marker is no kernel: fusion reads through it, so a marked program is priced as the plain one. (Its
+    template "{x}" made it a fusible producer of its own: every reader of saved(t) was priced as reading it
+    in registers with no launch, 582 us against 622 us for the same plan of the data-parallel MLP step.)
+
+    >>> import egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     x = fd.define_tensor((4,), name="x")
+    ...     fd.add_output(fd.ops.exp(fd.ops.saved(fd.ops.saved(x))), name="y")
+    >>> [_unsaved(fd.fusion)(e.inputs[0]).name for e in fd.fusion.exprs]
+    ['x', 'x', 'x']
+    """
+    alias = {e.outputs[0].name: e.inputs[0] for e in work.exprs if e.op.name == SAVED}
+
+    def real(v: TensorView) -> TensorView:
+        while v.name in alias:
+            v = alias[v.name]
+        return v
+    return real
 
 
 def expr_strategies(e: Expr, mesh: DeviceMesh, cm: CostModel, problem: Problem | None = None,
@@ -390,8 +421,10 @@ def _build(user: Fusion, mesh: DeviceMesh, cost_model: CostModel | None, pins, l
             problem.layouts[name].append(lay)  # resharded before any op reads it (ops take valid layouts)
     priced: dict[tuple, list[tuple]] = {}  # signature -> its strategies' rows, on this mesh and cost model
     problem.fused = fused = fusion_context(work, problem.pins)
-    problem.register_reads = {v.name for e in work.exprs for k, v in e.args
-                              if isinstance(v, TensorView) and k in fused[e.outputs[0].name].operands}
+    real = _unsaved(work)  # a reader of saved(t) in registers reads t's: a collective on either breaks it
+    problem.register_reads = {n for e in work.exprs for k, v in e.args
+                              if isinstance(v, TensorView) and k in fused[e.outputs[0].name].operands
+                              for n in (v.name, real(v).name)}
     for e in work.exprs:
         key = e.outputs[0].name
         problem.exprs[key] = e
