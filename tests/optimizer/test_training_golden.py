@@ -137,8 +137,7 @@ def test_tp_sp_gpt_layer_forward_backward_moves_no_more_than_megatron_sp():
     plan = ed.optimize(gpt_grad(1, 32, 8192, 64, BF16), MESH)
     act, ln = 32 * 8192 * 2, 8192 * 2
     assert by_kind(plan) == {
-        "allgather": ["mul_129", "layer_norm_15",  # forward: the layer norms' outputs (the first gathered
-                      # before its bias add: the add and its reader fuse into one kernel after the gather)
+        "allgather": ["layer_norm_0", "layer_norm_15",  # forward: the layer norms' outputs
                       "sub_20",  # the error y - target: the loss, and the gradient entering w2^T's linear
                       "mul_71"],  # backward: the gradient entering wo^T's linear
         "reduce_scatter": ["linear_13", "linear_18",  # forward: attention and MLP outputs
