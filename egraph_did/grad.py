@@ -30,32 +30,40 @@ from .ops import FLOAT_DTYPES, zeros_like
 
 GRAD_PREFIX = "grad_"
 SAVED_PREFIX = "saved."  # a saved marker's name: saved.<the forward value it keeps>
+# recompute=None means this: the backward reads the forward through saved markers. Without a memory bound
+# the plan keeps every value, priced as the plain program (optimize.keeping_everything, and fusion reads
+# through the marker: problem.fusion_context); with one the optimizer may recompute instead of keep.
+RECOMPUTE_DEFAULT = True
 
 
-def grad(fd: FusionDefinition | Fusion, loss: str, wrt: Sequence[str] | None = None, recompute: bool = False
-         ) -> FusionDefinition:
+def grad(fd: FusionDefinition | Fusion, loss: str, wrt: Sequence[str] | None = None,
+         recompute: bool | None = None) -> FusionDefinition:
     """A new fusion: fd's outputs, and `grad_<name>` (the gradient of the scalar output `loss`) for each
     input name in wrt (None: every floating-point input). An input the loss does not depend on gets
-    zeros, as in JAX. recompute: the backward reads each forward value through the `saved` marker, so the
-    plan is priced by the training step's memory model (plan.StepMemory: what lives across the step) and
-    may recompute a value instead of keeping it, where a memory bound makes that pay (rewrites/recompute.py).
+    zeros, as in JAX. recompute (None: on, RECOMPUTE_DEFAULT): the backward reads each forward value through
+    the `saved` marker, so the plan is priced by the training step's memory model (plan.StepMemory: what
+    lives across the step) and may recompute a value instead of keeping it, where a memory bound makes that
+    pay (rewrites/recompute.py); without a bound it keeps every value. False: the backward reads the forward
+    directly, and the memory model counts every value of the step.
 
     >>> import torch, egraph_did as ed
     >>> from egraph_did.models import mlp
     >>> fd = mlp(tokens=4, hidden=8)
     >>> fd.add_output(fd.ops.mean(fd.ops.mul(fd["y"], fd["y"])), name="loss")
-    >>> gfd = ed.grad(fd, loss="loss", wrt=["w1", "w2"])
+    >>> gfd = ed.grad(fd, loss="loss", wrt=["w1", "w2"])  # the backward reads saved(.)
     >>> {n: t.shape for n, t in gfd.fusion.outputs.items()}
     {'y': (4, 8), 'loss': (), 'grad_w1': (32, 8), 'grad_w2': (8, 32)}
-    >>> marked = ed.grad(fd, loss="loss", wrt=["w1", "w2"], recompute=True)  # the backward reads saved(.)
-    >>> sorted(str(e) for e in marked.fusion.exprs if e.op.name == "saved")
+    >>> sorted(str(e) for e in gfd.fusion.exprs if e.op.name == "saved")
     ['saved.gelu_1 = saved(gelu_1)', 'saved.linear_0 = saved(linear_0)', 'saved.y = saved(y)']
+    >>> plain = ed.grad(fd, loss="loss", wrt=["w1", "w2"], recompute=False)
+    >>> any(e.op.name == "saved" for e in plain.fusion.exprs)
+    False
     """
     return _differentiate(as_fusion(fd, "grad"), loss, wrt, keep_outputs=True, recompute=recompute)
 
 
 def value_and_grad(fd: FusionDefinition | Fusion, loss: str, wrt: Sequence[str] | None = None,
-                   recompute: bool = False) -> FusionDefinition:
+                   recompute: bool | None = None) -> FusionDefinition:
     """As grad (recompute likewise), but the new fusion outputs the loss and the gradients only (fd's other outputs are not
     computed unless a gradient needs them).
 
@@ -137,7 +145,8 @@ def _needs_grad(src: Fusion, wrt: list[str]) -> set[int]:
     return need
 
 
-def _differentiate(src: Fusion, loss: str, wrt, keep_outputs: bool, recompute: bool = False) -> FusionDefinition:
+def _differentiate(src: Fusion, loss: str, wrt, keep_outputs: bool, recompute: bool | None = None
+                   ) -> FusionDefinition:
     where = "grad" if keep_outputs else "value_and_grad"
     work, ops, new, grads = _forward_and_backward(src, loss, _check(src, loss, wrt, where), where, recompute)
     outputs = dict(src.outputs) if keep_outputs else {loss: src.outputs[loss]}
@@ -146,9 +155,11 @@ def _differentiate(src: Fusion, loss: str, wrt, keep_outputs: bool, recompute: b
     return _live_copy(work, results)
 
 
-def _forward_and_backward(src: Fusion, loss: str, wrt: list[str], where: str, recompute: bool = False):
+def _forward_and_backward(src: Fusion, loss: str, wrt: list[str], where: str, recompute: bool | None = None):
     """(work fusion, its ops, {id(src tensor): work tensor}, {wrt name: gradient}): src copied into a new
-    fusion, then the backward; an input the loss does not reach gets zeros."""
+    fusion, then the backward (through saved markers where recompute, None meaning RECOMPUTE_DEFAULT); an
+    input the loss does not reach gets zeros."""
+    recompute = RECOMPUTE_DEFAULT if recompute is None else bool(recompute)
     work, ops, new = replay(src, lambda ops, e, args: ops._fusion.emit(e.op.name, **args))
     grads = _backward(src, ops, new, _needs_grad(src, wrt), loss, where, recompute)
     out = {w: grads.get(id(src[w])) for w in wrt}
@@ -301,15 +312,16 @@ class AdamW:
 STEP, NEXT = "step", "next."
 
 
-def training_step(fd: FusionDefinition | Fusion, loss: str, params: Sequence[str], optimizer, recompute: bool = False
-                  ) -> FusionDefinition:
+def training_step(fd: FusionDefinition | Fusion, loss: str, params: Sequence[str], optimizer,
+                  recompute: bool | None = None) -> FusionDefinition:
     """One training step as one fusion: the forward, the backward of `loss` and the optimizer's update of
     each input in params. Inputs: fd's, then each optimizer state as `<state>.<param>` (zeros before the
     first step) and `step` (float64 scalar: steps taken). Outputs: the loss, `next.<param>`,
     `next.<state>.<param>` and `next.step`; feed them back as the next step's inputs. The gradient of
     each param is the intermediate tensor `grad_<param>` (so plans and plan.memory_breakdown name it).
-    recompute: as ed.grad's (the backward reads the forward through `saved` markers: activation
-    checkpointing chosen by cost under a memory bound, priced by the memory model of a training step).
+    recompute: as ed.grad's (None, the default: the backward reads the forward through `saved` markers,
+    activation checkpointing chosen by cost under a memory bound, priced by the memory model of a
+    training step; False: no markers).
 
     >>> import torch, egraph_did as ed
     >>> with ed.FusionDefinition() as fd:

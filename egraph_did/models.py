@@ -106,9 +106,10 @@ def parallel_residual_layer(batch: int, seq: int, hidden: int, heads: int, dtype
 
 
 def gpt_training_step(batch: int, seq: int, hidden: int, heads: int, dtype=torch.float32, layers: int = 1,
-                      optimizer=None) -> FusionDefinition:
+                      optimizer=None, recompute: bool | None = None) -> FusionDefinition:
     """One training step of gpt_layer as one fusion: forward, loss = mean((y - target)^2), backward, and
-    the optimizer's update (AdamW by default) of every weight (x and target are data).
+    the optimizer's update (AdamW by default) of every weight (x and target are data). recompute: as
+    ed.training_step's (None: the backward reads the forward through saved markers; False: directly).
 
     >>> fd = gpt_training_step(batch=2, seq=8, hidden=16, heads=4)
     >>> [t.name for t in fd.fusion.inputs][-3:], list(fd.fusion.outputs)[:3]
@@ -119,12 +120,13 @@ def gpt_training_step(batch: int, seq: int, hidden: int, heads: int, dtype=torch
     target = fd.define_tensor((batch, seq, hidden), dtype, name="target", axis_names=("b", "s", "h"))
     err = fd.ops.sub(fd["y"], target)
     fd.add_output(fd.ops.mean(fd.ops.mul(err, err)), name="loss")
-    return training_step(fd, "loss", weights, optimizer or AdamW())
+    return training_step(fd, "loss", weights, optimizer or AdamW(), recompute=recompute)
 
 
-def mlp_training_step(tokens: int, hidden: int, dtype=torch.float32, optimizer=None) -> FusionDefinition:
+def mlp_training_step(tokens: int, hidden: int, dtype=torch.float32, optimizer=None,
+                      recompute: bool | None = None) -> FusionDefinition:
     """One training step of mlp as one fusion: loss = mean((y - target)^2), backward, and the optimizer's
-    update (AdamW by default) of w1 and w2 (x and target are data).
+    update (AdamW by default) of w1 and w2 (x and target are data). recompute: as gpt_training_step's.
 
     >>> fd = mlp_training_step(tokens=8, hidden=4)
     >>> [t.name for t in fd.fusion.inputs][:4], list(fd.fusion.outputs)[:2], fd["grad_w1"].shape
@@ -134,7 +136,7 @@ def mlp_training_step(tokens: int, hidden: int, dtype=torch.float32, optimizer=N
     target = fd.define_tensor((tokens, hidden), dtype, name="target", axis_names=("s", "h"))
     err = fd.ops.sub(fd["y"], target)
     fd.add_output(fd.ops.mean(fd.ops.mul(err, err)), name="loss")
-    return training_step(fd, "loss", ["w1", "w2"], optimizer or AdamW())
+    return training_step(fd, "loss", ["w1", "w2"], optimizer or AdamW(), recompute=recompute)
 
 
 def mlp_with_backward(tokens: int, hidden: int, dtype=torch.float32) -> FusionDefinition:

@@ -167,3 +167,27 @@ def test_without_a_process_group_parallelize_says_how_to_start_one():
         ed.parallelize(make_mlp(), ed.DeviceMesh.arange(4), (torch.randn(2, 5, 8),))
     with pytest.raises(ed.ParallelizeError, match="example_inputs must be a tuple"):
         ed.parallelize(make_mlp(), ed.DeviceMesh.arange(4), torch.randn(2, 5, 8))
+
+
+def test_recompute_bounds_what_lives_across_the_step_and_is_off_by_default():
+    """parallelize(recompute=...) reaches the joint fusion: with markers the joint plan's memory counts what
+    lives across the step (parameters, gradients, saved activations), so the bound that shards the MLP's
+    parameters without markers (MLP_LIMIT: the replicated plan holds 34 KiB) holds the replicated plan with
+    them; the default (False) is the every-value model the bounds here were chosen for."""
+    import inspect
+    from egraph_did.parallelize import optimize_joint
+    assert inspect.signature(ed.parallelize).parameters["recompute"].default is False
+    make, shape, limit = CASES["mlp"]
+    mesh, x = ed.DeviceMesh.arange(4), torch.randn(*shape)
+    placements = {}
+    for recompute in (False, True):
+        fd = ed.from_torch(make(), (x,))
+        for name in fd.fusion.outputs:
+            fd[name].set_device_mesh(mesh)
+        split = optimize_joint(fd, list(fd.fusion.outputs), list(fd.params), mesh,
+                               ed.CostModel.h200(limit), recompute=recompute)
+        assert any(s.op == "saved" for s in split.joint.compute_steps) == recompute
+        assert split.joint.memory <= limit
+        placements[recompute] = {p: str(split.joint.layout_of(p)) for p in fd.params}
+    assert set(placements[True].values()) == {"[R]"}
+    assert set(placements[False].values()) != {"[R]"}

@@ -49,10 +49,24 @@ def free():
 
 
 def test_without_recompute_the_step_has_no_marker_and_the_plain_memory_model():
-    """recompute=False (the default): the backward reads the forward directly, and every value counts."""
-    plain = models.mlp_training_step(64, 16, F64)
+    """recompute=False: the backward reads the forward directly, and every value counts."""
+    plain = models.mlp_training_step(64, 16, F64, recompute=False)
     assert not any(e.op.name == "saved" for e in plain.fusion.exprs)
     assert "saved activations" not in ed.optimize(plain, MESH).memory_breakdown()
+
+
+def test_recompute_is_the_default():
+    """recompute=None (the default of ed.grad, ed.value_and_grad, ed.training_step and the models'
+    training steps): the backward reads the forward through saved markers, and the memory model counts
+    the saved activations."""
+    marked = models.mlp_training_step(64, 16, F64)
+    assert any(e.op.name == "saved" for e in marked.fusion.exprs)
+    assert "saved activations" in ed.optimize(marked, MESH).memory_breakdown()
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((4,), F64, name="x")
+        fd.add_output(fd.ops.sum(fd.ops.exp(x)), name="loss")
+    for differentiate in (ed.grad, ed.value_and_grad):
+        assert [e.op.name for e in differentiate(fd, "loss").fusion.exprs].count("saved") == 1  # exp(x)
 
 
 def test_without_a_bound_every_activation_is_saved(free):
