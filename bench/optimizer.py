@@ -7,14 +7,15 @@ kept; optimize_s is the whole call: where bucket_pairs > 0, optimize ran a secon
 pairs to the bucket_pair rewrite (optimize.py).
 
     .venv/bin/python bench/optimizer.py [--layers 1 8 32 96] [--mesh 8] [--rewrites sum_partials_first]
-    .venv/bin/python bench/optimizer.py --training --layers 1 [--extractor exact] [--recompute]
+    .venv/bin/python bench/optimizer.py --training --layers 1 [--extractor exact] [--no-recompute]
 
 --rewrites: the program rewrites optimize may apply, by name (default: all of them; `--rewrites` alone: none).
 --training: the whole training step instead (models.gpt_training_step: forward, MSE loss, backward and AdamW
 of every weight; x and target sequence-sharded, weights, moments and their next values free): optimize then
 plans it as a loop (loops_tried: the extra passes that tie x to next.x), so optimize_s covers those passes;
-the stage columns are the kept pass's. --recompute: the backward reads the forward through saved markers
-(ed.training_step(recompute=True)); without a memory bound the plan keeps every value.
+the stage columns are the kept pass's. The backward reads the forward through saved markers (ed.training_step's
+default, recompute=None); without a memory bound the plan keeps every value. --no-recompute: without markers
+(recompute=False).
 """
 from __future__ import annotations
 
@@ -30,11 +31,11 @@ from egraph_did.pins import apply_layout
 
 
 def run(layers: int, ndev: int, seq: int, hidden: int, heads: int, extractor: str, rewrites=None,
-        training: bool = False, recompute: bool = False) -> dict:
+        training: bool = False, recompute: bool | None = None) -> dict:
     mesh = ed.DeviceMesh.arange(ndev)
     t0 = time.perf_counter()
     if training:
-        fd = gpt_training_step(seq, hidden, heads, layers, recompute)
+        fd = models.gpt_training_step(1, seq, hidden, heads, torch.bfloat16, layers=layers, recompute=recompute)
         sharded = ("x", "target")
     else:
         fd = models.gpt_layer(1, seq, hidden, heads, torch.bfloat16, layers=layers)
@@ -56,19 +57,6 @@ def run(layers: int, ndev: int, seq: int, hidden: int, heads: int, extractor: st
             "predicted_ms": plan.predicted_time * 1e3}
 
 
-def gpt_training_step(seq: int, hidden: int, heads: int, layers: int, recompute: bool):
-    """models.gpt_training_step (batch 1, bf16, AdamW), its backward reading the forward through saved markers
-    where recompute."""
-    if not recompute:
-        return models.gpt_training_step(1, seq, hidden, heads, torch.bfloat16, layers=layers)
-    fd = models.gpt_layer(1, seq, hidden, heads, torch.bfloat16, layers)
-    weights = [t.name for t in fd.fusion.inputs if t.name != "x"]
-    target = fd.define_tensor((1, seq, hidden), torch.bfloat16, name="target", axis_names=("b", "s", "h"))
-    err = fd.ops.sub(fd["y"], target)
-    fd.add_output(fd.ops.mean(fd.ops.mul(err, err)), name="loss")
-    return ed.training_step(fd, "loss", weights, ed.AdamW(), recompute=True)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, nargs="+", default=[1, 8, 32, 96])
@@ -79,7 +67,8 @@ def main() -> None:
     ap.add_argument("--extractor", default="greedy", choices=["greedy", "exact"])
     ap.add_argument("--rewrites", nargs="*", default=None, help="program rewrites by name (default: all)")
     ap.add_argument("--training", action="store_true", help="the training step (forward, backward, AdamW)")
-    ap.add_argument("--recompute", action="store_true", help="--training with saved markers (recompute=True)")
+    ap.add_argument("--no-recompute", dest="recompute", action="store_false", default=None,
+                    help="--training without saved markers (recompute=False)")
     args = ap.parse_args()
     cols = ["layers", "exprs", "facts", "iterations", "classes", "nodes", "build_s", "template_s", "encode_s",
             "saturate_s", "serialize_s", "extract_s", "bucket_pairs", "loops_tried", "optimize_s", "predicted_ms"]
@@ -87,7 +76,7 @@ def main() -> None:
     print(f"{what} sequence-sharded, seq {args.seq}, hidden {args.hidden}, {args.heads} heads, bf16, {args.mesh} ranks, "
           f"{args.extractor} extraction, rewrites "
           f"{'all' if args.rewrites is None else ', '.join(args.rewrites) or 'none'}"
-          f"{', saved markers (recompute=True)' if args.recompute else ''}")
+          f"{', no saved markers (recompute=False)' if args.training and args.recompute is False else ''}")
     print(" | ".join(f"{c:>11}" for c in cols) + " | collectives")
     for n in args.layers:
         r = run(n, args.mesh, args.seq, args.hidden, args.heads, args.extractor, args.rewrites, args.training,
