@@ -385,7 +385,10 @@ def keeping_everything(graph: PhysGraph, problem: Problem, roots: list[str], mem
         if graph.ident.get(cls, ("",))[0] in saved:
             classes[cls] = [n for n in nodes if n.op == "Keep" or
                             (n.op == "Apply" and problem.exprs[n.key].op.name == SAVE_OP)]
-    sel = greedy_dag(dataclasses.replace(graph, classes=classes), roots)
+    try:
+        sel = greedy_dag(dataclasses.replace(graph, classes=classes), roots)
+    except PlanError:  # keeping t can be impossible (a pin on saved(t) t's layouts never reach): the whole graph decides
+        return None
     return sel if memory_limit is None or sel.memory <= memory_limit else None
 
 
