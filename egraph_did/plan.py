@@ -341,10 +341,10 @@ class Plan:
         >>> mem = plan.memory_breakdown()
         >>> mem["weights"] >= 2 * 2 * 64 * 16 * 4, mem["total"] == plan.memory  # w1, w2, next.w1, next.w2 whole
         (True, True)
-        >>> sorted(mem)
-        ['activations/other', 'gradients', 'optimizer states', 'total', 'weights']
+        >>> sorted(mem)  # mlp_training_step marks saved activations (recompute on by default): StepMemory's keys
+        ['activations/other', 'gradients', 'largest transient', 'optimizer states', 'saved activations', 'total', 'weights']
 
-        A training step made with recompute=True (ed.training_step) is priced by StepMemory:
+        A training step with saved markers (ed.training_step's default) is priced by StepMemory:
 
         >>> with ed.FusionDefinition() as f:
         ...     x, w = f.define_tensor((64, 16), name="x"), f.define_tensor((16,), name="w")
