@@ -59,7 +59,7 @@ from .ops import FLOAT_DTYPES
 from .optimize import optimize
 from .pins import apply_layout, layout_of as pinned_layout
 from .plan import Plan
-from .plan_split import SAVED_PREFIX, SplitError, SplitPlan, split_plan
+from .plan_split import HANDOVER_PREFIX, SplitError, SplitPlan, split_plan
 from .runtime import torch_device_mesh
 
 COTANGENT = "cotangent."  # the backward fusion's input holding d(loss)/d(output <name>)
@@ -591,7 +591,7 @@ class _Run(torch.autograd.Function):
         outs = plan.run({k: v for k, v in values.items() if k in plan.inputs}, inputs="global", outputs="local")
         ctx.state, ctx.names, ctx.split = state, names, split
         if split is not None:
-            ctx.save_for_backward(*tensors, *(outs[SAVED_PREFIX + v] for v in split.saved))
+            ctx.save_for_backward(*tensors, *(outs[HANDOVER_PREFIX + v] for v in split.saved))
         result = tuple(_whole(plan, n, outs[n]) for n in prog.outputs)
         ctx.mark_non_differentiable(*(o for n, o in zip(prog.outputs, result) if n not in prog.differentiable))
         return result
@@ -605,7 +605,7 @@ class _Run(torch.autograd.Function):
         whole = dict(zip(names, held)) | prog.constants
         whole |= {COTANGENT + n: c.contiguous() for n, c in zip(prog.outputs, cotangents) if n in prog.differentiable}
         values = {k: v if k in prog.layouts else _replicated(state.mesh, v) for k, v in whole.items() if k in plan.inputs}
-        values |= {SAVED_PREFIX + v: t for v, t in zip(split.saved, held[len(names):])}
+        values |= {HANDOVER_PREFIX + v: t for v, t in zip(split.saved, held[len(names):])}
         grads = plan.run(values, inputs="local", outputs="dtensor")
         out = []
         for n, w in zip(names, ctx.needs_input_grad[3:]):

@@ -25,7 +25,12 @@ from .cost import size_text
 from .errors import PlanError
 from .plan import Plan, Step
 
-SAVED_PREFIX = "saved."  # the first part's output, and the second part's input, that hands over a value
+# The first part's output, and the second part's input, that hands over a value: HANDOVER_PREFIX + the
+# value's name ('<tensor>:<layout code>'), what torch's autograd calls saved for backward. Not grad's
+# marker (grad.SAVED_MARKER_PREFIX names a fusion tensor, saved(t)): a part may hand over a marker's value
+# or any other value the backward reads, so the two namespaces stay apart.
+HANDOVER_PREFIX = "saved."
+SAVED_PREFIX = HANDOVER_PREFIX  # the old name, which tests/plan/test_plan_split.py still imports
 
 
 class SplitError(PlanError):
@@ -112,8 +117,8 @@ def split_plan(joint: Plan, first_outputs: Sequence[str], late_inputs: Sequence[
     first_steps = _live([s for s, lt in zip(joint.steps, is_late) if not lt],
                         {joint.outputs[n] for n in first_outputs} | set(saved))
     first = _part(joint, first_steps, {n: joint.outputs[n] for n in first_outputs} |
-                  {SAVED_PREFIX + v: v for v in saved}, {}, "first")
-    second = _part(joint, second_steps, second_outputs, {SAVED_PREFIX + v: [v] for v in saved}, "second")
+                  {HANDOVER_PREFIX + v: v for v in saved}, {}, "first")
+    second = _part(joint, second_steps, second_outputs, {HANDOVER_PREFIX + v: [v] for v in saved}, "second")
     return SplitPlan(joint, first, second, saved, tuple(late_inputs))
 
 
@@ -147,4 +152,4 @@ def _part(joint: Plan, steps: list[Step], outputs: dict[str, str], handed: dict[
     return plan
 
 
-__all__ = ["SplitPlan", "SplitError", "split_plan", "SAVED_PREFIX"]
+__all__ = ["SplitPlan", "SplitError", "split_plan", "HANDOVER_PREFIX"]
