@@ -187,3 +187,24 @@ def test_attention_of_rows_with_no_finite_score_is_the_same_whole_and_on_a_slice
     assert ref.isnan().any()  # the case's point: rows with no finite score
     for lowered in (True, False):
         torch.testing.assert_close(ed.simulate(plan, inputs, lowered=lowered)["t5"], ref, equal_nan=True)
+
+
+def test_a_pin_on_a_saved_marker_that_the_keep_everything_graph_cannot_honour_leaves_the_choice_to_the_whole_graph():
+    """`optimize-error-unnamed: PlanError` with `greedy-refuses-where-exact-plans` (seed 30: 14 of 7,450
+    device cases, e.g. 1482): a marked step is also extracted keeping every saved value (optimize.keeping_everything),
+    where saved(t) can only be t's own layouts; a partial pin on the marker is not one of them, and that
+    extraction's PlanError ("a pin cannot be honoured") aborted optimize although the whole graph plans it
+    (recomputing t into the pinned layout). The keep-everything candidate now drops out instead."""
+    mesh = ed.DeviceMesh.arange(2)
+    with ed.FusionDefinition() as fd:
+        x0 = fd.define_tensor((6, 1), torch.float64, name="x0")
+        t0 = fd.ops.neg(x=x0)
+        t1 = fd.ops.saved(x=t0)
+        fd.add_output(t1, name="t1")
+    t1.set_device_mesh(mesh).add_partial(ed.ParallelType.DIDx)
+    PINNED = "[6, 1, rDIDx{2}]"  # partial over DIDx: a reduction loop bound to the mesh axis
+    for extractor in ("greedy", "exact"):
+        plan = ed.optimize(fd, mesh, extractor=extractor)
+        assert plan.loop_domain("t1") == PINNED, (extractor, plan.loop_domain("t1"))
+        x = {"x0": torch.randn(6, 1, dtype=torch.float64)}
+        _close(ed.simulate(plan, x), ed.evaluate(fd, x))
