@@ -26,10 +26,10 @@ import torch
 from .errors import DtypeError, ShapeError, UnknownNameError
 from .fusion import Fusion, FusionDefinition, Ops, _did_you_mean, as_fusion, replay
 from .ir import TensorView
-from .ops import FLOAT_DTYPES, zeros_like
+from .ops import FLOAT_DTYPES, SAVE_OP, zeros_like
 
 GRAD_PREFIX = "grad_"
-SAVED_MARKER_PREFIX = "saved."  # a saved marker's name: saved.<the forward value it keeps> (a fusion tensor)
+SAVED_MARKER_PREFIX = SAVE_OP + "."  # a saved marker's name: saved.<the forward value it keeps> (a fusion tensor)
 # recompute=None means this: the backward reads the forward through saved markers. Without a memory bound
 # the plan keeps every value, priced as the plain program (optimize.keeping_everything, and fusion reads
 # through the marker: problem.fusion_context); with one the optimizer may recompute instead of keep.
@@ -243,7 +243,7 @@ def _live_copy(work: Fusion, results: dict[str, TensorView], names: dict[str, Te
         fd.add_output(out, name)
     renames = [(name, new.get(id(tv))) for name, tv in (names or {}).items()]
     # a marker is named after the value it keeps (explain and memory_breakdown name it so)
-    renames += [(SAVED_MARKER_PREFIX + e.inputs[0].name, e.outputs[0]) for e in fd.fusion.exprs if e.op.name == "saved"]
+    renames += [(SAVED_MARKER_PREFIX + e.inputs[0].name, e.outputs[0]) for e in fd.fusion.exprs if e.op.name == SAVE_OP]
     for name, t in renames:
         f = fd.fusion
         if t is None or t in f.inputs or any(o is t for o in f.outputs.values()) or name in f.tensors:

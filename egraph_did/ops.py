@@ -698,12 +698,15 @@ def cast(x, dtype):
 # The backward reads a forward value through saved(t) (egraph_did/grad.py): the marker of "kept from the
 # forward for the backward", which the memory model of a training step prices (plan.StepMemory) and the
 # program rewrite recompute (rewrites/recompute.py) may replace by recomputing t. Its local result is t
-# itself: no kernel, no time of its own.
-@op("saved", "pointwise", lambda x: x, arity=1, template="{x}", metadata_only=True,
+# itself: no kernel, no time of its own. SAVE_OP is its name for every module that looks for the marker.
+SAVE_OP = "saved"
+
+
+@op(SAVE_OP, "pointwise", lambda x: x, arity=1, template="{x}", metadata_only=True,
     vjp=lambda ops, g, out, x: {"x": g})
 def saved(x):
     """x, as kept from a training step's forward for its backward (an alias of x)."""
-    x = _need_tensor("saved", "x", x)
+    x = _need_tensor(SAVE_OP, "x", x)
     return [OutSpec(x.shape, x.dtype, x.axes)]
 
 

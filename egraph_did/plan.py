@@ -24,7 +24,7 @@ from .layout import Layout
 from .pins import PinView, apply_layout, layout_view
 from .shards import Operand, RankContext, local_extents
 from .mesh import DeviceMesh, check_mesh
-from .ops import OPS, canonical_dtype
+from .ops import OPS, SAVE_OP, canonical_dtype  # SAVE_OP: grad's marker op
 
 # A plan file says which format it is written in: "egraph-did-plan/<version>"; a file without the field
 # is read as version 1 (a hand-written plan). Bump the version when a field changes meaning, and teach
@@ -36,7 +36,7 @@ FORMAT = f"{FORMAT_NAME}/{FORMAT_VERSION}"
 
 # names ed.training_step gives (egraph_did/grad.py; the plan layer does not import it): memory_breakdown reads them
 NEXT_PREFIX, GRAD_PREFIX = "next.", "grad_"
-SAVE_OP, RECOMPUTE = "saved", "recompute"  # grad's marker op (ops.py) and the rewrite replacing it (rewrites/recompute.py)
+RECOMPUTE = "recompute"  # the rewrite replacing the marker saved(t) (rewrites/recompute.py)
 
 
 @dataclass(frozen=True)

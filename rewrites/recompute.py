@@ -25,14 +25,13 @@ from egglog import eq, function, relation, var
 from egglog import rule as erule
 from egglog import String, union
 
-from egraph_did.ops import OPS, ops_where
+from egraph_did.ops import OPS, SAVE_OP, ops_where
 
 from .algebra import REWRITES, Example, program_rewrite, rewrite
 from .sorts import OPS_SORT, Lit, Shape, ShapeOf, Tensor
 
 RECOMPUTE_KINDS = ("pointwise", "mask", "normalization", "view", "matmul", "attention", "constant")
-SAVE = "saved"
-saved = OPS_SORT[SAVE]
+saved = OPS_SORT[SAVE_OP]
 
 
 def recomputable() -> tuple[str, ...]:
@@ -43,7 +42,7 @@ def recomputable() -> tuple[str, ...]:
     >>> "gelu" in ops, "softmax" in ops, "linear" in ops, "dropout" in ops, "saved" in ops, "var_mean" in ops
     (True, True, True, False, False, False)
     """
-    return tuple(n for k in RECOMPUTE_KINDS for n in ops_where(kind=k) if n != SAVE)
+    return tuple(n for k in RECOMPUTE_KINDS for n in ops_where(kind=k) if n != SAVE_OP)
 
 
 @function(egg_fn="Kept")
