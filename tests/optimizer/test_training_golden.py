@@ -311,3 +311,60 @@ def test_fsdp_comes_out_of_a_memory_bound(dp_plans):
     plan = ed.optimize(mlp_step(*DP_SHAPE, BF16), MESH, ed.CostModel.h200(memory_limit=bound), rewrites=NO_RINGS)
     assert plan.layout_of("w1") == plan.layout_of("next.w1") == Layout((S(0),))
     assert sorted_kinds(plan)["allgather"] == ["w1", "w2"]
+
+
+# ---------------------------------------------------------------------- vocab-parallel cross-entropy step
+
+VOCAB_STEP = dict(tokens=4096, vocab=128256, hidden=4096)  # issue 10's LM head: the weight is 1 GiB in bf16
+WEIGHT_AND_STATE = ("w", "next.w", "exp_avg.w", "next.exp_avg.w", "exp_avg_sq.w", "next.exp_avg_sq.w")
+
+
+def cross_entropy_step(tokens, vocab, hidden, dtype, tokens_sharded):
+    """One AdamW step of cross_entropy(linear(x, w), target): an LM head and its loss, x and target replicated
+    or split over the tokens (data-parallel), the weight and its states left to the optimizer."""
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((tokens, hidden), dtype, name="x")
+        w = fd.define_tensor((vocab, hidden), dtype, name="w")
+        target = fd.define_tensor((tokens,), torch.int64, name="target")
+        fd.add_output(fd.ops.cross_entropy(fd.ops.linear(x, w), target, reduction="mean"), name="loss")
+    step = ed.training_step(fd, "loss", ["w"], ed.AdamW(lr=1e-3))
+    for n in ("x", "target"):
+        pin(step, n, Layout((S(0),)) if tokens_sharded else None)
+    return step
+
+
+@pytest.mark.parametrize("tokens_sharded", [False, True], ids=["x-replicated", "x-token-sharded"])
+def test_vocab_parallel_cross_entropy_step_moves_only_per_token_statistics(tokens_sharded):
+    """The weight, its gradient and its AdamW moments split over the vocabulary (rows of w); the logits stay
+    vocab-sharded; what moves is per-token: the row max, the sum of exponentials, the target's logit (a few
+    bytes a token; plus x and target gathered when they come token-sharded). Pinning the weight replicated
+    (data-parallel: its gradient all-reduced every step) is predicted slower. Replayed at float64 against
+    the single-device step."""
+    step = cross_entropy_step(**VOCAB_STEP, dtype=BF16, tokens_sharded=tokens_sharded)
+    plan = ed.optimize(step, MESH)
+    for n in WEIGHT_AND_STATE + ("grad_w",):
+        assert plan.layout_of(n) == Layout((S(0),)), (n, plan.layout_of(n))
+    assert plan.layout_of("linear_0") == Layout((S(1),))  # the logits, vocab-sharded
+    gathered = {"x", "target"} if tokens_sharded else set()
+    moved = {c.tensor for c in plan.collectives if c.tensor not in gathered}
+    assert moved and all(c.bytes <= 4 * VOCAB_STEP["tokens"] for c in plan.collectives if c.tensor in moved), \
+        [(c.kind, c.tensor, c.bytes) for c in plan.collectives]
+    assert {c.tensor for c in plan.collectives} >= gathered
+
+    dp = cross_entropy_step(**VOCAB_STEP, dtype=BF16, tokens_sharded=tokens_sharded)
+    for n in WEIGHT_AND_STATE:
+        pin(dp, n)
+    dp_plan = ed.optimize(dp, MESH)
+    assert dp_plan.predicted_time > 1.2 * plan.predicted_time, (dp_plan.predicted_time, plan.predicted_time)
+
+    small = cross_entropy_step(tokens=8, vocab=16, hidden=4, dtype=F64, tokens_sharded=tokens_sharded)
+    small_plan = ed.optimize(small, MESH, like=plan)
+    assert kinds(small_plan) == kinds(plan)
+    g = torch.Generator().manual_seed(0)
+    inputs = {t.name: torch.randn(t.shape, generator=g, dtype=F64) for t in small.fusion.inputs}
+    inputs["exp_avg_sq.w"] = inputs["exp_avg_sq.w"].abs()
+    inputs["target"] = torch.randint(0, 16, (8,), generator=g)
+    inputs["step"] = torch.tensor(2.0, dtype=F64)
+    ref, got = ed.evaluate(small, inputs), ed.simulate(small_plan, inputs)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-9, atol=1e-10, msg=lambda m: f"{name}: {m}")
