@@ -49,6 +49,7 @@ import torch.utils._pytree as pytree
 from .cost import CostModel
 from .errors import DtypeError, EgraphDidError, MemoryBoundError, ShapeError
 from .expand import ALL_REWRITES
+from .rewrites.algebra import joining_rewrites
 from .fusion import Fusion, replay
 from .ir import TensorView
 from .frontend import TorchFusion, draw_seed, from_torch
@@ -296,17 +297,12 @@ def optimize_joint(fd: TorchFusion, outputs: Sequence[str], wrt: Sequence[str], 
     raise error
 
 
-# program rewrites that may join a forward tensor with a backward one (one buffer for an output's allreduce
-# and an input gradient's; one GEMM for a forward linear and a backward matmul of the same weight): a plan
-# that took one cannot deliver the outputs before the cotangents arrive
-_JOINING = ("bucket_pair", "merge_siblings")
-
-
 def _splittable(fusion, outputs, late, mesh, cm, extractor) -> SplitPlan:
     """The joint plan split at `late`; where the plan joined a forward step with a backward one through a
-    program rewrite, re-optimized without the rewrites that can (then without any)."""
+    program rewrite, re-optimized without the rewrites that can (rewrites.algebra.joining_rewrites: a plan
+    that took one cannot deliver the outputs before the cotangents arrive), then without any."""
     error = None
-    for rewrites in (None, tuple(r for r in ALL_REWRITES if r not in _JOINING), ()):
+    for rewrites in (None, tuple(r for r in ALL_REWRITES if r not in joining_rewrites()), ()):
         try:
             return split_plan(optimize(fusion, mesh, cm, extractor, rewrites=rewrites), outputs, late)
         except SplitError as e:

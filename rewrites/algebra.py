@@ -75,33 +75,48 @@ class Example:
 
 @dataclass(frozen=True)
 class ProgramRewrite:
-    """One identity between programs: its name, the identity in words, its egglog rules, its examples."""
+    """One identity between programs: its name, the identity in words, its egglog rules, its examples, and
+    whether it joins steps (see joining_rewrites)."""
 
     name: str
     identity: str
     rules: Callable[[], Iterable]
     examples: tuple[Example, ...]
+    joins: bool = False
 
 
 REWRITES: dict[str, ProgramRewrite] = {}
 
 
-def program_rewrite(*examples: Example):
+def program_rewrite(*examples: Example, joins: bool = False):
     """Register a generator of egglog rules as the program rewrite named after it (its docstring's first
-    line: the identity).
+    line: the identity). joins: its terms may make one step of two independent ones (joining_rewrites).
 
     >>> @program_rewrite(Example("x", {"a": (2,)}, lambda o, a: o.neg(o.neg(a))))
     ... def _demo():
     ...     '''-(-a) = a'''
     ...     return []
-    >>> REWRITES.pop("_demo").identity
-    '-(-a) = a'
+    >>> demo = REWRITES.pop("_demo")
+    >>> demo.identity, demo.joins
+    ('-(-a) = a', False)
     """
     def register(fn):
         assert fn.__doc__, f"program rewrite {fn.__name__} states its identity in its docstring"
-        REWRITES[fn.__name__] = ProgramRewrite(fn.__name__, fn.__doc__.strip().splitlines()[0], fn, examples)
+        REWRITES[fn.__name__] = ProgramRewrite(fn.__name__, fn.__doc__.strip().splitlines()[0], fn, examples, joins)
         return fn
     return register
+
+
+def joining_rewrites() -> tuple[str, ...]:
+    """The program rewrites that may join two independent steps into one (one buffer for two collectives,
+    one GEMM for sibling GEMMs), so a plan that takes one may not split between those steps: a forward
+    tensor joined with a backward one cannot be delivered before the backward's inputs arrive
+    (ed.parallelize re-optimizes without them).
+
+    >>> joining_rewrites()
+    ('bucket_pair', 'merge_siblings')
+    """
+    return tuple(sorted(n for n, r in REWRITES.items() if r.joins))
 
 
 def rewrite(name: str, lhs, rhs, *conditions):
@@ -147,6 +162,7 @@ def sum_partials_first():
     Example("two-gradients", {"a": (4, 6), "b": (5,)}, lambda o, a, b: (o.mul(a, 2.0), o.mul(b, 3.0)), ((0, 1),)),
     Example("three-sums", {"a": (3, 4, 2), "b": (3, 4), "c": (2, 5)},
             lambda o, a, b, c: (o.sum(a, 0), o.sum(b, 1), o.sum(c, 1)), ((0, 1), (1, 2))),
+    joins=True,  # one buffer for two collectives: an output's all-reduce and an input gradient's
 )
 def bucket_pair():
     """a = unflat(flat(a) ++ flat(b))[:n_a], b likewise: two tensors travel in one buffer (one collective's latency, not two)"""
@@ -217,6 +233,7 @@ def _stack(o, x, ws, bs=(), op="linear"):
             lambda o, x, *ws: _stack(o, x, ws, op="matmul")),
     Example("five-heads", {"x": (5, 4), **{f"w{i}": (2 + (i % 2) * 2, 4) for i in range(5)}},
             lambda o, x, *ws: _stack(o, x, ws)),
+    joins=True,  # one GEMM for a forward linear and a backward matmul of the same weight
 )
 def merge_siblings():
     """linear(x, w_i, b_i) = linear(x, W, B)[.., k blocks: i-th of each] where W stacks k blocks, block j = [w_1's j-th b_1 rows; ..; w_n's j-th b_n rows] (b_i = o_i / k, k = gcd of the widths o_i; B alike; matmul on columns alike): sibling GEMMs of one input run as one, one collective where each had its own
