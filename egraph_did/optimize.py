@@ -62,7 +62,7 @@ def step_memory(problem: Problem) -> StepMemory | None:
     if not any(e.op.name == SAVE_OP for e in problem.exprs.values()):
         return None
     f = problem.fusion
-    return StepMemory(frozenset([t.name for t in f.inputs] + [t.name for t in f.outputs.values()]))
+    return StepMemory.of_step((t.name for t in f.inputs), (t.name for t in f.outputs.values()))
 
 
 def _held(graph: PhysGraph, problem: Problem, model: StepMemory, cls: str, n: Node) -> float:

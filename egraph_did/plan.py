@@ -10,7 +10,7 @@ import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -62,6 +62,15 @@ class StepMemory:
     """
 
     persistent: frozenset
+
+    @classmethod
+    def of_step(cls, inputs: Iterable[str], outputs: Iterable[str]) -> StepMemory:
+        """The model of a step that reads `inputs` and writes `outputs` (tensor names): both persist.
+
+        >>> sorted(StepMemory.of_step(["x", "w"], ["loss"]).persistent)
+        ['loss', 'w', 'x']
+        """
+        return cls(frozenset(inputs) | frozenset(outputs))
 
     def counts(self, tensor: str, op: str | None = None, operand: str | None = None) -> bool:
         """Whether a value of `tensor` (made by `op` from `operand`, for a compute step) is held across the step."""
@@ -415,7 +424,7 @@ class Plan:
         """
         if not any(s.op == SAVE_OP for s in self.compute_steps) and RECOMPUTE not in self.rewrites.values():
             return None
-        return StepMemory(frozenset(list(self.inputs) + [self.values[v].tensor for v in self.outputs.values()]))
+        return StepMemory.of_step(self.inputs, (self.values[v].tensor for v in self.outputs.values()))
 
     def layout_of(self, tensor: str) -> Layout:
         """The layout a tensor is pinned to, or else produced (or, for an output, delivered) in."""
