@@ -58,7 +58,7 @@ import egraph_did as ed  # noqa: E402
 from egraph_did.collectives import KINDS  # noqa: E402
 from egraph_did.grad import GRAD_PREFIX  # noqa: E402
 from egraph_did.parallelize import COTANGENT, _replicated, optimize_joint  # noqa: E402
-from egraph_did.plan_split import SAVED_PREFIX  # noqa: E402
+from egraph_did.plan_split import HANDOVER_PREFIX  # noqa: E402
 from egraph_did.runtime import torch_device_mesh  # noqa: E402
 
 P = 4  # ranks
@@ -664,7 +664,7 @@ def titan3_worker(rank: int, ids: torch.Tensor, plans: dict, bound: dict) -> dic
         out["ours_step_logits"] = _rel_err(logits.full_tensor(), want)
         whole = bound | {COTANGENT + "out": cotangent}
         given = {k: _replicated(MESH, v) for k, v in whole.items() if k in second.inputs}
-        given |= {k: v for k, v in kept.items() if k.startswith(SAVED_PREFIX)}
+        given |= {k: v for k, v in kept.items() if k.startswith(HANDOVER_PREFIX)}
         grads = second.run(given, inputs="local", outputs="global")
         out["ours_step"] = max(_rel_err(grads[GRAD_PREFIX + n], want_grads[n]) for n in want_grads)
     return out

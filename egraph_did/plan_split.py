@@ -30,7 +30,6 @@ from .plan import Plan, Step
 # marker (grad.SAVED_MARKER_PREFIX names a fusion tensor, saved(t)): a part may hand over a marker's value
 # or any other value the backward reads, so the two namespaces stay apart.
 HANDOVER_PREFIX = "saved."
-SAVED_PREFIX = HANDOVER_PREFIX  # the old name, which tests/plan/test_plan_split.py still imports
 
 
 class SplitError(PlanError):

@@ -12,7 +12,8 @@ Terms a rewrite builds carry no ShapeOf fact, and the rules ask one of every ope
 the user's program (and the decompositions), never to its own results, so a chain of n adds gains n - 1
 terms, not every bracketing of the chain.
 
->>> sorted(REWRITES)  # recompute registers from rewrites/recompute.py
+>>> import rewrites.recompute  # registers 'recompute' (imported by the optimizer, not by this module)
+>>> sorted(REWRITES)
 ['bucket_pair', 'merge_siblings', 'recompute', 'sum_partials_first']
 >>> REWRITES["sum_partials_first"].identity
 '(x + a) + b = x + (a + b): partial sums add before their collective (one all-reduce, not two)'

@@ -7,7 +7,7 @@ import torch
 
 import egraph_did as ed
 from egraph_did.parallelize import COTANGENT, joint_fusion
-from egraph_did.plan_split import SAVED_PREFIX, SplitError, split_plan
+from egraph_did.plan_split import HANDOVER_PREFIX, SplitError, split_plan
 
 MESH = ed.DeviceMesh.arange(4)
 
@@ -38,7 +38,7 @@ def test_the_second_part_reads_only_its_inputs_saved_values_and_what_it_computes
     parts = split_plan(plan, ["out"], [COTANGENT + "out"])
     assert set(parts.second.outputs) == {"grad_0.weight", "grad_0.bias", "grad_2.weight", "grad_2.bias", "grad_input"}
     for v in parts.saved:
-        assert parts.first.outputs[SAVED_PREFIX + v] == v and parts.second.inputs[SAVED_PREFIX + v] == [v]
+        assert parts.first.outputs[HANDOVER_PREFIX + v] == v and parts.second.inputs[HANDOVER_PREFIX + v] == [v]
     assert parts.saved_bytes() > 0 and "saves" in parts.explain()
 
 
