@@ -166,6 +166,9 @@ def _straight_line(prog: Program) -> Callable:
             lines.append(f"        if before_comm is not None: before_comm({call.segment})")
         if not call.outs:
             lines.append(f"        f{k}({args})")
+        elif len(call.outs) == 1 and getattr(call.fn, "one", None) is not None:  # returns the tensor itself
+            ns[f"f{k}"] = call.fn.one
+            lines.append(f"        s{call.outs[0]} = f{k}({args})")
         elif len(call.outs) == 1:
             lines.append(f"        s{call.outs[0]} = f{k}({args})[0]")
         else:
@@ -225,6 +228,9 @@ def _aten_fn(plan: Plan, step: ComputeStep, ctx: RankContext, cuda: bool = False
     out_shapes = [ctx.local_shape(_local_operand(plan, o)) for o in step.writes]
     if cuda and step.op == "linear" and params == ("x", "weight"):  # on a CPU mm may take another kernel
         return _mm_linear(tuple(out_shapes[0]))
+    direct = _direct_op(step.op, params, literals, cuda)
+    if direct is not None:
+        return _one_output(direct)
     try:  # the local attributes read literals and local shapes only: bind them once with the literals
         fixed = {**literals, **(local_attrs(literals, out_shapes) if local_attrs is not None else {})}
     except KeyError:  # this op's local attributes read a tensor: work them out per call
@@ -256,6 +262,52 @@ def _aten_fn(plan: Plan, step: ComputeStep, ctx: RankContext, cuda: bool = False
     return reference
 
 
+def _direct_op(op: str, params: tuple[str, ...], literals: dict, cuda: bool) -> Callable | None:
+    """The torch function the op's reference ends in, with its literals bound, for the hottest ops of a
+    transformer layer: what the reference computes, minus its Python frames and keyword dicts on the
+    way (a linear's lambda; sdpa's reference, attention()'s device test and, on a CPU, the math-backend
+    context manager, about 40 µs a call on a CPU host). None for any other op or argument set.
+
+    * linear(x, weight): F.linear(x, weight), as the reference calls it;
+    * sdpa(q, k, v, is_causal, scale): on CUDA F.scaled_dot_product_attention, as attention() calls it; on a
+      CPU the math backend's own op, which is what F.scaled_dot_product_attention runs under
+      sdpa_kernel(SDPBackend.MATH) (the same bits: tests/execution/test_runtime_lean.py checks them).
+
+    >>> fn = _direct_op("sdpa", ("q", "k", "v"), {"is_causal": True}, cuda=False)
+    >>> q = torch.randn(1, 2, 4, 8)
+    >>> from egraph_did.ops import attention
+    >>> torch.equal(fn(q, q, q), attention(q, q, q, is_causal=True))
+    True
+    """
+    if op == "linear" and params == ("x", "weight") and set(literals) <= {"bias"} and literals.get("bias") is None:
+        return torch.nn.functional.linear
+    if op == "sdpa" and params == ("q", "k", "v") and set(literals) <= {"is_causal", "scale"}:
+        causal, scale = bool(literals.get("is_causal", False)), literals.get("scale")
+        if cuda:
+            return functools.partial(torch.nn.functional.scaled_dot_product_attention, is_causal=causal,
+                                     scale=scale)
+        math = torch.ops.aten._scaled_dot_product_attention_math.default
+
+        def sdpa_math(q, k, v):
+            return math(q, k, v, None, 0.0, causal, None, scale=scale)[0]
+        return sdpa_math
+    return None
+
+
+def _one_output(fn: Callable) -> Callable[..., tuple]:
+    """fn (tensors -> one tensor) as a call's function (-> a tuple); fn itself rides along as `.one`, which
+    the straight-line run calls directly (no tuple made and unpacked per call).
+
+    >>> wrapped = _one_output(torch.neg)
+    >>> wrapped(torch.ones(1)), wrapped.one is torch.neg
+    ((tensor([-1.]),), True)
+    """
+    def call(*ts):
+        return (fn(*ts),)
+    call.one = fn
+    return call
+
+
 def _mm_linear(shape: tuple[int, ...]) -> Callable[..., tuple]:
     """linear(x, weight) without a bias as the one mm ATen's linear reaches (it flattens x's leading axes
     into rows, then multiplies by weight.T): the same GEMM on the same operands, so the same bits, minus
@@ -269,8 +321,31 @@ def _mm_linear(shape: tuple[int, ...]) -> Callable[..., tuple]:
     mm = torch.mm
 
     def linear(x, weight):
-        return (mm(x.reshape(-1, x.shape[-1]), weight.t()).view(shape),)
-    return linear
+        return mm(x.reshape(-1, x.shape[-1]), weight.t()).view(shape)
+    fn = _one_output(linear)
+    fn.then_view = lambda outer: _mm_linear_view(shape, outer)  # for _fold_views
+    return fn
+
+
+def _mm_linear_view(shape: tuple[int, ...], view: Callable) -> Callable[..., tuple]:
+    """_mm_linear(shape) followed by a view read by nothing else (linear -> reshape -> permute into sdpa):
+    the view learned against mm's two-dimensional result (_learned_view), so the linear's own view to
+    `shape` and the view step are one as_strided on mm's output.
+
+    >>> x, w = torch.randn(2, 3, 4), torch.randn(6, 4)
+    >>> fn = _mm_linear_view((2, 3, 6), lambda t: t.reshape(2, 3, 2, 3).permute(0, 2, 1, 3))
+    >>> ref = torch.nn.functional.linear(x, w).reshape(2, 3, 2, 3).permute(0, 2, 1, 3)
+    >>> all(torch.equal(fn(x, w)[0], ref) for _ in range(2))  # learned, then replayed
+    True
+    """
+    mm = torch.mm
+    after = _learned_view(lambda t: view(t.view(shape)), "t").one
+
+    def linear_view(x, weight):
+        return after(mm(x.reshape(-1, x.shape[-1]), weight.t()))
+    fn = _one_output(linear_view)
+    fn.then_view = lambda outer: _mm_linear_view(shape, lambda t: outer(view(t)))  # a view of this view
+    return fn
 
 
 def _positional(ref: Callable, params: tuple[str, ...], fixed: dict) -> bool:
@@ -304,12 +379,14 @@ def _learned_view(bound: Callable, param: str) -> Callable[..., tuple]:
     def view(t):
         if learned and t.stride() == learned[0][0] and t.shape == learned[0][1]:  # laid out as when learned
             _, _, size, stride, offset = learned[0]
-            return (t.as_strided(size, stride, t.storage_offset() + offset),)
+            if offset:
+                return t.as_strided(size, stride, t.storage_offset() + offset)
+            return t.as_strided(size, stride)  # t's own storage offset: one call fewer
         out = bound(**{param: t})
         if not learned and out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
             learned.append((t.stride(), t.shape, out.size(), out.stride(), out.storage_offset() - t.storage_offset()))
-        return (out,)
-    return view
+        return out
+    return _one_output(view)
 
 
 def _call_one(bound: Callable, param: str, t):
@@ -338,12 +415,16 @@ def _fold_views(raw_calls: list[tuple], keep: set[str]) -> list[tuple]:
     for call in raw_calls:
         fn, first, reads, writes, raw, index, comm = call
         prev = out[-1] if out else None
-        if (prev is not None and getattr(fn, "bound", None) and getattr(prev[0], "bound", None)
-                and len(reads) == 1 and prev[3] == reads and readers[reads[0]] == 1 and reads[0] not in keep):
+        sole_reader = (prev is not None and getattr(fn, "bound", None) and len(reads) == 1 and prev[3] == reads
+                       and readers[reads[0]] == 1 and reads[0] not in keep)
+        if sole_reader and getattr(prev[0], "bound", None):
             inner, outer = prev[0].bound, fn.bound
             both = _learned_view(lambda t, inner=inner, outer=outer: outer(inner(t)), "t")
             both.bound = lambda t, inner=inner, outer=outer: outer(inner(t))
             out[-1] = (both, None, prev[2], writes, False, index, False)
+            continue
+        if sole_reader and getattr(prev[0], "then_view", None):  # a linear's mm and the view after it
+            out[-1] = (prev[0].then_view(fn.bound), None, prev[2], writes, False, index, False)
             continue
         out.append(call)
     return out

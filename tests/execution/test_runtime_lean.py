@@ -109,3 +109,58 @@ def test_out_of_range_ids_are_refused_on_every_run(results):
     for rank, (res, errors) in enumerate(results):
         assert all(e and "ids holds 11" in e and f"on rank {rank}" in e for e in errors), errors
         assert res["unchecked"].shape == (6, 4)
+
+
+# ---------------------------------------------------------------------------- in one process: the call path
+
+def heads_split_gpt() -> Plan:
+    """A GPT layer whose attention runs head-parallel (Megatron): every rank's sdpa is a plain one (no
+    query offset), the prepared program's direct sdpa call; q, k, v's reshape and permute fold into views."""
+    fd = models.gpt_layer(1, 8, 32, 4)
+    for w in ("wq", "wk", "wv", "w1"):
+        apply_layout(fd[w], Layout((S(0),)), MESH)
+    for w in ("wo", "w2"):
+        apply_layout(fd[w], Layout((S(1),)), MESH)
+    return ed.optimize(fd, MESH)
+
+
+def stand_in_collectives(plan: Plan, seed: int) -> dict[str, torch.Tensor]:
+    from egraph_did.shards import Operand, RankContext
+    ctx, g = RankContext(plan.mesh, 0), torch.Generator().manual_seed(seed)
+    out = {}
+    for c in plan.steps:
+        if isinstance(c, ed.Collective):
+            v = plan.values[c.dst]
+            out[c.dst] = torch.randn(ctx.local_shape(Operand(v.shape, v.layout)), generator=g)
+    return out
+
+
+def test_a_head_parallel_layer_runs_sdpa_directly_with_the_segment_executors_bits():
+    from egraph_did.lowering.program import prepare, program_inputs
+    plan = heads_split_gpt()
+    assert any(s.op == "sdpa" and not s.flags for s in plan.compute_steps)
+    stand_ins = stand_in_collectives(plan, 3)
+    collective = lambda p, c, t, r: stand_ins[c.dst]  # noqa: E731
+    glob = inputs_of(plan, 0)
+    env = {v: shard_tensor(glob[k], plan.value_view(v), 0) for k, vals in plan.inputs.items() for v in vals}
+    ins = [env[v] for v in program_inputs(plan)]
+    prog = prepare(plan, 0, ins, collective)
+    expected = run_rank(plan, dict(env), 0, collective)
+    for run in range(3):  # checked, then the straight-line function twice (views learned, then replayed)
+        outs = prog.run(ins)
+        for name, out in zip(prog.outputs, outs):
+            assert torch.equal(out, expected[name]), f"run {run}: {name}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("causal,scale", [(False, None), (True, None), (True, 0.3)])
+def test_the_direct_cpu_sdpa_computes_attentions_bits(dtype, causal, scale):
+    from egraph_did.lowering.program import _direct_op
+    from egraph_did.ops import attention
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 9, 8, generator=g).to(dtype) for _ in range(3))
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # strided, as a permuted view is
+    fn = _direct_op("sdpa", ("q", "k", "v"), {"is_causal": causal, "scale": scale}, cuda=False)
+    expected = attention(q, k, v, is_causal=causal, scale=scale)
+    got = fn(q, k, v)
+    assert got.dtype == expected.dtype and got.stride() == expected.stride() and torch.equal(got, expected)
