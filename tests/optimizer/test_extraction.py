@@ -2,6 +2,7 @@
 shared values are paid once, and a memory bound is respected. The exact extractor proves optimality on
 small 2-D and 3-D fusions, says when it has not, and never returns a plan worse than greedy's."""
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -300,6 +301,32 @@ def test_the_0_1_program_has_the_same_optimum_through_scipys_milp_as_through_the
     assert fast.proven and slow.proven
     assert fast.cost == pytest.approx(slow.cost, rel=1e-9)
     assert fast.cost <= greedy_dag(graph, roots).cost * (1 + 1e-12)
+
+
+def test_the_restricted_mip_holds_the_columns_outside_its_mask_at_zero_and_only_improves_the_start():
+    """exact's first incumbent comes from the 0/1 program over the columns the LP uses or greedy's plan holds
+    (_restricted_start): the mask holds the others at 0, and a start is only ever replaced by a cheaper one."""
+    from scipy.sparse import csr_matrix
+    solver = extract._Solver(np.array([1.0, 2.0, 5.0]), csr_matrix([[1.0, 1.0, 1.0]]), np.array([1.0]),
+                             np.array([np.inf]))
+    keep = np.array([True])
+    assert solver.mip(keep, None, 10.0)["fun"] == pytest.approx(1.0)
+    assert solver.mip(keep, None, 10.0, cols=np.array([False, True, True]))["fun"] == pytest.approx(2.0)
+    program = extract._Program([], [], {}, np.zeros(1, dtype=np.int64), solver.cost, solver)
+    dear, lp = np.array([0.0, 0.0, 1.0]), np.array([0.0, 0.5, 0.0])  # the LP uses column 1, the start 2
+    assert list(extract._restricted_start(program, keep, lp, dear, 10.0)) == [0.0, 1.0, 0.0]
+    cheap = np.array([1.0, 0.0, 0.0])
+    assert extract._restricted_start(program, keep, lp, cheap, 10.0) is cheap  # nothing cheaper within the mask
+
+
+def test_exact_proves_the_same_optimum_with_and_without_the_restricted_start(monkeypatch):
+    graph, roots = _partial_mlp_graph()
+    _ilp_only(monkeypatch)
+    with_it = exact(graph, roots)
+    monkeypatch.setattr(extract, "_restricted_start", lambda p, keep, x, x0, t: x0)
+    without = exact(graph, roots)
+    assert with_it.proven and without.proven
+    assert with_it.cost == pytest.approx(without.cost, rel=1e-9)
 
 
 def _independent_parts(parts):
