@@ -8,6 +8,11 @@ generated from (seed, index) alone, as bench/fuzz.py does, over the campaign's o
 then `exact` runs on it with --time-limit.
 
     .venv/bin/python bench/exact_hard_cases.py [--cases 290,1147,5441,6658,2446,5417] [--seed 7] [--time-limit 60]
+    .venv/bin/python bench/exact_hard_cases.py --training [--layers 1] [--time-limit 60]
+
+--training: instead, every graph optimize(extractor="exact") hands the exact extractor for the GPT-3 training
+step of bench/optimizer.py --training (the whole graph, then the loop pins' passes; issue 10's "< 1 s"), each
+line with greedy's cost on the same graph, the DP's verdict and the 0/1 program's split (cut loop, MIP).
 
 The defaults are the 10,000-case campaign's (seed 7) cases over 50 s: 290, 1147, 5441, 6658 in one
 process, 2446 and 5417 only under 16-process load. Results: bench/results_exact_hard_cases.txt.
@@ -85,12 +90,76 @@ def run(seed: int, index: int, time_limit: float) -> str:
             f"  classes {len(graph.classes)}  memory bound {'none' if bound is None else f'{bound:.0f} B'}")
 
 
+def capture_training(layers: int = 1) -> list[tuple]:
+    """[(graph, roots, memory_limit)] of every exact() call optimize(extractor="exact") makes on the GPT-3
+    training step bench/optimizer.py --training measures (8 ranks, x and target sequence-sharded), each
+    graph copied before exact() runs on it (optimize goes on with the real extractor's plans).
+
+    >>> passes = capture_training(1)  # doctest: +SKIP
+    """
+    import copy
+    import torch
+    import egraph_did as ed
+    from egraph_did import models
+    from egraph_did.layout import Layout, S
+    from egraph_did.pins import apply_layout
+    opt = sys.modules["egraph_did.optimize"]
+    got, real = [], opt.exact
+
+    def grab(graph, roots, memory_limit=None, time_limit=60.0):
+        got.append((copy.deepcopy(graph), list(roots), memory_limit))
+        return real(graph, roots, memory_limit, time_limit)
+
+    mesh = ed.DeviceMesh.arange(8)
+    fd = models.gpt_training_step(1, 2048, 12288, 96, torch.bfloat16, layers=layers)
+    for name in ("x", "target"):
+        apply_layout(fd[name], Layout((S(1),)), mesh)
+    opt.exact = grab
+    try:
+        ed.optimize(fd, mesh, extractor="exact")
+    finally:
+        opt.exact = real
+    return got
+
+
+def run_training(layers: int, time_limit: float) -> list[str]:
+    """One line per captured pass (capture_training): exact's wall and CPU time, method, cost, greedy's cost
+    on the same graph, and where the time went (the DP's verdict, the cut loop, the MIP).
+
+    >>> print("\\n".join(run_training(1, 60)))  # doctest: +SKIP
+    """
+    from egraph_did.extract import exact, greedy_dag
+    lines = []
+    for i, (graph, roots, bound) in enumerate(capture_training(layers), 1):
+        greedy = greedy_dag(graph, roots, bound).cost
+        t0, c0 = time.perf_counter(), time.process_time()
+        sel = exact(graph, roots, bound, time_limit)
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        s = sel.stats
+
+        def sec(k):
+            return "-" if s.get(k) is None else f"{s[k]:.2f}"
+        lp = "-" if s.get("exact_lp_bound") is None else f"{s['exact_lp_bound'] / sel.cost:.1%}"
+        lines.append(f"training {layers} layer(s) pass {i}: {dt:5.2f} s ({cpu:5.2f} s CPU) {sel.method:14s} by "
+                     f"{s.get('exact_method', '-'):4s} cost {sel.cost * 1e3:7.4f} ms greedy {greedy * 1e3:7.4f} ms "
+                     f"(+{greedy / sel.cost - 1:.1%})  greedy_s {sec('greedy_s')} dp_s {sec('exact_dp_s')} "
+                     f"cut_s {sec('exact_cut_s')} mip_s {sec('exact_solve_s')}  LP bound {lp}"
+                     f"  classes {len(graph.classes)}")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=",".join(map(str, HARD)))
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--training", action="store_true", help="the GPT-3 training step's exact passes instead")
+    ap.add_argument("--layers", type=int, default=1, help="--training: the step's layers")
     a = ap.parse_args(argv)
+    if a.training:
+        for line in run_training(a.layers, a.time_limit):
+            print(line, flush=True)
+        return 0
     for index in (int(c) for c in a.cases.split(",")):
         print(run(a.seed, index, a.time_limit), flush=True)
     return 0
