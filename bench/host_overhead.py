@@ -179,7 +179,7 @@ def main() -> None:
         for name, us in result.items():
             print(f"  {name:<28}{us:9.2f} us")
         for name, (p, i) in progs.items():  # sdpa's own compute is most of a CPU run: the rest apart
-            rows = per_call(p, i, args.iters, max(args.reps // 3, 3))
+            rows = per_call(p, i, args.iters, args.reps)
             rest = sum(us for kind, what, us in rows if " = sdpa(" not in what)
             print(f"  {name:<28}{rest:9.2f} us in its {len(rows)} calls but sdpa, each timed alone")
             if args.per_call and name == "now":

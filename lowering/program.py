@@ -308,44 +308,49 @@ def _one_output(fn: Callable) -> Callable[..., tuple]:
     return call
 
 
-def _mm_linear(shape: tuple[int, ...]) -> Callable[..., tuple]:
+def _mm_linear(shape: tuple[int, ...], before: Callable | None = None, after: Callable | None = None
+               ) -> Callable[..., tuple]:
     """linear(x, weight) without a bias as the one mm ATen's linear reaches (it flattens x's leading axes
     into rows, then multiplies by weight.T): the same GEMM on the same operands, so the same bits, minus
     linear's and matmul's dispatch on the way (about 3 µs a call on a GPU host; measured bitwise equal there
     for GPT-3's [1, 2048, 12288] x [1536, 12288]^T in bf16). Used for CUDA tensors only.
 
-    >>> x, w = torch.randn(2, 3, 4), torch.randn(5, 4)
-    >>> torch.equal(_mm_linear((2, 3, 5))(x, w)[0], torch.nn.functional.linear(x, w))
-    True
-    """
-    mm = torch.mm
-
-    def linear(x, weight):
-        return mm(x.reshape(-1, x.shape[-1]), weight.t()).view(shape)
-    fn = _one_output(linear)
-    fn.then_view = lambda outer: _mm_linear_view(shape, outer)  # for _fold_views
-    return fn
-
-
-def _mm_linear_view(shape: tuple[int, ...], view: Callable) -> Callable[..., tuple]:
-    """_mm_linear(shape) followed by a view read by nothing else (linear -> reshape -> permute into sdpa):
-    the view learned against mm's two-dimensional result (_learned_view), so the linear's own view to
-    `shape` and the view step are one as_strided on mm's output.
+    before / after: a view read by nothing else that makes x (sdpa -> permute -> reshape into wo), or that
+    takes the linear's result (linear -> reshape -> permute into sdpa), folded in by _fold_views: each is
+    learned (_learned_view) together with the linear's own flattening of x or view to `shape`, so either
+    side is one as_strided (a call and a Python frame fewer each: about 2 µs on a CPU host).
 
     >>> x, w = torch.randn(2, 3, 4), torch.randn(6, 4)
-    >>> fn = _mm_linear_view((2, 3, 6), lambda t: t.reshape(2, 3, 2, 3).permute(0, 2, 1, 3))
-    >>> ref = torch.nn.functional.linear(x, w).reshape(2, 3, 2, 3).permute(0, 2, 1, 3)
-    >>> all(torch.equal(fn(x, w)[0], ref) for _ in range(2))  # learned, then replayed
+    >>> torch.equal(_mm_linear((2, 3, 6))(x, w)[0], torch.nn.functional.linear(x, w))
+    True
+    >>> heads = lambda t: t.reshape(2, 3, 2, 3).permute(0, 2, 1, 3)
+    >>> fn = _mm_linear((2, 3, 6), before=lambda t: t.permute(1, 0, 2), after=heads)
+    >>> y = x.permute(1, 0, 2).contiguous()  # before(y) holds x's values
+    >>> all(torch.equal(fn(y, w)[0], heads(torch.nn.functional.linear(x, w))) for _ in range(2))
     True
     """
     mm = torch.mm
-    after = _learned_view(lambda t: view(t.view(shape)), "t").one
+    pre = _learned_view(lambda t: _rows(before(t)), "t").one if before is not None else _rows
+    if after is not None:
+        post = _learned_view(lambda t: after(t.view(shape)), "t").one
 
-    def linear_view(x, weight):
-        return after(mm(x.reshape(-1, x.shape[-1]), weight.t()))
-    fn = _one_output(linear_view)
-    fn.then_view = lambda outer: _mm_linear_view(shape, lambda t: outer(view(t)))  # a view of this view
+        def linear(x, weight):
+            return post(mm(pre(x), weight.t()))
+    elif before is None:  # the plain linear: its one flattening inlined
+        def linear(x, weight):
+            return mm(x.reshape(-1, x.shape[-1]), weight.t()).view(shape)
+    else:
+        def linear(x, weight):
+            return mm(pre(x), weight.t()).view(shape)
+    fn = _one_output(linear)
+    fn.then_view = lambda outer: _mm_linear(  # for _fold_views: a view of its result, or one that makes x
+        shape, before, outer if after is None else (lambda t: outer(after(t))))
+    fn.view_into = lambda inner: _mm_linear(shape, inner if before is None else (lambda t: before(inner(t))), after)
     return fn
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
 
 
 def _positional(ref: Callable, params: tuple[str, ...], fixed: dict) -> bool:
@@ -374,17 +379,24 @@ def _learned_view(bound: Callable, param: str) -> Callable[..., tuple]:
     >>> view(x)[0].shape, view(x + 1)[0][1, 0].item()  # the first call learns, the second replays
     (torch.Size([2, 6]), 7.0)
     """
-    learned: list = []
+    learned: list = []  # [] before the first call; then [(input strides, shape, size, strides, offset)] or [None]
 
     def view(t):
-        if learned and t.stride() == learned[0][0] and t.shape == learned[0][1]:  # laid out as when learned
-            _, _, size, stride, offset = learned[0]
-            if offset:
-                return t.as_strided(size, stride, t.storage_offset() + offset)
-            return t.as_strided(size, stride)  # t's own storage offset: one call fewer
+        if learned:
+            first = learned[0]
+            if first is None:  # the first call had to copy: the op it is, without looking again
+                return bound(**{param: t})
+            if t.stride() == first[0] and t.shape == first[1]:  # laid out as when learned
+                _, _, size, stride, offset = first
+                if offset:
+                    return t.as_strided(size, stride, t.storage_offset() + offset)
+                return t.as_strided(size, stride)  # t's own storage offset: one call fewer
+            return bound(**{param: t})
         out = bound(**{param: t})
-        if not learned and out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+        if out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
             learned.append((t.stride(), t.shape, out.size(), out.stride(), out.storage_offset() - t.storage_offset()))
+        else:
+            learned.append(None)
         return out
     return _one_output(view)
 
@@ -425,6 +437,11 @@ def _fold_views(raw_calls: list[tuple], keep: set[str]) -> list[tuple]:
             continue
         if sole_reader and getattr(prev[0], "then_view", None):  # a linear's mm and the view after it
             out[-1] = (prev[0].then_view(fn.bound), None, prev[2], writes, False, index, False)
+            continue
+        if (prev is not None and getattr(fn, "view_into", None) and getattr(prev[0], "bound", None)
+                and len(reads) == 2 and prev[3] == reads[:1] and reads[1] != reads[0]
+                and readers[reads[0]] == 1 and reads[0] not in keep):  # a view that makes a linear's x
+            out[-1] = (fn.view_into(prev[0].bound), None, (prev[2][0], reads[1]), writes, False, index, False)
             continue
         out.append(call)
     return out
