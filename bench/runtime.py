@@ -77,7 +77,7 @@ def egraph_runs(plan, device, g):
     lean, graphed = prepare(plan, rank, ins, stand_in), prepare(plan, rank, ins, stand_in)
     y = plan.outputs["y"]
     runs = {
-        "breakdown": lambda: host_by_kind(lean, ins),
+        "breakdown": lambda: host_by_call(lean, ins),
         "egraph-did run_rank": lambda: run_rank(plan, dict(env0), rank, stand_in, lowered)[y],
         "egraph-did lean": lambda: lean.run(ins)[0],
         "egraph-did lean + CUDA graph": lambda: run_graphed(graphed, ins, copy_outputs=False)[0],
@@ -180,25 +180,35 @@ def kernels(fn) -> int | None:
     return len(names) or None
 
 
-def host_by_kind(prog, ins, reps: int = 20) -> dict[str, float]:
-    """Median host µs per iteration spent in each kind of call of a prepared program (fused kernels,
-    ATen steps, collectives), enqueue time only: where the lean executor's host time goes."""
-    kinds = [prog.segments[c.segment].kind for c in prog.calls]
-    per: dict[str, list[float]] = {k: [] for k in set(kinds)}
+def host_by_call(prog, ins, reps: int = 20) -> list[tuple[str, str, float]]:
+    """(kind, segment, median host µs) of each call of a prepared program, in program order, enqueue
+    time only (the device drained before each repetition): where the lean executor's host time goes."""
+    per: list[list[float]] = [[] for _ in prog.calls]
     for _ in range(reps):
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         slots = [None] * prog.nslots
         slots[:len(ins)] = ins
-        spent = dict.fromkeys(per, 0.0)
-        for call, kind in zip(prog.calls, kinds):
+        for k, call in enumerate(prog.calls):
+            args = [slots[a] for a in call.args]
             t0 = time.perf_counter()
-            out = call.fn(*[slots[a] for a in call.args])
-            spent[kind] += time.perf_counter() - t0
+            out = call.fn(*args)
+            per[k].append((time.perf_counter() - t0) * 1e6)
             for o, t in zip(call.outs, out):
                 slots[o] = t
-        for k, v in spent.items():
-            per[k].append(v * 1e6)
-    return {f"{k} ({kinds.count(k)} calls)": statistics.median(v) for k, v in per.items()}
+    return [(prog.segments[c.segment].kind, prog.described[c.segment], statistics.median(us))
+            for c, us in zip(prog.calls, per)]
+
+
+def host_by_kind(calls: list[tuple[str, str, float]]) -> dict[str, float]:
+    """Host µs per iteration spent in each kind of call (fused kernels, ATen steps, collectives): the
+    sums of host_by_call's medians.
+
+    >>> host_by_kind([("aten", "a", 2.0), ("fused", "b", 1.0), ("aten", "c", 3.0)])
+    {'aten (2 calls)': 5.0, 'fused (1 calls)': 1.0}
+    """
+    kinds = [kind for kind, _, _ in calls]
+    return {f"{k} ({kinds.count(k)} calls)": sum(us for kind, _, us in calls if kind == k) for k in dict.fromkeys(kinds)}
 
 
 # ---------------------------------------------------------------------------- report
@@ -238,8 +248,11 @@ def measure(smoke: bool, iters: int, reps: int) -> list[tuple]:
         if cuda:
             for name, fn in runs.items():
                 rows[name][1] = gpu_ms(fn, iters, reps)
+            calls = breakdown()
             print(f"{title.split(',')[0]}: lean host us by call kind: "
-                  + ", ".join(f"{k} {v:.1f}" for k, v in breakdown().items()))
+                  + ", ".join(f"{k} {v:.1f}" for k, v in host_by_kind(calls).items()))
+            for kind, what, us in calls:
+                print(f"    {us:7.1f} us  {kind:<6} {what[:90]}")
         tables.append((title, nseg, runs, rows))
     if cuda:
         for _, _, runs, rows in tables:
