@@ -182,7 +182,8 @@ def kernels(fn) -> int | None:
 
 def host_by_call(prog, ins, reps: int = 20) -> list[tuple[str, str, float]]:
     """(kind, segment, median host µs) of each call of a prepared program, in program order, enqueue
-    time only (the device drained before each repetition): where the lean executor's host time goes."""
+    time only (the device drained before each repetition): where the lean executor's host time goes.
+    A fused call's segment names how its kernel launches (lowering/program.launch_path)."""
     per: list[list[float]] = [[] for _ in prog.calls]
     for _ in range(reps):
         if torch.cuda.is_available():
@@ -196,8 +197,10 @@ def host_by_call(prog, ins, reps: int = 20) -> list[tuple[str, str, float]]:
             per[k].append((time.perf_counter() - t0) * 1e6)
             for o, t in zip(call.outs, out):
                 slots[o] = t
-    return [(prog.segments[c.segment].kind, prog.described[c.segment], statistics.median(us))
-            for c, us in zip(prog.calls, per)]
+    def what(c):
+        path = getattr(c.fn, "launch_path", None)
+        return prog.described[c.segment] + (f" [{path()}]" if path is not None else "")
+    return [(prog.segments[c.segment].kind, what(c), statistics.median(us)) for c, us in zip(prog.calls, per)]
 
 
 def host_by_kind(calls: list[tuple[str, str, float]]) -> dict[str, float]:
@@ -252,7 +255,7 @@ def measure(smoke: bool, iters: int, reps: int) -> list[tuple]:
             print(f"{title.split(',')[0]}: lean host us by call kind: "
                   + ", ".join(f"{k} {v:.1f}" for k, v in host_by_kind(calls).items()))
             for kind, what, us in calls:
-                print(f"    {us:7.1f} us  {kind:<6} {what[:90]}")
+                print(f"    {us:7.1f} us  {kind:<6} {what[:110]}")
         tables.append((title, nseg, runs, rows))
     if cuda:
         for _, _, runs, rows in tables:

@@ -499,14 +499,31 @@ def _kernel_fn(kernel: schedulers.Kernel, device: torch.device) -> tuple[Callabl
             else:
                 launch(ts, [out])
             return out
-        return _one_output(lean_one), checked
+        fn = _one_output(lean_one)
+        fn.launch_path = lambda: launch_path(direct[0])
+        return fn, checked
 
     def lean(*ts):
         outs = allocate()
         launch(ts, outs)
         return tuple(outs) if in_order else tuple(outs[k] for k in pick)
     in_order = pick == tuple(range(len(names)))
+    lean.launch_path = lambda: launch_path(direct[0])
     return lean, checked
+
+
+def launch_path(direct) -> str:
+    """How a prepared kernel launches now (for benchmarks: a kernel left on Triton's JIT entry pays
+    tens of µs a call on a GPU host): its _direct_launch state in words.
+
+    >>> launch_path(None), launch_path(False)
+    ('JIT entry (direct launcher not tried yet)', 'JIT entry')
+    """
+    if direct is None:
+        return "JIT entry (direct launcher not tried yet)"
+    if direct is False:
+        return "JIT entry"
+    return "compiled.run" if getattr(direct, "__name__", "") == "launch" else "CompiledKernel runner"
 
 
 def _direct_launch(compiled, grid: int, args: list, n_out: int, tail: list):
