@@ -308,8 +308,8 @@ def _one_output(fn: Callable) -> Callable[..., tuple]:
     return call
 
 
-def _mm_linear(shape: tuple[int, ...], before: Callable | None = None, after: Callable | None = None
-               ) -> Callable[..., tuple]:
+def _mm_linear(shape: tuple[int, ...], before: Callable | None = None, after: Callable | None = None,
+               flat: bool = False) -> Callable[..., tuple]:
     """linear(x, weight) without a bias as the one mm ATen's linear reaches (it flattens x's leading axes
     into rows, then multiplies by weight.T): the same GEMM on the same operands, so the same bits, minus
     linear's and matmul's dispatch on the way (about 3 µs a call on a GPU host; measured bitwise equal there
@@ -318,7 +318,8 @@ def _mm_linear(shape: tuple[int, ...], before: Callable | None = None, after: Ca
     before / after: a view read by nothing else that makes x (sdpa -> permute -> reshape into wo), or that
     takes the linear's result (linear -> reshape -> permute into sdpa), folded in by _fold_views: each is
     learned (_learned_view) together with the linear's own flattening of x or view to `shape`, so either
-    side is one as_strided (a call and a Python frame fewer each: about 2 µs on a CPU host).
+    side is one as_strided (a call and a Python frame fewer each: about 2 µs on a CPU host). flat: x comes
+    already flattened to rows (linears that share x flatten it once: _share_rows).
 
     >>> x, w = torch.randn(2, 3, 4), torch.randn(6, 4)
     >>> torch.equal(_mm_linear((2, 3, 6))(x, w)[0], torch.nn.functional.linear(x, w))
@@ -331,9 +332,14 @@ def _mm_linear(shape: tuple[int, ...], before: Callable | None = None, after: Ca
     """
     mm = torch.mm
     pre = _learned_view(lambda t: _rows(before(t)), "t").one if before is not None else _rows
-    if after is not None:
-        post = _learned_view(lambda t: after(t.view(shape)), "t").one
-
+    post = _learned_view(lambda t: after(t.view(shape)), "t").one if after is not None else None
+    if flat and post is not None:
+        def linear(x, weight):
+            return post(mm(x, weight.t()))
+    elif flat:
+        def linear(x, weight):
+            return mm(x, weight.t()).view(shape)
+    elif post is not None:
         def linear(x, weight):
             return post(mm(pre(x), weight.t()))
     elif before is None:  # the plain linear: its one flattening inlined
@@ -344,13 +350,43 @@ def _mm_linear(shape: tuple[int, ...], before: Callable | None = None, after: Ca
             return mm(pre(x), weight.t()).view(shape)
     fn = _one_output(linear)
     fn.then_view = lambda outer: _mm_linear(  # for _fold_views: a view of its result, or one that makes x
-        shape, before, outer if after is None else (lambda t: outer(after(t))))
-    fn.view_into = lambda inner: _mm_linear(shape, inner if before is None else (lambda t: before(inner(t))), after)
+        shape, before, outer if after is None else (lambda t: outer(after(t))), flat)
+    if not flat:
+        fn.view_into = lambda inner: _mm_linear(shape, inner if before is None else (lambda t: before(inner(t))),
+                                                after)
+        if before is None:
+            fn.on_rows = lambda: _mm_linear(shape, None, after, flat=True)  # for _share_rows
     return fn
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
+
+
+def _share_rows(raw_calls: list[tuple]) -> list[tuple]:
+    """Linears (CUDA's _mm_linear) that read the same x (q, k and v from one norm) read its rows, flattened
+    once by a call put before the first of them: one reshape instead of three.
+
+    >>> lin = lambda: _mm_linear((1, 2, 3))
+    >>> calls = [(lin(), None, ("h", "wq"), ("q",), False, 0, False), (lin(), None, ("h", "wk"), ("k",), False, 1, False)]
+    >>> [(c[2], c[3]) for c in _share_rows(calls)]
+    [(('h',), ('h@rows',)), (('h@rows', 'wq'), ('q',)), (('h@rows', 'wk'), ('k',))]
+    """
+    readers: dict[str, list[int]] = {}
+    for k, call in enumerate(raw_calls):
+        if getattr(call[0], "on_rows", None) is not None and len(call[2]) == 2:
+            readers.setdefault(call[2][0], []).append(k)
+    shared = {k: x for x, ks in readers.items() if len(ks) > 1 for k in ks}
+    out: list[tuple] = []
+    for k, (fn, first, reads, writes, raw, index, comm) in enumerate(raw_calls):
+        x = shared.get(k)
+        if x is None:
+            out.append((fn, first, reads, writes, raw, index, comm))
+            continue
+        if readers[x][0] == k:
+            out.append((_one_output(_rows), None, (x,), (f"{x}@rows",), False, index, False))
+        out.append((fn.on_rows(), None, (f"{x}@rows", reads[1]), writes, raw, index, comm))
+    return out
 
 
 def _positional(ref: Callable, params: tuple[str, ...], fixed: dict) -> bool:
@@ -676,7 +712,7 @@ def prepare(plan: Plan, rank: int, inputs: Sequence[torch.Tensor], collective: C
             built = _aten_calls(plan, seg.steps[0], ctx, check_indices, device.type == "cuda")
         raw_calls += [(*b, i, seg.kind == "comm") for b in built]
     outputs = tuple(plan.outputs.values())
-    raw_calls = _overlap(_fold_views(raw_calls, set(outputs)))
+    raw_calls = _overlap(_share_rows(_fold_views(raw_calls, set(outputs))))
     for _, _, reads, writes, *_ in raw_calls:
         for v in (*reads, *writes):
             slot.setdefault(v, len(slot))

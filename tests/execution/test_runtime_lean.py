@@ -164,3 +164,28 @@ def test_the_direct_cpu_sdpa_computes_attentions_bits(dtype, causal, scale):
     expected = attention(q, k, v, is_causal=causal, scale=scale)
     got = fn(q, k, v)
     assert got.dtype == expected.dtype and got.stride() == expected.stride() and torch.equal(got, expected)
+
+
+def test_the_cuda_call_path_folds_views_into_linears_and_computes_the_layer(monkeypatch):
+    """The calls a GPU host makes (linear as one mm, its views folded in, q/k/v's input flattened once),
+    prepared here on CPU tensors: the same values as the segment executor (sdpa takes torch's default
+    backend on this path, so up to rounding), and the same bits on every run, as the learned views replay."""
+    from egraph_did.lowering import program
+    aten_calls = program._aten_calls
+    monkeypatch.setattr(program, "_aten_calls", lambda *a, **k: aten_calls(*a[:4], True))
+    plan = heads_split_gpt()
+    stand_ins = stand_in_collectives(plan, 3)
+    collective = lambda p, c, t, r: stand_ins[c.dst]  # noqa: E731
+    glob = inputs_of(plan, 0)
+    env = {v: shard_tensor(glob[k], plan.value_view(v), 0) for k, vals in plan.inputs.items() for v in vals}
+    ins = [env[v] for v in program.program_inputs(plan)]
+    prog = program.prepare(plan, 0, ins, collective)
+    # the CPU path's 18 calls less q, k, v's views and wo's input view (folded into their linears), plus
+    # the one flattening of the norm q, k and v read
+    assert len(prog.calls) == 15
+    assert sum(" = permute(" in prog.described[c.segment] for c in prog.calls) == 4  # q, k, v's rows, then q, k, v
+    expected = run_rank(plan, dict(env), 0, collective)
+    runs = [prog.run(ins) for _ in range(3)]  # checked, then learned views, then replayed
+    for name, first, second, third in zip(prog.outputs, *runs):
+        assert torch.allclose(first, expected[name], atol=1e-5, rtol=1e-5), name
+        assert torch.equal(first, second) and torch.equal(second, third), name
