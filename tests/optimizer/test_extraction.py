@@ -364,3 +364,42 @@ def test_outputs_that_share_a_class_are_one_part():
                    "b": [Node("Apply", ("x",), "b")], "z": [Node("Load", (), "z")], "w": [Node("Load", (), "w")]})
     roots = with_roots(g, {"a": ["a"], "z": ["z"], "b": ["b"], "w": ["w", "z"]})
     assert extract._components(g, roots) == [("__out__:a", "__out__:b"), ("__out__:z", "__out__:w")]
+
+
+def _two_layout_chain():
+    """x -> a -> b, each computable in layout L1 or L2 (a is cheaper in L2), b delivered in either."""
+    from egraph_did.extract import with_roots
+    classes, ident = {}, {}
+
+    def cls(t, lay, level, nodes):
+        c = f"{t}/{lay}/{level}"
+        classes[c], ident[c] = nodes, (t, lay, level)
+        return c
+    for lay, a_cost in (("L1", 10e-6), ("L2", 5e-6)):
+        x0 = cls("x", lay, 0, [Node("Load", (), "x")])
+        x1 = cls("x", lay, 1, [Node("Keep", (x0,))])
+        a0 = cls("a", lay, 0, [Node("Apply", (x1,), "a", 0, cost=a_cost)])
+        a1 = cls("a", lay, 1, [Node("Keep", (a0,))])
+        b0 = cls("b", lay, 0, [Node("Apply", (a1,), "b", 0, cost=1e-6)])
+        cls("b", lay, 1, [Node("Keep", (b0,))])
+    g = PhysGraph(classes, ident=ident)
+    roots = with_roots(g, {"b": ["b/L1/1", "b/L2/1"]})
+    return g, roots
+
+
+def _plan_in(g, lay):
+    plan = {c: ns[0] for c, ns in g.classes.items() if c in g.ident and g.ident[c][1] == lay}
+    plan["__out__:b"] = next(n for n in g.classes["__out__:b"] if n.children == (f"b/{lay}/1",))
+    plan["__root__"] = g.classes["__root__"][0]
+    return plan
+
+
+def test_relinking_takes_a_region_of_another_plan_only_where_it_pays():
+    from egraph_did.extract import _dag_weight, _relink
+    g, _ = _two_layout_chain()
+    l1, l2 = _plan_in(g, "L1"), _plan_in(g, "L2")
+    relinked = _relink(g, l1, [l2], 0.0)
+    assert _dag_weight(relinked, 0.0) == pytest.approx(6e-6)  # the chain x, a, b and the output all in L2
+    assert {g.ident[c][1] for c in relinked if c in g.ident} == {"L2"}
+    kept = _relink(g, l2, [l1], 0.0)  # L1's region is dearer: every switch undone, the plan unchanged
+    assert kept == l2
