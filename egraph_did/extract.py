@@ -490,6 +490,10 @@ def _improve(graph: PhysGraph, choice: dict[str, Node], fallback: dict[str, Node
 LAYOUT_BIAS = 0.5  # the price of computing in the favoured layout, in _layout_plans (measured on the GPT-3
 # training step: 0.5 finds grad_wq/wk/wv in S0 with their AdamW chains; 0, everything in one layout, none)
 LAYOUT_PLANS = 8  # the layouts favoured in turn, most used first (a 2-D mesh has many)
+# relinking only on graphs up to this many classes: each layout plan is a whole greedy pass over bitsets of
+# the graph's nodes (quadratic); on the 8-layer GPT-3 training step (16,301 classes) it found nothing and
+# took optimize from 16.8 to 25.2 s; on the 1-layer step (2,333 classes) it adds 0.05-0.1 s a pass
+RELINK_MAX_CLASSES = 10_000
 
 
 def _layout_plans(graph: PhysGraph, w: _Weighted) -> list[dict[str, Node]]:
@@ -638,7 +642,8 @@ def _undo(choice: dict[str, Node], refs: dict[str, int], record: tuple) -> None:
 def _best_of(graph: PhysGraph, order: list[str], penalty: float, improve: bool = True,
              skeleton: _Skeleton | None = None) -> dict[str, Node] | None:
     """The cheapest of greedy-DAG, amortized greedy and (improve) greedy with shared values bought up
-    front, then (improve) polished by local search. skeleton: the graph's, if built already."""
+    front, then (improve) polished by local search and, without a memory price on graphs up to
+    RELINK_MAX_CLASSES, by the regions of the layout plans (_relink). skeleton: the graph's, if built already."""
     w = _Weighted.of(graph, order, penalty, skeleton)
     best = _greedy_sets(graph, w)
     found = [c for c in (_chosen(best, w), _amortized(graph, order, penalty, w.skeleton)) if c is not None]
@@ -660,7 +665,7 @@ def _best_of(graph: PhysGraph, order: list[str], penalty: float, improve: bool =
     # none does)
     # Under a memory bound (a price per byte) left out: a region that pays in time may not fit, and the
     # bisection's plans are compared by what fits (measured: fuzz seed 22 case 190, 8% dearer with it)
-    if penalty > 0:
+    if penalty > 0 or len(order) > RELINK_MAX_CLASSES:
         return improved
     relinked = _relink(graph, improved, _layout_plans(graph, w), penalty)
     if _dag_weight(relinked, penalty) >= _dag_weight(improved, penalty):
