@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -48,10 +47,14 @@ class StepError(PlanError):
 
 # ---------------------------------------------------------------------------- progress
 
-@dataclass(frozen=True)
-class Progress:
+class Progress(NamedTuple):
     """Where one rank is: step `index` of `total` (-1 while binding inputs, `total` while delivering
-    outputs), what that step does, and since when (time.time())."""
+    outputs), what that step does, and since when (time.time()). A NamedTuple: one is made before every
+    collective of an uncaptured run (0.5 us; a frozen dataclass took 2).
+
+    >>> str(Progress(0, 2, 3, 20, "comm allreduce[x] y:P -> y:R", "running", 0.0))
+    'in step 3/20 (run 2): comm allreduce[x] y:P -> y:R'
+    """
 
     rank: int
     run: int  # how many run_plan calls this process has started
