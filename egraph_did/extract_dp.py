@@ -177,6 +177,8 @@ class _Tensor:
         self.forced = 0  # set by _forced_closure
         self.below = lambda ext: 0.0  # a lower bound of what an external demand costs: set by _Lower
         self.bounds: dict[int, float] = {}
+        self.columns: dict[int, tuple] = {}  # the Steiner-tree DP's columns by terminal set (_column)
+        self.anc: dict[int, set] = {}  # class -> the classes it can be made from (_ancestors)
         # without a memory bound, a tensor whose every node reads at most one own class, and none both its
         # own and others' (Keeps and collectives convert; computations read inputs only), makes its classes
         # as trees each grown from one computation: its options come from a Steiner-tree DP (_forest_options)
@@ -236,18 +238,19 @@ class _Tensor:
         classes, where a search over the sets of classes still to make (_search_options) keeps ~100k states
         for 3 classes of a tensor in 52 layouts."""
         terms = list(_bits(demand))
-        h, back = self._steiner(terms)
+        cols, masks = self._steiner(terms)
         full = (1 << len(terms)) - 1
         # per group of the demand, its trees: the cheapest per external demand, cheapest first
         trees: dict[int, list] = {}
         for a in range(1, full + 1):
             best: dict[int, tuple] = {}
+            col = cols[a]
             for v, es in self.sources.items():
-                hv = h.get(v)
-                if hv is None or hv[a] > cap or hv[a] == float("inf"):  # no tree from v, or none within cap
+                hv = col.get(v)
+                if hv is None or hv > cap:  # no tree from v, or none within cap
                     continue
                 for e in es:
-                    k = e[3] + hv[a]
+                    k = e[3] + hv
                     if k <= cap and (e[2] not in best or k < best[e[2]][0]):
                         best[e[2]] = (k, v, e)
             trees[a] = sorted(((k, e[2], v, e, a) for k, v, e in best.values() if k + self.below(e[2]) <= reach),
@@ -262,7 +265,7 @@ class _Tensor:
             key = (v, id(e), a)
             got = shapes.get(key)
             if got is None:
-                pairs = self._tree(back, v, a) + [(v, e)]
+                pairs = self._tree(v, masks[a]) + [(v, e)]
                 held = 0
                 for u, _ in pairs:
                     held |= 1 << u
@@ -283,7 +286,7 @@ class _Tensor:
             if work > 20000:
                 clock.spend(work)
                 work = 0
-        clock.spend(work + len(h))
+        clock.spend(work + len(cols[full]))
         kept = _pareto_ext([(ext, k, 0.0, p) for ext, (k, p) in found.items()])
         return [(ext, k, m, _Trees(self.cls, [p if isinstance(p, list) else shape(p)[1] for p in picked]))
                 for ext, k, m, picked in kept]
@@ -331,62 +334,93 @@ class _Tensor:
         extend(0, 0.0, 0, (), ())
         return made
 
-    def _steiner(self, terms: list[int]) -> tuple[dict, dict]:
-        """h[v][a]: the least cost of the nodes that make the terminals in subset `a` of `terms` from class
-        v (v made), through this tensor's conversions; back[v][a] how (0: v is a terminal of a, then the
-        rest; 1: the node of a class reading v, then from there; 2: a split of a into two subsets, each
-        from v). Dreyfus-Wagner on the tensor's DAG, parents first (a class's readers have higher bits)."""
+    def _steiner(self, terms: list[int]) -> tuple[list, list[int]]:
+        """Per subset `a` of `terms` (a bitmask of positions in it), {v: the least cost of the nodes that make
+        the terminals in `a` from class v (v made), through this tensor's conversions}, finite costs only;
+        and each subset's classes as a bitmask (what _tree takes). Each subset's costs are a column of
+        Dreyfus-Wagner (_column), kept across demands: demands of one tensor share most of their subsets
+        (case 30/4937: 3,412 subsets in 546 demands, 914 distinct)."""
         full = (1 << len(terms)) - 1
-        index = {t: j for j, t in enumerate(terms)}
-        near, stack = set(terms), list(terms)  # the classes a terminal is made from: only they can be on a tree
-        while stack:
-            for e in self.nodes[stack.pop()]:
-                if e[1] and e[1].bit_length() - 1 not in near:
-                    near.add(e[1].bit_length() - 1)
-                    stack.append(e[1].bit_length() - 1)
-        subsets = sorted(range(1, full + 1), key=int.bit_count)
-        splits = {a: [s for s in range(1, a) if s & a == s and s & (a & -a)] for a in subsets}
-        inf = float("inf")
-        h: dict[int, list] = {}
-        back: dict[int, list] = {}
-        for v in sorted(near, reverse=True):
-            hv, bv = [0.0] + [inf] * full, [None] * (full + 1)
-            j = index.get(v)
-            ups = [(c, u, e) for c, u, e in self.up[v] if u in near]
-            for a in subsets:
-                if j is not None and a >> j & 1:
-                    hv[a], bv[a] = hv[a ^ 1 << j], (0, a ^ 1 << j)
-                    continue
-                best, how = inf, None
-                for c, u, e in ups:
-                    k = c + h[u][a]
-                    if k < best:
-                        best, how = k, (1, u, e)
-                for s in splits[a]:
-                    k = hv[s] + hv[a ^ s]
-                    if k < best:
-                        best, how = k, (2, s)
-                hv[a], bv[a] = best, how
-            h[v], back[v] = hv, bv
-        return h, back
+        masks = [0] * (full + 1)
+        for a in range(1, full + 1):
+            low = a & -a
+            masks[a] = masks[a ^ low] | 1 << terms[low.bit_length() - 1]
+        return [None] + [self._column(masks[a])[0] for a in range(1, full + 1)], masks
 
-    @staticmethod
-    def _tree(back: dict, v: int, a: int) -> list:
-        """The (class, node entry) pairs of the tree back[v][a] chose (the source of v not included)."""
-        out, stack = [], [(v, a)]
-        while stack:
-            v, a = stack.pop()
-            if not a:
+    def _ancestors(self, t: int) -> set[int]:
+        """The classes `t` can be made from through this tensor's conversions, `t` included (cached)."""
+        got = self.anc.get(t)
+        if got is None:
+            got, stack = {t}, [t]
+            while stack:
+                for e in self.nodes[stack.pop()]:
+                    if e[1] and e[1].bit_length() - 1 not in got:
+                        got.add(e[1].bit_length() - 1)
+                        stack.append(e[1].bit_length() - 1)
+            self.anc[t] = got
+        return got
+
+    def _column(self, terms: int) -> tuple[dict, dict]:
+        """({v: the least cost of the nodes that make the classes in `terms` (a bitmask) from class v}, {v:
+        how}) over the classes v all the terms can be made from; how: (0, the rest) v is a term, then the rest;
+        (1, u, node entry) the node of a class u reading v, then from u; (2, s) a split of the terms into s
+        and the rest, each from v. Dreyfus-Wagner on the tensor's DAG, parents first (a class's readers
+        have higher bits), the terms' subsets first (cached)."""
+        got = self.columns.get(terms)
+        if got is not None:
+            return got
+        low = terms & -terms
+        others = terms ^ low
+        splits = []  # (s, its column, the rest's column): s holds the lowest term, the rest is not empty
+        sub = (others - 1) & others
+        while others:
+            s = low | sub
+            splits.append((s, self._column(s)[0], self._column(terms ^ s)[0]))
+            if not sub:
+                break
+            sub = (sub - 1) & others
+        near = set().union(*(self._ancestors(t) for t in _bits(terms)))
+        inf = float("inf")
+        cost: dict[int, float] = {}
+        how: dict[int, tuple] = {}
+        for v in sorted(near, reverse=True):
+            if terms >> v & 1:
+                rest = terms ^ 1 << v
+                k = self._column(rest)[0].get(v, inf) if rest else 0.0
+                if k < inf:
+                    cost[v], how[v] = k, (0, rest)
                 continue
-            how = back[v][a]
+            best, way = inf, None
+            for c, u, e in self.up[v]:
+                k = c + cost.get(u, inf)
+                if k < best:
+                    best, way = k, (1, u, e)
+            for s, hs, hr in splits:
+                k = hs.get(v, inf) + hr.get(v, inf)
+                if k < best:
+                    best, way = k, (2, s)
+            if way is not None:
+                cost[v], how[v] = best, way
+        got = self.columns[terms] = (cost, how)
+        return got
+
+    def _tree(self, v: int, terms: int) -> list:
+        """The (class, node entry) pairs of the tree _column chose to make `terms` (a bitmask) from v (the
+        source of v not included)."""
+        out, stack = [], [(v, terms)]
+        while stack:
+            v, terms = stack.pop()
+            if not terms:
+                continue
+            how = self.columns[terms][1][v]
             if how[0] == 0:
                 stack.append((v, how[1]))
             elif how[0] == 1:
                 out.append((how[1], how[2]))
-                stack.append((how[1], a))
+                stack.append((how[1], terms))
             else:
                 stack.append((v, how[1]))
-                stack.append((v, a ^ how[1]))
+                stack.append((v, terms ^ how[1]))
         return out
 
     def _settle(self, pairs: list, terms: list[int], group: int) -> tuple:
