@@ -1261,10 +1261,16 @@ def _exact_dp(graph: PhysGraph, roots: list[str], memory_limit: float | None, gr
         return {"exact_dp": "no derivation of a root"}
     res = extract_dp.solve(graph, roots, classes, order, _canonical_colls(graph, classes),
                            upper=None if greedy is None else greedy.cost, memory_limit=memory_limit,
+                           upper_memory=None if greedy is None else greedy.memory,
                            time_limit=min(DP_SHARE * time_limit, DP_MAX_S))
     stats = {"exact_dp_s": time.perf_counter() - t0, **({} if res is None else res.stats)}
     if res is None:
         return {**stats, "exact_dp": "gave up (states or time): the 0/1 program solves it"}
+    if res.choice is None and greedy is not None and res.stats.get("dp_upper_proven"):
+        # the Lagrangian dual of the memory bound reached greedy's cost: its plan is optimal
+        stats.update(exact_from="greedy", exact_method="dp", exact_proven=True, exact_status="optimal",
+                     exact_note="the memory bound's Lagrangian dual proved no plan beats greedy's", greedy_cost=greedy.cost)
+        return Selection(greedy.choice, greedy.cost, greedy.memory, "exact", True, stats)
     if res.choice is None:
         if greedy is None:  # nothing within no limit: no plan exists
             return {**stats, "exact_dp": "found no plan: the 0/1 program checks"}

@@ -22,10 +22,14 @@ cost with everything below it, readings with disjoint cones adding up). The walk
 then from probes between the start's bound and that limit (a walk that finds a plan under a probe has
 found the optimum).
 
-Memory bounds: a state keeps its (cost, memory) Pareto front, so the bound is honoured exactly.
+Memory bounds: first the bound's Lagrangian dual (_lagrange: the DP without the bound on cost + price x
+memory, a few prices), which often proves the optimum (a plan within the bound that meets the dual's lower
+bound) at the unbounded DP's speed; else a state keeps its (cost, memory) Pareto front, so the bound is
+honoured exactly.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -600,13 +604,16 @@ def _unwind(chosen) -> dict[str, Node]:
 
 def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], order: list[str],
           canon: set[int] = frozenset(), upper: float | None = None, memory_limit: float | None = None, max_states: int = 2_000_000,
-          time_limit: float = 30.0, beam: int = 64, max_tensors: int = 120) -> DPResult | None:
+          time_limit: float = 30.0, beam: int = 64, max_tensors: int = 120, upper_memory: float | None = None
+          ) -> DPResult | None:
     """The cheapest plan (within memory_limit) over `classes` (each class's usable nodes, `order` children
     first), proven; None when the DP outgrew `max_states` or `time_limit`, or the graph has more than
     `max_tensors` tensors (a GPT training step's ~370: measured 8 s without a plan; the fuzz cases it proves
     have 6-20) (nothing proven). `upper`: the
     cost of a known plan (greedy's), which prunes; the result is then None-choice only if nothing is
-    strictly cheaper AND the DP found nothing at all, so callers pass a plan they already hold.
+    strictly cheaper AND the DP found nothing at all, so callers pass a plan they already hold;
+    `upper_memory` is that plan's memory. Under a memory bound, the result may have choice None with
+    stats["dp_upper_proven"]: the bound's Lagrangian dual proved the caller's plan optimal.
 
     >>> from egraph_did.extract import with_roots, _topo_order
     >>> g = PhysGraph({"w": [Node("Load", (), "w")],
@@ -626,6 +633,15 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
     tensors, lower, start, free = setup
     clock = _Clock(max_states, time_limit)
     stats = {"dp_tensors": len(tensors)}
+    if memory_limit is not None:
+        dual = _lagrange(graph, roots, classes, order, canon, upper, upper_memory, memory_limit, clock, beam,
+                         max_tensors)
+        stats.update(dual.stats)
+        if dual.proven:
+            stats.update(dp_states=clock.used, dp_s=time.perf_counter() - t0)
+            return DPResult(dual.choice, dual.cost, stats)
+        if dual.cost is not None:
+            upper = dual.cost if upper is None else min(upper, dual.cost)
     # first a beam (the best states of each step only) for a plan near the optimum: its cost is the exact
     # walk's limit, which prunes every state that cannot beat it. Again while it gets cheaper: a lower limit
     # drops states before the beam ranks them (case 5441: 98 us from no limit, then the optimum, 84)
@@ -659,6 +675,121 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
         return DPResult(None, None, stats)
     k, m, ch = min(got, key=lambda e: (e[0], e[1]))
     return DPResult(_complete(_unwind(ch), roots, free), k, stats)
+
+
+# the Lagrangian dual's most solves (each a DP without the memory bound, on cost + price x memory); the dual's
+# breakpoints are plans, so few solves reach its optimum
+DUAL_SOLVES = 8
+
+
+@dataclass
+class _Dual:
+    """What the Lagrangian dual of a memory-bound extraction proved: `proven` with `choice` the optimum
+    (None: the plan costing `cost`, the caller's, is), or else the cheapest plan within the bound it saw
+    (choice and cost, or both None) for the memory-bound DP to beat."""
+    proven: bool
+    choice: dict[str, Node] | None
+    cost: float | None
+    stats: dict
+
+
+def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], order: list[str], canon: set[int],
+              upper: float | None, upper_memory: float | None, memory_limit: float, clock: _Clock, beam: int,
+              max_tensors: int) -> _Dual:
+    """Bound a memory-bound extraction from below by its Lagrangian dual: for a price p >= 0 per byte, the
+    cheapest plan by cost + p x memory (a DP without the bound, so its states keep one cost each and forest
+    tensors take the Steiner-tree DP) is a plan x_p, and cost(x_p) + p x (memory(x_p) - bound) is at most
+    the bounded optimum. At p = 0 that is the unbounded optimum: where it fits, it is the answer (case
+    31/6391: greedy's plan fits at the unbounded optimum's cost, and the bounded DP's fronts ran 600 s
+    without a proof). Else prices between one plan over the bound and one within it (Kelley's cutting
+    planes on the dual's breakpoints) raise the bound; a plan within the bound that meets it is optimal,
+    and `upper` (the caller's plan) is too if the bound reaches it.
+
+    >>> from egraph_did.extract import with_roots, _topo_order
+    >>> g = PhysGraph({"w": [Node("Load", (), "w")],
+    ...                "y": [Node("Apply", ("w",), "y", 0, cost=1e-6, memory=4096.0),
+    ...                      Node("Apply", ("w",), "y", 1, cost=3e-6, memory=1024.0)]})
+    >>> roots = with_roots(g, {"y": ["y"]})
+    >>> order = _topo_order(g, roots)
+    >>> d = _lagrange(g, roots, {c: g.classes[c] for c in order}, order, set(), None, None, 1024.0, _Clock(10**6, 10.0), 64, 120)
+    >>> d.proven, d.choice["y"].sid, round(d.cost * 1e6, 6)
+    (True, 1, 3.0)
+    """
+    known: list[tuple] = [] if upper is None else [(None, upper, memory_limit if upper_memory is None else upper_memory)]
+
+    def priced(price: float) -> tuple | None:
+        """(the cheapest plan by cost + price x memory as (its nodes, cost, memory), a lower bound of that
+        least value), or None where there is no plan. Plans known already limit the DP; where it finds
+        none cheaper, the cheapest known plan is returned with their least value as the bound."""
+        twin: dict[int, Node] = {}
+        cls = {}
+        for c in order:
+            cls[c] = []
+            for n in classes[c]:
+                m = dataclasses.replace(n, cost=n.cost + price * n.memory, memory=0.0)
+                twin[id(m)] = n
+                cls[c].append(m)
+        canon2 = {i for i, n in twin.items() if id(n) in canon}
+        limit = min((k + price * m for _, k, m in known), default=None)
+        res = solve(graph, roots, cls, order, canon2, limit, None, max(clock.left, 0),
+                    max(clock.deadline - time.perf_counter(), 0.0), beam, max_tensors)
+        if res is None:
+            raise _Budget()
+        clock.spend(res.stats.get("dp_states", 0))
+        if res.choice is None:
+            return None if limit is None else (min(known, key=lambda e: e[1] + price * e[2]), limit)
+        choice = {c: twin[id(n)] for c, n in res.choice.items()}
+        plan = (choice, sum(n.cost for n in choice.values()), sum(n.memory for n in choice.values()))
+        known.append(plan)
+        return plan, plan[1] + price * plan[2]
+
+    def done() -> bool:
+        return (best is not None and best[1] <= tol(low)) or (upper is not None and upper <= tol(low))
+
+    tol = lambda k: k * (1 + 1e-9) + 1e-18  # noqa: E731
+    stats: dict = {"dp_dual_solves": 1}
+    try:
+        got = priced(0.0)
+    except _Budget:  # the unbounded DP outgrew its budget: the bounded one may not (it has greedy's cost)
+        return _Dual(False, None, None, {**stats, "dp_dual": "gave up"})
+    if got is None:  # nothing at all, let alone within the bound
+        return _Dual(True, None, None, stats)
+    got, low = got  # the unbounded optimum bounds the bounded one
+    best = got if got[2] <= memory_limit and got[0] is not None else None  # the cheapest new plan within the bound
+    over, under = (got, None) if got[2] > memory_limit else (None, got)  # the dual's bracket: plans over and within
+    price = max(low, 1e-12) / max(memory_limit, 1.0)  # where a byte weighs about what the plan costs
+    while over is not None and not done() and stats["dp_dual_solves"] < DUAL_SOLVES:
+        if under is not None:  # where the two plans' lines cross: the dual's best price if no plan is below
+            price = (under[1] - over[1]) / max(over[2] - under[2], 1e-30)
+        stats["dp_dual_solves"] += 1
+        try:
+            got = priced(price)
+        except _Budget:
+            stats["dp_dual"] = "gave up"
+            break
+        if got is None:
+            break
+        got, value = got
+        low = max(low, value - price * memory_limit)
+        if got[2] <= memory_limit:
+            if got[0] is not None and (best is None or got[1] < best[1]):
+                best = got
+            if under is not None and value >= tol(over[1] + price * over[2]) - 2e-18:
+                break  # no plan below the crossing: the dual's optimum is reached
+            under = got
+        elif under is None:
+            over, price = got, 8.0 * price  # no plan within the bound yet: weigh bytes more
+        elif value >= tol(over[1] + price * over[2]) - 2e-18:
+            break
+        else:
+            over = got
+    stats["dp_dual_bound"] = low
+    if best is not None and best[1] <= tol(low):
+        return _Dual(True, best[0], best[1], stats)
+    if upper is not None and upper <= tol(low):
+        stats["dp_upper_proven"] = True
+        return _Dual(True, None, upper, stats)
+    return _Dual(False, None if best is None else best[0], None if best is None else best[1], stats)
 
 
 def _setup(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], order: list[str], canon: set[int],
