@@ -258,3 +258,16 @@ def test_a_marked_joint_plan_splits_at_the_cotangent(bounded):
     for name, t in (first | second).items():
         if name in want:
             torch.testing.assert_close(t, want[name], rtol=1e-9, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("extractor", ["greedy", "exact"])
+def test_a_saved_value_of_no_operands_is_not_computed_from_itself(extractor):
+    """saved(full()) is full() (the recompute rewrite has nothing to recompute it from), so the e-graph holds
+    full = saved(full): the physical graph leaves that node out, as no plan needs it and it would close a
+    cycle through full's levels that the extractors take for acyclic (greedy picked it at equal cost and
+    build_plan raised KeyError; fuzz seed 32 case 1061)."""
+    with ed.FusionDefinition() as fd:
+        t = fd.ops.full(shape=(), value=1.0, dtype="float64")
+        fd.add_output(fd.ops.saved(x=fd.ops.abs(x=t)), name="out")
+    plan = ed.optimize(fd, ed.DeviceMesh.arange(1), ed.CostModel.h200(), extractor=extractor)
+    assert ed.simulate(plan, {})["out"].item() == 1.0
