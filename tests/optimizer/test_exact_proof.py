@@ -1,0 +1,90 @@
+"""How the exact extractor's 0/1 program proves a training step's plan optimal (issue 10): optimize hands it the
+plan that keeps every saved value as its start, the cuts' LP dual (recomputed by weak duality) is a lower bound
+that fixes columns no cheaper plan uses, and where that bound reaches the start no MIP runs at all. Every proof
+is checked against another method's optimum (the DP over tensors, or the MIP without fixing)."""
+import numpy as np
+import pytest
+import torch
+from scipy.sparse import csr_matrix
+
+import egraph_did as ed
+from egraph_did import extract, models
+from egraph_did.layout import Layout, S
+from egraph_did.pins import apply_layout
+
+
+def _without_dp(monkeypatch):
+    monkeypatch.setattr(extract, "_exact_dp", lambda *a, **k: {"exact_dp": "off: the 0/1 program proves it"})
+
+
+def _mlp_step():
+    return models.mlp_training_step(64, 32), ed.DeviceMesh.arange(2)
+
+
+def test_the_dual_bound_is_a_lower_bound_even_from_a_dual_of_the_wrong_sign():
+    """min x0 + 2 x1 + 5 x2 with x0 + x1 + x2 >= 1 and x0 <= 0.5: the LP optimum is 1.5, and the recomputed
+    dual bound says so; a dual HiGHS reports for a row's infinite side is dropped, never trusted."""
+    solver = extract._Solver(np.array([1.0, 2.0, 5.0]), csr_matrix([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]),
+                             np.array([1.0, -np.inf]), np.array([np.inf, 0.5]))
+    _, value = solver.lp()
+    bound, reduced = solver.dual_bound()
+    assert value == pytest.approx(1.5) and bound == pytest.approx(1.5)
+    assert reduced[2] == pytest.approx(3.0)  # x2 = 1 costs 3 more than the LP: fixed under any start below 4.5
+
+    class WrongSigns:  # row 0 (>= 1) given a negative dual, row 1 (<= 0.5) a positive one: both forbidden
+        def getSolution(self):
+            return type("Solution", (), {"row_dual": [-1.0, 7.0]})()
+    solver.highs = WrongSigns()
+    bound, _ = solver.dual_bound()
+    assert bound <= 1.5 + 1e-9  # both dropped: the bound of no dual, min over [0, 1] of the costs, 0
+    assert bound == pytest.approx(0.0)
+
+
+def test_reduced_cost_fixing_keeps_the_starts_columns_and_drops_only_dearer_ones():
+    solver = extract._Solver(np.array([1.0, 2.0, 5.0]), csr_matrix([[1.0, 1.0, 1.0]]), np.array([1.0]),
+                             np.array([np.inf]))
+    solver.lp()
+    program = extract._Program([], [], {}, np.zeros(1, dtype=np.int64), solver.cost, solver)
+    cols, bound = extract._reduced_cost_columns(program, np.array([0.0, 1.0, 0.0]))  # start costs 2
+    assert bound == pytest.approx(1.0)
+    assert list(cols) == [True, True, False]  # x2 = 1 costs at least 1 + 4 > 2
+    cols, _ = extract._reduced_cost_columns(program, np.array([0.0, 0.0, 1.0]))  # a start keeps its own columns
+    assert list(cols) == [True, True, True]
+
+
+def test_exact_proves_a_small_training_step_by_the_lp_dual_alone(monkeypatch):
+    """The MLP training step on 2 ranks: with the DP off, the cuts' LP dual reaches the keep-everything plan's
+    cost, so the 0/1 program proves it with no MIP; the DP proves the same optimum."""
+    fd, mesh = _mlp_step()
+    by_dp = ed.optimize(fd, mesh, extractor="exact")
+    _without_dp(monkeypatch)
+    fd, mesh = _mlp_step()
+    plan = ed.optimize(fd, mesh, extractor="exact")
+    st = plan.stats
+    assert plan.method == "exact" and st["exact_proven"] is True
+    assert (st["exact_method"], st["exact_proof"], st["exact_incumbent"]) == ("ilp", "lp", "start")
+    assert st["exact_solve_s"] == 0.0 and st["exact_dual_bound"] >= plan.stats["extract_cost"] * (1 - 1e-9)
+    assert by_dp.stats["exact_method"] == "dp" and by_dp.method == "exact"
+    assert plan.predicted_time == pytest.approx(by_dp.predicted_time, rel=1e-9)
+
+
+def test_a_mip_after_reduced_cost_fixing_proves_the_same_optimum_as_without_fixing(monkeypatch):
+    """A small GPT training step on 2 ranks (x and target sequence-sharded): the LP dual falls short, so HiGHS
+    proves the optimum over the columns reduced-cost fixing left; without fixing it proves the same cost."""
+    def step():
+        fd = models.gpt_training_step(1, 64, 64, 4, torch.float32, layers=1)
+        mesh = ed.DeviceMesh.arange(2)
+        for name in ("x", "target"):
+            apply_layout(fd[name], Layout((S(1),)), mesh)
+        return fd, mesh
+
+    _without_dp(monkeypatch)
+    fixed = ed.optimize(*step(), extractor="exact")
+    st = fixed.stats
+    assert fixed.method == "exact" and st["exact_proven"] is True
+    assert (st["exact_method"], st["exact_proof"], st["exact_incumbent"]) == ("ilp", "mip", "start")
+    assert st["exact_fixed"] > 0
+    monkeypatch.setattr(extract, "_reduced_cost_columns", lambda p, start: (None, None))
+    unfixed = ed.optimize(*step(), extractor="exact")
+    assert unfixed.stats["exact_proven"] is True and unfixed.stats["exact_fixed"] == 0
+    assert fixed.predicted_time == pytest.approx(unfixed.predicted_time, rel=1e-9)
