@@ -4,7 +4,9 @@ sequence 2048, bf16) on 8 H200s, tensor+sequence parallel pins (x and y sequence
 extraction. template_s: declaring the sorts and compiling the rulesets, once per mesh shape and process
 (the first row pays it; optimize_s includes it). The stage columns are those of the pass whose plan was
 kept; optimize_s is the whole call: where bucket_pairs > 0, optimize ran a second pass offering those
-pairs to the bucket_pair rewrite (optimize.py).
+pairs to the bucket_pair rewrite (optimize.py). Where optimize ran more than one pass (or with --extractor
+exact), a line under the row gives each pass's extraction seconds, method, proof ("dp", "lp": the cuts' LP
+dual reached the start, "mip": HiGHS after reduced-cost fixing) and predicted ms (plan.stats["passes"]).
 
     .venv/bin/python bench/optimizer.py [--layers 1 8 32 96] [--mesh 8] [--rewrites sum_partials_first]
     .venv/bin/python bench/optimizer.py --training --layers 1 [--extractor exact] [--no-recompute]
@@ -53,8 +55,18 @@ def run(layers: int, ndev: int, seq: int, hidden: int, heads: int, extractor: st
             "template_s": st["template_s"], "encode_s": st["encode_s"], "iterations": st["iterations"], "saturate_s": st["saturate_s"], "serialize_s": st["serialize_s"],
             "extract_s": st["extract_s"], "optimize_s": t2 - t1, "facts": st["facts"], "classes": st["classes"],
             "nodes": st["nodes"], "bucket_pairs": st.get("bucket_pairs_offered", 0), "collectives": kinds,
-            "loops_tried": st.get("loops_tried", 0),
+            "loops_tried": st.get("loops_tried", 0), "passes": st.get("passes", []),
             "predicted_ms": plan.predicted_time * 1e3}
+
+
+def _pass_text(q: dict) -> str:
+    """One pass's extraction: seconds, method, how it was proven (exact) and the plan's predicted ms.
+
+    >>> _pass_text({"extract_s": 1.25, "method": "exact", "proof": "mip", "cost": 7.16e-3})
+    '1.250 s exact (mip) 7.160 ms'
+    """
+    how = f" ({q['proof']})" if q.get("proof") else ""
+    return f"{q['extract_s']:.3f} s {q['method']}{how} {q['cost'] * 1e3:.3f} ms"
 
 
 def main() -> None:
@@ -84,6 +96,8 @@ def main() -> None:
         cells = [f"{r[c]:>11.3f}" if isinstance(r[c], float) else f"{r[c]:>11}" for c in cols]
         print(" | ".join(cells) + " | " + ", ".join(f"{v} {k}" for k, v in sorted(r["collectives"].items())),
               flush=True)
+        if len(r["passes"]) > 1 or args.extractor == "exact":
+            print("    extraction by pass: " + "; ".join(_pass_text(q) for q in r["passes"]), flush=True)
 
 
 if __name__ == "__main__":

@@ -190,22 +190,26 @@ def _optimize(fd, mesh: DeviceMesh, cost_model, extractor: str, like, time_limit
     cm = cost_model or CostModel.h200()
     pins = None if like is None else {name: like.values[v].layout for name, v in like.outputs.items()}
     offered = RewriteSet(names, tuple(map(tuple, like.buckets)) if like is not None else ())
+    passes: list[dict] = []  # each pass's extraction, in order (plan.stats["passes"])
+
+    def once(cm, pins, rewrites):
+        plan, problem = _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit)
+        passes.append(_pass_summary(plan.stats))
+        return plan, problem
     try:
-        plan, problem = _optimize_once(fd, mesh, cm, pins, like, offered, extractor, time_limit)
+        plan, problem = once(cm, pins, offered)
         loops = [] if like is not None else loop_pins(plan, problem)
     except MemoryBoundError:  # a training step may fit as a loop: the loops of the plan with no bound
         if like is not None or not loop_ties(as_fusion(fd)):
             raise
-        free, problem = _optimize_once(fd, mesh, dataclasses.replace(cm, memory_limit=None), pins, like, offered,
-                                       extractor, time_limit)
+        free, problem = once(dataclasses.replace(cm, memory_limit=None), pins, offered)
         loops = loop_pins(free, problem, always=True)
         plan = None
     if loops:  # a training step whose next.<x> is not laid out as x: the cheaper of the loops it could be
         tried, unfit = [], None
         for extra in loops:
             try:
-                tried.append((*_optimize_once(fd, mesh, cm, {**(pins or {}), **extra}, like, offered, extractor,
-                                              time_limit), extra))
+                tried.append((*once(cm, {**(pins or {}), **extra}, offered), extra))
             except MemoryBoundError as e:
                 unfit = e
         if not tried and plan is None:
@@ -216,7 +220,7 @@ def _optimize(fd, mesh: DeviceMesh, cost_model, extractor: str, like, time_limit
     plan.buckets = [list(p) for p in offered.buckets]  # a replay (like=) keeps the plan's pairs
     pairs = bucket_candidates(plan, problem) if "bucket_pair" in names and like is None else []
     if pairs:  # a second e-graph, offered to send these pairs in one buffer: kept where it is cheaper
-        bucketed, _ = _optimize_once(fd, mesh, cm, pins, like, offered.with_buckets(pairs), extractor, time_limit)
+        bucketed, _ = once(cm, pins, offered.with_buckets(pairs))
         if bucketed.predicted_time < plan.predicted_time:
             plan = bucketed
             plan.buckets = [list(p) for p in pairs]
@@ -224,8 +228,22 @@ def _optimize(fd, mesh: DeviceMesh, cost_model, extractor: str, like, time_limit
         if tv.mesh is not None and tv.name in problem.pins:
             plan.pinned_loops[tv.name] = [tv.loop_str(), problem.pins[tv.name].code()]
     report_views(plan, views)
-    plan.stats.update(total_s=time.perf_counter() - t0, bucket_pairs_offered=len(pairs), loops_tried=len(loops))
+    plan.stats.update(total_s=time.perf_counter() - t0, bucket_pairs_offered=len(pairs), loops_tried=len(loops),
+                      passes=passes)
     return plan
+
+
+def _pass_summary(stats: dict) -> dict:
+    """One pass's extraction as plan.stats["passes"] lists it: seconds, method (exact: proven or not), cost,
+    and for the exact extractor how its proof came ("dp"; the 0/1 program's "lp" or "mip").
+
+    >>> _pass_summary({"extract_s": 0.5, "extract_method": "exact", "extract_cost": 1e-3, "exact_method": "ilp",
+    ...                "exact_proof": "lp"})
+    {'extract_s': 0.5, 'method': 'exact', 'cost': 0.001, 'proof': 'lp'}
+    """
+    proof = stats.get("exact_proof") if stats.get("exact_method") == "ilp" else stats.get("exact_method")
+    return {"extract_s": stats["extract_s"], "method": stats["extract_method"], "cost": stats["extract_cost"],
+            "proof": proof}
 
 
 def report_views(plan: Plan, views: dict[str, PinView]) -> None:
