@@ -5,7 +5,7 @@ extraction. template_s: declaring the sorts and compiling the rulesets, once per
 (the first row pays it; optimize_s includes it). The stage columns are those of the pass whose plan was
 kept; optimize_s is the whole call: where bucket_pairs > 0, optimize ran a second pass offering those
 pairs to the bucket_pair rewrite (optimize.py). Where optimize ran more than one pass (or with --extractor
-exact), a line under the row gives each pass's extraction seconds, method, proof ("dp", "lp": the cuts' LP
+exact), a line under the row gives each pass's extraction seconds (wall, and this process's CPU), method, proof ("dp", "lp": the cuts' LP
 dual reached the start, "mip": HiGHS after reduced-cost fixing) and predicted ms (plan.stats["passes"]).
 
     .venv/bin/python bench/optimizer.py [--layers 1 8 32 96] [--mesh 8] [--rewrites sum_partials_first]
@@ -60,13 +60,13 @@ def run(layers: int, ndev: int, seq: int, hidden: int, heads: int, extractor: st
 
 
 def _pass_text(q: dict) -> str:
-    """One pass's extraction: seconds, method, how it was proven (exact) and the plan's predicted ms.
+    """One pass's extraction: seconds (wall, CPU), method, how it was proven (exact) and the plan's predicted ms.
 
-    >>> _pass_text({"extract_s": 1.25, "method": "exact", "proof": "mip", "cost": 7.16e-3})
-    '1.250 s exact (mip) 7.160 ms'
+    >>> _pass_text({"extract_s": 1.25, "extract_cpu_s": 1.0, "method": "exact", "proof": "mip", "cost": 7.16e-3})
+    '1.250 s (CPU 1.000 s) exact (mip) 7.160 ms'
     """
     how = f" ({q['proof']})" if q.get("proof") else ""
-    return f"{q['extract_s']:.3f} s {q['method']}{how} {q['cost'] * 1e3:.3f} ms"
+    return f"{q['extract_s']:.3f} s (CPU {q['extract_cpu_s']:.3f} s) {q['method']}{how} {q['cost'] * 1e3:.3f} ms"
 
 
 def main() -> None:

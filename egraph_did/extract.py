@@ -928,6 +928,7 @@ class _Program:
     first: np.ndarray  # class ci's nodes are columns first[ci]:first[ci + 1]
     cost: np.ndarray  # by column, in nanoseconds
     solver: "_Solver"
+    cut_keys: list = field(default_factory=list)  # each cut row's (_class_key, (tensor, level))
 
     @property
     def nn(self) -> int:
@@ -1052,10 +1053,25 @@ def _blocking(p: _Program, cls_group: np.ndarray, ng: int) -> np.ndarray:
     return np.unpackbits(raw, axis=1, count=ng, bitorder="little").astype(bool)
 
 
-def _separate(graph: PhysGraph, p: _Program, budget_s: float) -> tuple[int, int, float | None, np.ndarray | None]:
+def _class_key(graph: PhysGraph, c: str):
+    """What names class c in every e-graph of the same fusion: its (tensor, layout, level), or its own name
+    for the roots with_roots adds (others, None: their names depend on the order the graph was built in).
+
+    >>> g = PhysGraph({"c0": [Node("Load", (), "z")]}, ident={"c0": ("z", "R", 1)})
+    >>> _class_key(g, "c0"), _class_key(g, "__out__:z"), _class_key(g, "c7")
+    (('z', 'R', 1), '__out__:z', None)
+    """
+    return graph.ident.get(c) or (c if c.startswith("__") else None)
+
+
+def _separate(graph: PhysGraph, p: _Program, budget_s: float, hints: set | None = None
+              ) -> tuple[int, int, float | None, np.ndarray | None]:
     """Cutting planes, added to p's solver while the LP violates them: for a class c and a group D of
     classes every derivation of some of c's nodes passes through (all layouts of one tensor at one level),
-    the sum of those nodes is <= the sum over D of y_d. Returns (cuts, rounds, LP bound, last LP solution)."""
+    the sum of those nodes is <= the sum over D of y_d. `hints`: (class ident, (tensor, level)) pairs whose
+    cuts are added before the first LP where this program has them (cuts another pass of the same fusion
+    needed; each is derived here, so valid whatever the hint). Returns (cuts, rounds, LP bound, last LP
+    solution); p.cut_keys names each cut row."""
     from scipy.sparse import coo_matrix, csr_matrix
     t0 = time.perf_counter()
     order, nodes, first, nn, nc = p.order, p.nodes, p.first, p.nn, len(p.order)
@@ -1081,7 +1097,29 @@ def _separate(graph: PhysGraph, p: _Program, budget_s: float) -> tuple[int, int,
     by_group.sort_indices()
     cls_of_node = csr_matrix((np.ones(nn), (node_class, np.arange(nn))), shape=(nc, nn))
     seen: set[int] = set()  # (class, group) as class * ng + group
+    groups = list(gid)
+
+    def add_cuts(cls: np.ndarray, grp: np.ndarray) -> None:
+        seen.update((cls * ng + grp).tolist())
+        cand = np.arange(len(cls))
+        owner, js = _spans(first[cls], first[cls + 1])  # c's nodes, those through the group
+        on = through[js, grp[owner]]
+        m_owner, m_at = _spans(by_group.indptr[grp], by_group.indptr[grp + 1])  # the group's y columns
+        rows = np.concatenate([owner[on], cand[m_owner]])
+        cols = np.concatenate([js[on], nn + by_group.indices[m_at]])
+        vals = np.concatenate([np.ones(int(on.sum())), -np.ones(len(m_at))])
+        p.solver.add_rows(coo_matrix((vals, (rows, cols)), shape=(len(cls), nn + nc)).tocsr(),
+                          np.full(len(cls), -np.inf), np.zeros(len(cls)))
+        p.cut_keys.extend((_class_key(graph, order[c]), groups[g]) for c, g in zip(cls.tolist(), grp.tolist()))
+
     n_cuts, rounds, lp_bound, x = 0, 0, None, None
+    if hints:
+        cidx_of = {_class_key(graph, c): ci for ci, c in enumerate(order)}
+        pairs = sorted({(cidx_of[a], gid[b]) for a, b in hints if a in cidx_of and b in gid})
+        pairs = [(c, g) for c, g in pairs if through[first[c]:first[c + 1], g].any()]
+        if pairs:
+            add_cuts(np.array([c for c, _ in pairs]), np.array([g for _, g in pairs]))
+            n_cuts += len(pairs)
     while rounds < 60 and time.perf_counter() - t0 < budget_s:
         x, fun = p.solver.lp()
         if x is None:
@@ -1103,16 +1141,7 @@ def _separate(graph: PhysGraph, p: _Program, budget_s: float) -> tuple[int, int,
         cls, grp = cls[fresh], grp[fresh]
         if not len(cls):
             break
-        seen.update((cls * ng + grp).tolist())
-        cand = np.arange(len(cls))
-        owner, js = _spans(first[cls], first[cls + 1])  # c's nodes, those through the group
-        on = through[js, grp[owner]]
-        m_owner, m_at = _spans(by_group.indptr[grp], by_group.indptr[grp + 1])  # the group's y columns
-        rows = np.concatenate([owner[on], cand[m_owner]])
-        cols = np.concatenate([js[on], nn + by_group.indices[m_at]])
-        vals = np.concatenate([np.ones(int(on.sum())), -np.ones(len(m_at))])
-        p.solver.add_rows(coo_matrix((vals, (rows, cols)), shape=(len(cls), nn + nc)).tocsr(),
-                          np.full(len(cls), -np.inf), np.zeros(len(cls)))
+        add_cuts(cls, grp)
         n_cuts += len(cls)
     return n_cuts, rounds, lp_bound, x
 
@@ -1183,7 +1212,7 @@ def _reduced_cost_columns(p: _Program, start: np.ndarray | None) -> tuple[np.nda
 
 
 def _ilp(graph: PhysGraph, roots: list[str], memory_limit: float | None, time_limit: float,
-         start: dict[str, Node] | None = None, guided: bool = True) -> dict:
+         start: dict[str, Node] | None = None, guided: bool = True, hints: set | None = None) -> dict:
     """Solve the extraction 0/1 program from a known plan (`start`, greedy's; with `guided`, also from the
     LP-guided greedy plan where cheaper); returns the choice (or None) and what HiGHS proved.
 
@@ -1201,20 +1230,22 @@ def _ilp(graph: PhysGraph, roots: list[str], memory_limit: float | None, time_li
         return {"choice": None, "proven": True, "status": "infeasible", "bound": None, "lp_bound": None,
                 "cuts": 0, "rounds": 0, "classes": 0, "cut_s": 0.0, "solve_s": 0.0}
     n_base = p.solver.a.shape[0]
-    n_cuts, rounds, lp_bound, x = _separate(graph, p, 0.3 * time_limit)
+    n_cuts, rounds, lp_bound, x = _separate(graph, p, 0.3 * time_limit, hints)
     keep = np.ones(p.solver.a.shape[0], dtype=bool)
     if x is not None:
         act = p.solver.a @ x
         # cuts tight at the last LP with a nonzero dual: the LP's optimum needs no others, and HiGHS's root
         # runs on fewer rows (one GPT-3 layer's training step: 69 of 4,280 tight cuts, the MIP 1.0 -> 0.5 s)
-        dual = np.array(p.solver.highs.getSolution().row_dual) if p.solver.highs is not None else None
-        keep[n_base:] = ((p.solver.hi - act) < 1e-7)[n_base:] & (True if dual is None else np.abs(dual[n_base:]) > 1e-9)
+        row_dual = np.array(p.solver.highs.getSolution().row_dual) if p.solver.highs is not None else None
+        keep[n_base:] = ((p.solver.hi - act) < 1e-7)[n_base:] & (
+            True if row_dual is None else np.abs(row_dual[n_base:]) > 1e-9)
+    binding = [p.cut_keys[i] for i in np.nonzero(keep[n_base:])[0] if p.cut_keys[i][0] is not None]
     x0 = _best_start(graph, roots, memory_limit, p, x, start, guided)
     x0 = _restricted_start(p, keep, x, x0, RESTRICTED_SHARE * time_limit)
     cols, dual = _reduced_cost_columns(p, x0)
     t1 = time.perf_counter()
     base = {"start_feasible": None if x0 is None else p.solver.feasible(x0), "lp_bound": lp_bound, "cuts": n_cuts,
-            "rounds": rounds, "classes": len(p.order), "cut_s": t1 - t0, "dual_bound": dual,
+            "rounds": rounds, "classes": len(p.order), "cut_s": t1 - t0, "dual_bound": dual, "binding_cuts": binding,
             "fixed": 0 if cols is None else int((~cols).sum()), "choice": None}
     if x0 is not None and dual is not None and dual >= float(p.cost @ x0) * (1 - 1e-9) and base["start_feasible"]:
         # the cuts' LP already reaches the start's cost: it is optimal, and no MIP runs
@@ -1356,7 +1387,7 @@ def _exact_dp(graph: PhysGraph, roots: list[str], memory_limit: float | None, gr
 
 
 def exact(graph: PhysGraph, roots: list[str], memory_limit: float | None = None,
-          time_limit: float = 60.0, start: Selection | None = None) -> Selection:
+          time_limit: float = 60.0, start: Selection | None = None, cuts: set | None = None) -> Selection:
     """Minimum-cost DAG extraction, proven: a dynamic program over the fusion's tensors (extract_dp), and
     where that outgrows its share of time_limit, a 0/1 program (HiGHS), honest about what it proved.
 
@@ -1365,7 +1396,9 @@ def exact(graph: PhysGraph, roots: list[str], memory_limit: float | None = None,
     passes greedy's plan of a training step that keeps every saved value), used in place of greedy's where
     within memory_limit (`stats["exact_incumbent"]` says which was). With the 0/1 program,
     `stats["exact_proof"]` says how the proof came: "lp" (the cuts' relaxation reached the incumbent's cost)
-    or "mip" (HiGHS, after reduced-cost fixing took `stats["exact_fixed"]` columns out). `stats["exact_method"]` says which method
+    or "mip" (HiGHS, after reduced-cost fixing took `stats["exact_fixed"]` columns out). `cuts`: a set the passes
+    of one optimize call share: the 0/1 program adds the cuts its LP needed (by class and tensor) and starts its
+    cut loop from those earlier passes added (`stats["exact_hinted_cuts"]`). `stats["exact_method"]` says which method
     ran ("dp" or "ilp"; per independent part, comma-separated). `method` is "exact" only when optimality is proven; otherwise "exact-unproven" (and
     `proven` is False). `stats` says which plan was returned and why. Pins or a memory bound are
     reported infeasible only when the solver proves it.
@@ -1403,14 +1436,17 @@ def exact(graph: PhysGraph, roots: list[str], memory_limit: float | None = None,
     time_limit = max(time_limit - (time.perf_counter() - t1), 1.0)
     # a start (a training step's, from optimize) was each loop pass's optimum where measured, and the LP-guided
     # greedy plan (0.1-0.2 s) no better than the restricted MIP's: it is then left out
+    hinted = len(cuts) if cuts else 0
     info = _ilp(graph, roots, memory_limit, time_limit, None if greedy is None else greedy.choice,
-                guided=incumbent == "greedy")
+                guided=incumbent == "greedy", hints=cuts)
+    if cuts is not None:
+        cuts.update(info.get("binding_cuts", ()))
     stats = {**by_dp, "exact_method": "ilp", "exact_proven": bool(info["proven"] and info["choice"] is not None), "exact_status": info["status"],
              "exact_lp_bound": None if info["lp_bound"] is None else info["lp_bound"] / 1e9,
              "exact_bound": info["bound"], "exact_cuts": info["cuts"], "exact_cut_rounds": info["rounds"],
              "exact_cut_s": info["cut_s"], "exact_solve_s": info["solve_s"], "greedy_s": t1 - t0,
              "greedy_cost": greedy_cost, "exact_incumbent": incumbent, "exact_start_feasible": info.get("start_feasible"),
-             "exact_proof": info.get("proof"), "exact_fixed": info.get("fixed", 0),
+             "exact_proof": info.get("proof"), "exact_fixed": info.get("fixed", 0), "exact_hinted_cuts": hinted,
              "exact_dual_bound": None if info.get("dual_bound") is None else info["dual_bound"] / 1e9}
     if info["choice"] is None:
         if greedy is None:

@@ -88,3 +88,26 @@ def test_a_mip_after_reduced_cost_fixing_proves_the_same_optimum_as_without_fixi
     unfixed = ed.optimize(*step(), extractor="exact")
     assert unfixed.stats["exact_proven"] is True and unfixed.stats["exact_fixed"] == 0
     assert fixed.predicted_time == pytest.approx(unfixed.predicted_time, rel=1e-9)
+
+
+def test_cuts_one_pass_needed_start_the_next_passes_cut_loop_and_prove_the_same_optimum(monkeypatch):
+    """exact's `cuts`: the keys of the cuts its LP needed are added to the set, and a later pass (here the same
+    graph again) adds those cuts before its first LP: fewer LP rounds, the same proven optimum."""
+    import importlib
+    optimize_module = importlib.import_module("egraph_did.optimize")
+    got = []
+    monkeypatch.setattr(optimize_module, "exact", lambda *a, **k: got.append((a, k)) or extract.exact(*a, **k))
+    _without_dp(monkeypatch)
+    fd = models.gpt_training_step(1, 64, 64, 4, torch.float32, layers=1)
+    mesh = ed.DeviceMesh.arange(2)
+    for name in ("x", "target"):
+        apply_layout(fd[name], Layout((S(1),)), mesh)
+    ed.optimize(fd, mesh, extractor="exact")
+    (graph, roots, bound), kwargs = got[0]
+    cuts = set()
+    first = extract.exact(graph, roots, bound, start=kwargs["start"], cuts=cuts)
+    assert cuts and first.stats["exact_hinted_cuts"] == 0
+    again = extract.exact(graph, roots, bound, start=kwargs["start"], cuts=set(cuts))
+    assert again.stats["exact_hinted_cuts"] == len(cuts)
+    assert again.stats["exact_cut_rounds"] < first.stats["exact_cut_rounds"]
+    assert first.proven and again.proven and again.cost == pytest.approx(first.cost, rel=1e-9)
