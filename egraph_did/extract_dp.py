@@ -33,6 +33,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from .errors import EgraphDidError
 from .physgraph import Node, PhysGraph
 
 _EPS = 1e-15
@@ -633,6 +634,7 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
     tensors, lower, start, free = setup
     clock = _Clock(max_states, time_limit)
     stats = {"dp_tensors": len(tensors)}
+    lagrangian = None  # (price, the priced graph's lower bounds, the memory bound)
     if memory_limit is not None:
         dual = _lagrange(graph, roots, classes, order, canon, upper, upper_memory, memory_limit, clock, beam,
                          max_tensors)
@@ -642,13 +644,22 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
             return DPResult(dual.choice, dual.cost, stats)
         if dual.cost is not None:
             upper = dual.cost if upper is None else min(upper, dual.cost)
+        if dual.price > 0.0:
+            # the bounded walk's states pruned by the dual too: what a state still costs is at least its
+            # priced bound less the price of the memory it has left (case 33/6050: the dual 7% below the
+            # optimum, the cone bound 34%)
+            twins = {c: [dataclasses.replace(n, cost=n.cost + dual.price * n.memory, memory=0.0) for n in classes[c]]
+                     for c in order}
+            priced = _setup(graph, roots, twins, order, set(), False, max_tensors)
+            if priced is not None and priced[2] == start:
+                lagrangian = (dual.price, priced[1], memory_limit)
     # first a beam (the best states of each step only) for a plan near the optimum: its cost is the exact
     # walk's limit, which prunes every state that cannot beat it. Again while it gets cheaper: a lower limit
     # drops states before the beam ranks them (case 5441: 98 us from no limit, then the optimum, 84)
     try:
         lim, got = upper, []
         for _ in range(BEAM_ROUNDS if beam else 0):
-            found = _walk(tensors, lower, start, lim, memory_limit, clock, beam=beam)
+            found = _walk(tensors, lower, start, lim, memory_limit, clock, beam=beam, lagrangian=lagrangian)
             if not found or (got and min(e[0] for e in found) >= lim):
                 break
             got, lim = found, min(e[0] for e in found)
@@ -656,18 +667,18 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
         # then walks under probes between a lower bound and that limit: one that finds a plan has found the
         # optimum, one that finds none raises the bound, and both cost far less than the walk under a loose
         # limit (case 5441 before the cone bound's sums, CPU: 0.7 s under 76 us, 2.1 s under 87, 7.1 s under 98)
-        low, probes, proven = lower(start, 0), 0, False
+        low, probes, proven = max(lower(start, 0), stats.get("dp_dual_bound", 0.0)), 0, False
         while lim is not None and lim - low > PROBE_GAP * lim:
             probes += 1
             probe = low + (lim - low) * PROBE_AT
-            found = _walk(tensors, lower, start, probe, memory_limit, clock)
+            found = _walk(tensors, lower, start, probe, memory_limit, clock, lagrangian=lagrangian)
             if found:
                 got, proven = found, True
                 break
             low = probe
         stats["dp_probes"] = probes
         if not proven:
-            got = _walk(tensors, lower, start, lim, memory_limit, clock) or got
+            got = _walk(tensors, lower, start, lim, memory_limit, clock, lagrangian=lagrangian) or got
     except _Budget:
         return None
     stats.update(dp_states=clock.used, dp_s=time.perf_counter() - t0)
@@ -686,11 +697,13 @@ DUAL_SOLVES = 8
 class _Dual:
     """What the Lagrangian dual of a memory-bound extraction proved: `proven` with `choice` the optimum
     (None: the plan costing `cost`, the caller's, is), or else the cheapest plan within the bound it saw
-    (choice and cost, or both None) for the memory-bound DP to beat."""
+    (choice and cost, or both None) for the memory-bound DP to beat, and the price whose bound was the
+    highest (0.0: none above the unbounded optimum's)."""
     proven: bool
     choice: dict[str, Node] | None
     cost: float | None
     stats: dict
+    price: float = 0.0
 
 
 def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], order: list[str], canon: set[int],
@@ -715,33 +728,60 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
     >>> d.proven, d.choice["y"].sid, round(d.cost * 1e6, 6)
     (True, 1, 3.0)
     """
+    twin_of: dict[int, Node] = {}  # the priced graph's nodes -> the real ones
     known: list[tuple] = [] if upper is None else [(None, upper, memory_limit if upper_memory is None else upper_memory)]
 
     def priced(price: float) -> tuple | None:
         """(the cheapest plan by cost + price x memory as (its nodes, cost, memory), a lower bound of that
-        least value), or None where there is no plan. Plans known already limit the DP; where it finds
-        none cheaper, the cheapest known plan is returned with their least value as the bound."""
+        least value), or None where there is no plan. Greedy's plan on the priced graph and the plans known
+        already limit the DP; where it finds none cheaper, the cheapest of them is returned with its value
+        as the bound."""
+        from .extract import greedy_dag  # extract imports this module
+
         twin: dict[int, Node] = {}
-        cls = {}
+        cls: dict[str, list[Node]] = {}
+        # at price 0 memory is free: a class with a derivation costing nothing keeps only it, as without a
+        # bound (extract._fix_free), and the classes only other derivations read drop out (case 33/6050)
+        fixed = free_classes(classes, order, memory=False) if price == 0.0 else {}
         for c in order:
             cls[c] = []
-            for n in classes[c]:
+            for n in ([fixed[c]] if c in fixed else classes[c]):
                 m = dataclasses.replace(n, cost=n.cost + price * n.memory, memory=0.0)
                 twin[id(m)] = n
                 cls[c].append(m)
+        twin_of.clear()
+        twin_of.update(twin)
+        read, stack = set(), list(roots)
+        while stack:
+            c = stack.pop()
+            if c not in read:
+                read.add(c)
+                stack.extend(ch for n in cls[c] for ch in n.children)
+        sub = [c for c in order if c in read]
+        cls = {c: cls[c] for c in sub}
+        priced_graph = PhysGraph(cls, graph.ident, graph.index)
         canon2 = {i for i, n in twin.items() if id(n) in canon}
+        try:
+            guess = greedy_dag(priced_graph, roots).choice
+            known.append(back(guess))
+        except EgraphDidError:  # no plan by greedy: the DP says whether there is one
+            pass
         limit = min((k + price * m for _, k, m in known), default=None)
-        res = solve(graph, roots, cls, order, canon2, limit, None, max(clock.left, 0),
+        res = solve(priced_graph, roots, cls, sub, canon2, limit, None, max(clock.left, 0),
                     max(clock.deadline - time.perf_counter(), 0.0), beam, max_tensors)
         if res is None:
             raise _Budget()
         clock.spend(res.stats.get("dp_states", 0))
         if res.choice is None:
             return None if limit is None else (min(known, key=lambda e: e[1] + price * e[2]), limit)
-        choice = {c: twin[id(n)] for c, n in res.choice.items()}
-        plan = (choice, sum(n.cost for n in choice.values()), sum(n.memory for n in choice.values()))
+        plan = back(res.choice)
         known.append(plan)
         return plan, plan[1] + price * plan[2]
+
+    def back(choice: dict[str, Node]) -> tuple:
+        """A plan on the priced graph as (its nodes on the real one, cost, memory)."""
+        real = {c: twin_of[id(n)] for c, n in choice.items()}
+        return real, sum(n.cost for n in real.values()), sum(n.memory for n in real.values())
 
     def done() -> bool:
         return (best is not None and best[1] <= tol(low)) or (upper is not None and upper <= tol(low))
@@ -755,6 +795,7 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
     if got is None:  # nothing at all, let alone within the bound
         return _Dual(True, None, None, stats)
     got, low = got  # the unbounded optimum bounds the bounded one
+    best_price = 0.0
     best = got if got[2] <= memory_limit and got[0] is not None else None  # the cheapest new plan within the bound
     over, under = (got, None) if got[2] > memory_limit else (None, got)  # the dual's bracket: plans over and within
     price = max(low, 1e-12) / max(memory_limit, 1.0)  # where a byte weighs about what the plan costs
@@ -770,7 +811,8 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
         if got is None:
             break
         got, value = got
-        low = max(low, value - price * memory_limit)
+        if value - price * memory_limit > low:
+            low, best_price = value - price * memory_limit, price
         if got[2] <= memory_limit:
             if got[0] is not None and (best is None or got[1] < best[1]):
                 best = got
@@ -789,7 +831,7 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
     if upper is not None and upper <= tol(low):
         stats["dp_upper_proven"] = True
         return _Dual(True, None, upper, stats)
-    return _Dual(False, None if best is None else best[0], None if best is None else best[1], stats)
+    return _Dual(False, None if best is None else best[0], None if best is None else best[1], stats, best_price)
 
 
 def _setup(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], order: list[str], canon: set[int],
@@ -816,8 +858,11 @@ def _setup(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], o
 
 
 def _walk(tensors: list["_Tensor"], lower: _Lower, start: int, upper: float | None, memory_limit: float | None,
-          clock: _Clock, beam: int = 0) -> list:
-    """The DP over the tensors in order, keeping states within `upper` (None: no limit); the final front."""
+          clock: _Clock, beam: int = 0, lagrangian: tuple | None = None) -> list:
+    """The DP over the tensors in order, keeping states within `upper` (None: no limit); the final front.
+    `lagrangian` (price, lower bounds on cost + price x memory, the memory bound) prunes too: an entry
+    (cost k, memory m) of a state needs at least its priced bound less the price of the memory left,
+    k + price x m + bound - price x memory bound."""
     memory = memory_limit is not None
     merge = _merge if memory else _merge_min
     limit = float("inf") if upper is None else upper * (1 + 1e-9) + 1e-18
@@ -844,6 +889,10 @@ def _walk(tensors: list["_Tensor"], lower: _Lower, start: int, upper: float | No
             for s, f in nxt.items():
                 need = lower(s, step + 1)
                 f = [e for e in f if e[0] + need <= limit]
+                if f and lagrangian is not None:
+                    price, priced, bound = lagrangian
+                    need = priced(s, step + 1) - price * bound
+                    f = [e for e in f if e[0] + price * e[1] + need <= limit]
                 if f:
                     pruned[s] = f
             nxt = pruned
