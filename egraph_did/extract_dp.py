@@ -816,12 +816,12 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
         if got[2] <= memory_limit:
             if got[0] is not None and (best is None or got[1] < best[1]):
                 best = got
-            if under is not None and value >= tol(over[1] + price * over[2]) - 2e-18:
+            if under is not None and tol(value) >= over[1] + price * over[2]:
                 break  # no plan below the crossing: the dual's optimum is reached
             under = got
         elif under is None:
             over, price = got, 8.0 * price  # no plan within the bound yet: weigh bytes more
-        elif value >= tol(over[1] + price * over[2]) - 2e-18:
+        elif tol(value) >= over[1] + price * over[2]:
             break
         else:
             over = got
