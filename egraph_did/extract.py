@@ -1348,9 +1348,10 @@ def _usable(graph: PhysGraph, roots: list[str], memory_limit: float | None) -> t
 
 
 # the DP's share of exact's time (the hard fuzz cases it proves take 0.1-5 s alone on 2 cores, 4x that under
-# load: case 2446 gave up at 8 s beside a test run; on what it cannot prove, e.g. a GPT training step whose
-# many independent branches multiply its states, the 0/1 program gets the rest)
-DP_SHARE, DP_MAX_S = 0.35, 20.0
+# load: case 2446 gave up at 8 s beside a test run; tight memory bounds take longer: case 33/6050, whose 0/1
+# program stays 24% below its optimum, 42 s under load 4; on what it cannot prove, e.g. a GPT training step
+# whose many independent branches multiply its states, the 0/1 program gets the rest)
+DP_SHARE, DP_MAX_S = 0.5, 30.0
 
 
 def _exact_dp(graph: PhysGraph, roots: list[str], memory_limit: float | None, greedy: Selection | None,
