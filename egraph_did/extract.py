@@ -1068,7 +1068,7 @@ def _separate(graph: PhysGraph, p: _Program, budget_s: float, hints: set | None 
               ) -> tuple[int, int, float | None, np.ndarray | None]:
     """Cutting planes, added to p's solver while the LP violates them: for a class c and a group D of
     classes every derivation of some of c's nodes passes through (all layouts of one tensor at one level),
-    the sum of those nodes is <= the sum over D of y_d. `hints`: (class ident, (tensor, level)) pairs whose
+    the sum of those nodes is <= the sum over D of y_d. `hints`: (_class_key, (tensor, level)) pairs whose
     cuts are added before the first LP where this program has them (cuts another pass of the same fusion
     needed; each is derived here, so valid whatever the hint). Returns (cuts, rounds, LP bound, last LP
     solution); p.cut_keys names each cut row."""
@@ -1114,7 +1114,7 @@ def _separate(graph: PhysGraph, p: _Program, budget_s: float, hints: set | None 
 
     n_cuts, rounds, lp_bound, x = 0, 0, None, None
     if hints:
-        cidx_of = {_class_key(graph, c): ci for ci, c in enumerate(order)}
+        cidx_of = {k: ci for ci, c in enumerate(order) if (k := _class_key(graph, c)) is not None}
         pairs = sorted({(cidx_of[a], gid[b]) for a, b in hints if a in cidx_of and b in gid})
         pairs = [(c, g) for c, g in pairs if through[first[c]:first[c + 1], g].any()]
         if pairs:
