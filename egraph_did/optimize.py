@@ -191,7 +191,7 @@ def _optimize(fd, mesh: DeviceMesh, cost_model, extractor: str, like, time_limit
     pins = None if like is None else {name: like.values[v].layout for name, v in like.outputs.items()}
     offered = RewriteSet(names, tuple(map(tuple, like.buckets)) if like is not None else ())
     passes: list[dict] = []  # each pass's extraction, in order (plan.stats["passes"])
-    cuts: set = set()  # the exact extractor's cuts, which each pass hands the next (exact's `cuts`)
+    cuts: set = set()  # the exact extractor's cuts, which the first pass hands the later ones (exact's `cuts`)
 
     def once(cm, pins, rewrites):
         plan, problem = _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit, cuts)
@@ -367,8 +367,8 @@ def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit, cu
             sel = kept
     elif extractor == "exact":
         # start= and cuts= only where there is a start (a training step): bench/exact_hard_cases.py swaps exact
-        # for a hook without them. The passes' cut hints: on one GPT-3 layer's training step the loop passes'
-        # cut loops took 3-4 LP rounds from the first pass's cuts, not 9 (CPU per loop pass 1.2-1.3 -> 0.7-1.0 s)
+        # for a hook without them. The cut hints: on one GPT-3 layer's training step the loop passes' cut loops
+        # took 4 LP rounds from the first pass's cuts, not 9 (CPU per loop pass 1.2-1.6 -> 0.7-1.0 s)
         sel = exact(graph, roots, cm.memory_limit, time_limit=time_limit,
                     **({} if kept is None else {"start": kept, "cuts": cuts}))
     else:

@@ -91,8 +91,9 @@ def test_a_mip_after_reduced_cost_fixing_proves_the_same_optimum_as_without_fixi
 
 
 def test_cuts_one_pass_needed_start_the_next_passes_cut_loop_and_prove_the_same_optimum(monkeypatch):
-    """exact's `cuts`: the keys of the cuts its LP needed are added to the set, and a later pass (here the same
-    graph again) adds those cuts before its first LP: fewer LP rounds, the same proven optimum."""
+    """exact's `cuts`: the first pass puts in the keys of the cuts its LP needed, and a later pass (here the
+    same graph again) adds those cuts before its first LP, leaving the set as it was: fewer LP rounds, the
+    same proven optimum."""
     import importlib
     optimize_module = importlib.import_module("egraph_did.optimize")
     got = []
@@ -107,7 +108,8 @@ def test_cuts_one_pass_needed_start_the_next_passes_cut_loop_and_prove_the_same_
     cuts = set()
     first = extract.exact(graph, roots, bound, start=kwargs["start"], cuts=cuts)
     assert cuts and first.stats["exact_hinted_cuts"] == 0
-    again = extract.exact(graph, roots, bound, start=kwargs["start"], cuts=set(cuts))
-    assert again.stats["exact_hinted_cuts"] == len(cuts)
+    hinted = set(cuts)
+    again = extract.exact(graph, roots, bound, start=kwargs["start"], cuts=hinted)
+    assert again.stats["exact_hinted_cuts"] == len(cuts) and hinted == cuts
     assert again.stats["exact_cut_rounds"] < first.stats["exact_cut_rounds"]
     assert first.proven and again.proven and again.cost == pytest.approx(first.cost, rel=1e-9)
