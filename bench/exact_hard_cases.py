@@ -49,7 +49,7 @@ def capture(seed: int, index: int, exclude: tuple[str, ...] = CAMPAIGN_EXCLUDES)
     opt = sys.modules["egraph_did.optimize"]
     got = {}
 
-    def grab(graph, roots, memory_limit=None, time_limit=60.0):
+    def grab(graph, roots, memory_limit=None, time_limit=60.0, **_):  # optimize's start= and cuts= unused
         got["args"] = (graph, roots, memory_limit)
         raise _Captured()
 
@@ -106,9 +106,9 @@ def capture_training(layers: int = 1) -> list[tuple]:
     opt = sys.modules["egraph_did.optimize"]
     got, real = [], opt.exact
 
-    def grab(graph, roots, memory_limit=None, time_limit=60.0):
+    def grab(graph, roots, memory_limit=None, time_limit=60.0, **kw):  # kw: optimize's start= and cuts=
         got.append((copy.deepcopy(graph), list(roots), memory_limit))
-        return real(graph, roots, memory_limit, time_limit)
+        return real(graph, roots, memory_limit, time_limit, **kw)
 
     mesh = ed.DeviceMesh.arange(8)
     fd = models.gpt_training_step(1, 2048, 12288, 96, torch.bfloat16, layers=layers)

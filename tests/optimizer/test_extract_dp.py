@@ -180,9 +180,9 @@ def test_the_dp_proves_a_3d_fusion_whose_readers_multiply_a_tensors_demands(monk
     optimize_module = sys.modules["egraph_did.optimize"]
     seen, real = {}, optimize_module.exact
 
-    def spy(graph, roots, memory_limit=None, time_limit=60.0):
+    def spy(graph, roots, memory_limit=None, time_limit=60.0, **kw):
         seen["args"] = (graph, roots, memory_limit)
-        return real(graph, roots, memory_limit, time_limit)
+        return real(graph, roots, memory_limit, time_limit, **kw)
 
     monkeypatch.setattr(optimize_module, "exact", spy)
     plan = ed.optimize(fd, mesh, ed.CostModel.h200(), extractor="exact")
@@ -278,7 +278,7 @@ def test_the_dual_prunes_the_bounded_walk_where_greedy_finds_no_plan(monkeypatch
     optimize_module = sys.modules["egraph_did.optimize"]
     seen, real = {}, optimize_module.exact
 
-    def grab(graph, roots, memory_limit=None, time_limit=60.0):
+    def grab(graph, roots, memory_limit=None, time_limit=60.0, **_):
         seen["args"] = (graph, roots, memory_limit)
         raise PlanError("captured")
 
