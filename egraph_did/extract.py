@@ -1362,12 +1362,18 @@ def _exact_dp(graph: PhysGraph, roots: list[str], memory_limit: float | None, gr
     order, classes = _usable(graph, roots, memory_limit)
     if any(r not in classes for r in roots):
         return {"exact_dp": "no derivation of a root"}
+    found: dict = {}
     res = extract_dp.solve(graph, roots, classes, order, _canonical_colls(graph, classes),
                            upper=None if greedy is None else greedy.cost, memory_limit=memory_limit,
                            upper_memory=None if greedy is None else greedy.memory,
-                           time_limit=min(DP_SHARE * time_limit, DP_MAX_S))
+                           time_limit=min(DP_SHARE * time_limit, DP_MAX_S), found=found)
     stats = {"exact_dp_s": time.perf_counter() - t0, **({} if res is None else res.stats)}
     if res is None:
+        if greedy is None and found.get("choice") is not None:
+            # a plan the DP saw where greedy found none (a tight memory bound): the 0/1 program's start
+            _, mem = _total(found["choice"])
+            if memory_limit is None or mem <= memory_limit:
+                stats["_dp_plan"] = found["choice"]
         return {**stats, "exact_dp": "gave up (states or time): the 0/1 program solves it"}
     if res.choice is None and greedy is not None and res.stats.get("dp_upper_proven"):
         # the Lagrangian dual of the memory bound reached greedy's cost: its plan is optimal
@@ -1434,6 +1440,9 @@ def exact(graph: PhysGraph, roots: list[str], memory_limit: float | None = None,
     if isinstance(by_dp, Selection):
         by_dp.stats.update(greedy_s=t1 - t0, exact_incumbent=incumbent)
         return by_dp
+    seen = by_dp.pop("_dp_plan", None)
+    if seen is not None:  # greedy found no plan, the DP one (case 33/6050: greedy none within 0.3 of the free memory)
+        greedy, incumbent = Selection(seen, *_total(seen), "dp-incumbent"), "dp"
     time_limit = max(time_limit - (time.perf_counter() - t1), 1.0)
     # a start (a training step's, from optimize) was each loop pass's optimum where measured, and the LP-guided
     # greedy plan (0.1-0.2 s) no better than the restricted MIP's: it is then left out
@@ -1463,15 +1472,17 @@ def exact(graph: PhysGraph, roots: list[str], memory_limit: float | None = None,
                             + "; infeasibility is not proven: raise time_limit")
         # the solver ran out of time with no plan of its own (or, with the bound from greedy's plan, found
         # none better): greedy's plan stands; it is optimal only if the solver proved nothing beats it
-        proven = info["proven"]
-        stats.update(exact_from="greedy", exact_note="the 0/1 program proved no plan beats greedy's" if proven
-                     else "the 0/1 program timed out without a plan: greedy's plan is returned")
+        proven, whose = info["proven"], ("the DP's" if incumbent == "dp" else "greedy's")
+        stats.update(exact_from="dp" if incumbent == "dp" else "greedy",
+                     exact_note=f"the 0/1 program proved no plan beats {whose}" if proven
+                     else f"the 0/1 program timed out without a plan: {whose} plan is returned")
         stats["exact_proven"] = proven
         return Selection(greedy.choice, greedy.cost, greedy.memory, "exact" if proven else "exact-unproven",
                          proven, stats)
     total, mem = _total(info["choice"])
     if greedy is not None and greedy.cost < total * (1 - 1e-12):
-        stats.update(exact_from="greedy", exact_note="greedy's plan beat the 0/1 program's unproven incumbent")
+        whose = "dp" if incumbent == "dp" else "greedy"
+        stats.update(exact_from=whose, exact_note=f"{whose}'s plan beat the 0/1 program's unproven incumbent")
         return Selection(greedy.choice, greedy.cost, greedy.memory, "exact-unproven", False, stats)
     proven = stats["exact_proven"]
     stats.update(exact_from="ilp")

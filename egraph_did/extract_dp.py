@@ -605,8 +605,8 @@ def _unwind(chosen) -> dict[str, Node]:
 
 def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], order: list[str],
           canon: set[int] = frozenset(), upper: float | None = None, memory_limit: float | None = None, max_states: int = 2_000_000,
-          time_limit: float = 30.0, beam: int = 64, max_tensors: int = 120, upper_memory: float | None = None
-          ) -> DPResult | None:
+          time_limit: float = 30.0, beam: int = 64, max_tensors: int = 120, upper_memory: float | None = None,
+          found: dict | None = None) -> DPResult | None:
     """The cheapest plan (within memory_limit) over `classes` (each class's usable nodes, `order` children
     first), proven; None when the DP outgrew `max_states` or `time_limit`, or the graph has more than
     `max_tensors` tensors (a GPT training step's ~370: measured 8 s without a plan; the fuzz cases it proves
@@ -614,7 +614,9 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
     cost of a known plan (greedy's), which prunes; the result is then None-choice only if nothing is
     strictly cheaper AND the DP found nothing at all, so callers pass a plan they already hold;
     `upper_memory` is that plan's memory. Under a memory bound, the result may have choice None with
-    stats["dp_upper_proven"]: the bound's Lagrangian dual proved the caller's plan optimal.
+    stats["dp_upper_proven"]: the bound's Lagrangian dual proved the caller's plan optimal. `found`: where
+    the DP gives up, it gets found["choice"], the cheapest plan (within the bound) it saw, if any, for the
+    0/1 program to start from.
 
     >>> from egraph_did.extract import with_roots, _topo_order
     >>> g = PhysGraph({"w": [Node("Load", (), "w")],
@@ -635,6 +637,7 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
     clock = _Clock(max_states, time_limit)
     stats = {"dp_tensors": len(tensors)}
     lagrangian = None  # (price, the priced graph's lower bounds, the memory bound)
+    incumbent = None  # the dual's cheapest plan within the bound
     if memory_limit is not None:
         dual = _lagrange(graph, roots, classes, order, canon, upper, upper_memory, memory_limit, clock, beam,
                          max_tensors)
@@ -644,6 +647,7 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
             return DPResult(dual.choice, dual.cost, stats)
         if dual.cost is not None:
             upper = dual.cost if upper is None else min(upper, dual.cost)
+            incumbent = dual.choice
         if dual.price > 0.0:
             # the bounded walk's states pruned by the dual too: what a state still costs is at least its
             # priced bound less the price of the memory it has left (case 33/6050: the dual 7% below the
@@ -680,6 +684,11 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
         if not proven:
             got = _walk(tensors, lower, start, lim, memory_limit, clock, lagrangian=lagrangian) or got
     except _Budget:
+        if found is not None:  # what it saw stays useful: the 0/1 program's first incumbent
+            if got:
+                found["choice"] = _complete(_unwind(min(got, key=lambda e: (e[0], e[1]))[2]), roots, free)
+            elif incumbent is not None:
+                found["choice"] = incumbent
         return None
     stats.update(dp_states=clock.used, dp_s=time.perf_counter() - t0)
     if not got:

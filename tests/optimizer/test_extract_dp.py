@@ -293,3 +293,34 @@ def test_the_dual_prunes_the_bounded_walk_where_greedy_finds_no_plan(monkeypatch
     assert res.stats["dp_dual_bound"] < res.cost and res.stats["dp_dual_solves"] <= 6
     assert res.cost == pytest.approx(54.0e-6, rel=1e-3)  # the 0/1 program's unproven incumbent at 60 s
     assert _total(res.choice)[0] == pytest.approx(res.cost, rel=1e-12)
+
+
+def test_where_the_dp_gives_up_it_hands_over_the_cheapest_plan_within_the_bound_it_saw(monkeypatch):
+    """Greedy finds no plan within 0.3 of the free plan's memory; optimize's fallback to exact (10 s) let the
+    DP give up after 5 s and the 0/1 program found no plan of its own in the rest (fuzz seed 33 case 6050 at
+    513414b: greedy-refuses-where-exact-plans). A DP that gives up (here: out of states, after the dual
+    and part of the bounded walk) now hands over the cheapest plan within the bound it saw, which exact
+    gives the 0/1 program as its start (stats["exact_incumbent"] "dp")."""
+    fd, mesh = _sum_compare_and_pinned_on_a_3d_mesh()
+    free = ed.optimize(fd, mesh, ed.CostModel.h200())
+    optimize_module = sys.modules["egraph_did.optimize"]
+    seen = {}
+
+    def grab(graph, roots, memory_limit=None, time_limit=60.0, **_):
+        seen["args"] = (graph, roots, memory_limit)
+        raise PlanError("captured")
+
+    monkeypatch.setattr(optimize_module, "exact", grab)
+    with pytest.raises(PlanError):
+        ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=0.3 * free.memory))
+    graph, roots, bound = seen["args"]
+    order, classes = extract._usable(graph, roots, bound)
+    found = {}
+    res = extract_dp.solve(graph, roots, classes, order, extract._canonical_colls(graph, classes),
+                           memory_limit=bound, time_limit=600, max_states=600_000, found=found)
+    assert res is None and _total(found["choice"])[1] <= bound
+    # exact starts the 0/1 program from it: a plan within the bound, where greedy has none
+    monkeypatch.setattr(extract_dp, "solve", lambda *a, **k: k["found"].update(found) or None)
+    sel = exact(graph, roots, bound, time_limit=5)
+    assert sel.stats["exact_incumbent"] == "dp" and sel.memory <= bound
+    assert sel.cost <= _total(found["choice"])[0] * (1 + 1e-12)
