@@ -1366,7 +1366,8 @@ def _exact_dp(graph: PhysGraph, roots: list[str], memory_limit: float | None, gr
     res = extract_dp.solve(graph, roots, classes, order, _canonical_colls(graph, classes),
                            upper=None if greedy is None else greedy.cost, memory_limit=memory_limit,
                            upper_memory=None if greedy is None else greedy.memory,
-                           time_limit=min(DP_SHARE * time_limit, DP_MAX_S), found=found)
+                           time_limit=min(DP_SHARE * time_limit, DP_MAX_S), found=found,
+                           quick=lambda g, r: greedy_dag(g, r).choice)
     stats = {"exact_dp_s": time.perf_counter() - t0, **({} if res is None else res.stats)}
     if res is None:
         if greedy is None and found.get("choice") is not None:

@@ -606,7 +606,7 @@ def _unwind(chosen) -> dict[str, Node]:
 def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], order: list[str],
           canon: set[int] = frozenset(), upper: float | None = None, memory_limit: float | None = None, max_states: int = 2_000_000,
           time_limit: float = 30.0, beam: int = 64, max_tensors: int = 120, upper_memory: float | None = None,
-          found: dict | None = None) -> DPResult | None:
+          found: dict | None = None, quick=None) -> DPResult | None:
     """The cheapest plan (within memory_limit) over `classes` (each class's usable nodes, `order` children
     first), proven; None when the DP outgrew `max_states` or `time_limit`, or the graph has more than
     `max_tensors` tensors (a GPT training step's ~370: measured 8 s without a plan; the fuzz cases it proves
@@ -616,7 +616,8 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
     `upper_memory` is that plan's memory. Under a memory bound, the result may have choice None with
     stats["dp_upper_proven"]: the bound's Lagrangian dual proved the caller's plan optimal. `found`: where
     the DP gives up, it gets found["choice"], the cheapest plan (within the bound) it saw, if any, for the
-    0/1 program to start from.
+    0/1 program to start from. `quick(graph, roots)`: a fast extractor's choice (extract passes greedy's),
+    whose plan on each priced graph of the memory bound's dual limits that DP.
 
     >>> from egraph_did.extract import with_roots, _topo_order
     >>> g = PhysGraph({"w": [Node("Load", (), "w")],
@@ -640,7 +641,7 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
     incumbent = None  # the dual's cheapest plan within the bound
     if memory_limit is not None:
         dual = _lagrange(graph, roots, classes, order, canon, upper, upper_memory, memory_limit, clock, beam,
-                         max_tensors)
+                         max_tensors, quick)
         stats.update(dual.stats)
         if dual.proven:
             stats.update(dp_states=clock.used, dp_s=time.perf_counter() - t0)
@@ -663,10 +664,10 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
     try:
         lim, got = upper, []
         for _ in range(BEAM_ROUNDS if beam else 0):
-            found = _walk(tensors, lower, start, lim, memory_limit, clock, beam=beam, lagrangian=lagrangian)
-            if not found or (got and min(e[0] for e in found) >= lim):
+            walked = _walk(tensors, lower, start, lim, memory_limit, clock, beam=beam, lagrangian=lagrangian)
+            if not walked or (got and min(e[0] for e in walked) >= lim):
                 break
-            got, lim = found, min(e[0] for e in found)
+            got, lim = walked, min(e[0] for e in walked)
         stats["dp_beam_cost"] = lim
         # then walks under probes between a lower bound and that limit: one that finds a plan has found the
         # optimum, one that finds none raises the bound, and both cost far less than the walk under a loose
@@ -675,9 +676,9 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
         while lim is not None and lim - low > PROBE_GAP * lim:
             probes += 1
             probe = low + (lim - low) * PROBE_AT
-            found = _walk(tensors, lower, start, probe, memory_limit, clock, lagrangian=lagrangian)
-            if found:
-                got, proven = found, True
+            walked = _walk(tensors, lower, start, probe, memory_limit, clock, lagrangian=lagrangian)
+            if walked:
+                got, proven = walked, True
                 break
             low = probe
         stats["dp_probes"] = probes
@@ -717,7 +718,7 @@ class _Dual:
 
 def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], order: list[str], canon: set[int],
               upper: float | None, upper_memory: float | None, memory_limit: float, clock: _Clock, beam: int,
-              max_tensors: int) -> _Dual:
+              max_tensors: int, quick=None) -> _Dual:
     """Bound a memory-bound extraction from below by its Lagrangian dual: for a price p >= 0 per byte, the
     cheapest plan by cost + p x memory (a DP without the bound, so its states keep one cost each and forest
     tensors take the Steiner-tree DP) is a plan x_p, and cost(x_p) + p x (memory(x_p) - bound) is at most
@@ -742,11 +743,9 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
 
     def priced(price: float) -> tuple | None:
         """(the cheapest plan by cost + price x memory as (its nodes, cost, memory), a lower bound of that
-        least value), or None where there is no plan. Greedy's plan on the priced graph and the plans known
-        already limit the DP; where it finds none cheaper, the cheapest of them is returned with its value
+        least value), or None where there is no plan. `quick`'s plan on the priced graph (greedy's) and the
+        plans known already limit the DP; where it finds none cheaper, the cheapest of them is returned with its value
         as the bound."""
-        from .extract import greedy_dag  # extract imports this module
-
         twin: dict[int, Node] = {}
         cls: dict[str, list[Node]] = {}
         # at price 0 memory is free: a class with a derivation costing nothing keeps only it, as without a
@@ -770,11 +769,11 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
         cls = {c: cls[c] for c in sub}
         priced_graph = PhysGraph(cls, graph.ident, graph.index)
         canon2 = {i for i, n in twin.items() if id(n) in canon}
-        try:
-            guess = greedy_dag(priced_graph, roots).choice
-            known.append(back(guess))
-        except EgraphDidError:  # no plan by greedy: the DP says whether there is one
-            pass
+        if quick is not None:
+            try:
+                known.append(back(quick(priced_graph, roots)))
+            except EgraphDidError:  # no plan by it: the DP says whether there is one
+                pass
         limit = min((k + price * m for _, k, m in known), default=None)
         res = solve(priced_graph, roots, cls, sub, canon2, limit, None, max(clock.left, 0),
                     max(clock.deadline - time.perf_counter(), 0.0), beam, max_tensors)

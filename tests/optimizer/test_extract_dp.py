@@ -251,6 +251,11 @@ def test_the_lagrangian_dual_proves_a_priced_plan_and_leaves_a_duality_gap_to_th
     assert loose.choice["y"].sid == 1 and loose.stats["dp_dual_bound"] < 2.9e-6 and "dp_beam_cost" in loose.stats
 
 
+def _greedy_choice(graph, roots):
+    """What exact hands the DP as `quick`: greedy's plan (on each priced graph of the memory bound's dual)."""
+    return greedy_dag(graph, roots).choice
+
+
 def _sum_compare_and_pinned_on_a_3d_mesh():
     """Fuzz seed 33 case 6050: a sum read by lt and (unsqueezed) gt, and-ed, on a 2x2x2 mesh, three pins."""
     mesh = ed.DeviceMesh(torch.arange(8).reshape(2, 2, 2), axis_names=("pp", "dp", "tp"))
@@ -288,7 +293,7 @@ def test_the_dual_prunes_the_bounded_walk_where_greedy_finds_no_plan(monkeypatch
     graph, roots, bound = seen["args"]
     order, classes = extract._usable(graph, roots, bound)
     res = extract_dp.solve(graph, roots, classes, order, extract._canonical_colls(graph, classes),
-                           memory_limit=bound, time_limit=600, max_states=10**8)
+                           memory_limit=bound, time_limit=600, max_states=10**8, quick=_greedy_choice)
     assert res is not None and res.choice is not None and _total(res.choice)[1] <= bound
     assert res.stats["dp_dual_bound"] < res.cost and res.stats["dp_dual_solves"] <= 6
     assert res.cost == pytest.approx(54.0e-6, rel=1e-3)  # the 0/1 program's unproven incumbent at 60 s
@@ -317,7 +322,8 @@ def test_where_the_dp_gives_up_it_hands_over_the_cheapest_plan_within_the_bound_
     order, classes = extract._usable(graph, roots, bound)
     found = {}
     res = extract_dp.solve(graph, roots, classes, order, extract._canonical_colls(graph, classes),
-                           memory_limit=bound, time_limit=600, max_states=600_000, found=found)
+                           memory_limit=bound, time_limit=600, max_states=600_000, found=found,
+                           quick=_greedy_choice)
     assert res is None and _total(found["choice"])[1] <= bound
     # exact starts the 0/1 program from it: a plan within the bound, where greedy has none
     monkeypatch.setattr(extract_dp, "solve", lambda *a, **k: k["found"].update(found) or None)
