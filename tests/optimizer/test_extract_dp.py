@@ -274,23 +274,29 @@ def _sum_compare_and_pinned_on_a_3d_mesh():
     return fd, mesh
 
 
-def test_the_dual_prunes_the_bounded_walk_where_greedy_finds_no_plan(monkeypatch):
-    """A bound of 0.3 of the free plan's memory: greedy finds no plan within it, the 0/1 program's bound stays
-    24% below the optimum at 60 s, and the DP's (cost, memory) walk, pruned by the Lagrangian dual (50.0 us
-    against the optimum's 54.0, where the cone bound is 34% below), proves it (fuzz seed 33 case 6050)."""
+def _graph_under_a_tight_bound(monkeypatch):
+    """(graph, roots, bound) that optimize hands exact for case 33/6050 under 0.3 of the free plan's memory
+    (where greedy finds no plan, optimize's fallback calls exact: captured there)."""
     fd, mesh = _sum_compare_and_pinned_on_a_3d_mesh()
     free = ed.optimize(fd, mesh, ed.CostModel.h200())
-    optimize_module = sys.modules["egraph_did.optimize"]
-    seen, real = {}, optimize_module.exact
+    seen = {}
 
     def grab(graph, roots, memory_limit=None, time_limit=60.0, **_):
         seen["args"] = (graph, roots, memory_limit)
         raise PlanError("captured")
 
-    monkeypatch.setattr(optimize_module, "exact", grab)
+    monkeypatch.setattr(sys.modules["egraph_did.optimize"], "exact", grab)
     with pytest.raises(PlanError):
         ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=0.3 * free.memory))
-    graph, roots, bound = seen["args"]
+    monkeypatch.undo()
+    return seen["args"]
+
+
+def test_the_dual_prunes_the_bounded_walk_where_greedy_finds_no_plan(monkeypatch):
+    """A bound of 0.3 of the free plan's memory: greedy finds no plan within it, the 0/1 program's bound stays
+    24% below the optimum at 60 s, and the DP's (cost, memory) walk, pruned by the Lagrangian dual (50.0 us
+    against the optimum's 54.0, where the cone bound is 34% below), proves it (fuzz seed 33 case 6050)."""
+    graph, roots, bound = _graph_under_a_tight_bound(monkeypatch)
     order, classes = extract._usable(graph, roots, bound)
     res = extract_dp.solve(graph, roots, classes, order, extract._canonical_colls(graph, classes),
                            memory_limit=bound, time_limit=600, max_states=10**8, quick=_greedy_choice)
@@ -306,19 +312,7 @@ def test_where_the_dp_gives_up_it_hands_over_the_cheapest_plan_within_the_bound_
     513414b: greedy-refuses-where-exact-plans). A DP that gives up (here: out of states, after the dual
     and part of the bounded walk) now hands over the cheapest plan within the bound it saw, which exact
     gives the 0/1 program as its start (stats["exact_incumbent"] "dp")."""
-    fd, mesh = _sum_compare_and_pinned_on_a_3d_mesh()
-    free = ed.optimize(fd, mesh, ed.CostModel.h200())
-    optimize_module = sys.modules["egraph_did.optimize"]
-    seen = {}
-
-    def grab(graph, roots, memory_limit=None, time_limit=60.0, **_):
-        seen["args"] = (graph, roots, memory_limit)
-        raise PlanError("captured")
-
-    monkeypatch.setattr(optimize_module, "exact", grab)
-    with pytest.raises(PlanError):
-        ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=0.3 * free.memory))
-    graph, roots, bound = seen["args"]
+    graph, roots, bound = _graph_under_a_tight_bound(monkeypatch)
     order, classes = extract._usable(graph, roots, bound)
     found = {}
     res = extract_dp.solve(graph, roots, classes, order, extract._canonical_colls(graph, classes),
