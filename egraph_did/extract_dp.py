@@ -653,9 +653,7 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
             # the bounded walk's states pruned by the dual too: what a state still costs is at least its
             # priced bound less the price of the memory it has left (case 33/6050: the dual 7% below the
             # optimum, the cone bound 34%)
-            twins = {c: [dataclasses.replace(n, cost=n.cost + dual.price * n.memory, memory=0.0) for n in classes[c]]
-                     for c in order}
-            priced = _setup(graph, roots, twins, order, set(), False, max_tensors)
+            priced = _setup(graph, roots, _priced(classes, dual.price), order, set(), False, max_tensors)
             if priced is not None and priced[2] == start:
                 lagrangian = (dual.price, priced[1], memory_limit)
     # first a beam (the best states of each step only) for a plan near the optimum: its cost is the exact
@@ -696,6 +694,23 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
         return DPResult(None, None, stats)
     k, m, ch = min(got, key=lambda e: (e[0], e[1]))
     return DPResult(_complete(_unwind(ch), roots, free), k, stats)
+
+
+def _priced(classes: dict[str, list[Node]], price: float, twin_of: dict | None = None) -> dict[str, list[Node]]:
+    """`classes` with each node costing cost + price x memory and holding no memory (the Lagrangian dual's
+    graph); `twin_of` (cleared) gets each new node's id -> the node it prices.
+
+    >>> _priced({"y": [Node("Apply", (), "y", 0, cost=1e-6, memory=1024.0)]}, 1e-9)["y"][0].cost
+    2.024e-06
+    """
+    if twin_of is not None:
+        twin_of.clear()
+    out = {}
+    for c, ns in classes.items():
+        out[c] = [dataclasses.replace(n, cost=n.cost + price * n.memory, memory=0.0) for n in ns]
+        if twin_of is not None:
+            twin_of.update((id(m), n) for m, n in zip(out[c], ns))
+    return out
 
 
 # the Lagrangian dual's most solves (each a DP without the memory bound, on cost + price x memory); the dual's
@@ -746,19 +761,10 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
         least value), or None where there is no plan. `quick`'s plan on the priced graph (greedy's) and the
         plans known already limit the DP; where it finds none cheaper, the cheapest of them is returned with its value
         as the bound."""
-        twin: dict[int, Node] = {}
-        cls: dict[str, list[Node]] = {}
         # at price 0 memory is free: a class with a derivation costing nothing keeps only it, as without a
         # bound (extract._fix_free), and the classes only other derivations read drop out (case 33/6050)
         fixed = free_classes(classes, order, memory=False) if price == 0.0 else {}
-        for c in order:
-            cls[c] = []
-            for n in ([fixed[c]] if c in fixed else classes[c]):
-                m = dataclasses.replace(n, cost=n.cost + price * n.memory, memory=0.0)
-                twin[id(m)] = n
-                cls[c].append(m)
-        twin_of.clear()
-        twin_of.update(twin)
+        cls = _priced({c: [fixed[c]] if c in fixed else classes[c] for c in order}, price, twin_of)
         read, stack = set(), list(roots)
         while stack:
             c = stack.pop()
@@ -768,7 +774,7 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
         sub = [c for c in order if c in read]
         cls = {c: cls[c] for c in sub}
         priced_graph = PhysGraph(cls, graph.ident, graph.index)
-        canon2 = {i for i, n in twin.items() if id(n) in canon}
+        canon2 = {i for i, n in twin_of.items() if id(n) in canon}
         if quick is not None:
             try:
                 known.append(back(quick(priced_graph, roots)))
