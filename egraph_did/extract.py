@@ -1282,11 +1282,20 @@ def _components(graph: PhysGraph, roots: list[str]) -> list[tuple[str, ...]]:
             parent[i] = parent[parent[i]]
             i = parent[i]
         return i
+    # one walk over the graph: a class another output's walk reached joins the two groups, and its
+    # descendants were reached by that walk, so need no second visit (a walk per output took 0.12 s
+    # of each exact pass on one GPT-3 layer's training step, 34 outputs)
     for i, out in enumerate(outs):
-        for c in _topo_order(graph, [out]):
-            j = owner.setdefault(c, i)
-            if find(j) != find(i):
-                parent[find(j)] = find(i)
+        stack = [out]
+        while stack:
+            c = stack.pop()
+            j = owner.get(c)
+            if j is not None:
+                if find(j) != find(i):
+                    parent[find(j)] = find(i)
+                continue
+            owner[c] = i
+            stack.extend(ch for n in graph.classes[c] for ch in n.children)
     groups: dict[int, list[str]] = {}
     for i, out in enumerate(outs):
         groups.setdefault(find(i), []).append(out)
@@ -1421,6 +1430,15 @@ def exact(graph: PhysGraph, roots: list[str], memory_limit: float | None = None,
     >>> sel.method, sel.proven, sel.stats["exact_method"]
     ('exact', True, 'dp')
     """
+    # the collector paused (as greedy_dag does): inside optimize a pass's exact met one or two full
+    # collections of optimize's heap, 0.2-0.24 s of a 1.2-4 s pass on one GPT-3 layer's training step
+    with gc_paused():
+        return _exact(graph, roots, memory_limit, time_limit, start, cuts)
+
+
+def _exact(graph: PhysGraph, roots: list[str], memory_limit: float | None, time_limit: float,
+           start: Selection | None, cuts: set | None) -> Selection:
+    """exact's work (the collector paused around it)."""
     parts = _components(graph, roots) if memory_limit is None else []
     if len(parts) > 1:
         return _exact_by_parts(graph, roots, parts, time_limit)

@@ -113,3 +113,64 @@ def test_cuts_one_pass_needed_start_the_next_passes_cut_loop_and_prove_the_same_
     assert again.stats["exact_hinted_cuts"] == len(cuts) and hinted == cuts
     assert again.stats["exact_cut_rounds"] < first.stats["exact_cut_rounds"]
     assert first.proven and again.proven and again.cost == pytest.approx(first.cost, rel=1e-9)
+
+
+def _components_by_walks(graph, outs):
+    """The definition _components implements in one walk: outputs whose reachable classes meet are grouped."""
+    reach = [set(extract._topo_order(graph, [o])) for o in outs]
+    parent = list(range(len(outs)))
+
+    def find(i):
+        while parent[i] != i:
+            i = parent[i]
+        return i
+    for i in range(len(outs)):
+        for j in range(i):
+            if reach[i] & reach[j]:
+                parent[find(j)] = find(i)
+    groups = {}
+    for i, o in enumerate(outs):
+        groups.setdefault(find(i), []).append(o)
+    return sorted(sorted(g) for g in groups.values())
+
+
+def test_components_in_one_walk_group_outputs_as_walks_per_output_do():
+    """Random DAGs (some classes shared through a second alternative only, some outputs alone): the one-walk
+    grouping equals grouping by the overlap of each output's own walk."""
+    from egraph_did.physgraph import Node, PhysGraph
+    rng = np.random.default_rng(5)
+    for _ in range(40):
+        n = int(rng.integers(3, 30))
+        classes = {}
+        for k in range(n):
+            nodes = [Node("Load", (), f"c{k}")]
+            for _alt in range(int(rng.integers(0, 3))):
+                if k:
+                    kids = rng.choice(k, size=int(rng.integers(1, min(k, 3) + 1)), replace=False)
+                    nodes.append(Node("Apply", tuple(f"c{j}" for j in kids), f"c{k}"))
+            classes[f"c{k}"] = nodes
+        graph = PhysGraph(classes)
+        picked = rng.choice(n, size=int(rng.integers(1, n + 1)), replace=False)
+        roots = extract.with_roots(graph, {f"c{k}": [f"c{k}"] for k in picked})
+        outs = list(graph.classes[extract.ROOT][0].children)
+        got = sorted(sorted(g) for g in extract._components(graph, roots))
+        assert got == _components_by_walks(graph, outs)
+
+
+def test_exact_pauses_the_collector_and_restores_it():
+    import gc
+    from egraph_did.physgraph import Node, PhysGraph
+    seen = []
+    real = extract._exact
+
+    def spy(*a, **k):
+        seen.append(gc.isenabled())
+        return real(*a, **k)
+    g = PhysGraph({"x": [Node("Load", (), "x")], "y": [Node("Apply", ("x",), "y", 0, cost=1e-6)]})
+    roots = extract.with_roots(g, {"y": ["y"]})
+    extract._exact, was = spy, gc.isenabled()
+    try:
+        extract.exact(g, roots)
+    finally:
+        extract._exact = real
+    assert seen == [False] and gc.isenabled() == was
