@@ -93,11 +93,12 @@ def test_a_mip_after_reduced_cost_fixing_proves_the_same_optimum_as_without_fixi
 def test_cuts_one_pass_needed_start_the_next_passes_cut_loop_and_prove_the_same_optimum(monkeypatch):
     """exact's `cuts`: the first pass puts in the keys of the cuts its LP needed, and a later pass (here the
     same graph again) adds those cuts before its first LP, leaving the set as it was: fewer LP rounds, the
-    same proven optimum."""
+    same proven optimum. The cover rows are off: on this step they leave the cut loop no cut to find."""
     import importlib
     optimize_module = importlib.import_module("egraph_did.optimize")
     got = []
     monkeypatch.setattr(optimize_module, "exact", lambda *a, **k: got.append((a, k)) or extract.exact(*a, **k))
+    monkeypatch.setattr(extract, "_add_cover_rows", lambda *a, **k: None)
     _without_dp(monkeypatch)
     fd = models.gpt_training_step(1, 64, 64, 4, torch.float32, layers=1)
     mesh = ed.DeviceMesh.arange(2)
@@ -174,3 +175,55 @@ def test_exact_pauses_the_collector_and_restores_it():
     finally:
         extract._exact = real
     assert seen == [False] and gc.isenabled() == was
+
+
+def _small_gpt_step_pass(monkeypatch):
+    """(graph, roots, memory bound, start) of the first graph optimize hands exact on a small GPT training step."""
+    import importlib
+    optimize_module = importlib.import_module("egraph_did.optimize")
+    got = []
+    monkeypatch.setattr(optimize_module, "exact", lambda *a, **k: got.append((a, k)) or extract.exact(*a, **k))
+    fd = models.gpt_training_step(1, 64, 64, 4, torch.float32, layers=1)
+    mesh = ed.DeviceMesh.arange(2)
+    for name in ("x", "target"):
+        apply_layout(fd[name], Layout((S(1),)), mesh)
+    ed.optimize(fd, mesh, extractor="exact")
+    (graph, roots, bound), kwargs = got[0]
+    return graph, roots, bound, kwargs["start"]
+
+
+def test_cover_rows_reach_the_cut_loops_lp_bound_before_any_cut_and_prove_the_same_optimum(monkeypatch):
+    """A small GPT training step, the DP off: with the cover rows (some class of every tensor-level a root must
+    pass through is needed) the first LP already has the bound the cut loop reaches without them after many
+    rounds; both prove the same optimum."""
+    _without_dp(monkeypatch)
+    graph, roots, bound, start = _small_gpt_step_pass(monkeypatch)
+    covered = extract.exact(graph, roots, bound, start=start)
+    monkeypatch.setattr(extract, "_add_cover_rows", lambda *a, **k: None)
+    plain = extract.exact(graph, roots, bound, start=start)
+    assert covered.proven and plain.proven
+    assert covered.cost == pytest.approx(plain.cost, rel=1e-9)
+    assert covered.stats["exact_lp_bound"] >= plain.stats["exact_lp_bound"] * (1 - 1e-9)
+    assert covered.stats["exact_cut_rounds"] < plain.stats["exact_cut_rounds"]
+    assert covered.stats["exact_cuts"] < plain.stats["exact_cuts"]
+
+
+def test_a_cover_row_asks_for_one_layout_of_a_tensor_every_derivation_reads():
+    """y is made from x in layout R or in layout S (each a class of tensor x at level 1, both from x0): the
+    cover rows say y, x0, and one of x's two level-1 layouts are needed, and nothing else."""
+    from egraph_did.physgraph import Node, PhysGraph
+    ident = {"x0": ("x", "S", 0), "xR": ("x", "R", 1), "xS": ("x", "S", 1), "y": ("y", "R", 0)}
+    g = PhysGraph({"x0": [Node("Load", (), "x")],
+                   "xR": [Node("Coll", ("x0",), "allgather", 0, cost=5e-6)],
+                   "xS": [Node("Keep", ("x0",), cost=3e-6)],
+                   "y": [Node("Apply", ("xR",), "y", 0, cost=1e-6), Node("Apply", ("xS",), "y", 1, cost=2e-6)]},
+                  ident=ident, index={v: k for k, v in ident.items()})
+    roots = extract.with_roots(g, {"y": ["y"]})
+    p = extract._program(g, roots, None)
+    n_base = p.solver.a.shape[0]
+    _, _, lp_bound, _ = extract._separate(g, p, 10.0, None, roots)
+    covers = p.solver.a[n_base:n_base + p.n_cover].toarray()
+    assert not covers[:, :p.nn].any() and (p.solver.lo[n_base:n_base + p.n_cover] == 1).all()
+    assert {frozenset(p.order[ci] for ci in np.nonzero(row[p.nn:])[0]) for row in covers} == {
+        frozenset({"y"}), frozenset({"x0"}), frozenset({"xR", "xS"})}
+    assert lp_bound == pytest.approx(5e3)  # y by S: 3 + 2 us, in ns
