@@ -91,9 +91,10 @@ def run(seed: int, index: int, time_limit: float) -> str:
 
 
 def capture_training(layers: int = 1) -> list[tuple]:
-    """[(graph, roots, memory_limit)] of every exact() call optimize(extractor="exact") makes on the GPT-3
+    """[(graph, roots, memory_limit, start)] of every exact() call optimize(extractor="exact") makes on the GPT-3
     training step bench/optimizer.py --training measures (8 ranks, x and target sequence-sharded), each
-    graph copied before exact() runs on it (optimize goes on with the real extractor's plans).
+    graph (and optimize's start= plan) copied before exact() runs on it (optimize goes on with the real
+    extractor's plans).
 
     >>> passes = capture_training(1)  # doctest: +SKIP
     """
@@ -107,7 +108,7 @@ def capture_training(layers: int = 1) -> list[tuple]:
     got, real = [], opt.exact
 
     def grab(graph, roots, memory_limit=None, time_limit=60.0, **kw):  # kw: optimize's start= and cuts=
-        got.append((copy.deepcopy(graph), list(roots), memory_limit))
+        got.append((copy.deepcopy(graph), list(roots), memory_limit, copy.deepcopy(kw.get("start"))))
         return real(graph, roots, memory_limit, time_limit, **kw)
 
     mesh = ed.DeviceMesh.arange(8)
@@ -129,11 +130,11 @@ def run_training(layers: int, time_limit: float) -> list[str]:
     >>> print("\\n".join(run_training(1, 60)))  # doctest: +SKIP
     """
     from egraph_did.extract import exact, greedy_dag
-    lines = []
-    for i, (graph, roots, bound) in enumerate(capture_training(layers), 1):
+    lines, cuts = [], set()  # the passes share cut hints, as inside optimize
+    for i, (graph, roots, bound, start) in enumerate(capture_training(layers), 1):
         greedy = greedy_dag(graph, roots, bound).cost
         t0, c0 = time.perf_counter(), time.process_time()
-        sel = exact(graph, roots, bound, time_limit)
+        sel = exact(graph, roots, bound, time_limit, start=start, cuts=cuts)
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         s = sel.stats
 
