@@ -2,11 +2,14 @@
 plan is strictly cheaper than the best plan with it switched off, and simulates equal to the single-device
 reference. Shapes and tolerances as tests/optimizer/test_golden_plans.py (bf16 plans on 4 H200s, replayed
 in float64 at small shapes: rtol 1e-9, atol 1e-10)."""
+import sys
+
 import pytest
 import torch
 
 import egraph_did as ed
 from egraph_did.expand import ALL_REWRITES
+from egraph_did.extract import greedy_dag
 from egraph_did import models
 from egraph_did.layout import Layout, R, S
 
@@ -64,6 +67,52 @@ def test_data_parallel_weight_gradients_share_one_allreduce():
     assert plan.buckets == [["dw2", "dw1"]] and set(plan.rewrites.values()) == {"bucket_pair"}
     assert "bucket_pair" in plan.explain()
     check_numerics(plan, backward(16, 8, F64))
+
+
+def test_the_bucketed_pass_gets_a_quarter_of_the_exact_extractors_time(monkeypatch):
+    """The bucketed e-graph only offers to merge collectives of a plan already found: its exact extraction
+    runs under BUCKET_PASS_SHARE of time_limit (fuzz seed 34 case 9729: the first pass proven in 2 s, the
+    bucketed one 60 s unproven with the same plan), and plan.stats["passes"] lists both passes."""
+    opt = sys.modules["egraph_did.optimize"]
+    limits = []
+
+    def recorded(graph, roots, memory_limit=None, time_limit=60.0, **_):  # greedy's plan: the limit is the claim
+        limits.append(time_limit)
+        return greedy_dag(graph, roots, memory_limit)
+    monkeypatch.setattr(opt, "exact", recorded)
+    fd = models.mlp_with_backward(8192, 256, BF16)
+    for n in ("x", "dy", "y", "dx"):
+        pin(fd, n, Layout((S(0),)))
+    pin(fd, "dw1"), pin(fd, "dw2")
+    plan = ed.optimize(fd, MESH, extractor="exact", time_limit=40.0)
+    assert plan.stats["bucket_pairs_offered"] > 0
+    assert limits == [40.0, 40.0 * opt.BUCKET_PASS_SHARE] and len(plan.stats["passes"]) == 2
+
+
+def test_a_bucketed_pass_that_finds_no_plan_keeps_the_first_passs_plan(monkeypatch):
+    """Fuzz seed 34 case 9729 under a memory bound: the first pass proved a plan, the bucketed pass's 0/1
+    program found none in its time and optimize refused the whole fusion; the offer's refusal now keeps the
+    plan in hand and says so in plan.stats."""
+    opt = sys.modules["egraph_did.optimize"]
+    calls = []
+
+    def second_refuses(graph, roots, memory_limit=None, time_limit=60.0, **_):
+        calls.append(time_limit)
+        if len(calls) == 2:
+            raise ed.PlanError("the 0/1 program found no plan within 15 s (test)")
+        return greedy_dag(graph, roots, memory_limit)
+    monkeypatch.setattr(opt, "exact", second_refuses)
+
+    def backward():
+        fd = models.mlp_with_backward(8192, 256, BF16)
+        for n in ("x", "dy", "y", "dx"):
+            pin(fd, n, Layout((S(0),)))
+        pin(fd, "dw1"), pin(fd, "dw2")
+        return fd
+    plan = ed.optimize(backward(), MESH, extractor="exact")
+    unbucketed = ed.optimize(backward(), MESH, rewrites=tuple(r for r in ALL_REWRITES if r != "bucket_pair"))
+    assert len(calls) == 2 and plan.buckets == [] and "0/1 program found no plan" in plan.stats["bucket_pass_refused"]
+    assert kinds(plan) == kinds(unbucketed) == ["allreduce", "allreduce"]
 
 
 def test_no_bucket_where_copies_cost_more_than_the_latency():
