@@ -1063,6 +1063,64 @@ def case_source(spec: dict, memory_limit: float | None = None) -> str:
     return "\n".join(_source_parts(spec, memory_limit))
 
 
+def reference64(spec: dict, inputs: dict, ed):
+    """The case's fusion evaluated with its float inputs (and float16/bfloat16/float32 tensors) in float64, on
+    the same values upcast: integer and bool outputs that differ from the case's own reference are decided
+    by rounding, not by the program (seed 35 case 8279: logical_and of a layer_norm's row sums, which are
+    0 in exact arithmetic and +-1e-7 by summation order), so no plan can be held to them.
+
+    >>> import torch, egraph_did as ed
+    >>> spec = {"seed": 0, "index": 0, "dtype": "float32", "mesh": [1], "axis_names": None,
+    ...         "inputs": {"x": {"shape": [2], "dtype": "float32", "data": "randn"}},
+    ...         "ops": [{"op": "neg", "args": [["x", {"t": "x"}]], "outs": ["t0"]}], "outputs": ["t0"], "pins": {},
+    ...         "cost": {"preset": "h200", "memory_frac": None}, "extractors": ["greedy"], "gloo": False}
+    >>> reference64(spec, {"x": torch.tensor([1.0, 2.0])}, ed)["t0"].dtype
+    torch.float64
+    """
+    import copy
+    wide = copy.deepcopy(spec)
+    for inp in wide["inputs"].values():
+        if inp["dtype"] in ("float16", "bfloat16", "float32"):
+            inp["dtype"] = "float64"
+    head, build = _source_parts(wide)[:2]
+    ns: dict[str, Any] = {}
+    exec(compile(head + "\n" + build, "<fuzz case, float64>", "exec"), ns)
+    return ed.evaluate(ns["fd"], {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()})
+
+
+def compare_outputs(out: dict, ref: dict, tol: float, ref64=None) -> dict[str, str]:
+    """{output: what differs} over ref's outputs (compare); an integer or bool output that differs only where
+    ref64() (reference64, computed once on demand) disagrees with ref is decided by rounding and passes.
+
+    >>> import torch
+    >>> ref = {"b": torch.tensor([True, False])}
+    >>> compare_outputs({"b": torch.tensor([True, True])}, ref, 1e-6, lambda: {"b": torch.tensor([True, True])})
+    {}
+    >>> compare_outputs({"b": torch.tensor([False, False])}, ref, 1e-6, lambda: {"b": torch.tensor([True, True])})
+    {'b': 'integer/bool values differ at (0,): got False, want True'}
+    """
+    bad = {}
+    for k, want in ref.items():
+        why = compare(out.get(k), want, tol)
+        if why and ref64 is not None and not want.is_floating_point() and why.startswith("integer/bool"):
+            steady = ref64()[k].to(want.dtype) == want  # entries the precision does not decide
+            if torch_equal_where(out[k], want, steady):
+                why = None
+        if why:
+            bad[k] = why
+    return bad
+
+
+def torch_equal_where(got, want, mask) -> bool:
+    """got equals want wherever mask holds.
+
+    >>> import torch
+    >>> torch_equal_where(torch.tensor([1, 5]), torch.tensor([1, 2]), torch.tensor([True, False]))
+    True
+    """
+    return bool((got[mask] == want[mask]).all())
+
+
 def _source_parts(spec: dict, memory_limit: float | None = None) -> list[str]:
     head = ['import os', 'os.environ.setdefault("TRITON_INTERPRET", "1")', "import torch",
             "import egraph_did as ed", "DIDx, DIDy, DIDz = ed.ParallelType.DIDx, ed.ParallelType.DIDy, "
@@ -1256,6 +1314,12 @@ def _run_checks(spec, checks, res, fail, timed, stage, torch, ed):
     except Exception as e:  # noqa: BLE001
         fail(_crash_class("evaluate", e), f"{type(e).__name__}: {e}")
         return
+    wide: dict = {}
+
+    def ref64():  # on the first integer/bool mismatch only (compare_outputs)
+        if "ref" not in wide:
+            wide["ref"] = reference64(spec, inputs, ed)
+        return wide["ref"]
     # the cost model, with the memory bound a fraction of the unbounded greedy plan's memory
     exec(compile(cost, "<fuzz cost>", "exec"), ns)
     cm = ns["cost_model"]
@@ -1365,8 +1429,7 @@ def _run_checks(spec, checks, res, fail, timed, stage, torch, ed):
                 lowered = out
             if mode not in checks or (mode == "lowered" and eager_failed):
                 continue  # the plan is wrong already: the lowered run says nothing new
-            bad = {k: compare(out.get(k), v, tol) for k, v in ref.items()}
-            bad = {k: v for k, v in bad.items() if v}
+            bad = compare_outputs(out, ref, tol, ref64)
             if bad:
                 eager_failed = eager_failed or mode == "eager"
                 fail(f"simulate-{mode}-mismatch", "; ".join(f"{k}: {v}" for k, v in bad.items()), ex)
@@ -1391,8 +1454,7 @@ def _run_checks(spec, checks, res, fail, timed, stage, torch, ed):
             fail(_crash_class("gloo", e), f"{type(e).__name__}: {str(e)[:1500]}", "greedy")
             return
         for r, o in enumerate(outs):
-            bad = {k: compare(o.get(k), v, tol) for k, v in ref.items()}
-            bad = {k: v for k, v in bad.items() if v}
+            bad = compare_outputs(o, ref, tol, ref64)
             if bad:
                 fail("gloo-mismatch", f"rank {r}: " + "; ".join(f"{k}: {v}" for k, v in bad.items()), "greedy")
                 break
