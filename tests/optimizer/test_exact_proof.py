@@ -94,23 +94,14 @@ def test_cuts_one_pass_needed_start_the_next_passes_cut_loop_and_prove_the_same_
     """exact's `cuts`: the first pass puts in the keys of the cuts its LP needed, and a later pass (here the
     same graph again) adds those cuts before its first LP, leaving the set as it was: fewer LP rounds, the
     same proven optimum. The cover rows are off: on this step they leave the cut loop no cut to find."""
-    import importlib
-    optimize_module = importlib.import_module("egraph_did.optimize")
-    got = []
-    monkeypatch.setattr(optimize_module, "exact", lambda *a, **k: got.append((a, k)) or extract.exact(*a, **k))
     monkeypatch.setattr(extract, "_add_cover_rows", lambda *a, **k: None)
     _without_dp(monkeypatch)
-    fd = models.gpt_training_step(1, 64, 64, 4, torch.float32, layers=1)
-    mesh = ed.DeviceMesh.arange(2)
-    for name in ("x", "target"):
-        apply_layout(fd[name], Layout((S(1),)), mesh)
-    ed.optimize(fd, mesh, extractor="exact")
-    (graph, roots, bound), kwargs = got[0]
+    graph, roots, bound, start = _small_gpt_step_pass(monkeypatch)
     cuts = set()
-    first = extract.exact(graph, roots, bound, start=kwargs["start"], cuts=cuts)
+    first = extract.exact(graph, roots, bound, start=start, cuts=cuts)
     assert cuts and first.stats["exact_hinted_cuts"] == 0
     hinted = set(cuts)
-    again = extract.exact(graph, roots, bound, start=kwargs["start"], cuts=hinted)
+    again = extract.exact(graph, roots, bound, start=start, cuts=hinted)
     assert again.stats["exact_hinted_cuts"] == len(cuts) and hinted == cuts
     assert again.stats["exact_cut_rounds"] < first.stats["exact_cut_rounds"]
     assert first.proven and again.proven and again.cost == pytest.approx(first.cost, rel=1e-9)
