@@ -220,21 +220,19 @@ def _optimize(fd, mesh: DeviceMesh, cost_model, extractor: str, like, time_limit
             pins = {**(pins or {}), **extra}
     plan.buckets = [list(p) for p in offered.buckets]  # a replay (like=) keeps the plan's pairs
     pairs = bucket_candidates(plan, problem) if "bucket_pair" in names and like is None else []
-    bucket_refused = None
     if pairs:  # a second e-graph, offered to send these pairs in one buffer: kept where it is cheaper
         try:
             bucketed, _ = once(cm, pins, offered.with_buckets(pairs), time_limit * BUCKET_PASS_SHARE)
         except PlanError as e:  # an offer, not a need: the plan in hand stands (a tight memory bound, a short limit)
-            bucketed, bucket_refused = plan, f"{type(e).__name__}: {e}"
-        if bucketed.predicted_time < plan.predicted_time:
-            plan = bucketed
-            plan.buckets = [list(p) for p in pairs]
+            plan.stats["bucket_pass_refused"] = f"{type(e).__name__}: {e}"
+        else:
+            if bucketed.predicted_time < plan.predicted_time:
+                plan = bucketed
+                plan.buckets = [list(p) for p in pairs]
     for tv in as_fusion(fd).all_tensors():  # pins as the user wrote them (Plan.loop_domain reports them so)
         if tv.mesh is not None and tv.name in problem.pins:
             plan.pinned_loops[tv.name] = [tv.loop_str(), problem.pins[tv.name].code()]
     report_views(plan, views)
-    if bucket_refused is not None:
-        plan.stats["bucket_pass_refused"] = bucket_refused
     plan.stats.update(total_s=time.perf_counter() - t0, bucket_pairs_offered=len(pairs), loops_tried=len(loops),
                       passes=passes)
     return plan
