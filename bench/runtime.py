@@ -385,6 +385,46 @@ def launch_floor(reps: int = 50) -> list[tuple[str, float]]:
     return out
 
 
+def kernel_gaps(fn, iters: int = 4) -> list[tuple[str, float, float]]:
+    """(kernel, GPU us, idle us before it) of the last of `iters` iterations run back to back under the
+    profiler (the earlier ones fill the queue, so what idles the GPU is the device's, not a late host):
+    where the time between a program's kernels goes."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    per = len(ev) // iters
+    last = ev[-per:]
+    out, end = [], ev[-per - 1].time_range.end
+    for e in last:
+        out.append((e.name, e.time_range.end - e.time_range.start, max(0.0, e.time_range.start - end)))
+        end = max(end, e.time_range.end)
+    return out
+
+
+def print_gaps() -> None:
+    """kernel_gaps of lean, its CUDA graph and torch.compile, both plans."""
+    device = torch.device("cuda")
+    for sp in (False, True):
+        plan = multigpu.load_plan(8, sp)
+        g = torch.Generator(device=device).manual_seed(0)
+        runs, _ = egraph_runs(plan, device, g)
+        runs.pop("breakdown")
+        runs.update(torch_runs(plan, sp, multigpu.GPT3, device, torch.bfloat16, g, compile_=True))
+        for name in ("egraph-did run_rank", "egraph-did lean", "egraph-did lean + CUDA graph", "torch.compile"):
+            for _ in range(3):
+                runs[name]()
+            rows = kernel_gaps(runs[name])
+            print(f"\n{'TP+SP' if sp else 'TP'} {name}: {len(rows)} kernels, {sum(r[1] for r in rows):.1f} us busy, "
+                  f"{sum(r[2] for r in rows):.1f} us idle between them")
+            for k, us, idle in rows:
+                print(f"    {idle:7.1f} idle  {us:8.1f} us  {k[:100]}")
+
+
 def profile_lean(sp: bool, calls: int = 200, top: int = 30) -> None:
     """cProfile of `calls` runs of the prepared program (enqueue only, the GPU drained every 8 runs, as
     host_ms measures): where the lean executor's host time goes, function by function."""
@@ -415,8 +455,11 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20, help="iterations back to back per GPU timing")
     ap.add_argument("--reps", type=int, default=15, help="repetitions (medians)")
     ap.add_argument("--profile", action="store_true", help="cProfile the prepared program's host loop (TP, TP+SP)")
+    ap.add_argument("--gaps", action="store_true", help="each kernel's GPU time and the idle time before it (GPU)")
     ap.add_argument("--epilogue-only", action="store_true", help="only the matmul epilogue table (GPU)")
     args = ap.parse_args()
+    if args.gaps:
+        return print_gaps()
     if args.profile or args.epilogue_only:
         for sp in (False, True) if args.profile else ():
             profile_lean(sp)
