@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -1001,14 +1002,15 @@ class _Program:
         return chosen
 
 
-def _program(graph: PhysGraph, roots: list[str], memory_limit: float | None) -> _Program | None:
-    """The base rows of the 0/1 program (see _ilp), or None if a root cannot be derived."""
+def _program(graph: PhysGraph, roots: list[str], memory_limit: float | None, usable: "_Usable | None" = None
+             ) -> _Program | None:
+    """The base rows of the 0/1 program (see _ilp), or None if a root cannot be derived. `usable`: _usable's
+    answer where the caller has it."""
     from scipy.sparse import coo_matrix
 
-    order, classes = _usable(graph, roots, memory_limit)
+    order, classes, canon = usable or _Usable.of(graph, roots, memory_limit)
     if any(r not in classes for r in roots):
         return None
-    canon = _canonical_colls(graph, classes)
     cidx = {c: i for i, c in enumerate(order)}
     nodes = [(c, n) for c in order for n in classes[c]]
     nn, nc = len(nodes), len(order)
@@ -1267,7 +1269,8 @@ def _reduced_cost_columns(p: _Program, start: np.ndarray | None) -> tuple[np.nda
 
 
 def _ilp(graph: PhysGraph, roots: list[str], memory_limit: float | None, time_limit: float,
-         start: dict[str, Node] | None = None, guided: bool = True, hints: set | None = None) -> dict:
+         start: dict[str, Node] | None = None, guided: bool = True, hints: set | None = None,
+         usable: "_Usable | None" = None) -> dict:
     """Solve the extraction 0/1 program from a known plan (`start`, greedy's; with `guided`, also from the
     LP-guided greedy plan where cheaper); returns the choice (or None) and what HiGHS proved.
 
@@ -1280,7 +1283,7 @@ def _ilp(graph: PhysGraph, roots: list[str], memory_limit: float | None, time_li
     cuts the last LP holds tight (the rest slowed HiGHS's root: 16,000 rows -> 12,700 on one GPT-3
     layer's training step, 15 s -> 6.5 s)."""
     t0 = time.perf_counter()
-    p = _program(graph, roots, memory_limit)
+    p = _program(graph, roots, memory_limit, usable)
     if p is None:
         return {"choice": None, "proven": True, "status": "infeasible", "bound": None, "lp_bound": None,
                 "cuts": 0, "rounds": 0, "classes": 0, "cut_s": 0.0, "solve_s": 0.0}
@@ -1414,6 +1417,27 @@ def _usable(graph: PhysGraph, roots: list[str], memory_limit: float | None) -> t
     return [c for c in order if c in keep], classes
 
 
+class _Usable(NamedTuple):
+    """What the DP and the 0/1 program both start from (computed once a pass: 0.025 s of each exact pass on
+    one GPT-3 layer's training step, twice): _usable's classes and order, and the canonical collectives."""
+    order: list[str]
+    classes: dict[str, list[Node]]
+    canon: set[int]
+
+    @classmethod
+    def of(cls, graph: PhysGraph, roots: list[str], memory_limit: float | None) -> "_Usable":
+        """_usable's answer with _canonical_colls' (empty where a root cannot be derived).
+
+        >>> g = PhysGraph({"x": [Node("Load", (), "x")], "y": [Node("Apply", ("x",), "y")]})
+        >>> _Usable.of(g, with_roots(g, {"y": ["y"]}), None).order
+        ['x', 'y', '__out__:y', '__root__']
+        """
+        order, classes = _usable(graph, roots, memory_limit)
+        if any(r not in classes for r in roots):
+            return cls(order, classes, set())
+        return cls(order, classes, _canonical_colls(graph, classes))
+
+
 # the DP's share of exact's time (the hard fuzz cases it proves take 0.1-5 s alone on 2 cores, 4x that under
 # load: case 2446 gave up at 8 s beside a test run; tight memory bounds take longer: case 33/6050, whose 0/1
 # program stays 24% below its optimum, 42 s under load 4; on what it cannot prove, e.g. a GPT training step
@@ -1422,15 +1446,15 @@ DP_SHARE, DP_MAX_S = 0.5, 30.0
 
 
 def _exact_dp(graph: PhysGraph, roots: list[str], memory_limit: float | None, greedy: Selection | None,
-              time_limit: float) -> "Selection | dict":
+              time_limit: float, usable: "_Usable | None" = None) -> "Selection | dict":
     """The exact DP over tensors (extract_dp) within its share of time_limit: a proven Selection, or the
-    stats of its try (the caller then solves the 0/1 program)."""
+    stats of its try (the caller then solves the 0/1 program). `usable`: _usable's answer where the caller has it."""
     t0 = time.perf_counter()
-    order, classes = _usable(graph, roots, memory_limit)
+    order, classes, canon = usable or _Usable.of(graph, roots, memory_limit)
     if any(r not in classes for r in roots):
         return {"exact_dp": "no derivation of a root"}
     found: dict = {}
-    res = extract_dp.solve(graph, roots, classes, order, _canonical_colls(graph, classes),
+    res = extract_dp.solve(graph, roots, classes, order, canon,
                            upper=None if greedy is None else greedy.cost, memory_limit=memory_limit,
                            upper_memory=None if greedy is None else greedy.memory,
                            time_limit=min(DP_SHARE * time_limit, DP_MAX_S), found=found,
@@ -1513,7 +1537,8 @@ def _exact(graph: PhysGraph, roots: list[str], memory_limit: float | None, time_
         incumbent = "greedy"
     greedy_cost = None if greedy is None else greedy.cost
     t1 = time.perf_counter()
-    by_dp = _exact_dp(graph, roots, memory_limit, greedy, time_limit)
+    usable = _Usable.of(graph, roots, memory_limit)
+    by_dp = _exact_dp(graph, roots, memory_limit, greedy, time_limit, usable)
     if isinstance(by_dp, Selection):
         by_dp.stats.update(greedy_s=t1 - t0, exact_incumbent=incumbent)
         return by_dp
@@ -1525,7 +1550,7 @@ def _exact(graph: PhysGraph, roots: list[str], memory_limit: float | None, time_
     # greedy plan (0.1-0.2 s) no better than the restricted MIP's: it is then left out
     hinted = len(cuts) if cuts else 0
     info = _ilp(graph, roots, memory_limit, time_limit, None if greedy is None else greedy.choice,
-                guided=incumbent == "greedy", hints=cuts)
+                guided=incumbent == "greedy", hints=cuts, usable=usable)
     if cuts is not None and not cuts:
         # only the first pass's (a training step's free pass: each loop pass differs from it by its own pins
         # alone, and from the other loop by both): pass 3 of one GPT-3 layer's step from pass 1's cuts took
