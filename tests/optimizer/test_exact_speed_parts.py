@@ -1,0 +1,85 @@
+"""What exact's speed-ups rest on (issue 10, "exact extraction of one layer's training step in < 1 s"): each
+must leave the extractor's answers as they were."""
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from egraph_did import extract, extract_dp
+from egraph_did.physgraph import Node, PhysGraph
+
+
+def test_highs_loads_without_scipy_optimize_and_scipy_optimize_shares_it_afterwards():
+    """exact loads scipy's HiGHS extension from its file (scipy.optimize's __init__ was 0.43 s CPU of the first
+    exact pass): the extension must solve, and a later `import scipy.optimize` must find the same module (one
+    extension, two copies of its types would break milp) and still solve. A fresh interpreter: this one has
+    likely imported scipy.optimize already."""
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np
+        from scipy.sparse import csr_matrix
+        from egraph_did import extract
+        core = extract._highs_bindings()
+        assert core is not None and "scipy.optimize" not in sys.modules, sorted(sys.modules)
+        s = extract._Solver(np.array([1.0, 2.0]), csr_matrix([[1.0, 1.0]]), np.array([1.0]), np.array([np.inf]))
+        assert s.mip(np.array([True]), None, 10.0)["fun"] == 1.0
+        import scipy.optimize
+        from scipy.optimize._highspy import _core
+        assert _core is core
+        res = scipy.optimize.milp(np.array([3.0, 2.0]), integrality=np.ones(2), bounds=scipy.optimize.Bounds(0, 1),
+                                  constraints=scipy.optimize.LinearConstraint(np.array([[1.0, 1.0]]), 1, np.inf))
+        assert res.status == 0 and res.fun == 2.0
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_highs_bindings_reuse_a_module_scipy_optimize_already_loaded():
+    import scipy.optimize  # noqa: F401 - loads scipy.optimize._highspy._core the ordinary way
+    from scipy.optimize._highspy import _core
+    assert extract._highs_bindings() is _core
+
+
+def _chain_graph(tensors: int) -> tuple[PhysGraph, list[str]]:
+    """A chain of `tensors` tensors, each at one layout and level (so one class a tensor)."""
+    classes, ident = {"t0": [Node("Load", (), "t0")]}, {"t0": ("t0", "R", 0)}
+    for i in range(1, tensors):
+        classes[f"t{i}"] = [Node("Apply", (f"t{i - 1}",), f"t{i}", 0, cost=1e-6),
+                            Node("Apply", (f"t{i - 1}",), f"t{i}", 1, cost=2e-6)]
+        ident[f"t{i}"] = (f"t{i}", "R", 0)
+    graph = PhysGraph(classes, ident=ident, index={v: k for k, v in ident.items()})
+    return graph, extract.with_roots(graph, {f"t{tensors - 1}": [f"t{tensors - 1}"]})
+
+
+@pytest.mark.parametrize("tensors,refused", [(5, False), (40, True)])
+def test_the_dp_refuses_a_graph_of_more_tensors_than_its_limit_and_proves_one_within_it(tensors, refused):
+    """The DP counts tensors before choosing its walk order: over the limit it refuses (None), within it proves."""
+    graph, roots = _chain_graph(tensors)
+    order, classes, canon = extract._Usable.of(graph, roots, None)
+    res = extract_dp.solve(graph, roots, classes, order, canon, max_tensors=20)
+    if refused:
+        assert res is None
+    else:
+        assert res is not None and res.cost == pytest.approx((tensors - 1) * 1e-6)
+
+
+def test_exact_gives_the_same_plan_with_the_usable_classes_shared_between_the_dp_and_the_0_1_program(monkeypatch):
+    """_Usable is computed once a pass and handed to both methods: the 0/1 program alone (the DP's share of
+    time 0) must still prove the same optimum as the DP."""
+    graph, roots = _chain_graph(6)
+    by_dp = extract.exact(graph, roots)
+    monkeypatch.setattr(extract, "DP_SHARE", 0.0)
+    monkeypatch.setattr(extract_dp, "BEAM_ROUNDS", 0)
+    calls = []
+    real = extract._Usable.of
+    monkeypatch.setattr(extract._Usable, "of", classmethod(lambda cls, *a: calls.append(a) or real(*a)))
+    by_ilp = extract.exact(graph, roots)
+    assert by_dp.proven and by_ilp.proven
+    assert (by_dp.stats["exact_method"], by_ilp.stats["exact_method"]) == ("dp", "ilp")
+    assert by_ilp.cost == pytest.approx(by_dp.cost, rel=1e-12)
+    assert len(calls) == 1
+    assert np.isclose(by_dp.cost, 5e-6)
