@@ -832,6 +832,93 @@ def _load_highs_core():
     return None  # pragma: no cover - scipy < 1.15
 
 
+class _Rows:
+    """A sparse matrix by rows (CSR: row i's entries are indices/data[indptr[i]:indptr[i + 1]], columns ascending),
+    with what the 0/1 program needs of one. numpy only: scipy.sparse's import (0.16 s CPU, most of it
+    scipy._lib's array API layer cloning numpy) was the first exact pass's on one GPT-3 layer's training step,
+    and HiGHS takes plain arrays.
+
+    >>> m = _Rows.from_coo([1.0, 2.0, 3.0], [1, 0, 1], [2, 1, 0], (2, 3))
+    >>> m.indptr.tolist(), m.indices.tolist(), m.toarray().tolist()
+    ([0, 1, 3], [1, 0, 2], [[0.0, 2.0, 0.0], [3.0, 0.0, 1.0]])
+    >>> (m @ np.array([1.0, 1.0, 1.0])).tolist(), m.rmatvec(np.array([1.0, 1.0])).tolist()
+    ([2.0, 4.0], [3.0, 2.0, 1.0])
+    >>> m[np.array([False, True])].toarray().tolist(), m[:1].toarray().tolist()
+    ([[3.0, 0.0, 1.0]], [[0.0, 2.0, 0.0]])
+    """
+
+    def __init__(self, indptr, indices, data, shape):
+        self.indptr = np.asarray(indptr, dtype=np.int64)
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.data = np.asarray(data, dtype=float)
+        self.shape = (int(shape[0]), int(shape[1]))
+
+    @classmethod
+    def from_coo(cls, data, rows, cols, shape) -> "_Rows":
+        """From (value, row, column) triples, none repeated."""
+        rows, cols = np.asarray(rows, dtype=np.int64), np.asarray(cols, dtype=np.int64)
+        order = np.lexsort((cols, rows))
+        indptr = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=shape[0]))])
+        return cls(indptr, cols[order], np.asarray(data, dtype=float)[order], shape)
+
+    @classmethod
+    def of(cls, a) -> "_Rows":
+        """A _Rows, or any scipy sparse matrix or 2-D array, as a _Rows."""
+        if isinstance(a, cls):
+            return a
+        if hasattr(a, "tocsr"):
+            a = a.tocsr()
+            a.sort_indices()
+            return cls(a.indptr, a.indices, a.data, a.shape)
+        a = np.asarray(a, dtype=float)
+        rows, cols = np.nonzero(a)
+        return cls.from_coo(a[rows, cols], rows, cols, a.shape)
+
+    @property
+    def nnz(self) -> int:
+        return len(self.data)
+
+    def _row_of_entry(self) -> np.ndarray:
+        return np.repeat(np.arange(self.shape[0]), np.diff(self.indptr))
+
+    def __matmul__(self, x: np.ndarray) -> np.ndarray:
+        return np.bincount(self._row_of_entry(), self.data * x[self.indices], minlength=self.shape[0])
+
+    def rmatvec(self, y: np.ndarray) -> np.ndarray:
+        """The transpose times y."""
+        return np.bincount(self.indices, self.data * y[self._row_of_entry()], minlength=self.shape[1])
+
+    def __getitem__(self, keep) -> "_Rows":
+        """The rows `keep` picks (a mask, a slice or row indices)."""
+        sel = np.arange(self.shape[0])[keep]
+        _, at = _spans(self.indptr[sel], self.indptr[sel + 1])
+        indptr = np.concatenate([[0], np.cumsum(self.indptr[sel + 1] - self.indptr[sel])])
+        return _Rows(indptr, self.indices[at], self.data[at], (len(sel), self.shape[1]))
+
+    def stack(self, other: "_Rows") -> "_Rows":
+        """These rows, then other's."""
+        return _Rows(np.concatenate([self.indptr, self.indptr[-1] + other.indptr[1:]]),
+                     np.concatenate([self.indices, other.indices]), np.concatenate([self.data, other.data]),
+                     (self.shape[0] + other.shape[0], self.shape[1]))
+
+    def by_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(start, row index, value) column-wise (CSC, rows ascending), as HiGHS takes a model."""
+        rows = self._row_of_entry()
+        order = np.lexsort((rows, self.indices))
+        start = np.concatenate([[0], np.cumsum(np.bincount(self.indices, minlength=self.shape[1]))])
+        return start, rows[order], self.data[order]
+
+    def toarray(self) -> np.ndarray:
+        out = np.zeros(self.shape)
+        out[self._row_of_entry(), self.indices] = self.data
+        return out
+
+    def to_scipy(self):
+        """As a scipy CSR matrix (scipy's milp, where its HiGHS bindings are missing)."""
+        from scipy.sparse import csr_matrix
+        return csr_matrix((self.data, self.indices, self.indptr), shape=self.shape)
+
+
 class _Solver:
     """The 0/1 program's matrix, bounds and costs (every variable in [0, 1]), solved as an LP (the cut
     loop, warm: rows are added to one model) or as a MIP (from a start, with some rows left out).
@@ -844,7 +931,7 @@ class _Solver:
     """
 
     def __init__(self, cost, a, lo, hi):
-        self.cost, self.a, self.lo, self.hi = cost, a.tocsr(), lo, hi
+        self.cost, self.a, self.lo, self.hi = cost, _Rows.of(a), lo, hi
         self.core = _highs_bindings()
         self.highs = None
 
@@ -855,12 +942,11 @@ class _Solver:
         # one thread: optimize runs in many processes at once (one per rank under launch, sweeps, fuzz
         # campaigns), and HiGHS's own pool per process oversubscribes the cores
         h.setOptionValue("threads", 1)
-        a = a.tocsc()
         lp = core.HighsLp()
         lp.num_row_, lp.num_col_ = a.shape
         lp.a_matrix_.num_row_, lp.a_matrix_.num_col_ = a.shape
         lp.a_matrix_.format_ = core.MatrixFormat.kColwise
-        lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.indptr, a.indices, a.data
+        lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.by_columns()
         lp.col_cost_, lp.col_lower_ = self.cost, np.zeros(a.shape[1])
         lp.col_upper_ = np.ones(a.shape[1]) if upper is None else upper
         lp.row_lower_ = np.maximum(lo, -core.kHighsInf)
@@ -874,7 +960,7 @@ class _Solver:
         """The relaxation's solution and value (None, None if it has none)."""
         if self.core is None:
             from scipy.optimize import Bounds, LinearConstraint, milp
-            res = milp(self.cost, constraints=LinearConstraint(self.a, self.lo, self.hi), bounds=Bounds(0, 1))
+            res = milp(self.cost, constraints=LinearConstraint(self.a.to_scipy(), self.lo, self.hi), bounds=Bounds(0, 1))
             return res.x, res.fun
         if self.highs is None:
             self.highs = self._model(self.a, self.lo, self.hi, False)
@@ -884,12 +970,10 @@ class _Solver:
         return np.array(self.highs.getSolution().col_value), self.highs.getInfo().objective_function_value
 
     def add_rows(self, rows, lo, hi) -> None:
-        """Append rows (a CSR matrix over the same columns) to the program and to the warm LP."""
-        from scipy.sparse import vstack
-        self.a = vstack([self.a, rows]).tocsr()
+        """Append rows (a _Rows over the same columns) to the program and to the warm LP."""
+        self.a = self.a.stack(rows)
         self.lo, self.hi = np.concatenate([self.lo, lo]), np.concatenate([self.hi, hi])
         if self.highs is not None:
-            rows = rows.tocsr()
             self.highs.addRows(rows.shape[0], np.maximum(lo, -self.core.kHighsInf), hi, rows.nnz,
                                rows.indptr[:-1].astype(np.int32), rows.indices.astype(np.int32), rows.data)
 
@@ -902,7 +986,7 @@ class _Solver:
             return None
         y = np.array(self.highs.getSolution().row_dual)
         y = np.where(y > 0, np.where(np.isfinite(self.lo), y, 0.0), np.where(np.isfinite(self.hi), y, 0.0))
-        reduced = self.cost - self.a.T @ y
+        reduced = self.cost - self.a.rmatvec(y)
         rows = np.maximum(y, 0.0) * np.where(np.isfinite(self.lo), self.lo, 0.0) \
             + np.minimum(y, 0.0) * np.where(np.isfinite(self.hi), self.hi, 0.0)
         return float(rows.sum() + np.minimum(reduced, 0.0).sum()), reduced  # every column in [0, 1]
@@ -921,7 +1005,7 @@ class _Solver:
         upper = None if cols is None else cols.astype(float)
         if self.core is None:
             from scipy.optimize import Bounds, LinearConstraint, milp
-            res = milp(self.cost, constraints=LinearConstraint(a, lo, hi), integrality=np.ones(a.shape[1]),
+            res = milp(self.cost, constraints=LinearConstraint(a.to_scipy(), lo, hi), integrality=np.ones(a.shape[1]),
                        bounds=Bounds(0, 1 if upper is None else upper),
                        options={"time_limit": time_limit, "mip_rel_gap": 1e-9})
             return {"status": {0: "optimal", 1: "time limit", 2: "infeasible"}.get(res.status, res.message),
@@ -1006,8 +1090,6 @@ def _program(graph: PhysGraph, roots: list[str], memory_limit: float | None, usa
              ) -> _Program | None:
     """The base rows of the 0/1 program (see _ilp), or None if a root cannot be derived. `usable`: _usable's
     answer where the caller has it."""
-    from scipy.sparse import coo_matrix
-
     order, classes, canon = usable or _Usable.of(graph, roots, memory_limit)
     if any(r not in classes for r in roots):
         return None
@@ -1052,7 +1134,7 @@ def _program(graph: PhysGraph, roots: list[str], memory_limit: float | None, usa
         # coarse or too fine (measured: a plan 0.1% under the bound declared infeasible)
         scale = 1000.0 / max(memory_limit, 1.0)
         add(list(range(nn)), [n.memory * scale for _, n in nodes], -np.inf, memory_limit * scale)
-    a = coo_matrix((v_, (r_, c_)), shape=(len(lb), nn + nc)).tocsr()
+    a = _Rows.from_coo(v_, r_, c_, (len(lb), nn + nc))
     return _Program(order, nodes, cidx, first, cost, _Solver(cost, a, np.array(lb), np.array(ub)))
 
 
@@ -1104,7 +1186,6 @@ def _add_cover_rows(p: _Program, through: np.ndarray, by_group, roots: list[str]
     the row sum of the group's y_d >= 1. They are the cuts of the roots' classes, known before any LP: on one
     GPT-3 layer's training step 646 rows where the cut loop had found the same LP bound (6.866 ms) in 14
     rounds and 8,485 cuts (1.1-1.3 s of a 2.5 s pass); from them it takes 2 rounds and 4 cuts."""
-    from scipy.sparse import coo_matrix
     nn, nc = p.nn, len(p.order)
     grp = sorted({int(g) for r in roots if r in p.cidx
                   for g in np.nonzero(through[p.first[p.cidx[r]]:p.first[p.cidx[r] + 1]].all(axis=0))[0]})
@@ -1112,8 +1193,8 @@ def _add_cover_rows(p: _Program, through: np.ndarray, by_group, roots: list[str]
         return
     grp = np.array(grp)
     owner, at = _spans(by_group.indptr[grp], by_group.indptr[grp + 1])  # each group's y columns
-    rows = coo_matrix((np.ones(len(at)), (owner, nn + by_group.indices[at])), shape=(len(grp), nn + nc))
-    p.solver.add_rows(rows.tocsr(), np.ones(len(grp)), np.full(len(grp), np.inf))
+    rows = _Rows.from_coo(np.ones(len(at)), owner, nn + by_group.indices[at], (len(grp), nn + nc))
+    p.solver.add_rows(rows, np.ones(len(grp)), np.full(len(grp), np.inf))
     p.cut_keys.extend([(None, None)] * len(grp))
     p.n_cover = len(grp)
 
@@ -1128,7 +1209,6 @@ def _separate(graph: PhysGraph, p: _Program, budget_s: float, hints: set | None 
     cuts are added before the first LP where this program has them (cuts another pass of the same fusion
     needed; each is derived here, so valid whatever the hint). Returns (cuts, rounds, LP bound, last LP
     solution); p.cut_keys names each cut row (a cover row: (None, None))."""
-    from scipy.sparse import coo_matrix, csr_matrix
     t0 = time.perf_counter()
     order, nodes, first, nn, nc = p.order, p.nodes, p.first, p.nn, len(p.order)
     node_class = np.repeat(np.arange(nc), np.diff(first))
@@ -1146,12 +1226,8 @@ def _separate(graph: PhysGraph, p: _Program, budget_s: float, hints: set | None 
     has = cls_group[node_class] >= 0
     own[np.nonzero(has)[0], cls_group[node_class[has]]] = True
     through = blk_n & ~own  # node j reads group g (not its own) on every derivation
-    bn = csr_matrix(through, dtype=float)
     grouped = np.nonzero(cls_group >= 0)[0]
-    member = csr_matrix((np.ones(len(grouped)), (grouped, cls_group[grouped])), shape=(nc, ng))
-    by_group = member.T.tocsr()  # group -> its classes, in order
-    by_group.sort_indices()
-    cls_of_node = csr_matrix((np.ones(nn), (node_class, np.arange(nn))), shape=(nc, nn))
+    by_group = _Rows.from_coo(np.ones(len(grouped)), cls_group[grouped], grouped, (ng, nc))  # group -> its classes
     seen: set[int] = set()  # (class, group) as class * ng + group
     groups = list(gid)
 
@@ -1164,7 +1240,7 @@ def _separate(graph: PhysGraph, p: _Program, budget_s: float, hints: set | None 
         rows = np.concatenate([owner[on], cand[m_owner]])
         cols = np.concatenate([js[on], nn + by_group.indices[m_at]])
         vals = np.concatenate([np.ones(int(on.sum())), -np.ones(len(m_at))])
-        p.solver.add_rows(coo_matrix((vals, (rows, cols)), shape=(len(cls), nn + nc)).tocsr(),
+        p.solver.add_rows(_Rows.from_coo(vals, rows, cols, (len(cls), nn + nc)),
                           np.full(len(cls), -np.inf), np.zeros(len(cls)))
         p.cut_keys.extend((_class_key(graph, order[c]), groups[g]) for c, g in zip(cls.tolist(), grp.tolist()))
 
@@ -1183,12 +1259,12 @@ def _separate(graph: PhysGraph, p: _Program, budget_s: float, hints: set | None 
             break
         rounds += 1
         lp_bound = fun
-        lhs = csr_matrix(cls_of_node @ bn.multiply(x[:nn, None]))  # class x group
-        ysum = member.T @ x[nn:]  # group -> sum of its y
-        hit = lhs.tocoo()
-        hit = hit.row[(hit.data > 1e-9) & (hit.data - ysum[hit.col] > 1e-6)]
-        violated = np.unique(hit)  # dense rows for these classes only (all rows' sort: 0.18 s a pass)
-        lhs = lhs[violated].toarray()
+        ysum = np.bincount(cls_group[grouped], x[nn:][grouped], minlength=ng)  # group -> sum of its y
+        row, col, val = _through_sums(through, node_class, x[:nn])  # (class, group): its nodes through it
+        violated = np.unique(row[(val > 1e-9) & (val - ysum[col] > 1e-6)])
+        lhs = np.zeros((len(violated), ng))  # dense rows for these classes only (all rows' sort: 0.18 s a pass)
+        on = np.isin(row, violated)
+        lhs[np.searchsorted(violated, row[on]), col[on]] = val[on]
         viol = np.where(lhs > 1e-9, lhs - ysum[None, :], 0.0)
         # the three most violated groups of each class (one a round: twice the rounds, measured)
         top = np.argsort(-viol, axis=1)[:, :3]
@@ -1201,6 +1277,21 @@ def _separate(graph: PhysGraph, p: _Program, budget_s: float, hints: set | None 
         add_cuts(cls, grp)
         n_cuts += len(cls)
     return n_cuts, rounds, lp_bound, x
+
+
+def _through_sums(through: np.ndarray, node_class: np.ndarray, x: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(class, group, the sum of x over the class's nodes through the group), where some node the LP uses is.
+
+    >>> through = np.array([[True, False], [True, True], [False, True]])
+    >>> [a.tolist() for a in _through_sums(through, np.array([0, 0, 1]), np.array([0.25, 0.5, 1.0]))]
+    [[0, 0, 1], [0, 1, 1], [0.75, 0.5, 1.0]]
+    """
+    used = np.nonzero(x > 0)[0]
+    at, grp = np.nonzero(through[used])
+    ng = through.shape[1]
+    key, inverse = np.unique(node_class[used[at]] * ng + grp, return_inverse=True)
+    return key // ng, key % ng, np.bincount(inverse, x[used[at]], minlength=len(key))
 
 
 def _lp_guided(graph: PhysGraph, roots: list[str], memory_limit: float | None, p: _Program,
