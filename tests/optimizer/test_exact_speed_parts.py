@@ -111,3 +111,18 @@ def test_the_numpy_rows_agree_with_scipy_sparse_entry_for_entry():
     both = ours.stack(ours[keep])
     assert np.array_equal(both.toarray(), vstack([theirs, theirs[keep]]).toarray())
     assert np.array_equal(extract._Rows.of(theirs).toarray(), theirs.toarray())
+
+
+def test_a_start_copied_apart_from_its_graph_is_still_the_0_1_programs_start():
+    """_Program.start finds a plan's nodes by identity, else by equality: a deep copy of the start (not of the
+    graph with it) gives the same vector, not every class's first node."""
+    import copy
+    graph = PhysGraph({"x": [Node("Load", (), "x")],
+                       "y": [Node("Apply", ("x",), "y", 0, cost=3e-6), Node("Apply", ("x",), "y", 1, cost=1e-6)]})
+    roots = extract.with_roots(graph, {"y": ["y"]})
+    plan = extract.exact(graph, roots)
+    assert plan.choice["y"].sid == 1  # not the class's first node
+    p = extract._program(graph, roots, None)
+    same, copied = p.start(plan.choice, roots), p.start(copy.deepcopy(plan.choice), roots)
+    assert np.array_equal(same, copied) and p.solver.feasible(copied)
+    assert p.cost @ copied == pytest.approx(1e3)  # 1 us, in ns: y's second node
