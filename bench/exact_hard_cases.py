@@ -9,10 +9,18 @@ then `exact` runs on it with --time-limit.
 
     .venv/bin/python bench/exact_hard_cases.py [--cases 290,1147,5441,6658,2446,5417] [--seed 7] [--time-limit 60]
     .venv/bin/python bench/exact_hard_cases.py --training [--layers 1] [--time-limit 60]
+    .venv/bin/python bench/exact_hard_cases.py --loop-proof [--layers 1] [--time-limit 60]
 
 --training: instead, every graph optimize(extractor="exact") hands the exact extractor for the GPT-3 training
 step of bench/optimizer.py --training (the whole graph, then the loop pins' passes; issue 10's "< 1 s"), each
 line with greedy's cost on the same graph, the DP's verdict and the 0/1 program's split (cut loop, MIP).
+
+--loop-proof: how good optimize's loop passes are. optimize plans a training step whole (pass 1), and where
+that plan takes some x in one layout and delivers next.x in another, it re-plans under two sets of loop pins
+derived from it and keeps the cheaper (optimize.loop_pins): a heuristic over which loops to try. This solves,
+on pass 1's graph, the 0/1 program with every tie (x, next.x) held to one layout (a 0/1 variable per tied
+input and layout: x loaded in no other, next.x delivered in it), i.e. the cheapest loop plan of all, proven,
+and compares optimize's plan with it. A check of the heuristic, not a planner: it took 10 s on one layer.
 
 The defaults are the 10,000-case campaign's (seed 7) cases over 50 s: 290, 1147, 5441, 6658 in one
 process, 2446 and 5417 only under 16-process load. Results: bench/results_exact_hard_cases.txt.
@@ -149,14 +157,75 @@ def run_training(layers: int, time_limit: float) -> list[str]:
     return lines
 
 
+def loop_proof(layers: int, time_limit: float) -> str:
+    """One line: the cheapest plan of pass 1's graph in which every tied pair (x, next.x) shares one layout, as
+    the 0/1 program proves it (cut loop, then the tie rows and HiGHS), against optimize's plan.
+
+    >>> print(loop_proof(1, 60))  # doctest: +SKIP
+    """
+    import numpy as np
+    from egraph_did import extract as X
+    from egraph_did.grad import NEXT
+    captured = capture_training(layers)  # optimize runs on: its plan is the last pass's (the cheaper loop)
+    graph, roots, bound, _ = captured[0]
+    final = min(X.exact(g, r, b, time_limit, start=s).cost for g, r, b, s in captured[1:]) if len(captured) > 1 else None
+    t0, c0 = time.perf_counter(), time.process_time()
+    p = X._program(graph, roots, bound)
+    X._separate(graph, p, 0.3 * time_limit, None, roots)
+    nn, nc = p.nn, len(p.order)
+    out = {c[len("__out__:" + NEXT):]: c for c in p.order if c.startswith("__out__:" + NEXT)}
+    z: dict[tuple[str, str], int] = {}  # (tied input, layout) -> its column after the program's
+    loads: dict[str, list[tuple[int, str]]] = {}
+    for ci, c in enumerate(p.order):
+        for j in range(p.first[ci], p.first[ci + 1]):
+            n = p.nodes[j][1]
+            if n.op == "Load" and n.key in out:
+                lay = graph.ident[c][1]
+                loads.setdefault(n.key, []).append((ci, lay))
+                z.setdefault((n.key, lay), nn + nc + len(z))
+    rows, cols, vals, lo, hi = [], [], [], [], []
+
+    def row(entries, low, high):
+        for col, v in entries:
+            rows.append(len(lo)), cols.append(col), vals.append(v)
+        lo.append(low), hi.append(high)
+    for x, o in out.items():
+        row([(col, 1.0) for (name, _), col in z.items() if name == x], 1.0, 1.0)  # one layout per tie
+        for ci, lay in loads.get(x, []):  # x loaded only in it
+            row([(nn + ci, 1.0), (z[(x, lay)], -1.0)], -np.inf, 0.0)
+        oi = p.cidx[o]
+        for j in range(p.first[oi], p.first[oi + 1]):  # next.x delivered only in it
+            lay = graph.ident[p.nodes[j][1].children[0]][1]
+            row([(j, 1.0)] + ([(z[(x, lay)], -1.0)] if (x, lay) in z else []), -np.inf, 0.0)
+    n_cols = nn + nc + len(z)
+    base = p.solver.a
+    widened = X._Rows(base.indptr, base.indices, base.data, (base.shape[0], n_cols))
+    a = widened.stack(X._Rows.from_coo(np.array(vals), np.array(rows), np.array(cols), (len(lo), n_cols)))
+    solver = X._Solver(np.concatenate([p.cost, np.zeros(len(z))]), a, np.concatenate([p.solver.lo, lo]),
+                       np.concatenate([p.solver.hi, hi]))
+    _, lp = solver.lp()
+    res = solver.mip(np.ones(a.shape[0], dtype=bool), None, time_limit)
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    best = None if res["fun"] is None else res["fun"] / 1e6
+    return (f"training {layers} layer(s) loop proof: {dt:5.1f} s ({cpu:5.1f} s CPU) {res['status']}: cheapest loop plan "
+            f"{'-' if best is None else f'{best:7.4f}'} ms (bound {res['bound'] / 1e6:7.4f}, tied LP {lp / 1e6:7.4f}); "
+            f"optimize's loop passes {'-' if final is None else f'{final * 1e3:7.4f}'} ms; {len(out)} ties, "
+            f"{len(z)} (input, layout) columns; optimize ran {len(captured)} exact pass(es)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=",".join(map(str, HARD)))
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--training", action="store_true", help="the GPT-3 training step's exact passes instead")
-    ap.add_argument("--layers", type=int, default=1, help="--training: the step's layers")
+    ap.add_argument("--loop-proof", action="store_true",
+                    help="the cheapest loop plan of the training step's first pass, proven, against optimize's")
+    ap.add_argument("--layers", type=int, default=1, help="--training, --loop-proof: the step's layers")
     a = ap.parse_args(argv)
+    if a.loop_proof:
+        print(loop_proof(a.layers, a.time_limit), flush=True)
+        return 0
     if a.training:
         for line in run_training(a.layers, a.time_limit):
             print(line, flush=True)
