@@ -22,9 +22,14 @@ default, recompute=None); without a memory bound the plan keeps every value. --n
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
+
+# this tree's egraph_did, not whichever is installed (a copy of the tree measured beside main imported main's)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import egraph_did as ed
 from egraph_did import models
