@@ -10,6 +10,7 @@ then `exact` runs on it with --time-limit.
     .venv/bin/python bench/exact_hard_cases.py [--cases 290,1147,5441,6658,2446,5417] [--seed 7] [--time-limit 60]
     .venv/bin/python bench/exact_hard_cases.py --training [--layers 1] [--time-limit 60]
     .venv/bin/python bench/exact_hard_cases.py --loop-proof [--layers 1] [--time-limit 60]
+    .venv/bin/python bench/exact_hard_cases.py --blocking-rounds 20 [--layers 1]
 
 --training: instead, every graph optimize(extractor="exact") hands the exact extractor for the GPT-3 training
 step of bench/optimizer.py --training (the whole graph, then the loop pins' passes; issue 10's "< 1 s"), each
@@ -21,6 +22,11 @@ derived from it and keeps the cheaper (optimize.loop_pins): a heuristic over whi
 on pass 1's graph, the 0/1 program with every tie (x, next.x) held to one layout (a 0/1 variable per tied
 input and layout: x loaded in no other, next.x delivered in it), i.e. the cheapest loop plan of all, proven,
 and compares optimize's plan with it. A check of the heuristic, not a planner: it took 10 s on one layer.
+
+--blocking-rounds N: research on the first pass's relaxation (issue 10: its MIP is most of exact's time). After
+exact's cut loop, N rounds of blocking-set cuts (blocking_cuts: y_c <= the sum of x over a set of nodes that every
+derivation of class c uses, valid for every plan), the LP bound after each round, then HiGHS's MIP from the
+optimum with the binding cuts and reduced-cost fixing: how much a tighter LP buys the MIP.
 
 The defaults are the 10,000-case campaign's (seed 7) cases over 50 s: 290, 1147, 5441, 6658 in one
 process, 2446 and 5417 only under 16-process load. Results: bench/results_exact_hard_cases.txt.
@@ -213,6 +219,118 @@ def loop_proof(layers: int, time_limit: float) -> str:
             f"{len(z)} (input, layout) columns; optimize ran {len(captured)} exact pass(es)")
 
 
+def blocking_cuts(p, x: "np.ndarray") -> tuple[list[int], list[list[int]]]:
+    """For the 0/1 program p at the LP point x: (classes c, node sets S) with y_c > sum of x over S, where S is
+    a set of nodes every derivation of c uses (so y_c <= sum of x_S holds for every plan: a plan that needs c
+    holds a derivation of it, and that derivation picks a node of S). Each class's set is built bottom-up as
+    greedy_dag builds its sets (bitsets, a member shared by several branches counted once): a node is blocked
+    by itself or by one child class's set (whichever adds least to what the class holds so far, a child's on a
+    tie: deeper sets are shared more often), a class by all its nodes, or by a class every derivation of it
+    passes through where that is lighter. A heuristic separation: the least such set is not always found.
+
+    >>> classes, sets = blocking_cuts(p, x)  # doctest: +SKIP
+    """
+    import numpy as np
+    nn, nc, first = p.nn, len(p.order), p.first
+    children = [[p.cidx[c] for c in dict.fromkeys(n.children)] for _, n in p.nodes]
+    xs, ys = x[:nn], x[nn:]
+    weighted = 0
+    for j in np.nonzero(xs > 1e-12)[0]:
+        weighted |= 1 << int(j)
+
+    def weight(bits: int) -> float:
+        bits &= weighted
+        w = 0.0
+        while bits:
+            low = bits & -bits
+            w += xs[low.bit_length() - 1]
+            bits ^= low
+        return w
+    everything = (1 << nc) - 1
+    dominators = [0] * nc  # classes every derivation of class ci passes through (bitsets, as extract._blocking)
+    sets, weights = [0] * nc, np.zeros(nc)
+    for ci in range(nc):
+        held, held_w, dom = 0, 0.0, everything
+        for j in range(first[ci], first[ci + 1]):
+            below = 0
+            for d in children[j]:
+                below |= dominators[d]
+            dom &= below
+            best, best_w = 1 << j, (0.0 if (held >> j) & 1 else xs[j])
+            for d in children[j]:
+                added = weight(sets[d] & ~held)
+                if added <= best_w + 1e-12:
+                    best, best_w = sets[d], added
+            held |= best
+            held_w += best_w
+        dominators[ci] = dom | (1 << ci)
+        while dom and dom != everything:
+            low = dom & -dom
+            d = low.bit_length() - 1
+            dom ^= low
+            if weights[d] <= held_w + 1e-12:
+                held, held_w = sets[d], weights[d]
+        sets[ci], weights[ci] = held, held_w
+    out_c, out_s = [], []
+    for ci in np.nonzero(ys - weights > 1e-6)[0]:
+        bits, members = sets[ci], []
+        while bits:
+            low = bits & -bits
+            members.append(low.bit_length() - 1)
+            bits ^= low
+        if ys[ci] - xs[members].sum() > 1e-6:
+            out_c.append(int(ci))
+            out_s.append(members)
+    return out_c, out_s
+
+
+def blocking_rounds(layers: int, rounds: int, time_limit: float) -> list[str]:
+    """Lines: the first pass's LP bound after exact's cut loop and after each round of blocking_cuts, then the
+    MIP (from the proven optimum, binding cuts, reduced-cost fixing) on the tightened program.
+
+    >>> print("\\n".join(blocking_rounds(1, 20, 60)))  # doctest: +SKIP
+    """
+    import numpy as np
+    from egraph_did import extract as X
+    graph, roots, bound, start = capture_training(layers)[0]
+    best = X.exact(graph, roots, bound, time_limit, start=start)
+    t0 = time.perf_counter()
+    p = X._program(graph, roots, bound)
+    n_base = p.solver.a.shape[0]
+    _, _, lp, x = X._separate(graph, p, 0.3 * time_limit, None, roots)
+    n_kept = p.solver.a.shape[0]  # base rows, cover rows, the cut loop's cuts
+    lines = [f"pass 1: optimum {best.cost * 1e3:.4f} ms; exact's cut loop LP {lp / 1e6:.4f} ms "
+             f"({time.perf_counter() - t0:.2f} s)"]
+    gap = best.cost * 1e9 - lp
+    for r in range(rounds):
+        t1 = time.perf_counter()
+        cls, sets = blocking_cuts(p, x)
+        if not cls:
+            lines.append(f"round {r + 1}: no violated blocking set found")
+            break
+        rows = np.concatenate([np.full(len(s) + 1, k) for k, s in enumerate(sets)])
+        cols = np.concatenate([np.array([p.nn + c] + s) for c, s in zip(cls, sets)])
+        vals = np.concatenate([np.array([1.0] + [-1.0] * len(s)) for s in sets])
+        p.solver.add_rows(X._Rows.from_coo(vals, rows, cols, (len(cls), p.solver.a.shape[1])),
+                          np.full(len(cls), -np.inf), np.zeros(len(cls)))
+        sep = time.perf_counter() - t1
+        x, lp = p.solver.lp()
+        lines.append(f"round {r + 1}: {len(cls)} cuts (separation {sep:.2f} s), LP {lp / 1e6:.4f} ms, "
+                     f"{(lp - (best.cost * 1e9 - gap)) / gap:.0%} of the gap closed ({time.perf_counter() - t1:.2f} s)")
+    act = p.solver.a @ x
+    row_dual = np.array(p.solver.highs.getSolution().row_dual)
+    keep = ((p.solver.hi - act) < 1e-7) & (np.abs(row_dual) > 1e-9)
+    keep[:n_kept] = True
+    keep[:n_base] = True
+    opt = p.start(best.choice, roots)
+    cols, dual = X._reduced_cost_columns(p, opt)
+    t1 = time.perf_counter()
+    res = p.solver.mip(keep, opt, time_limit, cols=cols, search=False)
+    lines.append(f"MIP from the optimum: {res['status']} in {time.perf_counter() - t1:.2f} s, {int((~cols).sum())} "
+                 f"columns fixed by reduced cost, {int(keep[n_kept:].sum())} blocking cuts kept")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=",".join(map(str, HARD)))
@@ -221,8 +339,14 @@ def main(argv=None) -> int:
     ap.add_argument("--training", action="store_true", help="the GPT-3 training step's exact passes instead")
     ap.add_argument("--loop-proof", action="store_true",
                     help="the cheapest loop plan of the training step's first pass, proven, against optimize's")
-    ap.add_argument("--layers", type=int, default=1, help="--training, --loop-proof: the step's layers")
+    ap.add_argument("--blocking-rounds", type=int, default=0,
+                    help="rounds of blocking-set cuts on the training step's first pass, then its MIP")
+    ap.add_argument("--layers", type=int, default=1, help="--training, --loop-proof, --blocking-rounds: the step's layers")
     a = ap.parse_args(argv)
+    if a.blocking_rounds:
+        for line in blocking_rounds(a.layers, a.blocking_rounds, a.time_limit):
+            print(line, flush=True)
+        return 0
     if a.loop_proof:
         print(loop_proof(a.layers, a.time_limit), flush=True)
         return 0
