@@ -104,11 +104,11 @@ def run(seed: int, index: int, time_limit: float) -> str:
             f"  classes {len(graph.classes)}  memory bound {'none' if bound is None else f'{bound:.0f} B'}")
 
 
-def capture_training(layers: int = 1) -> list[tuple]:
+def capture_training(layers: int = 1, fd=None, mesh=None) -> list[tuple]:
     """[(graph, roots, memory_limit, start)] of every exact() call optimize(extractor="exact") makes on the GPT-3
-    training step bench/optimizer.py --training measures (8 ranks, x and target sequence-sharded), each
-    graph (and optimize's start= plan) copied before exact() runs on it (optimize goes on with the real
-    extractor's plans).
+    training step bench/optimizer.py --training measures (8 ranks, x and target sequence-sharded), or on `fd`
+    over `mesh` where given, each graph (and optimize's start= plan) copied before exact() runs on it
+    (optimize goes on with the real extractor's plans).
 
     >>> passes = capture_training(1)  # doctest: +SKIP
     """
@@ -125,10 +125,11 @@ def capture_training(layers: int = 1) -> list[tuple]:
         got.append((copy.deepcopy(graph), list(roots), memory_limit, copy.deepcopy(kw.get("start"))))
         return real(graph, roots, memory_limit, time_limit, **kw)
 
-    mesh = ed.DeviceMesh.arange(8)
-    fd = models.gpt_training_step(1, 2048, 12288, 96, torch.bfloat16, layers=layers)
-    for name in ("x", "target"):
-        apply_layout(fd[name], Layout((S(1),)), mesh)
+    if fd is None:
+        mesh = ed.DeviceMesh.arange(8)
+        fd = models.gpt_training_step(1, 2048, 12288, 96, torch.bfloat16, layers=layers)
+        for name in ("x", "target"):
+            apply_layout(fd[name], Layout((S(1),)), mesh)
     opt.exact = grab
     try:
         ed.optimize(fd, mesh, extractor="exact")
@@ -163,19 +164,34 @@ def run_training(layers: int, time_limit: float) -> list[str]:
     return lines
 
 
-def loop_proof(layers: int, time_limit: float) -> str:
+def loop_proof(layers: int, time_limit: float, fd=None, mesh=None) -> str:
     """One line: the cheapest plan of pass 1's graph in which every tied pair (x, next.x) shares one layout, as
     the 0/1 program proves it (cut loop, then the tie rows and HiGHS), against optimize's plan.
 
     >>> print(loop_proof(1, 60))  # doctest: +SKIP
     """
+    from egraph_did import extract as X
+    captured = capture_training(layers, fd, mesh)  # optimize's passes: the whole graph, then the loop passes
+    final = min(X.exact(g, r, b, time_limit, start=s).cost for g, r, b, s in captured[1:]) if len(captured) > 1 else None
+    t0, c0 = time.perf_counter(), time.process_time()
+    res, lp, ties = tied_program(*captured[0][:3], time_limit)
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    best = None if res["fun"] is None else res["fun"] / 1e6
+    return (f"training {layers} layer(s) loop proof: {dt:5.1f} s ({cpu:5.1f} s CPU) {res['status']}: cheapest loop plan "
+            f"{'-' if best is None else f'{best:7.4f}'} ms (bound {res['bound'] / 1e6:7.4f}, tied LP {lp / 1e6:7.4f}); "
+            f"optimize's loop passes {'-' if final is None else f'{final * 1e3:7.4f}'} ms; {len(ties)} ties; "
+            f"optimize ran {len(captured)} exact pass(es)")
+
+
+def tied_program(graph, roots, bound, time_limit: float, start: dict | None = None) -> tuple[dict, float, dict]:
+    """loop_proof's 0/1 program on one graph: (HiGHS's answer, the tied LP's bound, {tied input: the layout its
+    solution holds it and next.x in}). start: a loop plan of this graph ({class: node}), HiGHS's first incumbent.
+
+    >>> res, lp, ties = tied_program(*capture_training(1)[0][:3], 60)  # doctest: +SKIP
+    """
     import numpy as np
     from egraph_did import extract as X
     from egraph_did.grad import NEXT
-    captured = capture_training(layers)  # optimize runs on: its plan is the last pass's (the cheaper loop)
-    graph, roots, bound, _ = captured[0]
-    final = min(X.exact(g, r, b, time_limit, start=s).cost for g, r, b, s in captured[1:]) if len(captured) > 1 else None
-    t0, c0 = time.perf_counter(), time.process_time()
     p = X._program(graph, roots, bound)
     X._separate(graph, p, 0.3 * time_limit, None, roots)
     nn, nc = p.nn, len(p.order)
@@ -209,14 +225,19 @@ def loop_proof(layers: int, time_limit: float) -> str:
     a = widened.stack(X._Rows.from_coo(np.array(vals), np.array(rows), np.array(cols), (len(lo), n_cols)))
     solver = X._Solver(np.concatenate([p.cost, np.zeros(len(z))]), a, np.concatenate([p.solver.lo, lo]),
                        np.concatenate([p.solver.hi, hi]))
-    _, lp = solver.lp()
-    res = solver.mip(np.ones(a.shape[0], dtype=bool), None, time_limit)
-    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-    best = None if res["fun"] is None else res["fun"] / 1e6
-    return (f"training {layers} layer(s) loop proof: {dt:5.1f} s ({cpu:5.1f} s CPU) {res['status']}: cheapest loop plan "
-            f"{'-' if best is None else f'{best:7.4f}'} ms (bound {res['bound'] / 1e6:7.4f}, tied LP {lp / 1e6:7.4f}); "
-            f"optimize's loop passes {'-' if final is None else f'{final * 1e3:7.4f}'} ms; {len(out)} ties, "
-            f"{len(z)} (input, layout) columns; optimize ran {len(captured)} exact pass(es)")
+    x_lp, lp = solver.lp()
+    x0 = None
+    if start is not None:
+        x0 = np.concatenate([p.start(start, roots), np.zeros(len(z))])
+        for (name, lay), col in z.items():
+            x0[col] = float(any(x0[nn + ci] > 0.5 for ci, held_lay in loads.get(name, []) if held_lay == lay))
+        if not solver.feasible(x0):
+            x0 = None
+    res = solver.mip(np.ones(a.shape[0], dtype=bool), x0, time_limit, search=x0 is None)
+    res["start_feasible"] = x0 is not None
+    res["lp_ties"] = {x: {lay: float(x_lp[col]) for (name, lay), col in z.items() if name == x} for x in out}
+    held = {} if res["x"] is None else {x: lay for (x, lay), col in z.items() if res["x"][col] > 0.5}
+    return res, lp, held
 
 
 def blocking_cuts(p, x: "np.ndarray") -> tuple[list[int], list[list[int]]]:
