@@ -193,8 +193,8 @@ def _optimize(fd, mesh: DeviceMesh, cost_model, extractor: str, like, time_limit
     passes: list[dict] = []  # each pass's extraction, in order (plan.stats["passes"])
     cuts: set = set()  # the exact extractor's cuts, which the first pass hands the later ones (exact's `cuts`)
 
-    def once(cm, pins, rewrites, limit=time_limit):
-        plan, problem = _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, limit, cuts)
+    def once(cm, pins, rewrites, limit=time_limit, upper=None):
+        plan, problem = _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, limit, cuts, upper)
         passes.append(_pass_summary(plan.stats))
         return plan, problem
     try:
@@ -209,8 +209,11 @@ def _optimize(fd, mesh: DeviceMesh, cost_model, extractor: str, like, time_limit
     if loops:  # a training step whose next.<x> is not laid out as x: the cheaper of the loops it could be
         tried, unfit = [], None
         for extra in loops:
+            # the cheapest loop so far bounds the next: the exact extractor skips the MIP of a loop whose LP bound is
+            # above it (its plan returned unproven; it is not taken)
+            upper = min((t[0].predicted_time for t in tried), default=None)
             try:
-                tried.append((*once(cm, {**(pins or {}), **extra}, offered), extra))
+                tried.append((*once(cm, {**(pins or {}), **extra}, offered, upper=upper), extra))
             except MemoryBoundError as e:
                 unfit = e
         if not tried and plan is None:
@@ -343,10 +346,11 @@ BUCKET_PASS_SHARE = 0.25
 GREEDY_FALLBACK_S = 10.0  # the exact extractor's limit where greedy finds no plan within a memory bound
 
 
-def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit, cuts: set | None = None
-                   ) -> tuple[Plan, Problem]:
+def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit, cuts: set | None = None,
+                   upper: float | None = None) -> tuple[Plan, Problem]:
     """Problem, e-graph, extraction and plan, under the given rewrites (optimize's one pass); `cuts`: the
-    exact extractor's cut hints, shared by the passes of one optimize call."""
+    exact extractor's cut hints, shared by the passes of one optimize call; `upper`: the cost of a plan the
+    caller holds already (exact's `upper`)."""
     t0 = time.perf_counter()
     problem = build_problem(fd, mesh, cm, pins=pins, like=like, rewrites=rewrites)
     t1 = time.perf_counter()
@@ -387,7 +391,7 @@ def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit, cu
         # start= and cuts= only where there is a start (a training step): bench/exact_hard_cases.py swaps exact
         # for a hook without them. The cut hints: on one GPT-3 layer's training step the loop passes' cut loops
         # took 4 LP rounds from the first pass's cuts, not 9 (CPU per loop pass 1.2-1.6 -> 0.7-1.0 s)
-        sel = exact(graph, roots, cm.memory_limit, time_limit=time_limit,
+        sel = exact(graph, roots, cm.memory_limit, time_limit=time_limit, upper=upper,
                     **({} if kept is None else {"start": kept, "cuts": cuts}))
     else:
         raise PlanError(f"unknown extractor {extractor!r}; use 'greedy' or 'exact'")

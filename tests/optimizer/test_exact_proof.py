@@ -238,3 +238,29 @@ def test_a_training_step_gets_the_cheapest_loop_plan_with_the_replicated_loop_am
     assert res["status"] == "optimal" and set(held.values()) == {"R"}
     assert plan.predicted_time == pytest.approx(res["fun"] / 1e9, rel=1e-9)
     assert all(plan.layout_of(f"next.{x}").code() == "R" for x in held)
+
+
+def test_a_bound_above_upper_skips_the_mip_and_says_so(monkeypatch):
+    """upper: the caller holds a plan this cheap already (optimize's cheapest loop so far). Where the 0/1
+    program's LP bound is above it, no MIP runs: the start comes back unproven, and the stats say why; at or
+    below it the proof runs as always."""
+    from egraph_did.physgraph import Node, PhysGraph
+    _without_dp(monkeypatch)
+
+    def graph():
+        g = PhysGraph({"x": [Node("Load", (), "x")],
+                       "y": [Node("Apply", ("x",), "y", 0, cost=3e-6), Node("Apply", ("x",), "y", 1, cost=5e-6)]},
+                      ident={"x": ("x", "R", 0), "y": ("y", "R", 0)})  # (tensor, layout, level): the cut loop's LP runs
+        return g, extract.with_roots(g, {"y": ["y"]})
+    g, roots = graph()
+    start = extract.Selection({**{c: g.classes[c][0] for c in ("x", "__out__:y", "__root__")}, "y": g.classes["y"][1]},
+                              5e-6, 0.0, "greedy-dag")
+    above = extract.exact(g, roots, start=start, upper=2e-6)
+    assert (above.method, above.proven, above.cost) == ("exact-unproven", False, 5e-6)
+    assert above.stats["exact_status"] == "above upper" and above.stats["exact_solve_s"] == 0.0
+    assert "above upper" in above.stats["exact_note"]
+    g, roots = graph()
+    start = extract.Selection({**{c: g.classes[c][0] for c in ("x", "__out__:y", "__root__")}, "y": g.classes["y"][1]},
+                              5e-6, 0.0, "greedy-dag")
+    below = extract.exact(g, roots, start=start, upper=4e-6)
+    assert (below.method, below.proven) == ("exact", True) and below.cost == pytest.approx(3e-6)
