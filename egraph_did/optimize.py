@@ -325,7 +325,9 @@ def loop_pins(plan: Plan, problem: Problem, always: bool = False, replicated: bo
     if not loose and not always:
         return []
     out = []
-    for way in ("taken", "delivered") + (("replicated",) if replicated else ()):
+    # replicated second: the cheapest loop so far bounds the next pass (exact's upper), and on the small steps
+    # above it was the cheapest, so the delivered pass's MIP (20-60 s there) was skipped by its LP bound
+    for way in ("taken",) + (("replicated",) if replicated else ()) + ("delivered",):
         extra = {}
         for x, o in ties.items():
             lay = problem.pins.get(x) or problem.pins.get(o) or (
