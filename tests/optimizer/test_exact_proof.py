@@ -260,6 +260,7 @@ def test_a_bound_above_upper_skips_the_mip_and_says_so(monkeypatch):
     above = extract.exact(g, roots, start=start, upper=2e-6)
     assert (above.method, above.proven, above.cost) == ("exact-unproven", False, 5e-6)
     assert above.stats["exact_status"] == "above upper" and above.stats["exact_solve_s"] == 0.0
+    assert above.stats["exact_proof"] == "bound above upper" and above.stats["exact_bound"] > 2e-6
     assert "above upper" in above.stats["exact_note"]
     g, roots = graph()
     start = extract.Selection({**{c: g.classes[c][0] for c in ("x", "__out__:y", "__root__")}, "y": g.classes["y"][1]},
