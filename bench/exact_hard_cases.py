@@ -104,13 +104,13 @@ def run(seed: int, index: int, time_limit: float) -> str:
             f"  classes {len(graph.classes)}  memory bound {'none' if bound is None else f'{bound:.0f} B'}")
 
 
-def capture_training(layers: int = 1, fd=None, mesh=None) -> list[tuple]:
-    """[(graph, roots, memory_limit, start)] of every exact() call optimize(extractor="exact") makes on the GPT-3
-    training step bench/optimizer.py --training measures (8 ranks, x and target sequence-sharded), or on `fd`
-    over `mesh` where given, each graph (and optimize's start= plan) copied before exact() runs on it
-    (optimize goes on with the real extractor's plans).
+def capture_training(layers: int = 1, fd=None, mesh=None) -> tuple[list[tuple], object]:
+    """([(graph, roots, memory_limit, start)] of every exact() call optimize(extractor="exact") makes, and
+    optimize's plan) on the GPT-3 training step bench/optimizer.py --training measures (8 ranks, x and target
+    sequence-sharded), or on `fd` over `mesh` where given; each graph (and optimize's start= plan) copied before
+    exact() runs on it (optimize goes on with the real extractor's plans).
 
-    >>> passes = capture_training(1)  # doctest: +SKIP
+    >>> passes, plan = capture_training(1)  # doctest: +SKIP
     """
     import copy
     import torch
@@ -121,7 +121,7 @@ def capture_training(layers: int = 1, fd=None, mesh=None) -> list[tuple]:
     opt = sys.modules["egraph_did.optimize"]
     got, real = [], opt.exact
 
-    def grab(graph, roots, memory_limit=None, time_limit=60.0, **kw):  # kw: optimize's start= and cuts=
+    def grab(graph, roots, memory_limit=None, time_limit=60.0, **kw):  # kw: optimize's start=, cuts=, upper=
         got.append((copy.deepcopy(graph), list(roots), memory_limit, copy.deepcopy(kw.get("start"))))
         return real(graph, roots, memory_limit, time_limit, **kw)
 
@@ -132,10 +132,10 @@ def capture_training(layers: int = 1, fd=None, mesh=None) -> list[tuple]:
             apply_layout(fd[name], Layout((S(1),)), mesh)
     opt.exact = grab
     try:
-        ed.optimize(fd, mesh, extractor="exact")
+        plan = ed.optimize(fd, mesh, extractor="exact")
     finally:
         opt.exact = real
-    return got
+    return got, plan
 
 
 def run_training(layers: int, time_limit: float) -> list[str]:
@@ -146,7 +146,7 @@ def run_training(layers: int, time_limit: float) -> list[str]:
     """
     from egraph_did.extract import exact, greedy_dag
     lines, cuts = [], set()  # the passes share cut hints, as inside optimize
-    for i, (graph, roots, bound, start) in enumerate(capture_training(layers), 1):
+    for i, (graph, roots, bound, start) in enumerate(capture_training(layers)[0], 1):
         greedy = greedy_dag(graph, roots, bound).cost
         t0, c0 = time.perf_counter(), time.process_time()
         sel = exact(graph, roots, bound, time_limit, start=start, cuts=cuts)
@@ -170,16 +170,14 @@ def loop_proof(layers: int, time_limit: float, fd=None, mesh=None) -> str:
 
     >>> print(loop_proof(1, 60))  # doctest: +SKIP
     """
-    from egraph_did import extract as X
-    captured = capture_training(layers, fd, mesh)  # optimize's passes: the whole graph, then the loop passes
-    final = min(X.exact(g, r, b, time_limit, start=s).cost for g, r, b, s in captured[1:]) if len(captured) > 1 else None
+    captured, plan = capture_training(layers, fd, mesh)  # optimize's passes: the whole graph, then the loops
     t0, c0 = time.perf_counter(), time.process_time()
     res, lp, ties = tied_program(*captured[0][:3], time_limit)
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     best = None if res["fun"] is None else res["fun"] / 1e6
     return (f"training {layers} layer(s) loop proof: {dt:5.1f} s ({cpu:5.1f} s CPU) {res['status']}: cheapest loop plan "
             f"{'-' if best is None else f'{best:7.4f}'} ms (bound {res['bound'] / 1e6:7.4f}, tied LP {lp / 1e6:7.4f}); "
-            f"optimize's loop passes {'-' if final is None else f'{final * 1e3:7.4f}'} ms; {len(ties)} ties; "
+            f"optimize's plan {plan.predicted_time * 1e3:7.4f} ms; {len(ties)} ties; "
             f"optimize ran {len(captured)} exact pass(es)")
 
 
@@ -187,7 +185,7 @@ def tied_program(graph, roots, bound, time_limit: float, start: dict | None = No
     """loop_proof's 0/1 program on one graph: (HiGHS's answer, the tied LP's bound, {tied input: the layout its
     solution holds it and next.x in}). start: a loop plan of this graph ({class: node}), HiGHS's first incumbent.
 
-    >>> res, lp, ties = tied_program(*capture_training(1)[0][:3], 60)  # doctest: +SKIP
+    >>> res, lp, ties = tied_program(*capture_training(1)[0][0][:3], 60)  # doctest: +SKIP
     """
     import numpy as np
     from egraph_did import extract as X
@@ -225,7 +223,7 @@ def tied_program(graph, roots, bound, time_limit: float, start: dict | None = No
     a = widened.stack(X._Rows.from_coo(np.array(vals), np.array(rows), np.array(cols), (len(lo), n_cols)))
     solver = X._Solver(np.concatenate([p.cost, np.zeros(len(z))]), a, np.concatenate([p.solver.lo, lo]),
                        np.concatenate([p.solver.hi, hi]))
-    x_lp, lp = solver.lp()
+    _, lp = solver.lp()
     x0 = None
     if start is not None:
         x0 = np.concatenate([p.start(start, roots), np.zeros(len(z))])
@@ -235,7 +233,6 @@ def tied_program(graph, roots, bound, time_limit: float, start: dict | None = No
             x0 = None
     res = solver.mip(np.ones(a.shape[0], dtype=bool), x0, time_limit, search=x0 is None)
     res["start_feasible"] = x0 is not None
-    res["lp_ties"] = {x: {lay: float(x_lp[col]) for (name, lay), col in z.items() if name == x} for x in out}
     held = {} if res["x"] is None else {x: lay for (x, lay), col in z.items() if res["x"][col] > 0.5}
     return res, lp, held
 
@@ -252,6 +249,7 @@ def blocking_cuts(p, x: "np.ndarray") -> tuple[list[int], list[list[int]]]:
     >>> classes, sets = blocking_cuts(p, x)  # doctest: +SKIP
     """
     import numpy as np
+    from egraph_did import extract as X
     nn, nc, first = p.nn, len(p.order), p.first
     children = [[p.cidx[c] for c in dict.fromkeys(n.children)] for _, n in p.nodes]
     xs, ys = x[:nn], x[nn:]
@@ -267,16 +265,14 @@ def blocking_cuts(p, x: "np.ndarray") -> tuple[list[int], list[list[int]]]:
             w += xs[low.bit_length() - 1]
             bits ^= low
         return w
-    everything = (1 << nc) - 1
-    dominators = [0] * nc  # classes every derivation of class ci passes through (bitsets, as extract._blocking)
+    # classes every derivation of a node passes through (extract._blocking, a group per class): a class's
+    # dominators are those of all its nodes
+    through = X._blocking(p, np.arange(nc), nc)
+    dominators = np.logical_and.reduceat(through, first[:-1], axis=0)
     sets, weights = [0] * nc, np.zeros(nc)
     for ci in range(nc):
-        held, held_w, dom = 0, 0.0, everything
+        held, held_w = 0, 0.0
         for j in range(first[ci], first[ci + 1]):
-            below = 0
-            for d in children[j]:
-                below |= dominators[d]
-            dom &= below
             best, best_w = 1 << j, (0.0 if (held >> j) & 1 else xs[j])
             for d in children[j]:
                 added = weight(sets[d] & ~held)
@@ -284,11 +280,7 @@ def blocking_cuts(p, x: "np.ndarray") -> tuple[list[int], list[list[int]]]:
                     best, best_w = sets[d], added
             held |= best
             held_w += best_w
-        dominators[ci] = dom | (1 << ci)
-        while dom and dom != everything:
-            low = dom & -dom
-            d = low.bit_length() - 1
-            dom ^= low
+        for d in np.nonzero(dominators[ci])[0]:  # a class every derivation passes through, where lighter
             if weights[d] <= held_w + 1e-12:
                 held, held_w = sets[d], weights[d]
         sets[ci], weights[ci] = held, held_w
@@ -313,7 +305,7 @@ def blocking_rounds(layers: int, rounds: int, time_limit: float) -> list[str]:
     """
     import numpy as np
     from egraph_did import extract as X
-    graph, roots, bound, start = capture_training(layers)[0]
+    graph, roots, bound, start = capture_training(layers)[0][0]
     best = X.exact(graph, roots, bound, time_limit, start=start)
     t0 = time.perf_counter()
     p = X._program(graph, roots, bound)

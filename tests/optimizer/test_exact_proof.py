@@ -229,13 +229,13 @@ def test_a_training_step_gets_the_cheapest_loop_plan_with_the_replicated_loop_am
     pass runs bounded by it (its MIP skipped where its LP bound is above)."""
     from bench.exact_hard_cases import capture_training, tied_program
     fd, mesh = _mlp_step()
-    plan = ed.optimize(fd, mesh, extractor="exact")
+    graphs, plan = capture_training(fd=fd, mesh=mesh)  # optimize(extractor="exact"), each pass's graph kept
     passes = plan.stats["passes"]
     assert len(passes) == 4 and all(p["method"] == "exact" for p in passes[:3])  # free, taken, replicated, delivered
     taken, replicated, delivered = passes[1:]
     assert plan.predicted_time == pytest.approx(replicated["cost"], rel=1e-12)
     assert plan.predicted_time < min(taken["cost"], delivered["cost"]) * (1 - 0.05)
-    graph, roots, bound, _ = capture_training(fd=_mlp_step()[0], mesh=mesh)[0]
+    graph, roots, bound, _ = graphs[0]  # the free pass's
     res, _, held = tied_program(graph, roots, bound, 60.0)
     assert res["status"] == "optimal" and set(held.values()) == {"R"}
     assert plan.predicted_time == pytest.approx(res["fun"] / 1e9, rel=1e-9)
@@ -249,21 +249,18 @@ def test_a_bound_above_upper_skips_the_mip_and_says_so(monkeypatch):
     from egraph_did.physgraph import Node, PhysGraph
     _without_dp(monkeypatch)
 
-    def graph():
+    def solved(upper):  # y by node 0 (3 us) or node 1 (5 us), from the start that takes node 1
         g = PhysGraph({"x": [Node("Load", (), "x")],
                        "y": [Node("Apply", ("x",), "y", 0, cost=3e-6), Node("Apply", ("x",), "y", 1, cost=5e-6)]},
                       ident={"x": ("x", "R", 0), "y": ("y", "R", 0)})  # (tensor, layout, level): the cut loop's LP runs
-        return g, extract.with_roots(g, {"y": ["y"]})
-    g, roots = graph()
-    start = extract.Selection({**{c: g.classes[c][0] for c in ("x", "__out__:y", "__root__")}, "y": g.classes["y"][1]},
-                              5e-6, 0.0, "greedy-dag")
-    above = extract.exact(g, roots, start=start, upper=2e-6)
+        roots = extract.with_roots(g, {"y": ["y"]})
+        start = {c: g.classes[c][0] for c in ("x", "__out__:y", "__root__")}
+        start["y"] = g.classes["y"][1]
+        return extract.exact(g, roots, start=extract.Selection(start, 5e-6, 0.0, "greedy-dag"), upper=upper)
+    above = solved(2e-6)
     assert (above.method, above.proven, above.cost) == ("exact-unproven", False, 5e-6)
     assert above.stats["exact_status"] == "above upper" and above.stats["exact_solve_s"] == 0.0
     assert above.stats["exact_proof"] == "bound above upper" and above.stats["exact_bound"] > 2e-6
     assert "above upper" in above.stats["exact_note"]
-    g, roots = graph()
-    start = extract.Selection({**{c: g.classes[c][0] for c in ("x", "__out__:y", "__root__")}, "y": g.classes["y"][1]},
-                              5e-6, 0.0, "greedy-dag")
-    below = extract.exact(g, roots, start=start, upper=4e-6)
+    below = solved(4e-6)
     assert (below.method, below.proven) == ("exact", True) and below.cost == pytest.approx(3e-6)
