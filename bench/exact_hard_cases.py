@@ -105,7 +105,7 @@ def run(seed: int, index: int, time_limit: float) -> str:
 
 
 def capture_training(layers: int = 1, fd=None, mesh=None) -> tuple[list[tuple], object]:
-    """([(graph, roots, memory_limit, start)] of every exact() call optimize(extractor="exact") makes, and
+    """([(graph, roots, memory_limit, start, {prove, upper})] of every exact() call optimize(extractor="exact") makes, and
     optimize's plan) on the GPT-3 training step bench/optimizer.py --training measures (8 ranks, x and target
     sequence-sharded), or on `fd` over `mesh` where given; each graph (and optimize's start= plan) copied before
     exact() runs on it (optimize goes on with the real extractor's plans).
@@ -121,8 +121,9 @@ def capture_training(layers: int = 1, fd=None, mesh=None) -> tuple[list[tuple], 
     opt = sys.modules["egraph_did.optimize"]
     got, real = [], opt.exact
 
-    def grab(graph, roots, memory_limit=None, time_limit=60.0, **kw):  # kw: optimize's start=, cuts=, upper=
-        got.append((copy.deepcopy(graph), list(roots), memory_limit, copy.deepcopy(kw.get("start"))))
+    def grab(graph, roots, memory_limit=None, time_limit=60.0, **kw):  # kw: optimize's start=, cuts=, upper=, prove=
+        got.append((copy.deepcopy(graph), list(roots), memory_limit, copy.deepcopy(kw.get("start")),
+                    {k: kw[k] for k in ("prove", "upper") if k in kw}))
         return real(graph, roots, memory_limit, time_limit, **kw)
 
     if fd is None:
@@ -146,10 +147,10 @@ def run_training(layers: int, time_limit: float) -> list[str]:
     """
     from egraph_did.extract import exact, greedy_dag
     lines, cuts = [], set()  # the passes share cut hints, as inside optimize
-    for i, (graph, roots, bound, start) in enumerate(capture_training(layers)[0], 1):
+    for i, (graph, roots, bound, start, kw) in enumerate(capture_training(layers)[0], 1):
         greedy = greedy_dag(graph, roots, bound).cost
         t0, c0 = time.perf_counter(), time.process_time()
-        sel = exact(graph, roots, bound, time_limit, start=start, cuts=cuts)
+        sel = exact(graph, roots, bound, time_limit, start=start, cuts=cuts, **kw)  # as optimize called it
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         s = sel.stats
 
@@ -159,7 +160,7 @@ def run_training(layers: int, time_limit: float) -> list[str]:
         lines.append(f"training {layers} layer(s) pass {i}: {dt:5.2f} s ({cpu:5.2f} s CPU) {sel.method:14s} by "
                      f"{s.get('exact_method', '-'):4s} cost {sel.cost * 1e3:7.4f} ms greedy {greedy * 1e3:7.4f} ms "
                      f"(+{greedy / sel.cost - 1:.1%})  greedy_s {sec('greedy_s')} dp_s {sec('exact_dp_s')} "
-                     f"cut_s {sec('exact_cut_s')} mip_s {sec('exact_solve_s')}  LP bound {lp}"
+                     f"cut_s {sec('exact_cut_s')} mip_s {sec('exact_solve_s')}  LP bound {lp}  proof {s.get('exact_proof')}"
                      f"  classes {len(graph.classes)}")
     return lines
 
@@ -305,7 +306,7 @@ def blocking_rounds(layers: int, rounds: int, time_limit: float) -> list[str]:
     """
     import numpy as np
     from egraph_did import extract as X
-    graph, roots, bound, start = capture_training(layers)[0][0]
+    graph, roots, bound, start, _ = capture_training(layers)[0][0]
     best = X.exact(graph, roots, bound, time_limit, start=start)
     t0 = time.perf_counter()
     p = X._program(graph, roots, bound)

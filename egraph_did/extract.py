@@ -1380,7 +1380,7 @@ def _reduced_cost_columns(p: _Program, start: np.ndarray | None) -> tuple[np.nda
 
 def _ilp(graph: PhysGraph, roots: list[str], memory_limit: float | None, time_limit: float,
          start: dict[str, Node] | None = None, guided: bool = True, hints: set | None = None,
-         usable: "_Usable | None" = None, upper: float | None = None) -> dict:
+         usable: "_Usable | None" = None, upper: float | None = None, prove: bool = True) -> dict:
     """Solve the extraction 0/1 program from a known plan (`start`, greedy's; with `guided`, also from the
     LP-guided greedy plan where cheaper); returns the choice (or None) and what HiGHS proved.
 
@@ -1427,6 +1427,11 @@ def _ilp(graph: PhysGraph, roots: list[str], memory_limit: float | None, time_li
         # the cuts' LP already reaches the start's cost: it is optimal, and no MIP runs
         return {**base, "proven": True, "status": "optimal", "proof": "lp", "bound": dual / 1e9, "solve_s": 0.0,
                 "choice": p.choice(x0, roots)}
+    if not prove and x0 is not None and base["start_feasible"]:
+        # the caller reads only which layouts the plan holds (optimize's first pass of a training step whose plan is
+        # no loop): the restricted MIP's plan, with the LP's bound, and no proof
+        return {**base, "proven": False, "status": "not proven (prove=False)", "proof": "none",
+                "bound": None if dual is None else dual / 1e9, "solve_s": 0.0, "choice": p.choice(x0, roots)}
     res = p.solver.mip(keep, x0, max(time_limit - (t1 - t0), 1.0), cols=cols, search=x0 is None)
     info = {**base, "proven": res["status"] in ("optimal", "infeasible"), "status": res["status"], "proof": "mip",
             "bound": None if res["bound"] is None else res["bound"] / 1e9, "solve_s": time.perf_counter() - t1}
@@ -1602,7 +1607,7 @@ def _exact_dp(graph: PhysGraph, roots: list[str], memory_limit: float | None, gr
 
 def exact(graph: PhysGraph, roots: list[str], memory_limit: float | None = None,
           time_limit: float = 60.0, start: Selection | None = None, cuts: set | None = None,
-          upper: float | None = None) -> Selection:
+          upper: float | None = None, prove: bool = True) -> Selection:
     """Minimum-cost DAG extraction, proven: a dynamic program over the fusion's tensors (extract_dp), and
     where that outgrows its share of time_limit, a 0/1 program (HiGHS), honest about what it proved.
 
@@ -1616,7 +1621,10 @@ def exact(graph: PhysGraph, roots: list[str], memory_limit: float | None = None,
     tensor), and later ones start their cut loops from them (`stats["exact_hinted_cuts"]`). `upper` (seconds): the
     caller holds a plan of this cost already (optimize's cheapest loop so far); where the 0/1 program's LP bound
     is above it, no MIP runs and the start (or greedy's plan) is returned unproven, `stats["exact_status"]`
-    "above upper" and `stats["exact_proof"]` "bound above upper" (no plan of this graph is as cheap). `stats["exact_method"]` says which method
+    "above upper" and `stats["exact_proof"]` "bound above upper" (no plan of this graph is as cheap). `prove=False`:
+    for a caller that reads only which layouts the plan holds (optimize's first pass of a training step): where
+    the cut loop's LP does not prove the plan in hand, no MIP runs, and the restricted MIP's plan comes back
+    unproven (`stats["exact_proof"]` "none", `stats["exact_bound"]` the LP's bound). `stats["exact_method"]` says which method
     ran ("dp" or "ilp"; per independent part, comma-separated). `method` is "exact" only when optimality is proven; otherwise "exact-unproven" (and
     `proven` is False). `stats` says which plan was returned and why. Pins or a memory bound are
     reported infeasible only when the solver proves it.
@@ -1634,11 +1642,11 @@ def exact(graph: PhysGraph, roots: list[str], memory_limit: float | None = None,
     # the collector paused (as greedy_dag does): inside optimize a pass's exact met one or two full
     # collections of optimize's heap, 0.2-0.24 s of a 1.2-4 s pass on one GPT-3 layer's training step
     with gc_paused():
-        return _exact(graph, roots, memory_limit, time_limit, start, cuts, upper)
+        return _exact(graph, roots, memory_limit, time_limit, start, cuts, upper, prove)
 
 
 def _exact(graph: PhysGraph, roots: list[str], memory_limit: float | None, time_limit: float,
-           start: Selection | None, cuts: set | None, upper: float | None = None) -> Selection:
+           start: Selection | None, cuts: set | None, upper: float | None = None, prove: bool = True) -> Selection:
     """exact's work (the collector paused around it)."""
     parts = _components(graph, roots) if memory_limit is None else []
     if len(parts) > 1:
@@ -1669,7 +1677,7 @@ def _exact(graph: PhysGraph, roots: list[str], memory_limit: float | None, time_
     # greedy plan (0.1-0.2 s) no better than the restricted MIP's: it is then left out
     hinted = len(cuts) if cuts else 0
     info = _ilp(graph, roots, memory_limit, time_limit, None if greedy is None else greedy.choice,
-                guided=incumbent == "greedy", hints=cuts, usable=usable, upper=upper)
+                guided=incumbent == "greedy", hints=cuts, usable=usable, upper=upper, prove=prove)
     if cuts is not None and not cuts:
         # only the first pass's (a training step's free pass: each loop pass differs from it by its own pins
         # alone, and from the other loop by both): pass 3 of one GPT-3 layer's step from pass 1's cuts took

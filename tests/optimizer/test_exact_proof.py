@@ -2,6 +2,8 @@
 plan that keeps every saved value as its start, the cuts' LP dual (recomputed by weak duality) is a lower bound
 that fixes columns no cheaper plan uses, and where that bound reaches the start no MIP runs at all. Every proof
 is checked against another method's optimum (the DP over tensors, or the MIP without fixing)."""
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -183,6 +185,44 @@ def _small_gpt_step_pass(monkeypatch):
     return graph, roots, bound, kwargs["start"]
 
 
+def test_prove_false_returns_the_restricted_plan_unproven_with_the_lps_bound(monkeypatch):
+    """exact(prove=False), for a caller that reads only a plan's layouts: where the cut loop's LP falls short of
+    the plan in hand, no MIP runs and the restricted MIP's plan comes back unproven, between the LP's bound and
+    the start's cost; with prove=True the same graph is proven by the MIP."""
+    _without_dp(monkeypatch)
+    graph, roots, bound, start = _small_gpt_step_pass(monkeypatch)
+    proven = extract.exact(graph, roots, bound, start=start)
+    quick = extract.exact(graph, roots, bound, start=start, prove=False)
+    assert proven.proven and proven.stats["exact_proof"] == "mip"
+    assert (quick.method, quick.proven, quick.stats["exact_proof"]) == ("exact-unproven", False, "none")
+    assert quick.stats["exact_solve_s"] == 0.0 and quick.stats["exact_status"] == "not proven (prove=False)"
+    assert quick.stats["exact_bound"] <= proven.cost * (1 + 1e-9) <= quick.cost * (1 + 1e-9) <= start.cost * (1 + 1e-9)
+
+
+def test_a_training_steps_first_exact_pass_is_proven_only_where_its_plan_is_a_loop(monkeypatch):
+    """optimize(extractor="exact") on a training step: the first pass's plan gives the loops' pins and is left
+    unproven (its MIP was 1.0-1.3 s of one GPT-3 layer's 1.5 s pass); the loop passes are proven. Where the
+    unproven plan is a loop already it may be optimize's plan, so that pass proves it after all."""
+    import importlib
+    opt = importlib.import_module("egraph_did.optimize")
+    fd = models.gpt_training_step(1, 128, 128, 4, torch.float32, layers=1)
+    mesh = ed.DeviceMesh.arange(4)
+    calls = []
+    real = opt.exact
+    monkeypatch.setattr(opt, "exact", lambda *a, **k: calls.append(k.get("prove", True)) or real(*a, **k))
+    plan = ed.optimize(fd, mesh, extractor="exact")  # inputs free: the first plan is no loop
+    passes = plan.stats["passes"]
+    assert passes[0]["proof"] == "none" and passes[0]["method"] == "exact-unproven"
+    assert calls[0] is False and all(calls[1:]) and len(calls) == len(passes) > 1
+    assert plan.method == "exact" and all(p["method"] == "exact" for p in passes[1:] if p["proof"] != "bound above upper")
+    calls.clear()
+    monkeypatch.setattr(opt, "loop_pins", lambda *a, **k: [])  # every plan taken for a loop: the first is proven
+    looped = ed.optimize(fd, mesh, extractor="exact")
+    assert calls == [False, True] and len(looped.stats["passes"]) == 1
+    assert looped.method == "exact" and looped.stats["exact_proved_loop"] is True
+    assert looped.stats["passes"][0]["proof"] in ("lp", "mip")
+
+
 def test_cover_rows_reach_the_cut_loops_lp_bound_before_any_cut_and_prove_the_same_optimum(monkeypatch):
     """A small GPT training step, the DP off: with the cover rows (some class of every tensor-level a root must
     pass through is needed) the first LP already has the bound the cut loop reaches without them after many
@@ -235,11 +275,32 @@ def test_a_training_step_gets_the_cheapest_loop_plan_with_the_replicated_loop_am
     taken, replicated, delivered = passes[1:]
     assert plan.predicted_time == pytest.approx(replicated["cost"], rel=1e-12)
     assert plan.predicted_time < min(taken["cost"], delivered["cost"]) * (1 - 0.05)
-    graph, roots, bound, _ = graphs[0]  # the free pass's
+    graph, roots, bound, *_ = graphs[0]  # the free pass's
     res, _, held = tied_program(graph, roots, bound, 60.0)
     assert res["status"] == "optimal" and set(held.values()) == {"R"}
     assert plan.predicted_time == pytest.approx(res["fun"] / 1e9, rel=1e-9)
     assert all(plan.layout_of(f"next.{x}").code() == "R" for x in held)
+
+
+def test_greedy_screens_the_replicated_loop_and_runs_its_pass_where_it_wins(monkeypatch):
+    """The greedy extractor tries the loops read from its first plan (as taken, as delivered: 110.2 us on
+    mlp_training_step(64, 32) over 2 ranks), and the replicated loop only where its screen (greedy's plan of the
+    first pass's graph with every tie held whole) beats them: here it does, and the third loop pass gives the
+    exact extractor's plan, 100.2 us. Without the screen the plan stays at the two loops' cost."""
+    fd, mesh = _mlp_step()
+    plan = ed.optimize(fd, mesh)
+    costs = [p["cost"] for p in plan.stats["passes"]]
+    assert len(costs) == 4 and plan.stats["loops_tried"] == 3  # free, taken, delivered, replicated
+    assert plan.stats["replicated_screen"] == pytest.approx(costs[3], rel=1e-9)
+    assert plan.predicted_time == pytest.approx(costs[3], rel=1e-12)
+    assert plan.predicted_time < min(costs[1:3]) * (1 - 0.05)
+    assert plan.predicted_time == pytest.approx(ed.optimize(fd, mesh, extractor="exact").predicted_time, rel=1e-9)
+    assert all(plan.layout_of(x).code() == plan.layout_of(f"next.{x}").code() == "R"
+               for x in ("w1", "w2", "exp_avg.w1", "exp_avg_sq.w2"))
+    monkeypatch.setattr(sys.modules["egraph_did.optimize"], "replicated_screen", lambda *a: None)
+    unscreened = ed.optimize(fd, mesh)
+    assert len(unscreened.stats["passes"]) == 3 and "replicated_screen" not in unscreened.stats
+    assert unscreened.predicted_time > plan.predicted_time * 1.05
 
 
 def test_a_bound_above_upper_skips_the_mip_and_says_so(monkeypatch):
