@@ -1411,18 +1411,21 @@ def _ilp(graph: PhysGraph, roots: list[str], memory_limit: float | None, time_li
     # and the first pass of one GPT-3 layer's training step ran out of time (60 s)
     keep[n_base:n_base + p.n_cover] = True
     binding = [p.cut_keys[i] for i in np.nonzero(keep[n_base:])[0] if p.cut_keys[i][0] is not None]
+    found = {"lp_bound": lp_bound, "cuts": n_cuts, "rounds": rounds, "classes": len(p.order), "binding_cuts": binding,
+             "choice": None, "solve_s": 0.0}
+    dual = p.solver.dual_bound()
+    if upper is not None and dual is not None and dual[0] > upper * 1e9 * (1 + 1e-9):
+        # no plan of this graph is cheaper than `upper` (exact's caller has one): the MIP would prove a plan
+        # nobody takes (one GPT-3 layer's training step, the replicated loop: 2.7 s for 22.8 ms against 7.16), and
+        # the starts (the restricted MIP's, 0.05-0.13 s there) would find one
+        return {**found, "start_feasible": None, "cut_s": time.perf_counter() - t0, "dual_bound": dual[0], "fixed": 0,
+                "proven": False, "status": "above upper", "proof": "bound above upper", "bound": dual[0] / 1e9}
     x0 = _best_start(graph, roots, memory_limit, p, x, start, guided)
     x0 = _restricted_start(p, keep, x, x0, RESTRICTED_SHARE * time_limit)
     cols, dual = _reduced_cost_columns(p, x0)
     t1 = time.perf_counter()
-    base = {"start_feasible": None if x0 is None else p.solver.feasible(x0), "lp_bound": lp_bound, "cuts": n_cuts,
-            "rounds": rounds, "classes": len(p.order), "cut_s": t1 - t0, "dual_bound": dual, "binding_cuts": binding,
-            "fixed": 0 if cols is None else int((~cols).sum()), "choice": None}
-    if upper is not None and dual is not None and dual > upper * 1e9 * (1 + 1e-9):
-        # no plan of this graph is cheaper than `upper` (exact's caller has one): the MIP would prove a plan
-        # nobody takes (one GPT-3 layer's training step, the replicated loop: 2.7 s for 22.8 ms against 7.16)
-        return {**base, "proven": False, "status": "above upper", "proof": "bound above upper", "bound": dual / 1e9,
-                "solve_s": 0.0}
+    base = {**found, "start_feasible": None if x0 is None else p.solver.feasible(x0), "cut_s": t1 - t0,
+            "dual_bound": dual, "fixed": 0 if cols is None else int((~cols).sum())}
     if x0 is not None and dual is not None and dual >= float(p.cost @ x0) * (1 - 1e-9) and base["start_feasible"]:
         # the cuts' LP already reaches the start's cost: it is optimal, and no MIP runs
         return {**base, "proven": True, "status": "optimal", "proof": "lp", "bound": dual / 1e9, "solve_s": 0.0,
