@@ -20,7 +20,12 @@
      its inputs), so treat this as a lower bound on what a hand-pinned DTensor program gets without
      parallelize_module plans; with them, the user writes Megatron's layout (the Megatron row).
 
+3. --training: greedy against exact extraction on small training steps (mlp_training_step, gpt_training_step;
+   AdamW; 2 and 4 ranks; x and target free or sequence-sharded): optimize's plan with each extractor, its passes
+   and seconds. Both plan the step as a loop (optimize.loop_pins); the gap is what greedy's loops miss.
+
     .venv/bin/python bench/plan_quality.py [--cases 40] [--skip-gap]
+    .venv/bin/python bench/plan_quality.py --training [--part 0/1]
 """
 from __future__ import annotations
 
@@ -149,12 +154,58 @@ def compare() -> None:
                     print(f"{name:<28}{scen:<6}{label:<26}  no plan: {str(e)[:80]}")
 
 
+TRAINING_SHAPES = {"mlp": [(64, 32), (256, 64), (1024, 256), (4096, 1024)],  # (tokens, hidden), fp32
+                   "gpt": [(1, 64, 64, 4), (1, 128, 128, 4), (2, 128, 256, 4), (1, 512, 512, 8)]}  # (batch, seq, hidden, heads), bf16
+
+
+def training_step(kind: str, shape: tuple, ranks: int, seq_sharded: bool):
+    """(fusion, mesh) of one small training step of bench's --training sweep; x and target split along the
+    tokens (mlp) or the sequence (gpt) where seq_sharded.
+
+    >>> fd, mesh = training_step("mlp", (64, 32), 2, True)
+    >>> fd["x"].loop_str(), fd["x"].mesh is mesh
+    ('[DIDx{2}, s/2, h]', True)
+    """
+    mesh = ed.DeviceMesh.arange(ranks)
+    fd = models.mlp_training_step(*shape) if kind == "mlp" else models.gpt_training_step(*shape, BF16)
+    if seq_sharded:
+        for name in ("x", "target"):
+            apply_layout(fd[name], Layout((S(0 if kind == "mlp" else 1),)), mesh)
+    return fd, mesh
+
+
+def training_gap(part: int = 0, parts: int = 1) -> list[str]:
+    """One line per step (the cases part::parts of the sweep): greedy's and exact's plans of it, and the gap."""
+    import time
+    cases = [(k, shape, ranks, ss) for ranks in (2, 4) for k in ("mlp", "gpt") for shape in TRAINING_SHAPES[k]
+             for ss in (False, True)]
+    lines = []
+    for kind, shape, ranks, ss in cases[part::parts]:
+        plans = {}
+        for extractor in ("greedy", "exact"):
+            t0 = time.perf_counter()
+            plans[extractor] = (ed.optimize(*training_step(kind, shape, ranks, ss), extractor=extractor),
+                                time.perf_counter() - t0)
+        (g, g_s), (e, e_s) = plans["greedy"], plans["exact"]
+        lines.append(f"{kind} {shape} ranks {ranks} {'seq-sharded' if ss else 'free'}: greedy {g.predicted_time * 1e6:9.2f} us "
+                     f"({len(g.stats['passes'])} passes, {g_s:5.1f} s)  exact {e.predicted_time * 1e6:9.2f} us ({e.method}, "
+                     f"{len(e.stats['passes'])} passes, {e_s:5.1f} s)  gap {g.predicted_time / e.predicted_time - 1:+.2%}")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", type=int, default=40, help="random fusions for greedy vs exact")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-gap", action="store_true")
+    ap.add_argument("--training", action="store_true", help="greedy vs exact on small training steps, only")
+    ap.add_argument("--part", default="0/1", help="--training: the share i/n of the steps to run (for parallel runs)")
     args = ap.parse_args()
+    if args.training:
+        part, parts = map(int, args.part.split("/"))
+        for line in training_gap(part, parts):
+            print(line, flush=True)
+        return
     if not args.skip_gap:
         import extraction_gap
         print("== greedy-DAG vs exact extraction on random fusions (bench/extraction_gap.py) ==")
