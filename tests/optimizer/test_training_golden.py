@@ -16,6 +16,7 @@ import egraph_did as ed
 from egraph_did.expand import ALL_REWRITES
 from egraph_did import models
 from egraph_did.layout import Layout, R, S
+from egraph_did.optimize import SCREEN_SLACK
 from egraph_did.pins import apply_layout
 
 from test_golden_plans import BF16, F64, MESH, kinds, pin
@@ -297,8 +298,12 @@ def test_a_free_training_step_is_the_cheapest_loop(dp_plans):
     free = ed.optimize(mlp_step(*DP_SHAPE, BF16), MESH, rewrites=NO_RINGS)
     for x in ("w1", "w2", *STATE_NAMES):
         assert free.layout_of(x) == free.layout_of("next." + x) == Layout((S(0),)), x
-    assert free.stats["loops_tried"] == 2  # the replicated loop (DDP) screened on the first pass's graph, and lost
-    assert len(free.stats["passes"]) == 3 and free.stats["replicated_screen"] > free.predicted_time
+    # three loops (as taken, replicated: DDP, as delivered), each screened on the first pass's graph; the passes of
+    # those near the best screen run
+    screens = free.stats["loop_screens"]
+    assert len(screens) == 3 and free.stats["loops_tried"] == len(free.stats["passes"]) - 1
+    assert free.stats["loops_tried"] == sum(c <= min(screens) * (1 + SCREEN_SLACK) for c in screens) < 3
+    assert screens[1] > free.predicted_time * (1 + SCREEN_SLACK)  # DDP's screen loses: its pass does not run
     assert free.predicted_time == pytest.approx(dp_plans["fsdp"].predicted_time, rel=1e-9)
     assert sorted_kinds(free) == sorted_kinds(dp_plans["fsdp"])
 
