@@ -79,6 +79,9 @@ TORCHRUN_SCRIPT = textwrap.dedent("""
     if dist.get_rank() == 0:
         torch.save({{"losses": losses, "params": params,
                     "placements": [str(q) for p in model.parameters() for q in p.placements]}}, {out!r})
+    # every rank past rank 0's save before any tears down: a rank that leaves early broke its peers' gloo
+    # connections, and they aborted ("terminate called without an active exception", 1 run in 2-4 here)
+    dist.barrier()
     dist.destroy_process_group()
 """)
 
