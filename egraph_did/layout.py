@@ -98,6 +98,15 @@ class Layout:
         return ".".join(p.code() for p in self.placements)
 
     @classmethod
+    def replicated(cls, ndim: int) -> "Layout":
+        """Whole on every one of a mesh's `ndim` axes.
+
+        >>> str(Layout.replicated(2)), Layout.replicated(1) == Layout((R,))
+        ('[R, R]', True)
+        """
+        return cls(tuple(R for _ in range(ndim)))
+
+    @classmethod
     def from_code(cls, code: str) -> "Layout":
         """Inverse of code()."""
         out = []

@@ -335,7 +335,7 @@ def loop_pins(plan: Plan, problem: Problem, always: bool = False, replicated: bo
     []
     """
     ties = loop_ties(problem.fusion)
-    whole = _whole(problem)
+    whole = Layout.replicated(problem.mesh.ndim)
 
     def taken(x):
         return plan.values[plan.inputs[x][0]].layout if x in plan.inputs else whole
@@ -360,11 +360,6 @@ def loop_pins(plan: Plan, problem: Problem, always: bool = False, replicated: bo
     return out
 
 
-def _whole(problem: Problem) -> Layout:
-    """The layout replicated on every mesh axis."""
-    return Layout(tuple(R for _ in range(problem.mesh.ndim)))
-
-
 def replicated_pins(problem: Problem) -> dict[str, Layout]:
     """The data-parallel loop's pins: every tied pair (x, next.x) replicated, where the user pinned neither side
     (a pin the user gave on either side wins, for both).
@@ -377,7 +372,7 @@ def replicated_pins(problem: Problem) -> dict[str, Layout]:
     """
     out = {}
     for x, o in loop_ties(problem.fusion).items():
-        out[x] = out[o] = problem.pins.get(x) or problem.pins.get(o) or _whole(problem)
+        out[x] = out[o] = problem.pins.get(x) or problem.pins.get(o) or Layout.replicated(problem.mesh.ndim)
     return out
 
 
@@ -469,6 +464,7 @@ def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit, cu
     # exact starts from it too: on one GPT-3 layer's training step it is the loop passes' optimum where
     # greedy's plan of the whole graph is 2% over
     kept = keeping_everything(graph, problem, roots, cm.memory_limit)
+    unproven = None  # the exact extractor's plan of a pass left unproven (prove=False), built once
     if extractor == "greedy":
         try:
             sel = greedy_dag(graph, roots, cm.memory_limit)
@@ -485,14 +481,16 @@ def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit, cu
         # took 4 LP rounds from the first pass's cuts, not 9 (CPU per loop pass 1.2-1.6 -> 0.7-1.0 s)
         kw = {} if kept is None else {"start": kept, "cuts": cuts}
         sel = exact(graph, roots, cm.memory_limit, time_limit=time_limit, upper=upper, prove=prove, **kw)
-        if sel.stats.get("exact_proof") == "none" and not loop_pins(build_plan(problem, graph, sel), problem):
-            # the unproven plan is a loop, so it may be optimize's plan: proven after all (from the first try's cuts)
-            sel = exact(graph, roots, cm.memory_limit, time_limit=time_limit, upper=upper, **kw)
-            sel.stats["exact_proved_loop"] = True
+        if sel.stats.get("exact_proof") == "none":
+            unproven = build_plan(problem, graph, sel)  # the plan, unless it is a loop
+            if not loop_pins(unproven, problem):
+                # the unproven plan is a loop, so it may be optimize's plan: proven after all (from the first try's cuts)
+                sel, unproven = exact(graph, roots, cm.memory_limit, time_limit=time_limit, upper=upper, **kw), None
+                sel.stats["exact_proved_loop"] = True
     else:
         raise PlanError(f"unknown extractor {extractor!r}; use 'greedy' or 'exact'")
     t3, c3 = time.perf_counter(), time.process_time()
-    plan = build_plan(problem, graph, sel)
+    plan = unproven if unproven is not None else build_plan(problem, graph, sel)
     plan.stats.update(graph.stats)
     plan.stats.update(sel.stats, extract_method=sel.method, extract_cost=sel.cost)  # exact: proven or not
     loops = loop_pins(plan, problem, replicated=True) if screen else []

@@ -54,7 +54,7 @@ from .fusion import Fusion, replay
 from .ir import TensorView
 from .frontend import TorchFusion, draw_seed, from_torch
 from .grad import GRAD_PREFIX, grad
-from .layout import Layout, R
+from .layout import Layout
 from .mesh import DeviceMesh
 from .ops import FLOAT_DTYPES
 from .optimize import optimize
@@ -240,7 +240,7 @@ class _Program:
 
 def _fixed_layouts(fd, plan: Plan, mesh: DeviceMesh) -> dict[str, Layout]:
     """parameter -> the layout the plan first loads it in (replicated: a parameter it never loads)."""
-    replicated = Layout(tuple(R for _ in range(mesh.ndim)))
+    replicated = Layout.replicated(mesh.ndim)
     return {p: plan.values[plan.inputs[p][0]].layout if p in plan.inputs else replicated for p in fd.params}
 
 
