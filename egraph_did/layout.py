@@ -95,7 +95,12 @@ class Layout:
 
     def code(self) -> str:
         """Compact text used as the e-graph's layout name, e.g. 'S1.R'."""
-        return ".".join(p.code() for p in self.placements)
+        # kept on the instance: a layout hashes as its code, and pricing a 2-D mesh's graph hashes ~10^5 of them
+        code = self.__dict__.get("_code")
+        if code is None:
+            code = ".".join(p.code() for p in self.placements)
+            object.__setattr__(self, "_code", code)
+        return code
 
     @classmethod
     def replicated(cls, ndim: int) -> "Layout":
