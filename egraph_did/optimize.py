@@ -24,7 +24,7 @@ from .grad import NEXT
 from .problem import Problem, build_problem
 
 # one INFO line per pass (problem, e-graph, pricing, extraction seconds, graph size, predicted time): a long
-# plan shows where it is; `logging.basicConfig(level=logging.INFO)` or `egraph-did optimize -v` prints them
+# plan shows where it is; `logging.basicConfig(level=logging.INFO)` prints them
 log = logging.getLogger("egraph_did")
 
 
