@@ -231,7 +231,7 @@ class _Gen:
 
     def g_binary(self, op):
         rng = self.rng
-        int_ok = op in ("add", "sub", "mul", "maximum") and rng.random() < 0.15
+        int_ok = op in ("add", "sub", "mul", "maximum", "minimum") and rng.random() < 0.15
         a = self.pick(float_only=not int_ok, pred=lambda t: t.dtype != "bool")
         if a is None:
             return False

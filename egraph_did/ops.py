@@ -420,7 +420,8 @@ def _as_float(ops, cond, dtype):
 
 
 def _share_of_max(ops, a, b, dtype):
-    """torch's rule for maximum: 1 where a wins, 1/2 on a tie, 0 where b wins."""
+    """torch's rule for maximum: 1 where a wins, 1/2 on a tie, 0 where b wins (minimum's share of a is
+    _share_of_max(b, a): 1 where a is below b)."""
     return ops.add(_as_float(ops, ops.gt(a, b), dtype), ops.mul(_as_float(ops, ops.eq(a, b), dtype), 0.5))
 
 
@@ -467,6 +468,10 @@ _binary("maximum", lambda a, b: torch.maximum(*_as_tensors(a, b)),
         "tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",  # NaN wins, as torch.maximum
         lambda ops, g, out, a, b: _binary_grads(ops, a, b, lambda: ops.mul(g, _share_of_max(ops, a, b, g.dtype)),
                                                 lambda: ops.mul(g, _share_of_max(ops, b, a, g.dtype))))
+_binary("minimum", lambda a, b: torch.minimum(*_as_tensors(a, b)),
+        "tl.minimum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",  # NaN wins, as torch.minimum
+        lambda ops, g, out, a, b: _binary_grads(ops, a, b, lambda: ops.mul(g, _share_of_max(ops, b, a, g.dtype)),
+                                                lambda: ops.mul(g, _share_of_max(ops, a, b, g.dtype))))
 _binary("pow", lambda a, b: a ** b, "_pow({a}, {b})", _vjp_pow)  # codegen specializes a scalar exponent
 
 
@@ -770,19 +775,32 @@ def amax(x, dims=None, keepdim: bool = False):
     return [_reduced(x, norm_axes("amax", x, dims), keepdim)]
 
 
-# Reductions with no partial placement (no pending min, product or or): sharded only along the axes they
+# Reductions with no partial placement (no pending product or or): sharded only along the axes they
 # keep (rewrites/scans.py); a sharded reduced axis is gathered first. They run through torch (their
-# kind's Triton form combines sums and maxima only).
+# kind's Triton form combines sums and maxima only). amin has no pending min of its own: over floats it
+# decomposes to -amax(-x), so a min over a sharded axis is a local max of the negation, a pending max
+# (one allreduce(max)), and a negation.
 
 def _dims_arg(x, dims) -> tuple[int, ...]:
     """dims as torch's dim argument: every axis for None."""
     return tuple(range(x.ndim)) if dims is None else dims
 
 
+def _decompose_amin(ops, x, dims=None, keepdim=False):
+    """amin(x) = -amax(-x) for floats: negation is exact, keeps NaN and orders the values backwards.
+    Integers and bools decline (None: the op stays as it is): -x overflows at an integer type's least
+    value."""
+    if x.dtype not in FLOAT_DTYPES:
+        return None
+    return ops.neg(ops.amax(ops.neg(x), dims, keepdim=keepdim))
+
+
 @op("amin", "reduction", lambda x, dims=None, keepdim=False: torch.amin(x, dim=_dims_arg(x, dims), keepdim=keepdim),
+    _decompose_amin,
     vjp=_vjp_amax)  # the same rule: the gradient splits evenly between the elements that attain the minimum
 def amin(x, dims=None, keepdim: bool = False):
-    """Minimum over `dims` (an int, a tuple, or None for all axes), as torch.amin.
+    """Minimum over `dims` (an int, a tuple, or None for all axes), as torch.amin (torch.min's values).
+    Over floats the optimizer also holds it as -amax(-x), where a sharded reduced axis is a pending max.
 
     >>> amin(TensorSpec("x", (3, 4), torch.float32, ("s", "h")), -1, keepdim=True)
     [OutSpec(shape=(3, 1), dtype=torch.float32, axes=('s', '1'))]
