@@ -105,6 +105,29 @@ def sdpa_inputs(sq=5, sk=5, d=4, dv=4):
                        "v": rand(2, 3, sk, dv, dtype=dt, seed=2)}
 
 
+def sdpa_with_lse(v, **kw):
+    """torch's sdpa and the logsumexp of its scaled (masked) scores."""
+    q, k = v["q"], v["k"]
+    s = q @ k.transpose(-2, -1) * kw.get("scale", q.shape[-1] ** -0.5)
+    if kw.get("is_causal"):
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v["v"], **kw), torch.logsumexp(s, -1)
+
+
+def sdpa_grad_inputs(sq=5, sk=5, d=4, dv=4):
+    def make(dt):
+        out = sdpa_inputs(sq, sk, d, dv)(dt)
+        out["g"] = rand(2, 3, sq, dv, dtype=dt, seed=3)
+        return out
+    return make
+
+
+def sdpa_grads(v, **kw):
+    """dq, dk, dv of torch's sdpa by torch.autograd, for the output gradient g."""
+    leaves = [v[n].detach().clone().requires_grad_() for n in ("q", "k", "v")]
+    return torch.autograd.grad(F.scaled_dot_product_attention(*leaves, **kw), leaves, v["g"])
+
+
 def ce_inputs(n=6, c=5, tdtype=torch.int64):
     return lambda dt: {"logits": rand(n, c, dtype=dt), "target": ints(n, high=c, dtype=tdtype)}
 
@@ -294,6 +317,18 @@ CASES: list[Case] = [
     Case("sdpa", "sdpa-cross-scale-dv", sdpa_inputs(sq=3, sk=6, d=4, dv=2),
          lambda o, t: o.sdpa(t["q"], t["k"], t["v"], scale=0.3),
          lambda v: F.scaled_dot_product_attention(v["q"], v["k"], v["v"], scale=0.3)),
+    Case("sdpa_lse", "sdpa_lse-causal", sdpa_inputs(), lambda o, t: o.sdpa_lse(t["q"], t["k"], t["v"], is_causal=True),
+         lambda v: sdpa_with_lse(v, is_causal=True)),
+    Case("sdpa_lse", "sdpa_lse-cross-scale-dv", sdpa_inputs(sq=3, sk=6, d=4, dv=2),
+         lambda o, t: o.sdpa_lse(t["q"], t["k"], t["v"], scale=0.3), lambda v: sdpa_with_lse(v, scale=0.3)),
+    Case("sdpa_backward", "sdpa_backward-causal", sdpa_grad_inputs(),
+         lambda o, t: o.sdpa_backward(t["g"], t["q"], t["k"], t["v"],
+                                      *o.sdpa_lse(t["q"], t["k"], t["v"], is_causal=True), is_causal=True),
+         lambda v: sdpa_grads(v, is_causal=True)),
+    Case("sdpa_backward", "sdpa_backward-cross-scale-dv", sdpa_grad_inputs(sq=3, sk=6, d=4, dv=2),
+         lambda o, t: o.sdpa_backward(t["g"], t["q"], t["k"], t["v"], *o.sdpa_lse(t["q"], t["k"], t["v"], scale=0.3),
+                                      scale=0.3),
+         lambda v: sdpa_grads(v, scale=0.3)),
     Case("embedding", "embedding", lambda dt: {"ids": ints(2, 5, high=7), "table": rand(7, 3, dtype=dt)},
          lambda o, t: o.embedding(t["ids"], t["table"]), lambda v: F.embedding(v["ids"], v["table"])),
     Case("embedding", "embedding-int32-ids", lambda dt: {"ids": ints(4, high=7, dtype=torch.int32),
