@@ -216,6 +216,18 @@ def sdpa_backward_query_sequence(e):
                      local=SDPA_BACKWARD_QUERY_OFFSET if e.attr("is_causal") else None)
 
 
+@rule("sdpa_backward", cases=[
+    Case("causal-uneven", (3,), {"q": (1, 2, 4, 3), "k": (1, 2, 4, 3), "v": (1, 2, 4, 5), "g": (1, 2, 4, 5)},
+         lambda o, q, k, v, g: _backward(o, g, q, k, v, is_causal=True)),
+    Case("cross-mesh2x2", (2, 2), {"q": (1, 1, 3, 2), "k": (1, 1, 5, 2), "v": (1, 1, 5, 4), "g": (1, 1, 3, 4)},
+         lambda o, q, k, v, g: _backward(o, g, q, k, v)),
+])
+def sdpa_backward_value_dim(e):
+    """the probabilities do not depend on v: dv = p^T g keeps a shard of the head_dim of v, g and out, and
+    dp - delta = g v^T - rowsum(g out) sums over it, so dq and dk (linear in it) are partial sums"""
+    yield e.strategy(out=(P, P, S(3)), g=S(3), v=S(3), output=S(3))
+
+
 @rule("embedding", cases=[
     Case("uneven", (3,), {"idx": indices((3, 5), 10), "w": (10, 7)}, lambda o, idx, w: o.embedding(idx, w)),
     Case("mesh2x2", (2, 2), {"idx": indices((2, 4), 6), "w": (6, 4)}, lambda o, idx, w: o.embedding(idx, w)),
@@ -376,6 +388,13 @@ def _sdpa_backward_query_sequence(spec):
     for causal, kernel in (("true", SDPA_BACKWARD_QUERY_OFFSET), ("false", None)):
         yield erule(site("sdpa_backward", 6, 3), AttrS(sig, "is_causal", causal), MeshSize(d)).then(
             ax([S_(2), S_(2), R_(), R_(), S_(2), S_(2)], [S_(2), P_(), P_()], kernel))
+
+
+@egglog_form(sdpa_backward_value_dim)
+def _sdpa_backward_value_dim(spec):
+    """a shard of v's head_dim: dv sharded alike, dq and dk partial sums"""
+    yield erule(site("sdpa_backward", 6, 3), MeshSize(d)).then(
+        ax([S_(3), R_(), R_(), S_(3), S_(3), R_()], [P_(), P_(), S_(3)]))
 
 
 @egglog_form(embedding_sharded)
