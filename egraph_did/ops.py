@@ -16,7 +16,9 @@ Beside the shape rule it states:
   metadata_only and permutation (views), local_attrs (attributes that are shapes, made local on a
   rank), flops, indexes (the index operand of a gather) and local_kernels: the rank-local variants
   sharding rules name (LocalKernel, declared beside the op they belong to);
-- vjp: its backward as fusion ops (egraph_did.grad reads it), or no_grad: why it has none.
+- vjp: its backward as fusion ops (egraph_did.grad reads it), or no_grad: why it has none;
+  differentiated_as: the op a gradient runs in its place in the forward, whose extra outputs the backward
+  reads (sdpa -> sdpa_lse, the logsumexp sdpa_backward needs).
 
 Adding a pointwise op is one line here: `_unary("sin", torch.sin, template="tl.sin({x})")`; its
 sharding rules, kernel support and fusion follow from its kind. Shape rules raise ShapeError at the op
