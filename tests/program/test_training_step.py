@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 
 import egraph_did as ed
 from egraph_did import ShapeError
+from egraph_did import models
 from egraph_did.models import gpt_layer, mlp
 
 F64 = torch.float64
@@ -169,3 +170,11 @@ def test_a_gpt_training_step_holds_no_seq_by_seq_tensor_and_its_gradients_are_au
     want = torch.autograd.grad(ed.evaluate(fd, leaves)["loss"], [leaves[w] for w in weights])
     for w, gw in zip(weights, want):
         torch.testing.assert_close(inputs[w] - got[f"next.{w}"], gw, rtol=1e-9, atol=1e-11, msg=lambda m: f"{w}: {m}")
+
+
+def test_at_seq_8192_no_value_of_the_gpt_steps_4_rank_plan_is_seq_by_seq():
+    """The issue's size: one GPT layer's training step (AdamW) at seq 8192, hidden 32, 4 heads, bf16, on 4
+    ranks. Its largest value is [8192, 128] (the MLP's hidden); the scores would be 4 x 8192 x 8192."""
+    seq = 8192
+    plan = ed.optimize(models.gpt_training_step(1, seq, 32, 4, torch.bfloat16), ed.DeviceMesh.arange(4))
+    assert max(math.prod(v.shape) for v in plan.values.values()) == seq * 128
