@@ -1376,13 +1376,14 @@ def _attention_scale(q, scale) -> float:
 
 
 def _fused_forward(q, k, v, is_causal, scale):
-    """(out, lse) from torch's flash (16-bit) or memory-efficient (float32) kernel on a GPU; None where
-    neither takes the operands (float64, the CPU, a head_dim it refuses)."""
+    """(out, lse) from torch's flash (16-bit, v's head_dim q's) or memory-efficient (float32, or another
+    head_dim of v) kernel on a GPU; None where neither takes the operands (float64, the CPU, a head_dim
+    it refuses). sdpa_backward picks the same kernel's backward."""
     aten = torch.ops.aten
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return None
     try:
-        if q.dtype != torch.float32:
+        if q.dtype != torch.float32 and q.shape[-1] == v.shape[-1]:
             out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[:2]
         else:
             out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal,
