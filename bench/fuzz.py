@@ -231,7 +231,7 @@ class _Gen:
 
     def g_binary(self, op):
         rng = self.rng
-        int_ok = op in ("add", "sub", "mul", "maximum") and rng.random() < 0.15
+        int_ok = op in ("add", "sub", "mul", "maximum", "minimum") and rng.random() < 0.15
         a = self.pick(float_only=not int_ok, pred=lambda t: t.dtype != "bool")
         if a is None:
             return False
@@ -452,7 +452,8 @@ class _Gen:
         args = [["a", _tensor_arg(a.name)], ["b", _tensor_arg(b.name)]]
         return bool(self.emit("matmul", args, bound=a.bound * 4 * a.shape[-1]))
 
-    def g_sdpa(self):
+    def _attention_args(self) -> list:
+        """sdpa's arguments: q (an existing 4-D float tensor, tamed, or a new one), new k and v."""
         q = self.pick(ndim=4, new_ok=False, pred=lambda t: t.dtype in ("float32", "float64"))
         if q is None or self.rng.random() < 0.4:
             q = self.new_input(self.shape(4, small=True))
@@ -467,7 +468,22 @@ class _Gen:
             args.append(["is_causal", True])
         if self.rng.random() < 0.3:
             args.append(["scale", 0.5])
-        return bool(self.emit("sdpa", args, bound=4.0))
+        return args
+
+    def g_sdpa(self):
+        return bool(self.emit("sdpa", self._attention_args(), bound=4.0))
+
+    def g_sdpa_lse(self):
+        # the logsumexp of scores of at most 10 * 10 * 4 per term (q tamed, k and v drawn small), over few keys
+        return bool(self.emit("sdpa_lse", self._attention_args(), n_out=2, bound=500.0))
+
+    def g_sdpa_backward(self):
+        args = self._attention_args()
+        out, lse = self.emit("sdpa_lse", args, n_out=2, bound=500.0)
+        g = self.new_input(out.shape, out.dtype)
+        tensors = [["g", _tensor_arg(g.name)]] + args[:3] + [["output", _tensor_arg(out.name)],
+                                                             ["lse", _tensor_arg(lse.name)]]
+        return bool(self.emit("sdpa_backward", tensors + args[3:], n_out=3, bound=500.0))
 
     def g_embedding(self):
         w = self.pick(ndim=2, new_ok=False, pred=lambda t: t.is_float) if self.rng.random() < 0.5 else None

@@ -106,9 +106,12 @@ def decompose(fd: FusionDefinition | Fusion) -> tuple[Fusion, dict[str, str]]:
     """
     fusion, names = _decompose_once(as_fusion(fd))
     for _ in range(8):
-        if not any(e.op.is_composite for e in fusion.exprs):
+        left = [e.op.name for e in fusion.exprs if e.op.is_composite]
+        if not left:
             return fusion, names
         fusion, _ = _decompose_once(fusion)
+        if [e.op.name for e in fusion.exprs if e.op.is_composite] == left:
+            return fusion, names  # what is left declines its decomposition (amin of integers)
     raise AssertionError("decompositions did not reach primitives in 8 rounds")  # pragma: no cover
 
 
@@ -127,7 +130,9 @@ def _decompose_once(fd: FusionDefinition | Fusion) -> tuple[Fusion, dict[str, st
     src = as_fusion(fd)
 
     def expand(ops, expr, args):
-        outs = expr.op.decompose(ops, **args) if expr.op.is_composite else ops._fusion.emit(expr.op.name, **args)
+        outs = expr.op.decompose(ops, **args) if expr.op.is_composite else None
+        if outs is None:  # a primitive, or a composite whose decomposition declines these operands (amin of ints)
+            outs = ops._fusion.emit(expr.op.name, **args)
         outs = outs if isinstance(outs, tuple) else (outs,)
         assert len(outs) == len(expr.outputs), expr
         fixed = []

@@ -314,15 +314,17 @@ def expand(work: Fusion, ops: Ops, rewrites: Iterable[str], mesh=None, cost_mode
             functools.partial(merge_can_pay, mesh=mesh, cm=cost_model, shape_of=_shapes_in(like))
         facts += sibling_facts(work, ident, slot, can_pay)
     for e in work.exprs:
-        if len(e.outputs) != 1:
-            continue  # multi-output ops are no rewrite's subject yet (their terms are Out(i, app))
-        facts.append(f'(Def (T "{ident[e.outputs[0].name]}") (op_{e.op.name} {" ".join(slot(v) for _, v in e.args)}))')
+        app = f'(op_{e.op.name} {" ".join(slot(v) for _, v in e.args)})'
+        if len(e.outputs) == 1:
+            facts.append(f'(Def (T "{ident[e.outputs[0].name]}") {app})')
+        else:  # output i of a multi-output op is the term Out(i, app)
+            facts += [f'(Def (T "{ident[o.name]}") (Out {i} {app}))' for i, o in enumerate(e.outputs)]
     eg, rules = _template(names)
     with eg:
         run_text(eg, facts)
         eg.run(rules.saturate())
         ops_used = sorted(OPS_SORT)  # whatever ops a rewrite builds (the rows are read once, from one freeze)
-        rows, raw = frozen_rows(eg, ["T", "Lit", "Rewrote"] + [f"op_{op}" for op in ops_used])
+        rows, raw = frozen_rows(eg, ["T", "Lit", "Rewrote", "Out"] + [f"op_{op}" for op in ops_used])
     name_of = {v: k for k, v in ident.items()}
     tclass = {name_of[raw.value_to_string(ins[0])]: out for ins, out in rows.get("T", [])
               if raw.value_to_string(ins[0]) in name_of}
@@ -336,9 +338,12 @@ def expand(work: Fusion, ops: Ops, rewrites: Iterable[str], mesh=None, cost_mode
     def class_of(v):
         return tclass[v.name] if hasattr(v, "logical_domain") else lclass[held_string(json.dumps(v, default=str))]
 
-    old = {(e.op.name, tuple(class_of(v) for _, v in e.args)) for e in work.exprs if len(e.outputs) == 1}
+    old = {(e.op.name, tuple(class_of(v) for _, v in e.args)) for e in work.exprs}
     pending = [(op, tuple(ins), out) for op in ops_used for ins, out in rows.get(f"op_{op}", [])]
     pending = [p for p in pending if (p[0], p[1]) not in old]
+    projections: dict = {}  # a multi-output app's class -> {output index: the class of Out(i, app)}
+    for ins, out in rows.get("Out", []):
+        projections.setdefault(ins[1], {})[raw.value_to_i64(ins[0])] = out
     made = []  # (class, operand classes, old tensor or None, new tensor), producers first
     while pending:
         ready = [p for p in pending if all(c in tensor or c in literal for c in p[1])]
@@ -346,9 +351,12 @@ def expand(work: Fusion, ops: Ops, rewrites: Iterable[str], mesh=None, cost_mode
             break  # what is left reads a class no program tensor holds (the template's junk)
         for op, ins, out in ready:
             args = {p: tensor[c] if c in tensor else literal[c] for p, c in zip(OPS[op].signature.parameters, ins)}
-            tv = ops._fusion.emit(op, **args)
-            made.append((out, ins, tensor[out].name if out in tensor else None, tv.name))
-            tensor.setdefault(out, tv)
+            tvs = ops._fusion.emit(op, **args)
+            outs = {None: out} if not isinstance(tvs, tuple) else projections.get(out, {})
+            for i, c in outs.items():
+                tv = tvs if i is None else tvs[i]
+                made.append((c, ins, tensor[c].name if c in tensor else None, tv.name))
+                tensor.setdefault(c, tv)
         pending = [p for p in pending if p not in ready]
     rule = {}  # a term that only feeds another new one was made by that one's rewrite
     for out, ins, _, _ in reversed(made):

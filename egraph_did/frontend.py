@@ -847,15 +847,9 @@ maps(aten.any)(lambda c, self, dim=None, keepdim=False: c.ops.any(c._tensor(self
 maps(aten.all)(lambda c, self, dim=None, keepdim=False: c.ops.all(c._tensor(self), _dims(dim), keepdim=keepdim))
 
 
-def _minimum(c, a, b):
-    """torch.minimum as -max(-a, -b): negation is exact and keeps NaN, and ties split the gradient in
-    half as torch's minimum does."""
-    return c.ops.neg(c.ops.maximum(c.ops.neg(a), c.ops.neg(b)))
-
-
 @maps(aten.minimum)
-def _minimum_op(c, self, other):
-    return _minimum(c, c.operand(self), c.operand(other))
+def _minimum(c, self, other):
+    return c.ops.minimum(c.operand(self), c.operand(other))
 
 
 def _extremum(name: str):
@@ -865,7 +859,7 @@ def _extremum(name: str):
         x = c._tensor(self)
         if other is not None:
             y = c.operand(other)
-            return c.ops.maximum(x, y) if name == "max" else _minimum(c, x, y)
+            return c.ops.maximum(x, y) if name == "max" else c.ops.minimum(x, y)
         reduce = c.ops.amax if name == "max" else c.ops.amin
         if dim is None:
             return reduce(x, None)

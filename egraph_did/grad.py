@@ -26,7 +26,7 @@ import torch
 from .errors import DtypeError, ShapeError, UnknownNameError
 from .fusion import Fusion, FusionDefinition, Ops, _did_you_mean, as_fusion, replay
 from .ir import TensorView
-from .ops import FLOAT_DTYPES, SAVE_OP, zeros_like
+from .ops import FLOAT_DTYPES, OPS, SAVE_OP, zeros_like
 
 GRAD_PREFIX = "grad_"
 SAVED_MARKER_PREFIX = SAVE_OP + "."  # a saved marker's name: saved.<the forward value it keeps> (a fusion tensor)
@@ -160,8 +160,17 @@ def _forward_and_backward(src: Fusion, loss: str, wrt: list[str], where: str, re
     fusion, then the backward (through saved markers where recompute, None meaning RECOMPUTE_DEFAULT); an
     input the loss does not reach gets zeros."""
     recompute = RECOMPUTE_DEFAULT if recompute is None else bool(recompute)
-    work, ops, new = replay(src, lambda ops, e, args: ops._fusion.emit(e.op.name, **args))
-    grads = _backward(src, ops, new, _needs_grad(src, wrt), loss, where, recompute)
+    need = _needs_grad(src, wrt)
+    residuals: dict[int, tuple] = {}  # id(src expr) -> every output of the op it runs as (differentiated_as)
+
+    def emit(ops, e, args):
+        via = e.op.differentiated_as
+        if via is None or not any(id(t) in need for t in e.inputs):
+            return ops._fusion.emit(e.op.name, **args)
+        residuals[id(e)] = outs = ops._fusion.emit(via, **args)  # e's outputs first: replay maps those
+        return outs
+    work, ops, new = replay(src, emit)
+    grads = _backward(src, ops, new, need, loss, where, recompute, residuals)
     out = {w: grads.get(id(src[w])) for w in wrt}
     return work, ops, new, {w: zeros_like(ops, new[id(src[w])]) if g is None else g for w, g in out.items()}
 
@@ -170,9 +179,10 @@ def _bind(e, new: dict[int, TensorView]) -> dict:
     return {k: new[id(v)] if isinstance(v, TensorView) else v for k, v in e.args}
 
 
-def _backward(src: Fusion, ops: Ops, new: dict, need: set[int], loss: str, where: str, recompute: bool = False
-              ) -> dict[int, TensorView]:
-    """{id(src tensor): its gradient in the new fusion}, seeded with d loss / d loss = 1."""
+def _backward(src: Fusion, ops: Ops, new: dict, need: set[int], loss: str, where: str, recompute: bool = False,
+              residuals: dict[int, tuple] | None = None) -> dict[int, TensorView]:
+    """{id(src tensor): its gradient in the new fusion}, seeded with d loss / d loss = 1. residuals: the
+    outputs of the op an expr ran as in the forward (differentiated_as), whose vjp then applies."""
     seed = new[id(src.outputs[loss])]
     # a constant: the backward reads the loss only where its ops do (a seed computed from the loss would
     # make every gradient depend on the forward's output, and order collectives that need not be)
@@ -187,11 +197,14 @@ def _backward(src: Fusion, ops: Ops, new: dict, need: set[int], loss: str, where
             raise ShapeError(f"{where}: the loss depends on {', '.join(v.name for _, v in wanted)} through `{e}`, "
                              f"which has no gradient ({e.op.name} is {e.op.no_grad}); take the gradient with "
                              f"respect to inputs that do not reach it, or express it with differentiable ops")
-        outs = tuple(new[id(o)] for o in e.outputs)
+        vjp, outs = e.op.vjp, tuple(new[id(o)] for o in e.outputs)
+        if residuals and id(e) in residuals:  # ran as e.op.differentiated_as: no gradient reaches its extras
+            vjp, outs = OPS[e.op.differentiated_as].vjp, tuple(residuals[id(e)])
+            gs += [None] * (len(outs) - len(gs))
         single = len(outs) == 1
         outs = tuple(keep(o) for o in outs)
-        got = e.op.vjp(ops, gs[0] if single else tuple(gs), outs[0] if single else outs,
-                       **{k: keep(v) for k, v in _bind(e, new).items()})
+        got = vjp(ops, gs[0] if single else tuple(gs), outs[0] if single else outs,
+                  **{k: keep(v) for k, v in _bind(e, new).items()})
         for p, v in wanted:
             g = got.get(p)
             assert g is not None, f"vjp of {e.op.name} gave no gradient for {p} ({v.name}) in `{e}`"

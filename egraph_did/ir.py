@@ -538,7 +538,8 @@ class TensorView:
         if reduce not in ("sum", "max"):
             hint = {"avg": "; a pending average (DTensor's Partial('avg')) is a pending sum of x / n: pin "
                            "reduce='sum' and give each rank its summand divided by n (plan.run takes a DTensor "
-                           "with Partial('avg') placements as it is)",
+                           "with Partial('avg') placements as it is: its local tensor over n is the summand, "
+                           "no collective)",
                     "prod": "; a pending product has no sharding rule: pin the tensor replicated "
                             "(set_device_mesh alone) and multiply the factors before"}.get(reduce, "")
             raise ShardingError(f"{self.name}.add_partial: reduce must be 'sum' or 'max', got {reduce!r}{hint}")

@@ -16,7 +16,9 @@ Beside the shape rule it states:
   metadata_only and permutation (views), local_attrs (attributes that are shapes, made local on a
   rank), flops, indexes (the index operand of a gather) and local_kernels: the rank-local variants
   sharding rules name (LocalKernel, declared beside the op they belong to);
-- vjp: its backward as fusion ops (egraph_did.grad reads it), or no_grad: why it has none.
+- vjp: its backward as fusion ops (egraph_did.grad reads it), or no_grad: why it has none;
+  differentiated_as: the op a gradient runs in its place in the forward, whose extra outputs the backward
+  reads (sdpa -> sdpa_lse, the logsumexp sdpa_backward needs).
 
 Adding a pointwise op is one line here: `_unary("sin", torch.sin, template="tl.sin({x})")`; its
 sharding rules, kernel support and fusion follow from its kind. Shape rules raise ShapeError at the op
@@ -140,6 +142,9 @@ class OpDef:
     # "Gradients" below); no_grad: why an op has none (its outputs are not real-valued, ...)
     vjp: Callable[..., dict] | None = None
     no_grad: str | None = None
+    # differentiated_as: in a gradient, the op this one runs as in the forward: its outputs first, then
+    # what the backward reads (sdpa -> sdpa_lse: the logsumexp), computed once there; that op's vjp applies
+    differentiated_as: str | None = None
 
     def __post_init__(self):
         assert self.kind in KINDS, f"op {self.name}: kind {self.kind!r} is none of {KINDS}"
@@ -420,7 +425,8 @@ def _as_float(ops, cond, dtype):
 
 
 def _share_of_max(ops, a, b, dtype):
-    """torch's rule for maximum: 1 where a wins, 1/2 on a tie, 0 where b wins."""
+    """torch's rule for maximum: 1 where a wins, 1/2 on a tie, 0 where b wins (minimum's share of a is
+    _share_of_max(b, a): 1 where a is below b)."""
     return ops.add(_as_float(ops, ops.gt(a, b), dtype), ops.mul(_as_float(ops, ops.eq(a, b), dtype), 0.5))
 
 
@@ -467,6 +473,10 @@ _binary("maximum", lambda a, b: torch.maximum(*_as_tensors(a, b)),
         "tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",  # NaN wins, as torch.maximum
         lambda ops, g, out, a, b: _binary_grads(ops, a, b, lambda: ops.mul(g, _share_of_max(ops, a, b, g.dtype)),
                                                 lambda: ops.mul(g, _share_of_max(ops, b, a, g.dtype))))
+_binary("minimum", lambda a, b: torch.minimum(*_as_tensors(a, b)),
+        "tl.minimum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",  # NaN wins, as torch.minimum
+        lambda ops, g, out, a, b: _binary_grads(ops, a, b, lambda: ops.mul(g, _share_of_max(ops, b, a, g.dtype)),
+                                                lambda: ops.mul(g, _share_of_max(ops, a, b, g.dtype))))
 _binary("pow", lambda a, b: a ** b, "_pow({a}, {b})", _vjp_pow)  # codegen specializes a scalar exponent
 
 
@@ -770,19 +780,32 @@ def amax(x, dims=None, keepdim: bool = False):
     return [_reduced(x, norm_axes("amax", x, dims), keepdim)]
 
 
-# Reductions with no partial placement (no pending min, product or or): sharded only along the axes they
+# Reductions with no partial placement (no pending product or or): sharded only along the axes they
 # keep (rewrites/scans.py); a sharded reduced axis is gathered first. They run through torch (their
-# kind's Triton form combines sums and maxima only).
+# kind's Triton form combines sums and maxima only). amin has no pending min of its own: over floats it
+# decomposes to -amax(-x), so a min over a sharded axis is a local max of the negation, a pending max
+# (one allreduce(max)), and a negation.
 
 def _dims_arg(x, dims) -> tuple[int, ...]:
     """dims as torch's dim argument: every axis for None."""
     return tuple(range(x.ndim)) if dims is None else dims
 
 
+def _decompose_amin(ops, x, dims=None, keepdim=False):
+    """amin(x) = -amax(-x) for floats: negation is exact, keeps NaN and orders the values backwards.
+    Integers and bools decline (None: the op stays as it is): -x overflows at an integer type's least
+    value."""
+    if x.dtype not in FLOAT_DTYPES:
+        return None
+    return ops.neg(ops.amax(ops.neg(x), dims, keepdim=keepdim))
+
+
 @op("amin", "reduction", lambda x, dims=None, keepdim=False: torch.amin(x, dim=_dims_arg(x, dims), keepdim=keepdim),
+    _decompose_amin,
     vjp=_vjp_amax)  # the same rule: the gradient splits evenly between the elements that attain the minimum
 def amin(x, dims=None, keepdim: bool = False):
-    """Minimum over `dims` (an int, a tuple, or None for all axes), as torch.amin.
+    """Minimum over `dims` (an int, a tuple, or None for all axes), as torch.amin (torch.min's values).
+    Over floats the optimizer also holds it as -amax(-x), where a sharded reduced axis is a pending max.
 
     >>> amin(TensorSpec("x", (3, 4), torch.float32, ("s", "h")), -1, keepdim=True)
     [OutSpec(shape=(3, 1), dtype=torch.float32, axes=('s', '1'))]
@@ -1296,18 +1319,14 @@ SDPA_QUERY_OFFSET = LocalKernel("q_offset", _sdpa_query_offset)
 
 
 def _vjp_sdpa(ops, g, out, q, k, v, is_causal=False, scale=None):
-    """the probabilities p are recomputed (nothing is saved); a masked score has p = 0, so its gradient
-    is 0: v: p^T g; scores: softmax's vjp of g v^T, times the scale; q: ds k; k: ds^T q"""
-    c = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    s = ops.mul(ops.matmul(q, ops.transpose(k, -2, -1)), c)
-    p = ops.softmax(ops.causal_mask(s) if is_causal else s, -1)
-    ds = ops.mul(_vjp_softmax(ops, ops.matmul(g, ops.transpose(v, -2, -1)), p, s)["x"], c)
-    return {"q": ops.matmul(ds, k), "k": ops.matmul(ops.transpose(ds, -2, -1), q),
-            "v": ops.matmul(ops.transpose(p, -2, -1), g)}
+    """sdpa_backward from the logsumexp of a second forward (sdpa_lse); a gradient runs sdpa as sdpa_lse
+    instead (differentiated_as), which computes it once"""
+    lse = ops.sdpa_lse(q, k, v, is_causal=is_causal, scale=scale)[1]
+    return _vjp_sdpa_lse(ops, (g, None), (out, lse), q, k, v, is_causal, scale)
 
 
 @op("sdpa", "attention", _sdpa_ref, _decompose_sdpa, flops=_sdpa_flops, local_kernels=(SDPA_QUERY_OFFSET,),
-    vjp=_vjp_sdpa)
+    vjp=_vjp_sdpa, differentiated_as="sdpa_lse")
 def sdpa(q, k, v, is_causal: bool = False, scale: float | None = None):
     """Scaled dot-product attention on [batch, heads, seq, head_dim] operands (torch's sdpa)."""
     q, k, v = (_need_tensor("sdpa", n, t) for n, t in (("q", q), ("k", k), ("v", v)))
@@ -1326,6 +1345,188 @@ def sdpa(q, k, v, is_causal: bool = False, scale: float | None = None):
         raise ShapeError(f"{what}: is_causal needs equal query and key lengths, got {q.shape[2]} and {k.shape[2]}")
     _same_float("sdpa", q, k, v)
     return [OutSpec(q.shape[:3] + (v.shape[3],), q.dtype, q.axes[:3] + (v.axes[3],))]
+
+
+# Flash attention as ops: sdpa_lse gives the output and the logsumexp of each query's scores, which is all
+# the backward needs of the forward; sdpa_backward recomputes the probabilities block by block from it (in
+# torch's fused kernels on a GPU), so no [seq, seq] tensor is ever a value of the program.
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The logsumexp's dtype: float32 for 16-bit operands (as torch's fused kernels keep it), else theirs.
+
+    >>> lse_dtype(torch.bfloat16), lse_dtype(torch.float64)
+    (torch.float32, torch.float64)
+    """
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _attention_scores(q, k, is_causal, scale, offset=0):
+    """The scaled scores q k^T in the logsumexp's dtype, -inf above the causal diagonal (offset: the
+    global position of the first query row)."""
+    dt = lse_dtype(q.dtype)
+    s = torch.matmul(q.to(dt), k.to(dt).transpose(-2, -1)) * _attention_scale(q, scale)
+    if is_causal:
+        rows = torch.arange(q.shape[2], device=q.device).unsqueeze(1) + offset
+        s = s.masked_fill(torch.arange(k.shape[2], device=q.device).unsqueeze(0) > rows, -math.inf)
+    return s
+
+
+def _attention_scale(q, scale) -> float:
+    return scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+
+def _fused_forward(q, k, v, is_causal, scale):
+    """(out, lse) from torch's flash (16-bit, v's head_dim q's) or memory-efficient (float32, or another
+    head_dim of v) kernel on a GPU; None where neither takes the operands (float64, the CPU, a head_dim
+    it refuses). sdpa_backward picks the same kernel's backward."""
+    aten = torch.ops.aten
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return None
+    try:
+        if q.dtype != torch.float32 and q.shape[-1] == v.shape[-1]:
+            out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[:2]
+        else:
+            out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal,
+                                                                    scale=scale)[:2]
+        return out, lse[..., :q.shape[2]].contiguous()  # the efficient kernel pads rows to 32
+    except RuntimeError:
+        return None
+
+
+def _sdpa_lse_ref(q, k, v, is_causal=False, scale=None):
+    fused = _fused_forward(q, k, v, is_causal, scale)
+    if fused is not None:
+        return fused
+    return attention(q, k, v, is_causal=is_causal, scale=scale), torch.logsumexp(_attention_scores(q, k, is_causal, scale), -1)
+
+
+def _sdpa_lse_query_offset(args, operands, outputs, ctx, axes):
+    """causal attention and its logsumexp for the rank's shard of the queries: query i of the shard is
+    global row start + i, so it attends to keys 0..start + i"""
+    lo, _ = ctx.shard_range(operands["q"].shape[2], operands["q"].layout, 2)
+    q, k, v, scale = args["q"], args["k"], args["v"], args.get("scale")
+    s = _attention_scores(q, k, True, scale, lo)
+    lse = torch.logsumexp(s, -1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)).to(v.dtype), v), lse
+
+
+SDPA_LSE_QUERY_OFFSET = LocalKernel("q_offset", _sdpa_lse_query_offset)
+
+
+def _vjp_sdpa_lse(ops, g, out, q, k, v, is_causal=False, scale=None):
+    """sdpa_backward(g, q, k, v, out, lse). A gradient of the logsumexp too adds p_ij g_lse_i to each
+    score's: dp - delta + g_lse, which is the backward of v and g with a column of ones and of g_lse
+    appended (out with a column of zeros, so delta is unchanged); dv drops the extra column."""
+    (g_out, g_lse), (o, lse) = g, out
+    if g_out is None:
+        g_out = zeros_like(ops, o)
+    dv = v.shape[-1]
+    if g_lse is not None:
+        col = q.shape[:3] + (1,)
+        g_out = ops.cat(g_out, ops.cast(ops.reshape(g_lse, col), g_out.dtype), 3)
+        v = ops.cat(v, ops.full(tuple(v.shape[:3]) + (1,), 1.0, v.dtype), 3)
+        o = ops.cat(o, ops.full(col, 0.0, o.dtype), 3)
+    dq, dk, dvv = ops.sdpa_backward(g_out, q, k, v, o, lse, is_causal=is_causal, scale=scale)
+    return {"q": dq, "k": dk, "v": dvv if g_lse is None else ops.slice(dvv, 3, 0, dv)}
+
+
+def _sdpa_lse_flops(ins, outs, args) -> float:
+    return _sdpa_flops(ins, outs, args) + float(math.prod(outs[1]))
+
+
+@op("sdpa_lse", "attention", _sdpa_lse_ref, flops=_sdpa_lse_flops, local_kernels=(SDPA_LSE_QUERY_OFFSET,),
+    vjp=_vjp_sdpa_lse)
+def sdpa_lse(q, k, v, is_causal: bool = False, scale: float | None = None):
+    """sdpa that also gives the logsumexp of each query's scaled scores, [batch, heads, seq_q] (float32 for
+    16-bit operands): (out, lse), torch's flash attention forward. A gradient of sdpa runs it, so that the
+    backward (sdpa_backward) reads lse and never the [seq, seq] probabilities.
+
+    >>> q = TensorSpec("q", (2, 4, 16, 8), torch.bfloat16, ("b", "h", "s", "d"))
+    >>> [(o.shape, o.dtype) for o in sdpa_lse(q, q, q, is_causal=True)]
+    [((2, 4, 16, 8), torch.bfloat16), ((2, 4, 16), torch.float32)]
+    """
+    (out,) = sdpa(q, k, v, is_causal, scale)
+    return [out, OutSpec(q.shape[:3], lse_dtype(q.dtype), q.axes[:3])]
+
+
+def _fused_backward(g, q, k, v, out, lse, is_causal, scale):
+    """(dq, dk, dv) from torch's flash (16-bit) or memory-efficient (float32) backward on a GPU; None
+    where neither takes the operands."""
+    aten = torch.ops.aten
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or lse.dtype != torch.float32:
+        return None
+    sq, sk = q.shape[2], k.shape[2]
+    try:
+        if q.dtype != torch.float32 and q.shape[-1] == v.shape[-1]:
+            return tuple(aten._scaled_dot_product_flash_attention_backward(
+                g, q, k, v, out, lse, None, None, sq, sk, 0.0, is_causal, None, None, scale=scale))
+        padded = F.pad(lse, (0, -sq % 32)).contiguous()  # the efficient kernel reads rows in blocks of 32
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            g, q, k, v, None, out, padded, seed, seed, 0.0, [True, True, True, False], is_causal, scale=scale)
+        return dq, dk, dv
+    except RuntimeError:
+        return None
+
+
+def _sdpa_backward_math(g, q, k, v, out, lse, is_causal=False, scale=None, offset=0):
+    """The backward from the logsumexp, in its dtype: p = exp(s - lse) (0 where masked); dv = p^T g;
+    ds = p (g v^T - rowsum(g out)) c; dq = ds k; dk = ds^T q."""
+    dt = lse.dtype
+    p = torch.exp(_attention_scores(q, k, is_causal, scale, offset) - lse.unsqueeze(-1))
+    g_, q_, k_, v_, o_ = (t.to(dt) for t in (g, q, k, v, out))
+    ds = p * (torch.matmul(g_, v_.transpose(-2, -1)) - (g_ * o_).sum(-1, keepdim=True)) * _attention_scale(q, scale)
+    return (torch.matmul(ds, k_).to(q.dtype), torch.matmul(ds.transpose(-2, -1), q_).to(k.dtype),
+            torch.matmul(p.transpose(-2, -1), g_).to(v.dtype))
+
+
+def _sdpa_backward_ref(g, q, k, v, output, lse, is_causal=False, scale=None):
+    fused = _fused_backward(g, q, k, v, output, lse, is_causal, scale)
+    return fused if fused is not None else _sdpa_backward_math(g, q, k, v, output, lse, is_causal, scale)
+
+
+def _sdpa_backward_query_offset(args, operands, outputs, ctx, axes):
+    """the causal backward for the rank's shard of the queries (global rows start..): dq of those rows,
+    and their summands of dk and dv"""
+    lo, _ = ctx.shard_range(operands["q"].shape[2], operands["q"].layout, 2)
+    a = args
+    return _sdpa_backward_math(a["g"], a["q"], a["k"], a["v"], a["output"], a["lse"], True, a.get("scale"), lo)
+
+
+SDPA_BACKWARD_QUERY_OFFSET = LocalKernel("q_offset", _sdpa_backward_query_offset)
+
+
+def _sdpa_backward_flops(ins, outs, args) -> float:
+    """the scores again, then dv, dp, dq and dk: five GEMMs of the forward's size (half under a causal mask)"""
+    b, h, sq, d = ins[1]
+    sk = ins[2][2]
+    return (5.0 if args.get("is_causal") else 10.0) * b * h * sq * sk * d + 6.0 * b * h * sq * sk
+
+
+@op("sdpa_backward", "attention", _sdpa_backward_ref, flops=_sdpa_backward_flops,
+    local_kernels=(SDPA_BACKWARD_QUERY_OFFSET,),
+    no_grad="the backward of attention: a gradient of a gradient (double backward) is not supported")
+def sdpa_backward(g, q, k, v, output, lse, is_causal: bool = False, scale: float | None = None):
+    """The gradients (dq, dk, dv) of sdpa from the output's gradient g, the operands, sdpa's output and the
+    logsumexp sdpa_lse gave: torch's fused flash / memory-efficient attention backward on a GPU (the math
+    on the CPU), recomputing the probabilities from lse.
+
+    >>> q = TensorSpec("q", (2, 4, 16, 8), torch.float32, ("b", "h", "s", "d"))
+    >>> lse = TensorSpec("lse", (2, 4, 16), torch.float32, ("b", "h", "s"))
+    >>> [o.shape for o in sdpa_backward(q, q, q, q, q, lse)]
+    [(2, 4, 16, 8), (2, 4, 16, 8), (2, 4, 16, 8)]
+    """
+    g, out, lse = (_need_tensor("sdpa_backward", n, t) for n, t in (("g", g), ("output", output), ("lse", lse)))
+    (o,) = sdpa(q, k, v, is_causal, scale)
+    what = f"sdpa_backward({g.name}, {q.name}, {k.name}, {v.name}, {out.name}, {lse.name})"
+    for t in (g, out):
+        if t.shape != o.shape or t.dtype != o.dtype:
+            raise ShapeError(f"{what}: {t.name} is {t.shape} {t.dtype}; it must be sdpa's output's, {o.shape} "
+                             f"{o.dtype}")
+    if lse.shape != q.shape[:3] or lse.dtype != lse_dtype(q.dtype):
+        raise ShapeError(f"{what}: {lse.name} is {lse.shape} {lse.dtype}; it must be sdpa_lse's logsumexp, "
+                         f"{q.shape[:3]} {lse_dtype(q.dtype)}")
+    return [OutSpec(t.shape, t.dtype, t.axes) for t in (q, k, v)]
 
 
 def _masked_take(table: torch.Tensor, index: torch.Tensor, lo: int, hi: int, take) -> torch.Tensor:

@@ -140,7 +140,9 @@ def _local_of_dtensor(plan: Plan, name: str, value: str, dt, rank: int) -> torch
                          f"expects {plan.input_shape(name)}")
     if dt.device_mesh.ndim == plan.mesh.ndim and dt.device_mesh.mesh.tolist() == _grid(plan.mesh) and \
             _dtensor_agrees(plan, name, value, dtensor_placements(dt)):
-        local = dt.to_local()
+        placements = dtensor_placements(dt)
+        scale = avg_scale(placements, plan.mesh)  # Partial('avg'): the summand is the local tensor over n
+        local = dt.to_local() if scale == 1.0 else dt.to_local() * scale
         want = plan.input_shape(name, rank, value)  # the shard of this value's layout (an input may load in several)
         if tuple(local.shape) != want:  # pragma: no cover - DTensor broke its own chunking
             raise ShapeError(f"run_plan: input {name!r}: rank {rank}'s DTensor shard is {tuple(local.shape)}, "
@@ -211,12 +213,42 @@ def _dtensor_agrees(plan: Plan, name: str, value: str, placements) -> bool:
     return cache[key]
 
 
+def partial_reduce(p) -> str | None:
+    """The pending reduction a DTensor placement stands for ('sum' or 'max'; None: not a partial).
+    Partial('avg') is a pending sum with a scale: the value is sum_r (x_r / n), n the mesh axis's size, so
+    each rank's summand is its local tensor over n (avg_scale).
+
+    >>> from torch.distributed.tensor import Partial, Replicate
+    >>> partial_reduce(Partial("avg")), partial_reduce(Partial()), partial_reduce(Replicate())
+    ('sum', 'sum', None)
+    """
+    if not p.is_partial():
+        return None
+    op = getattr(p, "reduce_op", "sum")
+    return "sum" if op == "avg" else op
+
+
+def avg_scale(placements, mesh: DeviceMesh) -> float:
+    """What a rank's local tensor is multiplied by to be its summand of the pending sum: 1 / n for each
+    mesh axis of size n a Partial('avg') pends over, 1 where none does.
+
+    >>> from torch.distributed.tensor import Partial, Replicate
+    >>> avg_scale((Partial("avg"), Replicate()), DeviceMesh([[0, 1, 2], [3, 4, 5]]))
+    0.5
+    """
+    out = 1.0
+    for m, p in enumerate(placements):
+        if p.is_partial() and getattr(p, "reduce_op", "sum") == "avg":
+            out /= mesh.shape[m]
+    return out
+
+
 def _agrees(plan: Plan, name: str, value: str, placements) -> bool:
     layout = plan.values[value].layout
     if len(placements) != len(layout):
         return False
     for p, q in zip(placements, layout):
-        if q.is_partial != p.is_partial() or (q.is_partial and getattr(p, "reduce_op", "") != q.reduce):
+        if q.is_partial != p.is_partial() or (q.is_partial and partial_reduce(p) != q.reduce):
             return False  # elements alike, values not: a summand is not a shard
     shape = plan.views[name].shape if name in plan.views else plan.values[value].shape
     return all(_dtensor_indices(shape, placements, plan.mesh, r) == _plan_indices(plan, name, value, r)
@@ -284,7 +316,7 @@ def pin_placements(tv, placements, mesh: DeviceMesh):
             pos += 1
     for m, p in enumerate(placements):
         if p.is_partial():
-            tv.add_partial(ParallelType.for_mesh_axis(mesh, m), getattr(p, "reduce_op", "sum"))
+            tv.add_partial(ParallelType.for_mesh_axis(mesh, m), partial_reduce(p))  # avg: a sum (avg_scale)
     for r in mesh.ranks:  # exactly DTensor's chunks, or no pin (uneven nested chunks can differ)
         if [i.tolist() for i in tv.local_indices(r)] != _dtensor_indices(tv.shape, placements, mesh, r):
             tv.reset_loop_domain()

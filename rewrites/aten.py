@@ -5,7 +5,8 @@ from __future__ import annotations
 from egglog import i64, ne, var
 from egglog import rule as erule
 
-from egraph_did.ops import EMBEDDING_VOCAB_PARALLEL, LINEAR_BIAS_ONCE, SDPA_QUERY_OFFSET, TAKE_ALONG_MASKED
+from egraph_did.ops import (EMBEDDING_VOCAB_PARALLEL, LINEAR_BIAS_ONCE, SDPA_BACKWARD_QUERY_OFFSET, SDPA_LSE_QUERY_OFFSET,
+                            SDPA_QUERY_OFFSET, TAKE_ALONG_MASKED)
 
 from .rules import P, R, S, Case, egglog_form, family_ruleset, indices, rule
 from .sorts import P as P_, R as R_, S as S_
@@ -146,6 +147,87 @@ def sdpa_value_dim(e):
     yield e.strategy(out=S(3), v=S(3))
 
 
+def _with_lse(o, q, k, v, **kw):
+    """sdpa_lse's two outputs (out, lse)."""
+    return tuple(o.sdpa_lse(q, k, v, **kw))
+
+
+def _backward(o, g, q, k, v, **kw):
+    """sdpa_backward of g from sdpa_lse's outputs: (dq, dk, dv)."""
+    return tuple(o.sdpa_backward(g, q, k, v, *o.sdpa_lse(q, k, v, **kw), **kw))
+
+
+ATTN = {"q": (2, 3, 5, 4), "k": (2, 3, 5, 4), "v": (2, 3, 5, 3)}
+ATTN_G = {**ATTN, "g": (2, 3, 5, 3)}
+
+
+@rule("sdpa_lse", "sdpa_backward", cases=[
+    Case("lse-heads-uneven", (2,), ATTN, lambda o, q, k, v: _with_lse(o, q, k, v)),
+    Case("lse-causal-batch-mesh2x2", (2, 2), {"q": (4, 2, 3, 2), "k": (4, 2, 3, 2), "v": (4, 2, 3, 2)},
+         lambda o, q, k, v: _with_lse(o, q, k, v, is_causal=True)),
+    Case("backward-heads-uneven", (2,), ATTN_G, lambda o, q, k, v, g: _backward(o, g, q, k, v, is_causal=True)),
+    Case("backward-batch-scale", (3,), {"q": (3, 2, 4, 2), "k": (3, 2, 6, 2), "v": (3, 2, 6, 3), "g": (3, 2, 4, 3)},
+         lambda o, q, k, v, g: _backward(o, g, q, k, v, scale=0.3)),
+])
+def attention_batch_or_heads(e):
+    """attention and its backward are independent per batch element and per head: every operand and
+    output sharded alike on either"""
+    for a in (0, 1):
+        yield e.strategy(out=S(a), **{o.param: S(a) for o in e.operands})
+
+
+@rule("sdpa_lse", cases=[
+    Case("causal-uneven", (3,), {"q": (1, 2, 5, 4), "k": (1, 2, 5, 4), "v": (1, 2, 5, 3)},
+         lambda o, q, k, v: _with_lse(o, q, k, v, is_causal=True)),
+    Case("noncausal-scale", (2,), {"q": (1, 2, 5, 4), "k": (1, 2, 6, 4), "v": (1, 2, 6, 3)},
+         lambda o, q, k, v: _with_lse(o, q, k, v, scale=0.3)),
+    Case("causal-mesh2x2-nested-uneven", (2, 2), {"q": (1, 1, 13, 2), "k": (1, 1, 13, 2), "v": (1, 1, 13, 2)},
+         lambda o, q, k, v: _with_lse(o, q, k, v, is_causal=True)),
+])
+def sdpa_lse_query_sequence(e):
+    """each query row's output and logsumexp read all keys: a shard of the queries with k, v replicated is
+    local (causal masks offset by the shard's first position)"""
+    yield e.strategy(out=S(2), q=S(2), local=SDPA_LSE_QUERY_OFFSET if e.attr("is_causal") else None)
+
+
+@rule("sdpa_lse", cases=[
+    Case("causal", (2,), {"q": (1, 2, 3, 4), "k": (1, 2, 3, 4), "v": (1, 2, 3, 5)},
+         lambda o, q, k, v: _with_lse(o, q, k, v, is_causal=True)),
+])
+def sdpa_lse_value_dim(e):
+    """the weights and their logsumexp do not depend on v: a shard of v's head_dim passes to the output,
+    the logsumexp whole on every rank"""
+    yield e.strategy(out=(S(3), R), v=S(3))
+
+
+@rule("sdpa_backward", cases=[
+    Case("causal-uneven", (3,), ATTN_G, lambda o, q, k, v, g: _backward(o, g, q, k, v, is_causal=True)),
+    Case("noncausal-scale", (2,), {"q": (1, 2, 5, 4), "k": (1, 2, 6, 4), "v": (1, 2, 6, 3), "g": (1, 2, 5, 3)},
+         lambda o, q, k, v, g: _backward(o, g, q, k, v, scale=0.3)),
+    Case("causal-mesh2x2-nested-uneven", (2, 2), {"q": (1, 1, 13, 2), "k": (1, 1, 13, 2), "v": (1, 1, 13, 2),
+                                                 "g": (1, 1, 13, 2)},
+         lambda o, q, k, v, g: _backward(o, g, q, k, v, is_causal=True)),
+])
+def sdpa_backward_query_sequence(e):
+    """dq of a shard of the queries needs only those rows; dk = sum_i ds_i^T q_i and dv = sum_i p_i^T g_i
+    sum over the queries, so each rank's rows give a summand: dq sharded, dk and dv partial (causal masks
+    offset by the shard's first position)"""
+    yield e.strategy(out=(S(2), P, P), g=S(2), q=S(2), output=S(2), lse=S(2),
+                     local=SDPA_BACKWARD_QUERY_OFFSET if e.attr("is_causal") else None)
+
+
+@rule("sdpa_backward", cases=[
+    Case("causal-uneven", (3,), {"q": (1, 2, 4, 3), "k": (1, 2, 4, 3), "v": (1, 2, 4, 5), "g": (1, 2, 4, 5)},
+         lambda o, q, k, v, g: _backward(o, g, q, k, v, is_causal=True)),
+    Case("cross-mesh2x2", (2, 2), {"q": (1, 1, 3, 2), "k": (1, 1, 5, 2), "v": (1, 1, 5, 4), "g": (1, 1, 3, 4)},
+         lambda o, q, k, v, g: _backward(o, g, q, k, v)),
+])
+def sdpa_backward_value_dim(e):
+    """the probabilities do not depend on v: dv = p^T g keeps a shard of the head_dim of v, g and out, and
+    dp - delta = g v^T - rowsum(g out) sums over it, so dq and dk (linear in it) are partial sums"""
+    yield e.strategy(out=(P, P, S(3)), g=S(3), v=S(3), output=S(3))
+
+
 @rule("embedding", cases=[
     Case("uneven", (3,), {"idx": indices((3, 5), 10), "w": (10, 7)}, lambda o, idx, w: o.embedding(idx, w)),
     Case("mesh2x2", (2, 2), {"idx": indices((2, 4), 6), "w": (6, 4)}, lambda o, idx, w: o.embedding(idx, w)),
@@ -277,6 +359,42 @@ def _sdpa_query_sequence(spec):
 def _sdpa_value_dim(spec):
     """attention weights do not depend on v's head_dim: a shard of it passes through"""
     yield erule(site("sdpa", 3), MeshSize(d)).then(ax([R_(), R_(), S_(3)], [S_(3)]))
+
+
+@egglog_form(attention_batch_or_heads)
+def _attention_batch_or_heads(spec):
+    """attention and its backward are independent per batch element and per head: all sharded alike"""
+    for name, n_in, n_out in (("sdpa_lse", 3, 2), ("sdpa_backward", 6, 3)):
+        yield erule(site(name, n_in, n_out), MeshSize(d)).then(*[ax([S_(k)] * n_in, [S_(k)] * n_out) for k in (0, 1)])
+
+
+@egglog_form(sdpa_lse_query_sequence)
+def _sdpa_lse_query_sequence(spec):
+    """a shard of the queries attends to replicated keys and values locally, its logsumexp likewise"""
+    for causal, kernel in (("true", SDPA_LSE_QUERY_OFFSET), ("false", None)):
+        yield erule(site("sdpa_lse", 3, 2), AttrS(sig, "is_causal", causal), MeshSize(d)).then(
+            ax([S_(2), R_(), R_()], [S_(2), S_(2)], kernel))
+
+
+@egglog_form(sdpa_lse_value_dim)
+def _sdpa_lse_value_dim(spec):
+    """a shard of v's head_dim passes to the output; the logsumexp whole"""
+    yield erule(site("sdpa_lse", 3, 2), MeshSize(d)).then(ax([R_(), R_(), S_(3)], [S_(3), R_()]))
+
+
+@egglog_form(sdpa_backward_query_sequence)
+def _sdpa_backward_query_sequence(spec):
+    """dq of a shard of the queries is local; dk and dv are partial sums over the query shards"""
+    for causal, kernel in (("true", SDPA_BACKWARD_QUERY_OFFSET), ("false", None)):
+        yield erule(site("sdpa_backward", 6, 3), AttrS(sig, "is_causal", causal), MeshSize(d)).then(
+            ax([S_(2), S_(2), R_(), R_(), S_(2), S_(2)], [S_(2), P_(), P_()], kernel))
+
+
+@egglog_form(sdpa_backward_value_dim)
+def _sdpa_backward_value_dim(spec):
+    """a shard of v's head_dim: dv sharded alike, dq and dk partial sums"""
+    yield erule(site("sdpa_backward", 6, 3), MeshSize(d)).then(
+        ax([S_(3), R_(), R_(), S_(3), S_(3), R_()], [P_(), P_(), S_(3)]))
 
 
 @egglog_form(embedding_sharded)

@@ -15,9 +15,9 @@ from egglog import rule as erule
 
 from egraph_did.ops import DROPOUT_GLOBAL_INDEX, OPS, ops_where
 
-from .rules import P, R, S, Case, Input, egglog_form, family_ruleset, indices, rule
+from .rules import P, PMAX, R, S, Case, Input, egglog_form, family_ruleset, indices, rule
 from .sorts import SIG, Bcast, Extent, FloatSize, MeshSize, OpKind, Param, Placement, Rank, a, ax, d, i, m, n, op, r, sig, site
-from .sorts import P as P_, R as R_, S as S_, sx0, sx1, sx2, sy
+from .sorts import P as P_, Pmax as Pmax_, R as R_, S as S_, sx0, sx1, sx2, sy
 
 F32 = torch.float32
 
@@ -110,6 +110,22 @@ def partial_through_linear_unary(e):
     exact = e.op == "cast" and src.is_floating_point and dst.is_floating_point and src.itemsize <= dst.itemsize
     if e.op == "neg" or exact:
         yield e.strategy(out=P, x=P)
+
+
+@rule("maximum", cases=[
+    Case("of-pending-maxes", (2,), {"x": (3, 4), "y": (3, 4)}, lambda o, x, y: o.maximum(o.amax(x, 1), o.amax(y, 1))),
+    Case("of-a-pending-max-and-a-whole", (3,), {"x": (5, 4), "y": (4,)}, lambda o, x, y: (
+        o.maximum(o.amax(x, 0), y), o.maximum(0.25, o.amax(x, 0)))),
+    Case("mesh2x2", (2, 2), {"x": (4, 6), "y": (4, 6)}, lambda o, x, y: o.maximum(o.amax(x, 1), o.amax(y, 1))),
+])
+def maximum_of_pending_maxes(e):
+    """max(max_r a_r, max_r b_r) = max_r max(a_r, b_r), and max(max_r a_r, b) = max_r max(a_r, b) for a
+    whole b: maximum passes a pending max"""
+    params = [o.param for o in e.operands]
+    yield e.strategy(out=PMAX, **{p: PMAX for p in params})
+    if len(params) == 2:
+        for p in params:
+            yield e.strategy(out=PMAX, **{p: PMAX})
 
 
 @rule(*ops_where(kind="constant"), cases=[
@@ -211,6 +227,14 @@ def _partial_through_linear_unary(spec):
     yield erule(site("neg"), MeshSize(d)).then(ax([P_()], [P_()]))
     yield erule(site("cast"), MeshSize(d), FloatSize(sx0, bx), FloatSize(sy, by), bx <= by).then(ax([P_()], [P_()]))
 
+
+
+@egglog_form(maximum_of_pending_maxes)
+def _maximum_of_pending_maxes(spec):
+    """max(max_r a_r, max_r b_r) = max_r max(a_r, b_r); a whole operand (or a number) joins every rank's"""
+    yield erule(site("maximum", 2), MeshSize(d)).then(
+        ax([Pmax_(), Pmax_()], [Pmax_()]), ax([Pmax_(), R_()], [Pmax_()]), ax([R_(), Pmax_()], [Pmax_()]))
+    yield erule(site("maximum"), MeshSize(d)).then(ax([Pmax_()], [Pmax_()]))
 
 
 @egglog_form(constant_sharded)

@@ -21,22 +21,23 @@ anyway). Ops that recompute: the deterministic single-output ops of the kinds in
 """
 from __future__ import annotations
 
-from egglog import eq, function, relation, var
+from egglog import eq, function, i64, relation, var
 from egglog import rule as erule
 from egglog import String, union
 
 from egraph_did.ops import OPS, SAVE_OP, ops_where
 
 from .algebra import REWRITES, Example, program_rewrite, rewrite
-from .sorts import OPS_SORT, Lit, Shape, ShapeOf, Tensor
+from .sorts import OPS_SORT, Lit, Out, Shape, ShapeOf, Tensor
 
 RECOMPUTE_KINDS = ("pointwise", "mask", "normalization", "view", "matmul", "attention", "constant")
 saved = OPS_SORT[SAVE_OP]
+i = var("i", i64)
 
 
 def recomputable() -> tuple[str, ...]:
     """The ops whose saved value may be recomputed: those of RECOMPUTE_KINDS (deterministic; a multi-output
-    op's terms are Out(i, app), which no rule reads), but the marker itself.
+    one's output i is the term Out(i, app): sdpa_lse's output and logsumexp), but the marker itself.
 
     >>> ops = recomputable()
     >>> "gelu" in ops, "softmax" in ops, "linear" in ops, "dropout" in ops, "saved" in ops, "var_mean" in ops
@@ -70,6 +71,8 @@ def _kept_rules():
     Example("attention-probabilities", {"q": (2, 3, 4), "k": (2, 3, 4)},
             lambda o, q, k: o.saved(o.softmax(o.mul(o.matmul(q, o.transpose(k, -2, -1)), 0.5), -1))),
     Example("swiglu", {"g": (3, 4), "u": (3, 4)}, lambda o, g, u: o.saved(o.mul(o.silu(g), u))),
+    Example("attention-output-and-logsumexp", {"q": (1, 2, 4, 3), "k": (1, 2, 4, 3), "v": (1, 2, 4, 3)},
+            lambda o, q, k, v: tuple(o.saved(t) for t in o.sdpa_lse(o.mul(q, 2.0), k, v, is_causal=True))),
 )
 def recompute():
     """saved(f(a, b, ..)) = f(saved(a), saved(b), ..): a value the backward reads is kept from the forward or computed again from kept operands"""
@@ -79,6 +82,7 @@ def recompute():
         xs = [var(f"a{i}", Tensor) for i in range(len(params))]
         f = OPS_SORT[name]
         yield rewrite("recompute", saved(f(*xs)), f(*[Kept(x) for x in xs]), *[Keepable(x) for x in xs])
+        yield rewrite("recompute", saved(Out(i, f(*xs))), Out(i, f(*[Kept(x) for x in xs])), *[Keepable(x) for x in xs])
 
 
 __all__ = ["Keepable", "Kept", "RECOMPUTE_KINDS", "REWRITES", "recompute", "recomputable"]

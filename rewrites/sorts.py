@@ -152,24 +152,28 @@ Apart = relation("Apart", Placement, Placement, egg_fn="Apart")  # not the same 
 NestOK = relation("NestOK", i64, Placement, Placement, egg_fn="NestOK")  # nestable flag, p, q
 Connect = relation("Connect", Placement, Placement, String, egg_fn="Connect")  # src, dst, collective kind
 
+# (tensor operands, outputs) of the op applications the e-graph holds: up to 4 operands and 2 outputs, and
+# attention's backward (sdpa_backward: g, q, k, v, out, lse -> dq, dk, dv). Each arity has its own relations
+# and physical rules, so only those ops use are declared
+ARITIES = tuple((n, o) for n in (0, 1, 2, 3, 4) for o in (1, 2)) + ((6, 3),)
 # key, signature, outputs.., tensor operands..: an op application of the program
 SITE = {(n, o): relation(f"Site{n}x{o}", String, String, *([Tensor] * (o + n)), egg_fn=f"Site{n}x{o}")
-        for n in (0, 1, 2, 3, 4) for o in (1, 2)}
+        for n, o in ARITIES}
 # signature, op, output shapes.., operand shapes..: what the sharding rules see of an op application (its op,
 # shapes and, in AxisMap/Reduced/AttrS/AttrI/ReshapeBlock/Param, attributes): applications alike share one
 SIG = {(n, o): relation(f"Sig{n}x{o}", String, String, *([Shape] * (o + n)), egg_fn=f"Sig{n}x{o}")
-       for n in (0, 1, 2, 3, 4) for o in (1, 2)}
+       for n, o in ARITIES}
 AX = {(n, o): relation(f"Ax{n}x{o}", String, i64, *([Placement] * (n + o)), String, i64, egg_fn=f"Ax{n}x{o}")
-      for n in (0, 1, 2, 3, 4) for o in (1, 2)}
+      for n, o in ARITIES}
 
 # signature, per-axis kernels, output layouts.., operand layouts..: op applications of this signature run on
 # the whole mesh so (the join of Ax over the mesh axes, egraph_did.egraph.program_rules)
 STRAT = {(n, o): relation(f"Strat{n}x{o}", String, Kern, *([Layout] * (o + n)), egg_fn=f"Strat{n}x{o}")
-         for n in (0, 1, 2, 3, 4) for o in (1, 2)}
+         for n, o in ARITIES}
 # key, kernels, outputs.., operands.., output layouts.., operand layouts..: a strategy of one op application
 # (Site joined with its signature's Strat before the physical rules, which then join it with Held alone)
 PLAN = {(n, o): relation(f"Plan{n}x{o}", String, Kern, *([Tensor] * (o + n)), *([Layout] * (o + n)),
-                         egg_fn=f"Plan{n}x{o}") for n in (0, 1, 2, 3, 4) for o in (1, 2)}
+                         egg_fn=f"Plan{n}x{o}") for n, o in ARITIES}
 
 
 class D(Expr):
@@ -215,7 +219,7 @@ def _constructor(name: str, params: list[tuple[str, type]], out: type, doc: str)
 RUN = {(n, o): _constructor(f"Run{n}x{o}", [("key", StringLike), ("kern", Kern)] + [(f"out{i}", Layout) for i in range(o)]
                             + [(f"in{i}", D) for i in range(n)], D,
                             f"An expr run rank-locally ({n} operands, {o} outputs) under per-axis kernels kern.")
-       for n in (0, 1, 2, 3, 4) for o in (1, 2)}
+       for n, o in ARITIES}
 
 # One logical constructor per op of the op table, every parameter a Tensor (a literal: Lit(json)).
 OPS_SORT = {name: _constructor(f"op_{name}", [(p, Tensor) for p in op.signature.parameters], Tensor,
@@ -250,8 +254,8 @@ def attr_text(value) -> str:
 
 sig, op = var("sig", String), var("op", String)
 d, a, b, i, r, n, m = (var(v, i64) for v in ("d", "a", "b", "i", "r", "n", "m"))
-sy, sy1 = var("sy", Shape), var("sy1", Shape)
-sx0, sx1, sx2, sx3 = (var(f"sx{j}", Shape) for j in range(4))
+sy, sy1, sy2 = var("sy", Shape), var("sy1", Shape), var("sy2", Shape)
+sx0, sx1, sx2, sx3, sx4, sx5 = (var(f"sx{j}", Shape) for j in range(6))
 
 
 def site(op_name, n_in: int = 1, n_out: int = 1):
@@ -260,7 +264,7 @@ def site(op_name, n_in: int = 1, n_out: int = 1):
     >>> str(site("sum"))
     'Sig1x1(sig, "sum", sy, sx0)'
     """
-    return SIG[(n_in, n_out)](sig, op_name, *(sy, sy1)[:n_out], *(sx0, sx1, sx2, sx3)[:n_in])
+    return SIG[(n_in, n_out)](sig, op_name, *(sy, sy1, sy2)[:n_out], *(sx0, sx1, sx2, sx3, sx4, sx5)[:n_in])
 
 
 def ax(ins, outs, kernel=None, nestable: bool = True):

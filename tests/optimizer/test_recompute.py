@@ -271,3 +271,21 @@ def test_a_saved_value_of_no_operands_is_not_computed_from_itself(extractor):
         fd.add_output(fd.ops.saved(x=fd.ops.abs(x=t)), name="out")
     plan = ed.optimize(fd, ed.DeviceMesh.arange(1), ed.CostModel.h200(), extractor=extractor)
     assert ed.simulate(plan, {})["out"].item() == 1.0
+
+
+def test_attention_output_and_logsumexp_are_recomputed_under_a_bound():
+    """sdpa_lse has two outputs (the attention output and the logsumexp its backward reads); the rule
+    saved(Out(i, f(..))) = Out(i, f(saved ..)) offers both computed again. The GPT step on 2 ranks holds
+    253976 B free; under 246000 B the plan runs attention again in the backward, and simulates to the
+    reference."""
+    mesh = ed.DeviceMesh.arange(2)
+    fd = models.gpt_training_step(2, 16, 16, 4, F64)
+    plan = ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=246_000))
+    assert plan.memory <= 246_000
+    assert "sdpa_lse" in {s.op for s in plan.compute_steps if plan.rewrites.get(s.key) == "recompute"}
+    g = torch.Generator().manual_seed(0)
+    inputs = {t.name: torch.randn(t.shape, generator=g, dtype=F64) * 0.3 if "." not in t.name and t.name != "step"
+              else torch.zeros(t.shape, dtype=F64) for t in fd.fusion.inputs}  # moments and step: zeros
+    ref, got = ed.evaluate(fd, inputs), ed.simulate(plan, inputs)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-10, msg=lambda m: f"{k}: {m}")

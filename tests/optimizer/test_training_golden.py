@@ -138,12 +138,12 @@ def test_tp_sp_gpt_layer_forward_backward_moves_no_more_than_megatron_sp():
     plan = ed.optimize(gpt_grad(1, 32, 8192, 64, BF16), MESH)
     act, ln = 32 * 8192 * 2, 8192 * 2
     assert by_kind(plan) == {
-        "allgather": ["layer_norm_0", "layer_norm_15",  # forward: the layer norms' outputs
-                      "sub_20",  # the error y - target: the loss, and the gradient entering w2^T's linear
-                      "mul_76"],  # backward: the gradient entering wo^T's linear
-        "reduce_scatter": ["linear_13", "linear_18",  # forward: attention and MLP outputs
-                           "linear_53", "add_133",  # backward: the gradients of the layer norms' outputs
-                           "sum_141", "sum_143", "sum_65", "sum_67"],  # layer-norm weight and bias gradients
+        "allgather": ["layer_norm_0", "layer_norm_16",  # forward: the layer norms' outputs
+                      "sub_21",  # the error y - target: the loss, and the gradient entering w2^T's linear
+                      "mul_77"],  # backward: the gradient entering wo^T's linear
+        "reduce_scatter": ["linear_14", "linear_19",  # forward: attention and MLP outputs
+                           "linear_54", "add_122",  # backward: the gradients of the layer norms' outputs
+                           "sum_130", "sum_132", "sum_66", "sum_68"],  # layer-norm weight and bias gradients
     }
     assert sum(c.bytes for c in plan.collectives) == 8 * act + 4 * ln
     megatron_sp = (4 + 4 + 2) * act + 4 * ln  # its all-reduces of the ln gradients move ln bytes each
@@ -175,7 +175,7 @@ def gpt_step_2d(batch, seq, hidden, heads, dtype, dp_sharded: bool):
 
 # the layer norms' weight and bias gradients as the plans reduce them: sums over (batch, tokens), before the
 # reshape that names them grad_ln*
-LN_GRAD_SUMS = {"sum_141", "sum_143", "sum_65", "sum_67"}
+LN_GRAD_SUMS = {"sum_130", "sum_132", "sum_66", "sum_68"}
 
 
 @pytest.fixture(scope="module")
@@ -211,8 +211,8 @@ def test_dp_tp_gpt_training_step(plans_2d):
         matrices = set(COLUMN + ROW)
         assert not {c.tensor for c in tp} & (matrices | {"grad_" + w for w in matrices} | {
             f"next.{s}.{w}" for s in ("exp_avg", "exp_avg_sq") for w in matrices})  # Megatron on tp: no matrix's moves
-        assert by_kind(plan, "tp")["reduce_scatter"][:2] == ["linear_13", "linear_18"]
-        assert by_kind(plan, "tp")["allgather"][:2] == ["layer_norm_0", "layer_norm_15"]
+        assert by_kind(plan, "tp")["reduce_scatter"][:2] == ["linear_14", "linear_19"]
+        assert by_kind(plan, "tp")["allgather"][:2] == ["layer_norm_0", "layer_norm_16"]
     dp = by_kind(ddp, "dp")  # DDP: each gradient all-reduced over dp (or reduce-scattered and gathered back)
     whole = set(dp["allreduce"]) | (set(dp.get("reduce_scatter", [])) & set(dp.get("allgather", [])))
     assert whole == {"loss", *LN_GRAD_SUMS} | {"grad_" + w for w in COLUMN + ROW}

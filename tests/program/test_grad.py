@@ -91,11 +91,11 @@ def test_every_op_with_a_vjp_is_checked_against_torch():
     assert not unchecked, f"ops with a vjp but no float case in tests/core/test_ops.py CASES: {unchecked}"
 
 
-def test_the_ops_without_a_gradient_are_comparisons_masks_the_rfactor_halves_and_opaque_gradients():
+def test_the_ops_without_a_gradient_are_comparisons_masks_the_rfactor_halves_and_the_backward_ops():
     comparisons = {"gt", "eq", "ne", "lt", "le", "ge"}
     masks = {"bitwise_and", "bitwise_or", "bitwise_xor", "logical_and", "logical_or", "logical_not", "any", "all"}
     assert {n for n, d in OPS.items() if d.no_grad} == comparisons | masks | {"welford_blocks", "welford_merge",
-                                                                            "opaque_grad"}
+                                                                            "opaque_grad", "sdpa_backward"}
 
 
 # ---------------------------------------------------------------------- the program transform

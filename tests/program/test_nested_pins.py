@@ -405,3 +405,42 @@ def test_a_view_pin_keeps_its_view_through_simplified_and_replays_with_like():
     other["w_gate_up"].reset_loop_domain().outer_split(0, 2).parallelize(0, DIDx)  # a plain row split
     with pytest.raises(ed.PlanError, match=r"like plan holds \['w_gate_up'\] through a view .* this fusion none"):
         ed.optimize(other, mesh, like=plan)
+
+
+# ---------------------------------------------------------------------- Partial('avg'): a pending sum with a scale
+
+def avg_work(rank: int, plan_json: str, locals_: list):
+    """x given as a DTensor Partial('avg') of every rank's local tensor: bound as a pending sum (each
+    rank's local tensor over 2 its summand), no full_tensor."""
+    from torch.distributed.tensor import DTensor, Partial
+    from egraph_did.runtime import torch_device_mesh
+    plan = Plan.from_json(plan_json)
+    dt = DTensor.from_local(locals_[rank], torch_device_mesh(plan.mesh, "cpu"), [Partial("avg")], run_check=False)
+    agrees = _dtensor_agrees(plan, "x", plan.inputs["x"][0], dtensor_placements(dt))
+    return agrees, run_plan(plan, {"x": dt, "w": torch.eye(6, dtype=F64) * 3})["y"]
+
+
+def test_a_partial_avg_dtensor_input_is_bound_as_a_pending_sum_of_its_local_tensors_over_n():
+    mesh = ed.DeviceMesh.arange(2)
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((4, 6), F64, name="x")
+        w = fd.define_tensor((6, 6), F64, name="w")
+        fd.add_output(fd.ops.linear(x, w), name="y")
+    x.set_device_mesh(mesh).add_partial(DIDx)  # a pending sum, as Partial('avg') is one with a scale
+    w.set_device_mesh(mesh)
+    fd["y"].set_device_mesh(mesh)
+    plan = ed.optimize(fd, mesh)
+    g = torch.Generator().manual_seed(5)
+    locals_ = [torch.randn(4, 6, generator=g, dtype=F64) for _ in range(2)]
+    for agrees, y in launch(avg_work, nprocs=2, backend="gloo", timeout=120, args=(plan.to_json(), locals_)):
+        assert agrees
+        torch.testing.assert_close(y, (locals_[0] + locals_[1]) / 2 * 3, rtol=0, atol=1e-12)
+
+
+def test_partial_avg_placements_pin_a_pending_sum():
+    from torch.distributed.tensor import Partial, Shard
+    from egraph_did.runtime import avg_scale, pin_placements
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((8, 6), name="x")
+    assert pin_placements(x, (Shard(0), Partial("avg")), MESH22).loop_str() == "[DIDy{2}, 8/2, 6, rDIDx{2}]"
+    assert avg_scale((Shard(0), Partial("avg")), MESH22) == 0.5

@@ -4,6 +4,7 @@ parameters after one and three steps equal torch.optim's (SGD, AdamW) in float64
 """
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -17,6 +18,7 @@ if not torch.cuda.is_available():
 
 import egraph_did as ed
 from egraph_did import ShapeError
+from egraph_did import models
 from egraph_did.models import gpt_layer, mlp
 
 F64 = torch.float64
@@ -136,3 +138,43 @@ def test_the_gpt_training_step_model_lowers_the_loss():
         state, loss = _advance(fd, state)
         losses.append(loss.item())
     assert losses[-1] < losses[0] * 0.9, losses
+
+
+# ---------------------------------------------------------------------- flash attention: no [seq, seq] value
+
+def test_a_gpt_training_step_holds_no_seq_by_seq_tensor_and_its_gradients_are_autograd_s():
+    """sdpa runs as sdpa_lse in the step's forward and its backward is one sdpa_backward reading the
+    logsumexp, so no value of the fusion or of its 2-rank plan has batch x heads x seq x seq elements (the
+    scores and probabilities the backward written in ops held); the gradients (w - next.w under SGD with
+    lr 1), simulated, equal torch.autograd through the reference in float64."""
+    batch, seq, hidden, heads = 1, 64, 32, 4
+    fd = gpt_layer(batch, seq, hidden, heads, F64)
+    target = fd.define_tensor((batch, seq, hidden), F64, name="target")
+    err = fd.ops.sub(fd["y"], target)
+    fd.add_output(fd.ops.mean(fd.ops.mul(err, err)), name="loss")
+    weights = [t.name for t in fd.fusion.inputs if t.name not in ("x", "target")]
+    step = ed.training_step(fd, "loss", weights, ed.SGD(lr=1.0))
+    scores = batch * heads * seq * seq  # the largest value a step without them holds: [1, 64, 128], 8192
+    ops = {e.op.name for e in step.fusion.exprs}
+    assert {"sdpa_lse", "sdpa_backward"} <= ops and "sdpa" not in ops, ops
+    assert all(math.prod(t.shape) < scores for t in step.fusion.tensors.values())
+    mesh = ed.DeviceMesh.arange(2)
+    plan = ed.optimize(step, mesh)
+    assert all(math.prod(v.shape) < scores for v in plan.values.values())
+    g = torch.Generator().manual_seed(0)
+    inputs = {t.name: torch.randn(t.shape, generator=g, dtype=F64) * (0.3 if t.name in weights else 1.0)
+              for t in fd.fusion.inputs}
+    state = {t.name: torch.zeros(t.shape, dtype=F64) for t in step.fusion.inputs if t.name not in inputs}
+    got = ed.simulate(plan, {**inputs, **state})
+    leaves = {k: v.clone().requires_grad_(k in weights) for k, v in inputs.items()}
+    want = torch.autograd.grad(ed.evaluate(fd, leaves)["loss"], [leaves[w] for w in weights])
+    for w, gw in zip(weights, want):
+        torch.testing.assert_close(inputs[w] - got[f"next.{w}"], gw, rtol=1e-9, atol=1e-11, msg=lambda m: f"{w}: {m}")
+
+
+def test_at_seq_8192_no_value_of_the_gpt_steps_4_rank_plan_is_seq_by_seq():
+    """The issue's size: one GPT layer's training step (AdamW) at seq 8192, hidden 32, 4 heads, bf16, on 4
+    ranks. Its largest value is [8192, 128] (the MLP's hidden); the scores would be 4 x 8192 x 8192."""
+    seq = 8192
+    plan = ed.optimize(models.gpt_training_step(1, seq, 32, 4, torch.bfloat16), ed.DeviceMesh.arange(4))
+    assert max(math.prod(v.shape) for v in plan.values.values()) == seq * 128
