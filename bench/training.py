@@ -6,7 +6,7 @@ torch.optim.AdamW(fused=True) over the local parameters.
 
     python bench/training.py --make-plans   # here (needs egglog): optimize, write bench/plans/gpt3_train_*_8.json
     python bench/training.py                # on a GPU: GPT-3 shapes (batch 1, sequence 2048, hidden 12288, bf16)
-    python bench/training.py --cpu-smoke    # anywhere: tiny float32 shapes, numerics only (a test runs it)
+    python bench/training.py --cpu-smoke    # anywhere: tiny float32 shapes (tests/execution/test_bench_runtime.py)
 
 The plans are the optimizer's (never hand-edited): models.gpt_training_step with the weights, their
 moments and their next values pinned to Megatron's layouts (wq, wk, wv, w1 split by rows, wo, w2 by
@@ -16,8 +16,9 @@ are chosen by cost, without the collective-matmul rewrite (its ring steps commun
 so no stand-in replaces them on one GPU).
 
 Stand-ins: egraph-did's collectives return a ready tensor of the output's local shape; torch's
-Megatron collectives are autograd functions that return ready tensors forward and backward (an
-all-reduce is the identity). Neither side spends a kernel on a collective.
+Megatron collectives are autograd functions that return a ready tensor or a view of their input (an
+all-reduce is the identity, a reduce-scatter rank 0's rows), built so that no work feeding a collective
+is dead (torch.compile would drop it). Neither side spends a kernel on a collective.
 
 Columns: GPU ms / step (CUDA events, steps back to back, median of repetitions), host ms / step (wall
 time to enqueue, runtime.host_ms_interleaved), kernels in one step, GPU ms by kernel kind (cuBLAS
@@ -153,18 +154,33 @@ def egraph_runs(plan, device, g, rank: int = 0):
 
 # ---------------------------------------------------------------------------- torch
 
-class _Coll(torch.autograd.Function):
-    """A collective's stand-in under autograd: forward returns `out` (a ready tensor of the output's
-    shape), backward returns `grad_in` (one of the input's shape); no kernel either way."""
+class _Gather(torch.autograd.Function):
+    """An all-gather's stand-in under autograd (SP: [b, s/n, h] -> [b, s, h]): forward returns `full`, a
+    ready tensor; backward (a reduce-scatter) returns rank 0's rows of the gradient, a view. No kernel
+    either way; the backward reads the gradient, so torch.compile cannot drop the GEMMs that make it."""
 
     @staticmethod
-    def forward(ctx, x, out, grad_in):
-        ctx.grad_in = grad_in
-        return out.view_as(out)
+    def forward(ctx, x, full):
+        ctx.rows = x.shape[1]
+        return full.view_as(full)
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.grad_in, None, None
+        return g.narrow(1, 0, ctx.rows), None
+
+
+class _Scatter(torch.autograd.Function):
+    """A reduce-scatter's stand-in ([b, s, h] -> [b, s/n, h]): forward returns rank 0's rows of x, a
+    view (so the GEMM that makes x stays), backward (an all-gather) returns `full`, a ready tensor."""
+
+    @staticmethod
+    def forward(ctx, x, rows, full):
+        ctx.full = full
+        return x.narrow(1, 0, rows)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.full, None, None
 
 
 class _Identity(torch.autograd.Function):
@@ -195,13 +211,13 @@ def torch_runs(sp: bool, shape: dict, device, dtype, g, compile_: bool):
         return {k: v.requires_grad_() for k, v in p.items()}
     s_loc = s // n if sp else s
     x, target = r(b, s_loc, h), r(b, s_loc, h)
-    full, part = r(b, s, h), r(b, s_loc, h)  # stand-ins: a gathered activation, a reduced-scattered one
+    full = r(b, s, h)  # stand-in: a gathered activation (or gradient)
 
     def gather(t):  # SP: allgather forward, reduce-scatter backward
-        return _Coll.apply(t, full, part)
+        return _Gather.apply(t, full)
 
     def scatter(t):  # SP: reduce-scatter forward, allgather backward
-        return _Coll.apply(t, part, full)
+        return _Scatter.apply(t, s_loc, full)
 
     def attention(hn, w):
         def heads_first(t):
@@ -211,23 +227,22 @@ def torch_runs(sp: bool, shape: dict, device, dtype, g, compile_: bool):
         return F.linear(o.transpose(1, 2).reshape(b, s, -1), w["wo"])
 
     def loss_fn(x, target, w):
-        if sp:
-            a = scatter(attention(gather(F.layer_norm(x, (h,), w["ln1_w"], w["ln1_b"])), w))
-        else:
-            a = _Identity.apply(attention(_Identity.apply(F.layer_norm(x, (h,), w["ln1_w"], w["ln1_b"])), w))
+        """(loss, what each all-gather stand-in reads: returned so that torch.compile computes it)"""
+        n1 = F.layer_norm(x, (h,), w["ln1_w"], w["ln1_b"])
+        a = scatter(attention(gather(n1), w)) if sp else _Identity.apply(attention(_Identity.apply(n1), w))
         x = x + a
-        hn = F.layer_norm(x, (h,), w["ln2_w"], w["ln2_b"])
-        hn = gather(hn) if sp else _Identity.apply(hn)
-        m = F.linear(F.gelu(F.linear(hn, w["w1"])), w["w2"])
+        n2 = F.layer_norm(x, (h,), w["ln2_w"], w["ln2_b"])
+        m = F.linear(F.gelu(F.linear(gather(n2) if sp else _Identity.apply(n2), w["w1"])), w["w2"])
         y = x + (scatter(m) if sp else _Identity.apply(m))
         err = y - target
-        return (err * err).sum() / (b * s * h)  # TP+SP: this rank's part of the mean (an all-reduce: a stand-in)
+        loss = (err * err).sum() / (b * s * h)  # TP+SP: this rank's part of the mean (an all-reduce: a stand-in)
+        return (loss, n1, n2) if sp else (loss,)
 
     def make(fwd, w):
         opt = torch.optim.AdamW(list(w.values()), fused=True, **ADAMW)
 
         def step():
-            loss = fwd(x, target, w)
+            loss = fwd(x, target, w)[0]
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -235,7 +250,7 @@ def torch_runs(sp: bool, shape: dict, device, dtype, g, compile_: bool):
         return step
     runs = {"torch eager": make(loss_fn, params())}
     if compile_:
-        for t in (x, target, full, part):
+        for t in (x, target, full):
             torch._dynamo.mark_static_address(t)
         runs["torch.compile"] = make(torch.compile(loss_fn), params())
         runs["torch.compile reduce-overhead"] = make(torch.compile(loss_fn, mode="reduce-overhead"), params())
@@ -309,6 +324,7 @@ def measure(smoke: bool, iters: int, reps: int, sps=(False, True)) -> list[tuple
             for name, fn in runs.items():
                 rows[name]["k"], rows[name]["kinds"] = runtime.kernels(fn)
             top_kernels(runs, ("egraph-did lean", "torch.compile"))
+            gpu_by_call(lean, ins)
         tables.append((title, rows, pred, len(lean.calls)))
         del runs, lean, ins
         gc.collect()
@@ -332,6 +348,33 @@ def top_kernels(runs: dict, names, top: int = 14) -> None:
         print(f"  {name}: top kernels (us, count)")
         for k, us in sorted(per.items(), key=lambda kv: -sum(kv[1]))[:top]:
             print(f"    {sum(us):9.1f} us  x{len(us):<3} {runtime.kernel_kind(k):<9} {k[:90]}")
+
+
+def gpu_by_call(prog, ins, top: int = 30) -> None:
+    """Each call of the prepared program timed alone (CUDA events, the device drained between calls),
+    with the bytes its tensors hold (inputs and outputs, each once) and what that is per second: the
+    slowest first, then the sums by call kind."""
+    slots = [None] * prog.nslots
+    slots[:len(ins)] = ins
+    rows = []
+    for call in prog.calls:
+        args = [slots[a] for a in call.args]
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = call.fn(*args)
+        end.record()
+        torch.cuda.synchronize()
+        for o, t in zip(call.outs, out):
+            slots[o] = t
+        seen = {id(t): t for t in (*args, *out) if isinstance(t, torch.Tensor)}
+        nbytes = sum(t.numel() * t.element_size() for t in seen.values())
+        rows.append((start.elapsed_time(end) * 1e3, nbytes, prog.segments[call.segment].kind,
+                     prog.described[call.segment]))
+    print(f"  lean, call by call: {sum(r[0] for r in rows):.1f} us in {len(rows)} calls; by kind: " + ", ".join(
+        f"{k} {sum(r[0] for r in rows if r[2] == k):.1f} us" for k in dict.fromkeys(r[2] for r in rows)))
+    for us, nbytes, kind, what in sorted(rows, key=lambda r: -r[0])[:top]:
+        print(f"    {us:8.1f} us {nbytes / 1e6:9.1f} MB {nbytes / us / 1e3:6.2f} TB/s  {kind:<5} {what[:88]}")
 
 
 def print_table(title, rows, pred, ncalls) -> None:
