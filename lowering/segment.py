@@ -248,7 +248,7 @@ def lower(plan: Plan, classify=None) -> LoweredPlan:
 
 
 def sink_fusible(steps) -> list:
-    """The steps with each fusible compute step moved down to just before its first reader (a valid
+    """The steps with each fusible compute step (not a view) moved down to just before its first reader (a valid
     order: it reads what it read, and nothing between reads it). Plans list steps in an order of their
     own: an optimizer update computes p (1 - lr wd) and b1 m of the next parameter beside this one's
     update, so a kernel would write both and the next read them back, four extra passes over each
@@ -265,8 +265,8 @@ def sink_fusible(steps) -> list:
     out = list(steps)
     for i in reversed(range(len(out))):
         s = out[i]
-        if not isinstance(s, ComputeStep) or not _fusible(s):
-            continue
+        if not isinstance(s, ComputeStep) or not _fusible(s) or OPS[s.op].metadata_only or OPS[s.op].permutes:
+            continue  # views stay where they are: the program folds a view into the view or GEMM beside it
         made = set(s.writes)
         j = next((j for j in range(i + 1, len(out)) if made & set(
             out[j].reads if isinstance(out[j], ComputeStep) else [out[j].src])), None)
