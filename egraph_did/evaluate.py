@@ -3,6 +3,8 @@ test; and `decompose`, which rewrites composites (layer_norm, softmax, gelu, sdp
 """
 from __future__ import annotations
 
+import inspect
+
 from typing import Mapping
 
 import torch
@@ -46,7 +48,7 @@ def check_inputs(fusion: Fusion, inputs: Mapping[str, torch.Tensor]) -> None:
                              f"cast it or declare define_tensor(..., dtype={val.dtype})")
 
 
-def run_expr(expr, env: dict[int, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+def run_expr(expr, env: dict[int, torch.Tensor], device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
     """Evaluate one expr's reference on tensors looked up in env (by TensorView id).
 
     >>> import torch
@@ -57,6 +59,8 @@ def run_expr(expr, env: dict[int, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """
     kwargs = {k: env[id(v)] if isinstance(v, TensorView) else v for k, v in expr.args}
     tensors = {k: v for k, v in expr.args if isinstance(v, TensorView)}
+    if device is not None and not tensors and "device" in inspect.signature(expr.op.reference).parameters:
+        kwargs["device"] = device  # a constant reads no tensor: make it where the inputs are
     check_indices(expr.op.name, kwargs, {k: v.name for k, v in tensors.items()},
                   {k: v.shape for k, v in tensors.items()})
     out = expr.op.reference(**kwargs)
@@ -82,8 +86,9 @@ def evaluate(fd: FusionDefinition | Fusion, inputs: Mapping[str, torch.Tensor],
         fusion, rename = decompose(fusion)
         inputs = {rename.get(k, k): v for k, v in inputs.items()}
     env: dict[int, torch.Tensor] = {id(tv): inputs[tv.name] for tv in fusion.inputs}
+    device = next((t.device for t in inputs.values() if isinstance(t, torch.Tensor)), None)
     for expr in fusion.exprs:
-        outs = run_expr(expr, env)
+        outs = run_expr(expr, env, device)
         for tv, val in zip(expr.outputs, outs):
             if tuple(val.shape) != tv.shape or val.dtype != tv.dtype:
                 raise AssertionError(f"{expr}: the shape rule says {tv.shape} {tv.dtype}, the reference gave "

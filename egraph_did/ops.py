@@ -1905,7 +1905,8 @@ def broadcast_in_dim(x, shape, broadcast_dims):
 
 # ------------------------------------------------------------------ constants
 
-@op("full", "constant", lambda shape=(), value=0.0, dtype=None: torch.full(tuple(shape), value, dtype=canonical_dtype(dtype)),
+@op("full", "constant", lambda shape=(), value=0.0, dtype=None, device=None: torch.full(
+        tuple(shape), value, dtype=canonical_dtype(dtype), device=device),
     local_attrs=lambda args, outs: {"shape": outs[0]}, vjp=lambda ops, g, out, **_: {})
 def full(shape: tuple = (), value: float = 0.0, dtype=torch.float32):
     """A tensor of `shape` holding `value` everywhere (torch.full): it reads nothing, so every rank makes its

@@ -62,13 +62,14 @@ def _nbytes(plan: Plan, value: str, rank: int) -> int:
 
 def _fresh(segments: list[Segment], upto: int, value: str) -> bool:
     """Whether value is a tensor of its own (a kernel's or a GEMM's output), so writing into it in place
-    touches nothing else: views, collectives' results (a slice may be a view) and inputs may alias."""
+    touches nothing else: views, saved markers (an ATen step returns its input), collectives' results (a
+    slice may be a view) and inputs may alias."""
     for seg in segments[:upto]:
         if seg.kind == "fused" and value in seg.outputs:
             return True
         if seg.kind in ("aten", "gemm") and value in seg.steps[-1].writes:
             op = seg.steps[0].op
-            return seg.kind == "gemm" or op != "cast" and OPS[op].kind in FRESH_KINDS
+            return seg.kind == "gemm" or op != "cast" and not OPS[op].metadata_only and OPS[op].kind in FRESH_KINDS
     return False
 
 

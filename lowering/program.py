@@ -225,6 +225,9 @@ def _aten_fn(plan: Plan, step: ComputeStep, ctx: RankContext, cuda: bool = False
             return run_local(step.op, {**literals, **dict(zip(params, ts))}, operands, outputs, flags, ctx)
         return via_run_local
     ref, local_attrs = opdef.reference, opdef.local_attrs
+    if cuda and not params and "device" in inspect.signature(ref).parameters:
+        # a constant (full: the loss gradient's seed) reads no tensor to take its device from
+        literals = {**literals, "device": torch.device("cuda", torch.cuda.current_device())}
     out_shapes = [ctx.local_shape(_local_operand(plan, o)) for o in step.writes]
     if cuda and step.op == "linear" and params == ("x", "weight"):  # on a CPU mm may take another kernel
         return _mm_linear(tuple(out_shapes[0]))

@@ -75,14 +75,14 @@ def outer_split(kk: int, cols: int) -> int:
     """Row chunks of an outer reduction over kk rows and cols columns (a column sum), reduced apart into
     an fp32 workspace and then summed by a finishing pass: doubled while SPLIT_BLOCK_N-wide column blocks
     times chunks stay under SPLIT_PROGRAMS and each chunk keeps SPLIT_MIN_ROWS rows; 1 (one pass) when the
-    columns alone fill the GPU or the rows are short.
+    columns alone fill the GPU or the rows are short (up to 512 chunks for a single column: a loss).
 
-    >>> outer_split(16384, 12288), outer_split(16384, 10 ** 6), outer_split(1000, 12288)
-    (8, 1, 1)
+    >>> outer_split(16384, 12288), outer_split(16384, 10 ** 6), outer_split(1000, 12288), outer_split(2048 * 12288, 1)
+    (8, 1, 1, 512)
     """
     nb = -(-cols // SPLIT_BLOCK_N)
-    split = 1
-    while nb * split < SPLIT_PROGRAMS and kk // (2 * split) >= SPLIT_MIN_ROWS and split < 64:
+    split, most = 1, 64 if nb > 1 else 512  # one column block (a whole tensor to a scalar): chunks alone fill it
+    while nb * split < SPLIT_PROGRAMS and kk // (2 * split) >= SPLIT_MIN_ROWS and split < most:
         split *= 2
     return split
 
@@ -322,10 +322,10 @@ def _reduction(spec: KernelSpec, r: KernelOp) -> Schedule:
     n = len(s.loop)
     s.red_axes = _reduced_axes(spec, r, s.op_frame[r.out])
     k = len(s.red_axes)
-    if s.red_axes == tuple(range(n - k, n)):
+    if s.red_axes == tuple(range(n - k, n)) and (k < n or math.prod(s.loop) < SPLIT_MIN_ROWS):
         s.outer = False
-    elif s.red_axes == tuple(range(k)):
-        s.outer = True
+    elif s.red_axes == tuple(range(k)):  # a leading run of axes, or all of them (a loss: one output, so
+        s.outer = True                    # only a split over row chunks, never one program, fills the GPU)
     else:
         raise Unsupported(f"{r.op} producing {r.out!r} reduces axes {s.red_axes} of {s.loop}: the reduction "
                           f"scheduler takes trailing (inner) or leading (outer) axes")

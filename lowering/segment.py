@@ -18,7 +18,7 @@ import torch
 from egraph_did.evaluate import decompose
 from egraph_did.fusion import Fusion
 from egraph_did.ir import TensorView
-from egraph_did.ops import OPS, ops_where
+from egraph_did.ops import OPS, SAVE_OP, ops_where
 from egraph_did.shards import Operand, RankContext
 from egraph_did.plan import Collective, ComputeStep, Plan
 
@@ -136,6 +136,14 @@ def spec_from_fusion(fusion: Fusion) -> KernelSpec:
                       tuple(t.name for t in prim.outputs.values()), tensors)
 
 
+def _handed_on_saves(plan: Plan, run: list[ComputeStep], later: list) -> list[ComputeStep]:
+    """The saved markers of a run whose result leaves it (read later or a plan output). A marker is an
+    alias of its input (ops.saved: no kernel); in a kernel it would be an extra output, a copy written
+    for the backward, so these run after the kernel as aliases (aten steps that return their input)."""
+    _, outs = _segment_io(plan, run, later)
+    return [s for s in run if s.op == SAVE_OP and s.outputs[0] in outs]
+
+
 def _segment_io(plan: Plan, steps: list[ComputeStep], later: list) -> tuple[tuple[str, ...], tuple[str, ...]]:
     made = {v for s in steps for v in s.outputs}
     ins: list[str] = []
@@ -180,7 +188,7 @@ def lower(plan: Plan, classify=None) -> LoweredPlan:
     """
     classify = classify or schedulers.classify
     low = LoweredPlan(plan)
-    steps = plan.steps
+    steps = sink_fusible(plan.steps)
     group: list[ComputeStep] = []
 
     memo: dict[tuple, str | None] = {}  # growing a run classifies it; closing it asks again: answer once
@@ -197,6 +205,19 @@ def lower(plan: Plan, classify=None) -> LoweredPlan:
 
     def close(upto: int) -> None:
         if not group:
+            return
+        handed = _handed_on_saves(plan, group, steps[upto:])
+        if handed:  # a kernel would write a copy of each: run them after it as aliases instead
+            rest = [s for s in group if s not in handed]
+            group.clear()
+            if rest:
+                ins, outs = _segment_io(plan, rest, handed + list(steps[upto:]))
+                sched = _classify_on_every_rank(plan, rest, ins, outs, classify) if outs else None
+                if sched is None:
+                    low.segments.extend(Segment("aten", (s,)) for s in rest)
+                else:
+                    low.segments.append(Segment("fused", tuple(rest), ins, outs, sched))
+            low.segments.extend(Segment("aten", (s,)) for s in handed)
             return
         sched = scheduler_for(group, upto)
         if sched is None:  # nothing takes it whole: each step through torch
@@ -215,12 +236,43 @@ def lower(plan: Plan, classify=None) -> LoweredPlan:
             # a permute opening a run is a view for torch; after pointwise ops it is a tiled transpose
             if group and scheduler_for(group + [step], i + 1) is None:
                 close(i)
+                if OPS[step.op].permutes:  # it opens the next run after all: a view (a weight's transpose
+                    low.segments.append(Segment("aten", (step,)))  # for a GEMM would be a copy of the weight)
+                    continue
             group.append(step)
         else:
             close(i)
             low.segments.append(Segment("aten", (step,)))
     close(len(steps))
     return low
+
+
+def sink_fusible(steps) -> list:
+    """The steps with each fusible compute step (not a view) moved down to just before its first reader (a valid
+    order: it reads what it read, and nothing between reads it). Plans list steps in an order of their
+    own: an optimizer update computes p (1 - lr wd) and b1 m of the next parameter beside this one's
+    update, so a kernel would write both and the next read them back, four extra passes over each
+    parameter; sunk, each joins the kernel of its reader.
+
+    >>> from egraph_did.plan import ComputeStep
+    >>> def step(op, a, b, out):
+    ...     args = (("a", a), ("b", b))
+    ...     return ComputeStep(op, args, tuple(k for k, v in args if isinstance(v, str)), (out,), (), (), 0.0)
+    >>> a, b, c = step("mul", "p", 0.5, "q"), step("add", "x", "x", "y"), step("add", "q", "y", "z")
+    >>> [s.outputs[0] for s in sink_fusible([a, b, c])]
+    ['y', 'q', 'z']
+    """
+    out = list(steps)
+    for i in reversed(range(len(out))):
+        s = out[i]
+        if not isinstance(s, ComputeStep) or not _fusible(s) or OPS[s.op].metadata_only or OPS[s.op].permutes:
+            continue  # views stay where they are: the program folds a view into the view or GEMM beside it
+        made = set(s.writes)
+        j = next((j for j in range(i + 1, len(out)) if made & set(
+            out[j].reads if isinstance(out[j], ComputeStep) else [out[j].src])), None)
+        if j is not None and j > i + 1:
+            out.insert(j - 1, out.pop(i))
+    return out
 
 
 def lowered_plan(plan: Plan) -> LoweredPlan:

@@ -17,3 +17,15 @@ def test_runtime_bench_smoke_runs_every_executor_and_they_agree():
     for row in ("egraph-did run_rank", "egraph-did lean", "egraph-did lean + CUDA graph", "torch eager"):
         assert out.stdout.count(row) >= 2, out.stdout
     assert "agree bit for bit" in out.stdout
+
+
+def test_training_bench_smoke_runs_the_step_through_lean_its_graph_row_and_torch():
+    """bench/training.py --cpu-smoke: the 8-way GPT-3 training plan's layouts at tiny shapes, rank 0's
+    program through the prepared program (and the graph row's path), beside torch eager's Megatron step."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "training.py"), "--cpu-smoke", "--only", "tp"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "TP 8-way training step" in out.stdout
+    for row in ("egraph-did lean", "egraph-did lean + CUDA graph", "torch eager"):
+        assert row in out.stdout, out.stdout
