@@ -253,7 +253,10 @@ class _Converter:
                 self.env[name] = fd.define_tensor(example.shape, example.dtype, spec.target)
                 params.append(spec.target)
             elif spec.kind.name in ("BUFFER", "CONSTANT_TENSOR"):
-                self.env[name] = _Folded(state[spec.target].detach(), spec.target)
+                value = state[spec.target].detach()
+                if value.is_meta and self._placeholder(name).users:
+                    value = self._meta_buffer(spec.target, value)
+                self.env[name] = _Folded(value, spec.target)
             elif spec.kind.name == "USER_INPUT":
                 self.env[name] = (fd.define_tensor(example.shape, example.dtype, name)
                                   if isinstance(example, torch.Tensor) else getattr(spec.arg, "value", None))
@@ -267,8 +270,30 @@ class _Converter:
         fd.leaves = [s.arg.name if s.arg.name in users else None for s in leaves]
 
     def _example(self, spec):
-        node = next(n for n in self.ep.graph.nodes if n.op == "placeholder" and n.name == spec.arg.name)
-        return node.meta.get("val")
+        return self._placeholder(spec.arg.name).meta.get("val")
+
+    def _placeholder(self, name: str):
+        return next(n for n in self.ep.graph.nodes if n.op == "placeholder" and n.name == name)
+
+    def _meta_buffer(self, target: str, value: torch.Tensor) -> torch.Tensor:
+        """The values of a buffer on the meta device that the program reads (folding needs them), computed on
+        the CPU: a transformers rotary embedding's inverse frequencies from its config, as transformers'
+        own _init_weights recomputes them after loading a checkpoint. Any other raises naming the buffer."""
+        owner_path, _, leaf = target.rpartition(".")
+        owner = self.fd._module.get_submodule(owner_path) if self.fd._module is not None else None
+        if leaf in ("inv_freq", "original_inv_freq") and hasattr(owner, "rope_type") and hasattr(owner, "config"):
+            rope = getattr(owner, "compute_default_rope_parameters", None) if owner.rope_type == "default" else None
+            if rope is None:
+                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+                rope = ROPE_INIT_FUNCTIONS[owner.rope_type]
+            with torch.device("cpu"):
+                out = rope(owner.config)[0]
+            if tuple(out.shape) == tuple(value.shape):
+                return out.to(value.dtype)
+        raise ExportError(f"from_torch: the buffer {target!r} is on the meta device and the program reads it: "
+                          f"from_torch folds what buffers compute, so it needs the values (parameters may stay "
+                          f"on meta). Give it its values on the CPU before exporting "
+                          f"(module.get_submodule({owner_path!r}).register_buffer({leaf!r}, value, ...))")
 
     def _outputs(self, node) -> None:
         values = node.args[0]
@@ -401,8 +426,8 @@ class _Converter:
                 return mapped(self, **kwargs)
             raise self.error("is random", "export the module in eval mode (module.eval()); a random op has no "
                              "value to fold and no fusion op")
-        with torch.no_grad():
-            out = node.target(**_unfold(kwargs))
+        with torch.no_grad():  # on the CPU, where the module lives on the meta device: a constant needs values
+            out = node.target(**{k: _on_cpu(v) for k, v in _unfold(kwargs).items()})
         return _wrap(out, f"{_module_path(node)}.{node.name}".lstrip("."))
 
     # ------------------------------------------------------------ helpers the mappings use
@@ -539,6 +564,16 @@ def _unfold(v):
         return {k: _unfold(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return type(v)(_unfold(x) for x in v)
+    return v
+
+
+def _on_cpu(v):
+    """A folded node's argument with the meta device read as the CPU (arange(..., device='meta') of a module
+    built on meta gives its values); a tensor on meta has none to give, and _meta_buffer gave buffers theirs."""
+    if isinstance(v, torch.device) and v.type == "meta":
+        return torch.device("cpu")
+    if isinstance(v, (list, tuple)):
+        return type(v)(_on_cpu(x) for x in v)
     return v
 
 
