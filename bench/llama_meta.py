@@ -119,7 +119,8 @@ def main() -> None:
     ap.add_argument("--log", action="store_true", help="logger 'egraph_did' at INFO: a line per optimize pass")
     args = ap.parse_args()
     if args.log:
-        logging.basicConfig(level=logging.INFO)
+        logging.basicConfig(format="    %(message)s")
+        logging.getLogger("egraph_did").setLevel(logging.INFO)
     mesh = mesh_of(args.mesh)
     print(f"Llama-3-8B shapes on the meta device, training step (forward + backward, ed.parallelize's joint plan), "
           f"batch {args.batch} x seq {args.seq}, bf16, mesh {mesh}, {args.extractor} extraction; CPU seconds")
