@@ -9,7 +9,9 @@ where they differed). The optimizer update is torch.optim's, on the shards, as u
 
 Seconds are this process's CPU time (time.process_time: the machine is shared), per stage: build (the meta
 module), export (torch.export, non-strict), convert (the ATen graph to a fusion), then optimize_joint, and under
-it each optimize pass's problem / e-graph / pricing / extraction seconds (plan.stats["passes"]). The plan is
+it each optimize pass's problem / e-graph / pricing / extraction seconds (logger 'egraph_did': optimize_joint
+optimizes the free step, then again with each parameter pinned where the first plan loaded it if it loaded one in
+two layouts; each optimize is 2 passes where it offers bucket pairs). The plan is
 printed: every parameter's layout (one line per distinct layout of the first layer and the embeddings) and the
 step's collectives by kind.
 
@@ -78,18 +80,33 @@ def plan(layers: int, mesh: ed.DeviceMesh, batch: int, seq: int, extractor: str 
     fd = frontend._Converter(ep, module).run()  # what from_torch does after its export
     convert_s = time.process_time() - t
 
+    passes = _Passes()  # every optimize pass's INFO line: optimize_joint may optimize twice, 2 passes each
+    logging.getLogger("egraph_did").addHandler(passes)
+    logging.getLogger("egraph_did").setLevel(logging.INFO)
     t = time.process_time()
     for name in fd.fusion.outputs:
         fd[name].set_device_mesh(mesh)  # delivered whole, as ed.parallelize pins its outputs
     wrt = [p for p in fd.params if module.get_parameter(p).requires_grad]
     split = optimize_joint(fd, list(fd.fusion.outputs), wrt, mesh, ed.CostModel.h200(), extractor)
     optimize_s = time.process_time() - t
+    logging.getLogger("egraph_did").removeHandler(passes)
     assert all(p.is_meta for p in module.parameters())  # nothing materialized
     joint = split.joint
     return {"layers": layers, "mesh": str(mesh), "exprs": len(fd.fusion.exprs), "build_s": build_s,
             "export_s": export_s, "convert_s": convert_s, "optimize_s": optimize_s,
-            "total_s": build_s + export_s + convert_s + optimize_s, "plan": joint, "fd": fd,
+            "total_s": build_s + export_s + convert_s + optimize_s, "plan": joint, "fd": fd, "passes": passes.lines,
             "predicted_ms": joint.predicted_time * 1e3}
+
+
+class _Passes(logging.Handler):
+    """Collects the lines logger 'egraph_did' gives at INFO (one per optimize pass)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record) -> None:
+        self.lines.append(record.getMessage())
 
 
 def describe(r: dict) -> str:
@@ -102,10 +119,7 @@ def describe(r: dict) -> str:
         lines.append(f"    {p:<48} {str(joint.layout_of(p)):<10} {joint.loop_domain(p)}")
     kinds = Counter(c.kind for c in joint.collectives)
     lines.append("    collectives: " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
-    for i, q in enumerate(joint.stats.get("passes", [])):
-        lines.append(f"    pass {i}: build {q.get('build_s', 0):.2f} s, e-graph {q.get('egraph_s', 0):.2f} s, "
-                     f"price {q.get('price_s', 0):.2f} s, extract {q['extract_s']:.2f} s ({q['method']}), "
-                     f"{q['cost'] * 1e3:.1f} ms")
+    lines += [f"    {line}" for line in r["passes"]]
     return "\n".join(lines)
 
 
@@ -116,11 +130,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--extractor", default="greedy", choices=["greedy", "exact"])
-    ap.add_argument("--log", action="store_true", help="logger 'egraph_did' at INFO: a line per optimize pass")
     args = ap.parse_args()
-    if args.log:
-        logging.basicConfig(format="    %(message)s")
-        logging.getLogger("egraph_did").setLevel(logging.INFO)
     mesh = mesh_of(args.mesh)
     print(f"Llama-3-8B shapes on the meta device, training step (forward + backward, ed.parallelize's joint plan), "
           f"batch {args.batch} x seq {args.seq}, bf16, mesh {mesh}, {args.extractor} extraction; CPU seconds")
