@@ -14,7 +14,8 @@ from .ops import check_indices
 
 
 def check_inputs(fusion: Fusion, inputs: Mapping[str, torch.Tensor]) -> None:
-    """Every input present, of the declared shape and dtype; nothing unknown.
+    """Every input some output reads present, of the declared shape and dtype; nothing unknown. An input no
+    output reads (Fusion.unread_inputs) may be given or left out, and is ignored (as simulate and plan.run do).
 
     >>> import torch
     >>> from egraph_did.models import row_sum
@@ -31,9 +32,13 @@ def check_inputs(fusion: Fusion, inputs: Mapping[str, torch.Tensor]) -> None:
     if unknown:
         raise ShapeError(f"unknown input(s) {unknown}; the fusion's inputs are {names}; drop the extra key(s) or "
                          f"fix their names")
+    unread = set(fusion.unread_inputs())
     for tv in fusion.inputs:
+        if tv.name in unread:
+            continue
         if tv.name not in inputs:
-            raise ShapeError(f"missing input {tv.name!r} of shape {tv.shape}; the fusion's inputs are {names}")
+            raise ShapeError(f"missing input {tv.name!r} of shape {tv.shape}; the fusion's inputs are {names} "
+                             f"(an input no output reads may be left out: {sorted(unread)})")
         val = inputs[tv.name]
         if not isinstance(val, torch.Tensor):
             raise ShapeError(f"input {tv.name!r}: expected a torch.Tensor, got {type(val).__name__}; convert it "
@@ -65,13 +70,17 @@ def run_expr(expr, env: dict[int, torch.Tensor]) -> tuple[torch.Tensor, ...]:
 
 def evaluate(fd: FusionDefinition | Fusion, inputs: Mapping[str, torch.Tensor],
              decompose_composites: bool = False) -> dict[str, torch.Tensor]:
-    """Run the fusion on one device with torch eager; returns {output name: tensor}.
+    """Run the fusion on one device with torch eager; returns {output name: tensor}. An input no output
+    reads (fusion.unread_inputs()) may be given or left out: it is ignored, as ed.simulate and plan.run do.
 
     >>> import torch, egraph_did as ed
     >>> with ed.FusionDefinition() as fd:
     ...     x = fd.define_tensor((2,), name="x")
     ...     fd.add_output(fd.ops.mul(x, 3.0), name="y")
     >>> ed.evaluate(fd, {"x": torch.tensor([1., 2.])})["y"]
+    tensor([3., 6.])
+    >>> u = fd.define_tensor((5,), name="u")  # read by no output: it may be left out, or given and ignored
+    >>> ed.evaluate(fd, {"x": torch.tensor([1., 2.]), "u": torch.zeros(5)})["y"]
     tensor([3., 6.])
     """
     fusion = as_fusion(fd, "evaluate")
@@ -81,8 +90,11 @@ def evaluate(fd: FusionDefinition | Fusion, inputs: Mapping[str, torch.Tensor],
     if decompose_composites:
         fusion, rename = decompose(fusion)
         inputs = {rename.get(k, k): v for k, v in inputs.items()}
-    env: dict[int, torch.Tensor] = {id(tv): inputs[tv.name] for tv in fusion.inputs}
+    needed = fusion.needed()
+    env: dict[int, torch.Tensor] = {id(tv): inputs[tv.name] for tv in fusion.inputs if tv.name in needed}
     for expr in fusion.exprs:
+        if not any(o.name in needed for o in expr.outputs):
+            continue  # read by no output (it may read an input left out)
         outs = run_expr(expr, env)
         for tv, val in zip(expr.outputs, outs):
             if tuple(val.shape) != tv.shape or val.dtype != tv.dtype:
