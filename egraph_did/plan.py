@@ -24,7 +24,7 @@ from .layout import Layout
 from .pins import PinView, apply_layout, layout_view
 from .shards import Operand, RankContext, local_extents
 from .mesh import DeviceMesh, check_mesh
-from .ops import OPS, SAVE_OP, canonical_dtype  # SAVE_OP: grad's marker op
+from .ops import OPS, SAVE_OP, canonical_dtype, complex_message  # SAVE_OP: grad's marker op
 
 # A plan file says which format it is written in: "egraph-did-plan/<version>"; a file without the field
 # is read as version 1 (a hand-written plan). Bump the version when a field changes meaning, and teach
@@ -429,22 +429,40 @@ class Plan:
             return None
         return StepMemory.of_step(self.inputs, (self.values[v].tensor for v in self.outputs.values()))
 
-    def layout_of(self, tensor: str) -> Layout:
-        """The layout a tensor is pinned to, or else produced (or, for an output, delivered) in."""
+    def value_of(self, tensor: str) -> str:
+        """The value that holds a tensor as the plan reports it: a pinned tensor's pinned value, an output's
+        delivered value, an input's first loaded one, else the first a step produces. It may go by another
+        tensor's name: two equal terms of the program share one value (x split, merged and split again is x's
+        split), so look a tensor up here, never by Value.tensor.
+
+        >>> import torch, egraph_did as ed
+        >>> with ed.FusionDefinition() as fd:
+        ...     x = fd.define_tensor((2, 6), name="x")
+        ...     fd.add_output(fd.ops.reshape(x, (12,)), name="a")
+        ...     fd.add_output(fd.ops.reshape(fd.ops.reshape(x, (12,)), (3, 4)), name="b")
+        ...     fd.add_output(fd.ops.reshape(fd["a"], (3, 4)), name="c")  # the same term as b
+        >>> plan = ed.optimize(fd, ed.DeviceMesh.arange(2))
+        >>> plan.values[plan.value_of("b")].tensor == plan.values[plan.value_of("c")].tensor
+        True
+        """
         if tensor in self.pins:
-            return self.values[self.pins[tensor]].layout
+            return self.pins[tensor]
         if tensor in self.outputs:
-            return self.values[self.outputs[tensor]].layout
+            return self.outputs[tensor]
         if tensor in self.inputs:
-            return self.values[self.inputs[tensor][0]].layout
+            return self.inputs[tensor][0]
         for s in self.compute_steps:
             for v in s.outputs:
                 if self.values[v].tensor == tensor:
-                    return self.values[v].layout
+                    return v
         for v in self.values.values():
             if v.tensor == tensor:
-                return v.layout
+                return v.name
         raise PlanError(f"the plan holds no tensor named {tensor!r}")
+
+    def layout_of(self, tensor: str) -> Layout:
+        """The layout a tensor is pinned to, or else produced (or, for an output, delivered) in."""
+        return self.values[self.value_of(tensor)].layout
 
     def check_input_dtype(self, name: str, tensor: torch.Tensor, where: str = "run") -> None:
         """DtypeError unless tensor has the dtype the plan was optimized for (no silent precision change).
@@ -459,6 +477,8 @@ class Plan:
         """
         want = self.values[self.inputs[name][0]].dtype
         got = str(tensor.dtype).replace("torch.", "")
+        if got != want and tensor.dtype.is_complex:
+            raise DtypeError(f"{where}: input {name!r}: the plan expects {want}, got {complex_message(tensor.dtype)}")
         if got != want:
             raise DtypeError(f"{where}: input {name!r} is {got}, the plan expects {want}; cast it")
 
@@ -579,13 +599,8 @@ class Plan:
         words of the pin where the plan holds it in the pin's layout."""
         if tensor in self.pinned_loops and self.layout_of(tensor).code() == self.pinned_loops[tensor][1]:
             return self.pinned_loops[tensor][0]
-        if tensor in self.pins:
-            return self.value_view(self.pins[tensor]).loop_str()
-        layout = self.layout_of(tensor)
-        for v in self.values.values():
-            if v.tensor == tensor and v.layout == layout:
-                return self.value_view(v.name).loop_str()
-        raise PlanError(f"no value of {tensor!r}")  # pragma: no cover
+        # the value holding it (value_of): it may be named for an equal term, so never searched by tensor name
+        return self.value_view(self.value_of(tensor)).loop_str()
 
     # ------------------------------------------------------------ run
     def run(self, values, /, inputs: str = "global", outputs: str = "global", *, cuda_graph: bool = True,
