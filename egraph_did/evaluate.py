@@ -10,7 +10,7 @@ import torch
 from .errors import DtypeError, ShapeError
 from .fusion import Fusion, FusionDefinition, as_fusion, replay
 from .ir import TensorView
-from .ops import check_indices
+from .ops import check_indices, complex_message
 
 
 def check_inputs(fusion: Fusion, inputs: Mapping[str, torch.Tensor]) -> None:
@@ -46,6 +46,8 @@ def check_inputs(fusion: Fusion, inputs: Mapping[str, torch.Tensor]) -> None:
         if tuple(val.shape) != tv.shape:
             raise ShapeError(f"input {tv.name!r}: declared shape {tv.shape}, got {tuple(val.shape)}; pass a tensor "
                              f"of the declared shape (or declare define_tensor({tuple(val.shape)}, ...))")
+        if val.dtype != tv.dtype and val.dtype.is_complex:
+            raise DtypeError(f"input {tv.name!r}: declared dtype {tv.dtype}, got {complex_message(val.dtype)}")
         if val.dtype != tv.dtype:
             raise DtypeError(f"input {tv.name!r}: declared dtype {tv.dtype}, got {val.dtype}; "
                              f"cast it or declare define_tensor(..., dtype={val.dtype})")

@@ -110,3 +110,95 @@ def test_like_replays_a_plan_that_loads_no_input(mesh):
     again = ed.optimize(fd, mesh, like=plan)
     assert [str(s) for s in again.steps] == [str(s) for s in plan.steps]
     assert torch.equal(ed.simulate(again, {})["y"], torch.full((3, 4), 2.0, dtype=F64))
+
+
+# ---------------------------------------------------------------------- item 3: reshape chains
+
+def test_a_tensor_held_by_an_equal_terms_value_reports_its_loop_domain():
+    # c = reshape(a, (3, 4)) is the term b is: the plan delivers both from one value named b; loop_domain('c')
+    # searched the values by tensor name and raised "no value of 'c'" from a line marked unreachable
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((2, 6), F64, name="x")
+        fd.add_output(fd.ops.reshape(x, (12,)), name="a")
+        fd.add_output(fd.ops.reshape(fd.ops.reshape(x, (12,)), (3, 4)), name="b")
+        fd.add_output(fd.ops.reshape(fd["a"], (3, 4)), name="c")
+    plan = ed.optimize(fd, MESH2)
+    assert plan.values[plan.value_of("c")].tensor == "b"
+    assert plan.loop_domain("c") == plan.loop_domain("b")
+    assert_simulates(plan, fd)
+
+
+def test_a_split_merge_split_chain_beside_a_viewed_pin_plans_and_reports_every_output():
+    # found by the reshape-chain search (issue 29 item 3): x split unevenly (2 rows over 4 ranks) merged into
+    # y0, pinned as a view [2, DIDx{4}, 24/2/4] (its view is reshape(y0, (2, 12))), and y1 = the same reshape of
+    # the same merge: y1 is delivered from the view's value
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((2, 6, 2), F64, name="x")
+        a = fd.ops.reshape(x, (24,))
+        fd.add_output(a, name="y0")
+        fd.add_output(fd.ops.reshape(a, (2, 12)), name="y1")
+    shard(x, MESH4, 0)
+    fd["y0"].set_device_mesh(MESH4).outer_split(0, 2).outer_split(1, 4).parallelize(1, DIDx)
+    plan = ed.optimize(fd, MESH4)
+    assert plan.loop_domain("y0") == "[2, DIDx{4}, 24/2/4]"
+    assert plan.layout_of("y1") == plan.values[plan.outputs["y1"]].layout
+    plan.loop_domain("y1")
+    plan.explain()
+    assert_simulates(plan, fd)
+
+
+# ---------------------------------------------------------------------- item 5: complex dtypes
+
+COMPLEX = "complex64 is a complex dtype, which egraph-did does not take"
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128, "complex64"])
+def test_a_complex_input_is_refused_at_definition_naming_it_and_the_real_dtype(dtype):
+    fd = ed.FusionDefinition()
+    with pytest.raises(ed.DtypeError, match=r"define_tensor\(z\): complex(64|128) is a complex dtype.*view_as_real"):
+        fd.define_tensor((4, 2), dtype, name="z")
+
+
+def test_casts_and_constants_to_complex_are_refused_naming_the_op():
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((4, 2), name="x")
+        with pytest.raises(ed.DtypeError, match=r"cast\(x\): " + COMPLEX):
+            fd.ops.cast(x, torch.complex64)
+        with pytest.raises(ed.DtypeError, match=r"full\(\(2,\), 1.0\): " + COMPLEX):
+            fd.ops.full((2,), 1.0, torch.complex64)
+
+
+def test_complex_tensors_given_to_evaluate_or_simulate_are_named():
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((4, 2), name="x")
+        fd.add_output(fd.ops.relu(x), name="y")
+    Z = torch.zeros(4, 2, dtype=torch.complex64)
+    with pytest.raises(ed.DtypeError, match=r"input 'x': declared dtype torch.float32, got " + COMPLEX):
+        ed.evaluate(fd, {"x": Z})
+    with pytest.raises(ed.DtypeError, match=r"simulate: input 'x': the plan expects float32, got " + COMPLEX):
+        ed.simulate(ed.optimize(fd, MESH2), {"x": Z})
+
+
+class _ComplexLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(2, 2, dtype=torch.complex64))
+
+    def forward(self, x, y):
+        return x @ self.w + y
+
+
+class _ToComplex(torch.nn.Module):
+    def forward(self, x):
+        return (x.to(torch.complex64) * 2).real
+
+
+def test_from_torch_names_every_complex_input_and_parameter_at_once():
+    z = torch.zeros(4, 2, dtype=torch.complex64)
+    with pytest.raises(ed.DtypeError, match=r"from_torch: w, x, y: " + COMPLEX):
+        ed.from_torch(_ComplexLinear(), (z, z))
+
+
+def test_from_torch_names_the_op_and_line_that_makes_a_complex_tensor():
+    with pytest.raises(ed.DtypeError, match=r"from_torch: aten.to.dtype at .*x.to\(torch.complex64\).*: " + COMPLEX):
+        ed.from_torch(_ToComplex(), (torch.zeros(4, 2),))
