@@ -596,7 +596,10 @@ class Plan:
     def loop_domain(self, tensor: str) -> str:
         """The loop domain of a tensor as the plan lays it out, e.g. '[s, DIDx{4}, h/4]'. A pinned tensor's is
         its pinned value's, which may go by another name (two equal terms of the program share one value), in the
-        words of the pin where the plan holds it in the pin's layout."""
+        words of the pin where the plan holds it in the pin's layout; a pinned input no output reads (plan.unread),
+        which the plan does not load, reports its pin as given."""
+        if tensor in self.pinned_loops and tensor in self.unread:
+            return self.pinned_loops[tensor][0]  # a pinned input no output reads: not loaded, its pin as given
         if tensor in self.pinned_loops and self.layout_of(tensor).code() == self.pinned_loops[tensor][1]:
             return self.pinned_loops[tensor][0]
         # the value holding it (value_of): it may be named for an equal term, so never searched by tensor name

@@ -84,6 +84,16 @@ def test_like_replays_a_plan_of_a_fusion_with_an_unread_input():
     assert [str(s) for s in again.steps] == [str(s) for s in plan.steps]
 
 
+def test_a_pinned_unread_input_reports_its_pin():
+    # found by the fuzzer's unread inputs (seed 2929): the plan loads none of it, and loop_domain raised
+    # "the plan holds no tensor named 'u'"
+    fd = _with_unread_input()
+    shard(fd["u"], MESH2, 0)
+    plan = ed.optimize(fd, MESH2)
+    assert plan.unread == ["u"] and plan.loop_domain("u") == "[DIDx{2}, 3/2]"
+    assert_simulates(plan, fd)
+
+
 def test_like_refuses_a_plan_that_reads_an_input_this_fusion_does_not():
     with ed.FusionDefinition() as fd:
         x = fd.define_tensor((4, 6), F64, name="x")
