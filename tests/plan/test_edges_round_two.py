@@ -212,3 +212,44 @@ def test_from_torch_names_every_complex_input_and_parameter_at_once():
 def test_from_torch_names_the_op_and_line_that_makes_a_complex_tensor():
     with pytest.raises(ed.DtypeError, match=r"from_torch: aten.to.dtype at .*x.to\(torch.complex64\).*: " + COMPLEX):
         ed.from_torch(_ToComplex(), (torch.zeros(4, 2),))
+
+
+# ---------------------------------------------------------------------- item 4: uneven resharding (in part)
+
+def _reshard(shape, src, dst, op="relu"):
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor(shape, F64, name="x")
+        fd.add_output(getattr(fd.ops, op)(x) if op == "relu" else fd.ops.reshape(x, dst[0]), name="y")
+    shard(x, MESH4, src)
+    shard(fd["y"], MESH4, dst if op == "relu" else dst[1])
+    return fd
+
+
+@pytest.mark.parametrize("shape,src,dst", [((5, 8), 0, 1), ((8, 5), 0, 1), ((5, 8), 1, 0), ((5, 7), 0, 1)])
+def test_an_uneven_reshard_with_one_side_on_every_rank_is_one_alltoall(shape, src, dst):
+    # 5 over 4 ranks is torch.chunk's 2, 2, 1, 0: DTensor's one all-to-all (uneven counts, padded on the wire)
+    fd = _reshard(shape, src, dst)
+    plan = ed.optimize(fd, MESH4)
+    assert [c.kind for c in plan.collectives] == ["alltoall"]
+    assert_simulates(plan, fd)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 29 item 4, left: a layout that leaves a rank empty is held only "
+                   "as a pin and no op runs on it, so [6, 5] S(0) -> S(1) on 4 ranks (both 2, 2, 2|1, 0) goes R")
+def test_an_uneven_reshard_with_an_empty_rank_on_both_sides_is_one_alltoall():
+    plan = ed.optimize(_reshard((6, 5), 0, 1), MESH4)
+    assert [c.kind for c in plan.collectives] == ["alltoall"]
+
+
+def test_a_view_keeping_a_size_one_leading_axis_moves_nothing():
+    fd = _reshard((1, 8, 4), 1, ((8, 4), 0), op="reshape")
+    plan = ed.optimize(fd, MESH4)
+    assert plan.collectives == []
+    assert_simulates(plan, fd)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 29 item 4, left: [1, 6] -> [6] with 6 over 4 ranks (2, 2, 2, 0) "
+                   "leaves rank 3 empty, a layout no op (the reshape) runs on: an allgather where none is needed")
+def test_a_view_keeping_a_size_one_leading_axis_of_an_uneven_split_moves_nothing():
+    plan = ed.optimize(_reshard((1, 6), 1, ((6,), 0), op="reshape"), MESH4)
+    assert plan.collectives == []
