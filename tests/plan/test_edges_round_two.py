@@ -241,8 +241,10 @@ def test_an_uneven_reshard_with_an_empty_rank_on_both_sides_is_one_alltoall():
     assert [c.kind for c in plan.collectives] == ["alltoall"]
 
 
-def test_a_view_keeping_a_size_one_leading_axis_moves_nothing():
-    fd = _reshard((1, 8, 4), 1, ((8, 4), 0), op="reshape")
+@pytest.mark.parametrize("shape,src,dst", [((1, 8, 4), 1, ((8, 4), 0)), ((1, 7), 1, ((7,), 0)), ((7,), 0, ((1, 7), 1))])
+def test_a_view_keeping_a_size_one_leading_axis_moves_nothing(shape, src, dst):
+    # 7 over 4 ranks (2, 2, 2, 1) too: every rank holds some of it
+    fd = _reshard(shape, src, dst, op="reshape")
     plan = ed.optimize(fd, MESH4)
     assert plan.collectives == []
     assert_simulates(plan, fd)
