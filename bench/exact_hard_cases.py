@@ -68,7 +68,8 @@ def capture(seed: int, index: int, exclude: tuple[str, ...] = CAMPAIGN_EXCLUDES)
         got["args"] = (graph, roots, memory_limit)
         raise _Captured()
 
-    spec = fuzz.generate_case(seed, index, ops=[o for o in fuzz.default_ops() if o not in exclude])
+    # edges=False: the seed-7 campaign's cases as drawn then, before issue 29's reshape chains and unread inputs
+    spec = fuzz.generate_case(seed, index, ops=[o for o in fuzz.default_ops() if o not in exclude], edges=False)
     spec["extractors"] = ["exact"]
     real, opt.exact = opt.exact, grab
     try:

@@ -16,6 +16,10 @@ the repro printed for a failure is that script plus the failing check. Per case:
   to the output's scale; float32 2e-4; 16-bit floats looser);
 - pins honoured: plan.loop_domain(t) is the pinned loop domain of every pinned tensor t;
 - Plan.from_json(plan.to_json()) simulates bit for bit the same;
+- like= replays the greedy plan (optimize(fd, mesh, like=Plan.from_json(plan.to_json()))), and a replay
+  that differs simulates to the reference; every output's loop domain and plan.explain() are reported;
+- an input no output reads (drawn as "unread") is ignored: evaluate without it gives the same outputs, the
+  plan lists it in plan.unread, simulate and gloo take it;
 - exact <= greedy in predicted time; a memory bound is respected; no collective on a mesh axis of size 1;
 - every --gloo-every'th case also runs on real gloo processes (ed.launch + plan.run).
 
@@ -60,7 +64,7 @@ DID = {1: ("DIDx",), 2: ("DIDy", "DIDx"), 3: ("DIDz", "DIDy", "DIDx")}
 
 # Checks, in the order they run. A failure class starts with the check's name.
 CHECKS = ("build", "evaluate", "optimize", "exact", "memory", "size1", "pins", "lowered", "eager", "json",
-          "gloo")
+          "like", "gloo")
 
 
 # =========================================================================== the generator
@@ -822,7 +826,7 @@ def generate_case(seed: int, index: int, ops: Iterable[str] | None = None, gloo:
                   max_ops: int = 6, mesh_ndims: Iterable[int] = (1, 2, 3), exact: bool = True, *,
                   meshes: Iterable[Iterable[int]] | None = None, pin_styles=("outer", "nonouter", "inner-first"),
                   partial_pins: bool = True, empty_shards: bool = True, intermediate_pins: bool = True,
-                  memory_bounds: bool = True, multinode: bool = True, float32: bool = True) -> dict:
+                  memory_bounds: bool = True, multinode: bool = True, float32: bool = True, edges: bool = True) -> dict:
     """The case (plain data) for (seed, index); the same arguments give the same case.
 
     ops: the op families to draw from (default: every op); gloo: also run it on gloo processes (the
@@ -831,7 +835,8 @@ def generate_case(seed: int, index: int, ops: Iterable[str] | None = None, gloo:
     pin_styles ('outer': outer DID splits; 'nonouter': the axis split in 2 first, the inner half sharded;
     'inner-first': an axis split over two mesh axes with the inner mesh axis outside), partial_pins (P and
     Pmax), empty_shards (splits that leave a rank nothing), intermediate_pins, memory_bounds, multinode
-    (the h200_multinode cost model), float32 (else every case is float64).
+    (the h200_multinode cost model), float32 (else every case is float64), edges (add_edges: reshape chains
+    and unread inputs, drawn from a stream of their own: edges=False gives the cases drawn before them).
 
     >>> a, b = generate_case(7, 1), generate_case(7, 1)
     >>> a == b and a["ops"] != generate_case(7, 2)["ops"]
@@ -902,6 +907,56 @@ def generate_case(seed: int, index: int, ops: Iterable[str] | None = None, gloo:
         if pin["style"] not in pin_styles:
             pin["style"] = "outer"
         spec["pins"][name] = pin
+    if edges:
+        spec = add_edges(spec, random.Random(f"egraph-did-fuzz-edges:{seed}:{index}"),
+                         pins=intermediate_pins, pin_styles=pin_styles)
+    return spec
+
+
+def add_edges(spec: dict, rng: random.Random, pins: bool = True, pin_styles=("outer", "nonouter", "inner-first"),
+              p_chain: float = 0.3, p_unread: float = 0.3) -> dict:
+    """Issue 29's edges added to a case: with probability p_chain a reshape chain on one of its tensors (merge
+    every axis, split, merge and split again: equal terms the e-graph shares one value between), its last
+    tensor an output and each other one an output with probability 0.4, each pinned with probability 0.3
+    (view pins among them); with probability p_unread an input no output reads ("unread": prune keeps it;
+    evaluate, simulate and plan.run must take it and ignore it, and the plan list it in plan.unread).
+
+    >>> spec = generate_case(0, 0, ops=["relu"], edges=False)
+    >>> edged = add_edges(spec, random.Random(0), p_chain=1.0, p_unread=1.0)
+    >>> [o["op"] for o in edged["ops"][len(spec["ops"]):]][:2], edged["inputs"]["u0"]["unread"]
+    (['reshape', 'reshape'], True)
+    """
+    spec = copy.deepcopy(spec)
+    shapes = infer_shapes(spec) or {}
+    if rng.random() < p_chain:
+        cands = [n for n, (sh, dt) in shapes.items() if math.prod(sh) >= 4 and dt in FLOATS]
+        if cands:
+            src = rng.choice(cands)
+            own, n = list(shapes[src][0]), math.prod(shapes[src][0])
+            divs = [f for f in range(2, n) if n % f == 0] or [1]
+
+            def split():
+                f = rng.choice(divs)
+                return [f, n // f] if rng.random() < 0.7 or len(divs) < 2 else [f, 1, n // f]
+            prev, made = src, []
+            for i in range(rng.randint(2, 4)):
+                target = [n] if i % 2 == 0 else (own if rng.random() < 0.3 else split())
+                name = f"c{i}"
+                spec["ops"].append({"op": "reshape", "args": [["x", _tensor_arg(prev)], ["shape", list(target)]],
+                                    "outs": [name]})
+                made.append((name, tuple(target)))
+                prev = name
+            spec["outputs"] += [m for m, _ in made[:-1] if rng.random() < 0.4] + [made[-1][0]]
+            for name, shape in made:
+                if pins and rng.random() < 0.3:
+                    pin = _random_pin(rng, shape, spec["mesh"], partial_ok=False, empty_ok=False)
+                    spec["pins"][name] = pin if pin["style"] in pin_styles else dict(pin, style="outer")
+    if rng.random() < p_unread:
+        shape = [rng.randint(1, 5) for _ in range(rng.randint(1, 2))]
+        spec["inputs"]["u0"] = {"shape": shape, "dtype": spec["dtype"], "data": "randn", "unread": True}
+        if pins and rng.random() < 0.3:
+            pin = _random_pin(rng, tuple(shape), spec["mesh"], partial_ok=False, empty_ok=False)
+            spec["pins"]["u0"] = pin if pin["style"] in pin_styles else dict(pin, style="outer")
     return spec
 
 
@@ -968,7 +1023,7 @@ def infer_shapes(spec: dict) -> dict[str, tuple[tuple, str]] | None:
 
 
 def prune(spec: dict) -> dict:
-    """Drop ops no output needs, inputs no op reads, pins on tensors that are gone."""
+    """Drop ops no output needs, inputs no op reads (but those drawn "unread"), pins on tensors that are gone."""
     spec = copy.deepcopy(spec)
     need = set(spec["outputs"])
     keep = []
@@ -981,7 +1036,7 @@ def prune(spec: dict) -> dict:
         if "high" in s and isinstance(s["high"], list):
             pass
     used = {v["t"] for o in spec["ops"] for _, v in o["args"] if _is_tensor_arg(v)} | set(spec["outputs"])
-    spec["inputs"] = {n: s for n, s in spec["inputs"].items() if n in used}
+    spec["inputs"] = {n: s for n, s in spec["inputs"].items() if n in used or s.get("unread")}
     alive = set(spec["inputs"]) | {n for o in spec["ops"] for n in o["outs"]}
     # an int input whose range refers to a tensor that is gone: take the range it had
     for n, s in spec["inputs"].items():
@@ -1320,6 +1375,15 @@ def _run_checks(spec, checks, res, fail, timed, stage, torch, ed):
     except Exception as e:  # noqa: BLE001
         fail(_crash_class("evaluate", e), f"{type(e).__name__}: {e}")
         return
+    unread = sorted(n for n, s in spec["inputs"].items() if s.get("unread"))
+    if unread:  # an input no output reads may be left out (issue 29): the same outputs, bit for bit
+        try:
+            read_only = ed.evaluate(fd, {k: v for k, v in inputs.items() if k not in unread})
+            diff = [k for k in ref if not _bit_equal(read_only.get(k), ref[k])]
+            if diff:
+                fail("evaluate-unread-input-changes-outputs", f"outputs {diff} differ without {unread}")
+        except Exception as e:  # noqa: BLE001
+            fail(_crash_class("evaluate-without-unread", e), f"{type(e).__name__}: {e}")
     # on the first integer/bool mismatch only (compare_outputs), once
     ref64 = functools.cache(lambda: reference64(spec, inputs, ed))
     # the cost model, with the memory bound a fraction of the unbounded greedy plan's memory
@@ -1399,6 +1463,17 @@ def _run_checks(spec, checks, res, fail, timed, stage, torch, ed):
             bad = [c for c in plan.collectives if mesh.shape[c.mesh_axis] == 1]
             if bad:
                 fail("collective-on-size-1-mesh-axis", "; ".join(map(str, bad)), ex)  # as explain names them
+        if "optimize" in checks and sorted(plan.unread) != sorted(fd.fusion.unread_inputs()):
+            fail("optimize-unread-misreported", f"plan.unread {plan.unread}, the fusion's unread inputs "
+                                                f"{fd.fusion.unread_inputs()}", ex)
+        if "pins" in checks:  # what the plan reports of each output: its loop domain and the explanation
+            stage(f"report-{ex}")
+            try:
+                for o in fd.fusion.outputs:
+                    plan.loop_domain(o)
+                plan.explain()
+            except Exception as e:  # noqa: BLE001
+                fail("pins-report-fails", f"{type(e).__name__}: {e}\n{_short_tb(e)}", ex)
         if "pins" in checks:
             stage(f"pins-{ex}")
             for sname, tv in pinned.items():
@@ -1446,6 +1521,23 @@ def _run_checks(spec, checks, res, fail, timed, stage, torch, ed):
                          ex)
             except Exception as e:  # noqa: BLE001
                 fail(_crash_class("json", e), f"{type(e).__name__}: {e}\n{_short_tb(e)}", ex)
+    if "like" in checks and "greedy" in plans:  # the plan replayed (issue 29: an unread input broke it)
+        stage("like")
+        plan = plans["greedy"]
+        try:
+            again = ed.optimize(fd, mesh, cost_model=cm, like=ed.Plan.from_json(plan.to_json()))
+        except ed.EgraphDidError as e:
+            fail(f"like-replay-refused: {type(e).__name__}", f"{e}", "greedy")
+        except Exception as e:  # noqa: BLE001
+            fail(_crash_class("like", e), f"{type(e).__name__}: {e}\n{_short_tb(e)}", "greedy")
+        else:
+            if [str(s) for s in again.steps] != [str(s) for s in plan.steps]:
+                try:
+                    bad = compare_outputs(ed.simulate(again, inputs, lowered=False), ref, tol, ref64)
+                    if bad:
+                        fail("like-replay-mismatch", "; ".join(f"{k}: {v}" for k, v in bad.items()), "greedy")
+                except Exception as e:  # noqa: BLE001
+                    fail(_crash_class("like-simulate", e), f"{type(e).__name__}: {e}\n{_short_tb(e)}", "greedy")
     if "gloo" in checks and spec.get("gloo") and "greedy" in plans:
         stage("gloo")
         plan = plans["greedy"]

@@ -222,7 +222,7 @@ def encode(problem: Problem) -> tuple[list[str], dict[str, str], dict[str, str]]
         out.append(f"(MeshSize {d})")
     if collective_matmul.NAME in problem.rewrites and max(mesh.shape) >= 2:  # (no ring rule, no RingsOn, on one device)
         out.append("(RingsOn 1)")
-    if problem.input_layouts:  # restricted to a plan's strategies (Problem._restrict_to sets both)
+    if problem.restricted:  # restricted to a plan's strategies (Problem._restrict_to)
         out += _allowed_plans(problem, ident)
     else:
         out.append("(Open 1)")

@@ -12,11 +12,12 @@ import torch
 from .errors import DtypeError, ShapeError
 from .fusion import Fusion, FusionDefinition, as_fusion, replay
 from .ir import TensorView
-from .ops import check_indices
+from .ops import check_indices, complex_message
 
 
 def check_inputs(fusion: Fusion, inputs: Mapping[str, torch.Tensor]) -> None:
-    """Every input present, of the declared shape and dtype; nothing unknown.
+    """Every input some output reads present, of the declared shape and dtype; nothing unknown. An input no
+    output reads (Fusion.unread_inputs) may be given or left out, and is ignored (as simulate and plan.run do).
 
     >>> import torch
     >>> from egraph_did.models import row_sum
@@ -33,9 +34,13 @@ def check_inputs(fusion: Fusion, inputs: Mapping[str, torch.Tensor]) -> None:
     if unknown:
         raise ShapeError(f"unknown input(s) {unknown}; the fusion's inputs are {names}; drop the extra key(s) or "
                          f"fix their names")
+    unread = set(fusion.unread_inputs())
     for tv in fusion.inputs:
+        if tv.name in unread:
+            continue
         if tv.name not in inputs:
-            raise ShapeError(f"missing input {tv.name!r} of shape {tv.shape}; the fusion's inputs are {names}")
+            raise ShapeError(f"missing input {tv.name!r} of shape {tv.shape}; the fusion's inputs are {names} "
+                             f"(an input no output reads may be left out: {sorted(unread)})")
         val = inputs[tv.name]
         if not isinstance(val, torch.Tensor):
             raise ShapeError(f"input {tv.name!r}: expected a torch.Tensor, got {type(val).__name__}; convert it "
@@ -43,6 +48,8 @@ def check_inputs(fusion: Fusion, inputs: Mapping[str, torch.Tensor]) -> None:
         if tuple(val.shape) != tv.shape:
             raise ShapeError(f"input {tv.name!r}: declared shape {tv.shape}, got {tuple(val.shape)}; pass a tensor "
                              f"of the declared shape (or declare define_tensor({tuple(val.shape)}, ...))")
+        if val.dtype != tv.dtype and val.dtype.is_complex:
+            raise DtypeError(f"input {tv.name!r}: declared dtype {tv.dtype}, got {complex_message(val.dtype)}")
         if val.dtype != tv.dtype:
             raise DtypeError(f"input {tv.name!r}: declared dtype {tv.dtype}, got {val.dtype}; "
                              f"cast it or declare define_tensor(..., dtype={val.dtype})")
@@ -69,13 +76,17 @@ def run_expr(expr, env: dict[int, torch.Tensor], device: torch.device | None = N
 
 def evaluate(fd: FusionDefinition | Fusion, inputs: Mapping[str, torch.Tensor],
              decompose_composites: bool = False) -> dict[str, torch.Tensor]:
-    """Run the fusion on one device with torch eager; returns {output name: tensor}.
+    """Run the fusion on one device with torch eager; returns {output name: tensor}. An input no output
+    reads (fusion.unread_inputs()) may be given or left out: it is ignored, as ed.simulate and plan.run do.
 
     >>> import torch, egraph_did as ed
     >>> with ed.FusionDefinition() as fd:
     ...     x = fd.define_tensor((2,), name="x")
     ...     fd.add_output(fd.ops.mul(x, 3.0), name="y")
     >>> ed.evaluate(fd, {"x": torch.tensor([1., 2.])})["y"]
+    tensor([3., 6.])
+    >>> u = fd.define_tensor((5,), name="u")  # read by no output: it may be left out, or given and ignored
+    >>> ed.evaluate(fd, {"x": torch.tensor([1., 2.]), "u": torch.zeros(5)})["y"]
     tensor([3., 6.])
     """
     fusion = as_fusion(fd, "evaluate")
@@ -85,9 +96,12 @@ def evaluate(fd: FusionDefinition | Fusion, inputs: Mapping[str, torch.Tensor],
     if decompose_composites:
         fusion, rename = decompose(fusion)
         inputs = {rename.get(k, k): v for k, v in inputs.items()}
-    env: dict[int, torch.Tensor] = {id(tv): inputs[tv.name] for tv in fusion.inputs}
+    needed = fusion.needed()
+    env: dict[int, torch.Tensor] = {id(tv): inputs[tv.name] for tv in fusion.inputs if tv.name in needed}
     device = next((t.device for t in inputs.values() if isinstance(t, torch.Tensor)), None)
     for expr in fusion.exprs:
+        if not any(o.name in needed for o in expr.outputs):
+            continue  # read by no output (it may read an input left out)
         outs = run_expr(expr, env, device)
         for tv, val in zip(expr.outputs, outs):
             if tuple(val.shape) != tv.shape or val.dtype != tv.dtype:

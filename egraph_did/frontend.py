@@ -48,10 +48,10 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from .errors import EgraphDidError
+from .errors import DtypeError, EgraphDidError
 from .fusion import FusionDefinition, replay
 from .ir import TensorView
-from .ops import SUPPORTED_DTYPES, canonical_dtype
+from .ops import SUPPORTED_DTYPES, canonical_dtype, complex_message
 
 aten = torch.ops.aten
 
@@ -247,6 +247,14 @@ class _Converter:
         sig, fd = self.ep.graph_signature, self.fd
         state = self.ep.state_dict | dict(self.ep.constants)
         users, params = [], []
+        complex_ = [(spec.target if spec.kind.name == "PARAMETER" else spec.arg.name, ex.dtype)
+                    for spec in sig.input_specs if spec.kind.name in ("PARAMETER", "USER_INPUT")
+                    for ex in [self._example(spec)] if isinstance(ex, torch.Tensor) and ex.is_complex()]
+        if complex_:  # every one named at once (a complex buffer is folded: rotary tables are mapped)
+            by_dtype: dict = {}
+            for name, dt in complex_:
+                by_dtype.setdefault(dt, []).append(name)
+            raise DtypeError("from_torch: " + "; ".join(complex_message(dt, names) for dt, names in by_dtype.items()))
         for spec in sig.input_specs:
             name = spec.arg.name
             example = self._example(spec)
@@ -328,7 +336,12 @@ class _Converter:
         fn = mapping(node.target) or self._in_place(node)
         if fn is None:
             return self.unmapped(node, kwargs)
-        return fn(self, **kwargs)
+        try:
+            return fn(self, **kwargs)
+        except DtypeError as e:  # a cast to a complex dtype, say: name the node and its source line
+            if str(e).startswith("from_torch"):
+                raise
+            raise DtypeError(f"from_torch: {node.target} at {source_line(node)}: {e}") from None
 
     def unmapped(self, node, kwargs=None, target=None):
         """A node no mapping computes: an opaque step running `target` (default: the node's op), or (strict)

@@ -187,6 +187,39 @@ class Fusion:
         """The exprs that read tv, in order."""
         return [e for e in self.exprs if any(i is tv for i in e.inputs)]
 
+    def needed(self) -> set[str]:
+        """The names of the tensors some output reads: the outputs and everything they are computed from.
+
+        >>> import egraph_did as ed
+        >>> with ed.FusionDefinition() as fd:
+        ...     x = fd.define_tensor((4,), name="x")
+        ...     u = fd.define_tensor((4,), name="u")
+        ...     dead = fd.ops.exp(u)  # read by no output
+        ...     fd.add_output(fd.ops.relu(x), name="y")
+        >>> sorted(fd.fusion.needed())
+        ['x', 'y']
+        """
+        need = {id(t) for t in self.outputs.values()}
+        for e in reversed(self.exprs):
+            if any(id(o) in need for o in e.outputs):
+                need.update(id(t) for t in e.inputs)
+        return {t.name for t in self.tensors.values() if id(t) in need}
+
+    def unread_inputs(self) -> list[str]:
+        """The inputs no output reads, in definition order. Every entry point (ed.evaluate, ed.simulate,
+        plan.run) takes them or not and ignores them; a plan lists them as plan.unread.
+
+        >>> import egraph_did as ed
+        >>> with ed.FusionDefinition() as fd:
+        ...     x = fd.define_tensor((4,), name="x")
+        ...     u = fd.define_tensor((4,), name="u")
+        ...     fd.add_output(fd.ops.relu(x), name="y")
+        >>> fd.fusion.unread_inputs()
+        ['u']
+        """
+        needed = self.needed()
+        return [t.name for t in self.inputs if t.name not in needed]
+
     def all_tensors(self) -> Iterator[TensorView]:
         """Every tensor: inputs, intermediates and outputs."""
         return iter(self.tensors.values())

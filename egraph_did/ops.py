@@ -231,12 +231,37 @@ def ops_where(**facts) -> tuple[str, ...]:
 
 # ------------------------------------------------------------------ helpers for shape rules
 
+def complex_message(dtype, tensors=()) -> str:
+    """What a DtypeError says of a complex dtype: egraph-did holds real tensors only; `tensors` names them.
+
+    >>> complex_message(torch.complex64, ["x", "w"])
+    'x, w: complex64 is a complex dtype, which egraph-did does not take (its ops, kernels and collectives are real); hold each complex tensor as its real pairs (torch.view_as_real gives [..., 2] of float32) and compute with the real and imaginary parts'
+    """
+    name = str(dtype).replace("torch.", "")
+    real = {"complex32": "float16", "complex64": "float32", "complex128": "float64"}.get(name, "a real dtype")
+    who = f"{', '.join(tensors)}: " if tensors else ""
+    return (f"{who}{name} is a complex dtype, which egraph-did does not take (its ops, kernels and collectives are "
+            f"real); hold each complex tensor as its real pairs (torch.view_as_real gives [..., 2] of {real}) and "
+            f"compute with the real and imaginary parts")
+
+
 def canonical_dtype(dtype) -> torch.dtype:
-    """A torch dtype from a torch dtype or its name ('bf16', 'bfloat16', 'float32', ...)."""
+    """A torch dtype from a torch dtype or its name ('bf16', 'bfloat16', 'float32', ...); DtypeError for
+    another (a complex one says how to hold it as reals).
+
+    >>> canonical_dtype("bf16"), canonical_dtype(torch.int32)
+    (torch.bfloat16, torch.int32)
+    >>> canonical_dtype(torch.complex128)
+    Traceback (most recent call last):
+    ...
+    egraph_did.errors.DtypeError: complex128 is a complex dtype, which egraph-did does not take (its ops, kernels and collectives are real); hold each complex tensor as its real pairs (torch.view_as_real gives [..., 2] of float64) and compute with the real and imaginary parts
+    """
     aliases = {"fp32": torch.float32, "float": torch.float32, "fp16": torch.float16, "half": torch.float16,
                "bf16": torch.bfloat16, "fp64": torch.float64, "double": torch.float64, "long": torch.int64,
                "int": torch.int32}
     found = aliases.get(dtype, getattr(torch, dtype, None)) if isinstance(dtype, str) else dtype
+    if isinstance(found, torch.dtype) and found.is_complex:
+        raise DtypeError(complex_message(found))
     if found not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
         raise DtypeError(f"unknown or unsupported dtype {dtype!r}; use one of {names}")
@@ -1924,7 +1949,11 @@ def full(shape: tuple = (), value: float = 0.0, dtype=torch.float32):
         raise ShapeError(f"full: shape must be a tuple of extents, got {shape!r}")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ShapeError(f"full: value must be a number, got {value!r}")
-    return [OutSpec(tuple(shape), canonical_dtype(dtype), tuple(str(e) for e in shape))]
+    try:
+        dt = canonical_dtype(dtype)
+    except DtypeError as e:
+        raise DtypeError(f"full({tuple(shape)}, {value!r}): {e}") from None
+    return [OutSpec(tuple(shape), dt, tuple(str(e) for e in shape))]
 
 
 # ------------------------------------------------------------------ random: dropout

@@ -162,7 +162,8 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     ['allreduce']
     """
     check_optimize_args(fd, mesh, cost_model, extractor, like)
-    fd, views = view_pins(as_fusion(fd), mesh)  # pins no layout names, as layouts of reshaped views
+    user = as_fusion(fd)
+    fd, views = view_pins(user, mesh)  # pins no layout names, as layouts of reshaped views
     if views and loop_ties(fd):
         raise PlanError(f"optimize: {', '.join(views)} {'is' if len(views) == 1 else 'are'} pinned as a view "
                         f"({'; '.join(map(str, views.values()))}), which training-step loops do not carry yet: pin "
@@ -172,11 +173,13 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     time_limit = _check_time_limit(time_limit, extractor)
     names = check_rewrites(rewrites)
     try:
-        return _optimize(fd, mesh, cost_model, extractor, like, time_limit, names, views)
+        plan = _optimize(fd, mesh, cost_model, extractor, like, time_limit, names, views)
     except PlanError as e:  # an error about a view names the tensor the user pinned
         if views:
             e.args = (_as_pinned(str(e), views),) + e.args[1:]
         raise
+    plan.unread = [t.name for t in user.inputs if t.name not in plan.inputs]  # read by no output: not loaded
+    return plan
 
 
 def _like_in_view_names(like: Plan, views: dict[str, PinView]) -> Plan:

@@ -24,7 +24,7 @@ from .layout import Layout
 from .pins import PinView, apply_layout, layout_view
 from .shards import Operand, RankContext, local_extents
 from .mesh import DeviceMesh, check_mesh
-from .ops import OPS, SAVE_OP, canonical_dtype  # SAVE_OP: grad's marker op
+from .ops import OPS, SAVE_OP, canonical_dtype, complex_message  # SAVE_OP: grad's marker op
 
 # A plan file says which format it is written in: "egraph-did-plan/<version>"; a file without the field
 # is read as version 1 (a hand-written plan). Bump the version when a field changes meaning, and teach
@@ -256,6 +256,9 @@ class Plan:
     # input or output -> the pins.PinView it is bound or delivered through (a pin no layout of its own shape
     # names: the plan holds a reshaped view; bind_view / deliver_view reshape the user's tensor to and from it)
     views: dict[str, PinView] = field(default_factory=dict)
+    # inputs of the fusion no output reads (Fusion.unread_inputs): the plan loads none of them; simulate and
+    # plan.run take them or not and ignore them
+    unread: list[str] = field(default_factory=list)
 
     # ------------------------------------------------------------ queries
     @property
@@ -426,22 +429,40 @@ class Plan:
             return None
         return StepMemory.of_step(self.inputs, (self.values[v].tensor for v in self.outputs.values()))
 
-    def layout_of(self, tensor: str) -> Layout:
-        """The layout a tensor is pinned to, or else produced (or, for an output, delivered) in."""
+    def value_of(self, tensor: str) -> str:
+        """The value that holds a tensor as the plan reports it: a pinned tensor's pinned value, an output's
+        delivered value, an input's first loaded one, else the first a step produces. It may go by another
+        tensor's name: two equal terms of the program share one value (x split, merged and split again is x's
+        split), so look a tensor up here, never by Value.tensor.
+
+        >>> import torch, egraph_did as ed
+        >>> with ed.FusionDefinition() as fd:
+        ...     x = fd.define_tensor((2, 6), name="x")
+        ...     fd.add_output(fd.ops.reshape(x, (12,)), name="a")
+        ...     fd.add_output(fd.ops.reshape(fd.ops.reshape(x, (12,)), (3, 4)), name="b")
+        ...     fd.add_output(fd.ops.reshape(fd["a"], (3, 4)), name="c")  # the same term as b
+        >>> plan = ed.optimize(fd, ed.DeviceMesh.arange(2))
+        >>> plan.values[plan.value_of("b")].tensor == plan.values[plan.value_of("c")].tensor
+        True
+        """
         if tensor in self.pins:
-            return self.values[self.pins[tensor]].layout
+            return self.pins[tensor]
         if tensor in self.outputs:
-            return self.values[self.outputs[tensor]].layout
+            return self.outputs[tensor]
         if tensor in self.inputs:
-            return self.values[self.inputs[tensor][0]].layout
+            return self.inputs[tensor][0]
         for s in self.compute_steps:
             for v in s.outputs:
                 if self.values[v].tensor == tensor:
-                    return self.values[v].layout
+                    return v
         for v in self.values.values():
             if v.tensor == tensor:
-                return v.layout
+                return v.name
         raise PlanError(f"the plan holds no tensor named {tensor!r}")
+
+    def layout_of(self, tensor: str) -> Layout:
+        """The layout a tensor is pinned to, or else produced (or, for an output, delivered) in."""
+        return self.values[self.value_of(tensor)].layout
 
     def check_input_dtype(self, name: str, tensor: torch.Tensor, where: str = "run") -> None:
         """DtypeError unless tensor has the dtype the plan was optimized for (no silent precision change).
@@ -456,12 +477,14 @@ class Plan:
         """
         want = self.values[self.inputs[name][0]].dtype
         got = str(tensor.dtype).replace("torch.", "")
+        if got != want and tensor.dtype.is_complex:
+            raise DtypeError(f"{where}: input {name!r}: the plan expects {want}, got {complex_message(tensor.dtype)}")
         if got != want:
             raise DtypeError(f"{where}: input {name!r} is {got}, the plan expects {want}; cast it")
 
     def check_inputs(self, values, where: str = "run", dtensors: bool = False) -> None:
         """ShapeError (DtypeError for a dtype) unless `values` binds every input of the plan and nothing
-        else, each to a torch.Tensor that holds data (not on the meta device) of the dtype the plan was
+        else (an input of the fusion no output reads, plan.unread, may be given too: it is ignored), each to a torch.Tensor that holds data (not on the meta device) of the dtype the plan was
         optimized for. With dtensors=True a torch DTensor is taken too. Shapes are checked where the
         inputs are bound (global or local shards).
 
@@ -477,9 +500,10 @@ class Plan:
         if not isinstance(values, Mapping):
             raise ShapeError(f"{where}: inputs must be a dict {{input name: tensor}} over {takes}, got a "
                              f"{type(values).__name__}")
-        unknown = sorted((k for k in values if k not in self.inputs), key=str)
+        unknown = sorted((k for k in values if k not in self.inputs and k not in self.unread), key=str)
         if unknown:
-            raise ShapeError(f"{where}: unknown input(s) {unknown}; the plan takes {takes} (the names given to "
+            also = f" and ignores {sorted(self.unread)}, which no output reads" if self.unread else ""
+            raise ShapeError(f"{where}: unknown input(s) {unknown}; the plan takes {takes}{also} (the names given to "
                              f"fd.define_tensor); drop the extra key(s) or fix their names")
         missing = [k for k in takes if k not in values]
         if missing:
@@ -572,16 +596,14 @@ class Plan:
     def loop_domain(self, tensor: str) -> str:
         """The loop domain of a tensor as the plan lays it out, e.g. '[s, DIDx{4}, h/4]'. A pinned tensor's is
         its pinned value's, which may go by another name (two equal terms of the program share one value), in the
-        words of the pin where the plan holds it in the pin's layout."""
+        words of the pin where the plan holds it in the pin's layout; a pinned input no output reads (plan.unread),
+        which the plan does not load, reports its pin as given."""
+        if tensor in self.pinned_loops and tensor in self.unread:
+            return self.pinned_loops[tensor][0]  # a pinned input no output reads: not loaded, its pin as given
         if tensor in self.pinned_loops and self.layout_of(tensor).code() == self.pinned_loops[tensor][1]:
             return self.pinned_loops[tensor][0]
-        if tensor in self.pins:
-            return self.value_view(self.pins[tensor]).loop_str()
-        layout = self.layout_of(tensor)
-        for v in self.values.values():
-            if v.tensor == tensor and v.layout == layout:
-                return self.value_view(v.name).loop_str()
-        raise PlanError(f"no value of {tensor!r}")  # pragma: no cover
+        # the value holding it (value_of): it may be named for an equal term, so never searched by tensor name
+        return self.value_view(self.value_of(tensor)).loop_str()
 
     # ------------------------------------------------------------ run
     def run(self, values, /, inputs: str = "global", outputs: str = "global", *, cuda_graph: bool = True,
@@ -661,7 +683,7 @@ class Plan:
                 fixed.append(dataclasses.replace(s, src=fix(s.src)))
         plan = Plan(self.mesh, self.cost_model, dict(self.values), fixed, self.inputs,
                     {k: fix(v) for k, v in self.outputs.items()}, self.memory, self.method, dict(self.stats),
-                    {k: fix(v) for k, v in self.pins.items()}, views=dict(self.views))
+                    {k: fix(v) for k, v in self.pins.items()}, views=dict(self.views), unread=list(self.unread))
         plan.validate()
         return plan
 
@@ -710,6 +732,7 @@ class Plan:
             "steps": steps, "inputs": self.inputs, "outputs": self.outputs, "memory": self.memory,
             "method": self.method, "stats": self.stats, "pins": self.pins, "rewrites": self.rewrites,
             "buckets": self.buckets, "pinned_loops": self.pinned_loops,
+            **({"unread": self.unread} if self.unread else {}),
             **({"views": {k: v.to_dict() for k, v in self.views.items()}} if self.views else {})}, indent=1)
 
     @classmethod
@@ -821,6 +844,9 @@ class Plan:
             if not isinstance(vals, list) or not vals or any(v not in values for v in vals):
                 raise PlanError(f"plan JSON: inputs[{name!r}] must list the values loaded from input {name!r} "
                                 f"(keys of 'values'), got {vals!r}")
+        unread = d.get("unread", [])
+        if not isinstance(unread, list) or not all(isinstance(n, str) and n not in d["inputs"] for n in unread):
+            raise PlanError(f"plan JSON: unread must list the names of inputs the plan does not load, got {unread!r}")
         for name, v in d["outputs"].items():
             if not isinstance(v, str) or v not in values:
                 raise PlanError(f"plan JSON: outputs[{name!r}] must name a value (a key of 'values'), got {v!r}")
@@ -829,7 +855,7 @@ class Plan:
                    d.get("method", ""), d.get("stats", {}), dict(d.get("pins", {})), dict(d.get("rewrites", {})),
                    [list(p) for p in d.get("buckets", [])],
                    {k: list(v) for k, v in d.get("pinned_loops", {}).items()},
-                   _views_of(d.get("views", {}), d["inputs"], d["outputs"], values))
+                   _views_of(d.get("views", {}), d["inputs"], d["outputs"], values), list(unread))
         for name, v in plan.pins.items():
             if v not in values:
                 raise PlanError(f"plan JSON: pins[{name!r}] must name a value (a key of 'values'), got {v!r}")
@@ -838,8 +864,9 @@ class Plan:
 
     def check_like(self, fd, mesh: DeviceMesh) -> None:
         """PlanError unless this plan can serve as `like=` for optimizing `fd` on `mesh`: a plan of the same
-        fusion (the same input and output names, each input of the same rank; shapes and dtypes may differ)
-        on a mesh of the same shape and axis names.
+        fusion (the same output names; every input the plan loads an input of the fusion of the same rank, and
+        every other input of the fusion one no output reads; shapes and dtypes may differ) on a mesh of the same
+        shape and axis names.
 
         >>> import egraph_did as ed
         >>> from egraph_did.models import mlp, row_sum
@@ -855,12 +882,16 @@ class Plan:
             raise PlanError(f"optimize(like=plan): the like plan was optimized for {self.mesh}, this call is for "
                             f"{mesh}; its layouts are for its own mesh: pass a plan of a mesh shaped like this one, "
                             f"or optimize without like=")
-        ins, outs = sorted(t.name for t in fusion.inputs), sorted(fusion.outputs)
+        # only the inputs some output reads count: the plan loads no other (plan.unread)
+        unread = set(fusion.unread_inputs())
+        ins, outs = sorted(t.name for t in fusion.inputs if t.name not in unread), sorted(fusion.outputs)
         if ins != sorted(self.inputs) or outs != sorted(self.outputs):
-            raise PlanError(f"optimize(like=plan): the like plan is of another fusion: it takes inputs "
-                            f"{sorted(self.inputs)} and gives outputs {sorted(self.outputs)}, this fusion takes "
+            raise PlanError(f"optimize(like=plan): the like plan is of another fusion: it reads inputs "
+                            f"{sorted(self.inputs)} and gives outputs {sorted(self.outputs)}, this fusion reads "
                             f"{ins} and gives {outs}; pass a plan of this fusion (at any shapes)")
         for tv in fusion.inputs:
+            if tv.name in unread:
+                continue
             theirs = self.views[tv.name].shape if tv.name in self.views else self.values[self.inputs[tv.name][0]].shape
             if len(theirs) != len(tv.shape):
                 raise PlanError(f"optimize(like=plan): input {tv.name} has {len(tv.shape)} axes {tv.shape} here but "

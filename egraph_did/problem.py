@@ -78,6 +78,9 @@ class Problem:
     layouts: dict[str, list[Layout]] = field(default_factory=dict)  # every valid layout, partials included
     origin: dict[str, str] = field(default_factory=dict)  # decomposition tensor -> the composite it expands
     input_layouts: dict[str, list[Layout]] = field(default_factory=dict)  # overrides load_layouts()
+    # restricted to another plan's strategies (build_problem(like=)); input_layouts alone cannot say so: a
+    # plan may load no input (every output a constant's)
+    restricted: bool = False
     rewritten: dict[str, str] = field(default_factory=dict)  # tensor a program rewrite added -> the rewrite
     fused: dict[str, "Fused"] = field(default_factory=dict)  # tensor -> where its op sits in a fused kernel
     register_reads: set = field(default_factory=set)  # tensors some fusible reader takes in registers
@@ -438,6 +441,7 @@ def _build(user: Fusion, mesh: DeviceMesh, cost_model: CostModel | None, pins, l
 
 def _restrict_to(problem: Problem, like) -> None:
     """Keep only the strategies and input layouts another plan of the same fusion used."""
+    problem.restricted = True
     used: dict[str, set] = {}
     for s in like.compute_steps:
         key = s.key

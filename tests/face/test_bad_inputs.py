@@ -225,9 +225,14 @@ def _():
     return ed.FusionDefinition().define_tensor((2, 3), name="a", axis_names=("s",))
 
 
-@bad("unknown dtype", DtypeError, "define_tensor(z)", "'complex64'", "use one of float32")
+@bad("a complex dtype", DtypeError, "define_tensor(z)", "complex64 is a complex dtype", "view_as_real")
 def _():
     return ed.FusionDefinition().define_tensor((2,), dtype="complex64", name="z")
+
+
+@bad("unknown dtype", DtypeError, "define_tensor(z)", "'float8'", "use one of float32")
+def _():
+    return ed.FusionDefinition().define_tensor((2,), dtype="float8", name="z")
 
 
 @bad("tensor name not a string", ShapeError, "name must be a non-empty string", "got 3")
@@ -342,7 +347,7 @@ def _():
     return fd.ops.permute(x, (0, 0))
 
 
-@bad("cast to an unsupported dtype", DtypeError, "cast(x)", "torch.complex64", "use one of float32")
+@bad("cast to a complex dtype", DtypeError, "cast(x)", "complex64 is a complex dtype", "view_as_real")
 def _():
     fd, x = fusion_x()
     return fd.ops.cast(x, torch.complex64)
@@ -1086,7 +1091,7 @@ def _():
     return load(d)
 
 
-@bad("plan JSON: an unknown dtype", PlanError, "values['x:S0'].dtype", "'complex64'", "use one of float32")
+@bad("plan JSON: a complex dtype", PlanError, "values['x:S0'].dtype", "complex64 is a complex dtype")
 def _():
     d = plan_json()
     d["values"]["x:S0"]["dtype"] = "complex64"

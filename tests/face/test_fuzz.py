@@ -281,3 +281,39 @@ def test_seeded_slice_passes():
     assert camp.n_cases == CI_CASES
     planned = CI_CASES - sum(camp.refusals.values())
     assert planned >= CI_CASES * 0.7, camp.summary()  # the slice checks plans, it is not all refusals
+
+
+# ------------------------------------------------------------------------------ issue 29's edges
+
+def test_the_generator_draws_reshape_chains_and_unread_inputs_from_their_own_stream():
+    specs = [fuzz.generate_case(5, i) for i in range(60)]
+    unread = [s for s in specs if any(i.get("unread") for i in s["inputs"].values())]
+    chains = [s for s in specs if any(o["outs"][0].startswith("c") and o["op"] == "reshape" for o in s["ops"])]
+    assert len(unread) >= 8 and len(chains) >= 8
+    assert any(sum(o.startswith("c") for o in s["outputs"]) >= 2 for s in chains)  # chain tensors as outputs
+    for i, s in enumerate(specs):  # edges=False: the case as drawn before the edges (the other draws unchanged)
+        plain = fuzz.generate_case(5, i, edges=False)
+        assert [o for o in s["ops"] if not o["outs"][0].startswith("c")] == plain["ops"]
+        assert {k: p for k, p in s["pins"].items() if k in plain["pins"]} == plain["pins"]
+
+
+def _edge_case():
+    """Issue 29's reshape-chain reproducer as a fuzz case, with an unread input: x[2, 6, 2] split over 4
+    ranks, c0 = reshape(x, [24]) pinned as a view, c1 = reshape(c0, [2, 12]) (the view's own term)."""
+    return {"seed": 0, "index": 0, "dtype": "float64", "mesh": [4], "axis_names": None,
+            "inputs": {"x": {"shape": [2, 6, 2], "dtype": "float64", "data": "randn"},
+                       "u0": {"shape": [3], "dtype": "float64", "data": "randn", "unread": True}},
+            "ops": [{"op": "reshape", "args": [["x", {"t": "x"}], ["shape", [24]]], "outs": ["c0"]},
+                    {"op": "reshape", "args": [["x", {"t": "c0"}], ["shape", [2, 12]]], "outs": ["c1"]}],
+            "outputs": ["c0", "c1"],
+            "pins": {"x": {"pl": ["S0"], "style": "outer"}, "c0": {"pl": ["S0"], "style": "nonouter"}},
+            "cost": {"preset": "h200", "memory_frac": None}, "extractors": ["greedy"], "gloo": False}
+
+
+def test_the_fuzzer_replays_plans_checks_unread_inputs_and_reports_outputs():
+    # each of these failed before issue 29's fixes: simulate refused u0, like= refused the plan, and
+    # loop_domain('c1') raised "no value of 'c1'"
+    spec = fuzz.prune(_edge_case())
+    assert "u0" in spec["inputs"]
+    res = fuzz.run_case(spec, checks={"build", "evaluate", "optimize", "pins", "eager", "like"})
+    assert res["refusal"] is None and res["failures"] == [], res["failures"]
