@@ -22,6 +22,7 @@ import functools
 import json
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 from egglog import EGraph, String, eq, i64, relation, ruleset, union, var
 from egglog import rule as erule
@@ -366,6 +367,10 @@ def mesh_rules(shape: tuple[int, ...]):
         # the outputs kept as they are up to level m in the same step: a consumer that needs no collective
         # fires in the next iteration (saturation takes as many iterations as the longest chain of steps)
         keep = [KeepOf(Held(y, lo, k + 1), Held(y, lo, k)) for y, lo in zip(ys, lout) for k in range(m)]
+        # every strategy's outputs held at level 0 up front, so the operands' levels (Keep, Coll) grow in m
+        # iterations for the whole program at once rather than one step of its longest chain per iteration;
+        # outputs no plan can reach are pruned in read_back (_reachable)
+        yield erule(PLAN[(n, o)](key, kern, *ys, *xs, *lout, *lin)).then(*[Held(y, lo, 0) for y, lo in zip(ys, lout)])
         if o == 1:
             yield erule(*query).then(RUN_OF[(n, o)](Held(ys[0], lout[0], 0), key, kern, lout[0], *operands), *keep)
         else:
@@ -617,4 +622,43 @@ def read_back(eg: EGraph, problem: Problem, name_of: dict[str, str]) -> PhysGrap
                 # tensor's levels, which the extractors take for acyclic (fuzz seed 32 case 1061)
                 continue
             classes[made].append(Node("Apply", children, key, strategies[sig]))
-    return graph
+    return _reachable(graph)
+
+
+def _reachable(graph: PhysGraph) -> PhysGraph:
+    """The graph without what no plan makes: a class is reachable where one of its nodes reads reachable
+    classes only (a Load reads none); nodes reading an unreachable class go too. Classes keep their order
+    and are renamed c0, c1, .. in it."""
+    classes = graph.classes
+    parents: dict = defaultdict(list)
+    need: dict = {}
+    ready = []
+    for c, nodes in classes.items():
+        for i, node in enumerate(nodes):
+            kids = set(node.children)
+            need[(c, i)] = len(kids)
+            if not kids:
+                ready.append(c)
+            for k in kids:
+                parents[k].append((c, i))
+    made = set()
+    while ready:
+        c = ready.pop()
+        if c in made:
+            continue
+        made.add(c)
+        for p in parents[c]:
+            need[p] -= 1
+            if need[p] == 0:
+                ready.append(p[0])
+    if len(made) == len(classes):
+        return graph
+    rename = {c: f"c{i}" for i, c in enumerate(c for c in classes if c in made)}
+    out = PhysGraph(canonical=graph.canonical, stats=graph.stats)
+    for c, nodes in classes.items():
+        if c in made:
+            out.classes[rename[c]] = [n if not n.children else replace(n, children=tuple(rename[k] for k in n.children))
+                                      for n in nodes if all(k in made for k in n.children)]
+    out.ident = {rename[c]: i for c, i in graph.ident.items() if c in made}
+    out.index = {i: rename[c] for i, c in graph.index.items() if c in made}
+    return out
