@@ -230,6 +230,7 @@ class _Converter:
         self._consts: list[tuple[torch.Tensor, TensorView]] = []
         self._seed: TensorView | None = None  # the program's one seed input, made by the first dropout
         self._rng_offset = 0  # counters the dropouts mapped so far have used
+        self._causal: dict[int, tuple[torch.Tensor, bool]] = {}  # id(mask) -> (mask, whether causal)
 
     def run(self) -> TorchFusion:
         self._placeholders()
@@ -253,7 +254,10 @@ class _Converter:
                 self.env[name] = fd.define_tensor(example.shape, example.dtype, spec.target)
                 params.append(spec.target)
             elif spec.kind.name in ("BUFFER", "CONSTANT_TENSOR"):
-                self.env[name] = _Folded(state[spec.target].detach(), spec.target)
+                value = state[spec.target].detach()
+                if value.is_meta and self._placeholder(name).users:
+                    value = self._meta_buffer(spec.target, value)
+                self.env[name] = _Folded(value, spec.target)
             elif spec.kind.name == "USER_INPUT":
                 self.env[name] = (fd.define_tensor(example.shape, example.dtype, name)
                                   if isinstance(example, torch.Tensor) else getattr(spec.arg, "value", None))
@@ -267,8 +271,30 @@ class _Converter:
         fd.leaves = [s.arg.name if s.arg.name in users else None for s in leaves]
 
     def _example(self, spec):
-        node = next(n for n in self.ep.graph.nodes if n.op == "placeholder" and n.name == spec.arg.name)
-        return node.meta.get("val")
+        return self._placeholder(spec.arg.name).meta.get("val")
+
+    def _placeholder(self, name: str):
+        return next(n for n in self.ep.graph.nodes if n.op == "placeholder" and n.name == name)
+
+    def _meta_buffer(self, target: str, value: torch.Tensor) -> torch.Tensor:
+        """The values of a buffer on the meta device that the program reads (folding needs them), computed on
+        the CPU: a transformers rotary embedding's inverse frequencies from its config, as transformers'
+        own _init_weights recomputes them after loading a checkpoint. Any other raises naming the buffer."""
+        owner_path, _, leaf = target.rpartition(".")
+        owner = self.fd._module.get_submodule(owner_path) if self.fd._module is not None else None
+        if leaf in ("inv_freq", "original_inv_freq") and hasattr(owner, "rope_type") and hasattr(owner, "config"):
+            rope = getattr(owner, "compute_default_rope_parameters", None) if owner.rope_type == "default" else None
+            if rope is None:
+                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+                rope = ROPE_INIT_FUNCTIONS[owner.rope_type]
+            with torch.device("cpu"):
+                out = rope(owner.config)[0]
+            if tuple(out.shape) == tuple(value.shape):
+                return out.to(value.dtype)
+        raise ExportError(f"from_torch: the buffer {target!r} is on the meta device and the program reads it: "
+                          f"from_torch folds what buffers compute, so it needs the values (parameters may stay "
+                          f"on meta). Give it its values on the CPU before exporting "
+                          f"(module.get_submodule({owner_path!r}).register_buffer({leaf!r}, value, ...))")
 
     def _outputs(self, node) -> None:
         values = node.args[0]
@@ -401,11 +427,18 @@ class _Converter:
                 return mapped(self, **kwargs)
             raise self.error("is random", "export the module in eval mode (module.eval()); a random op has no "
                              "value to fold and no fusion op")
-        with torch.no_grad():
-            out = node.target(**_unfold(kwargs))
+        with torch.no_grad():  # on the CPU, where the module lives on the meta device: a constant needs values
+            out = node.target(**{k: _on_cpu(v) for k, v in _unfold(kwargs).items()})
         return _wrap(out, f"{_module_path(node)}.{node.name}".lstrip("."))
 
     # ------------------------------------------------------------ helpers the mappings use
+    def is_causal_mask(self, mask: torch.Tensor, sq: int, sk: int) -> bool:
+        """_is_causal_mask, once per mask: every layer of a model reads the one folded mask (Llama-3-8B's
+        [8, 1, 8192, 8192] took 1.2 s to check, 32 times)."""
+        if id(mask) not in self._causal:
+            self._causal[id(mask)] = (mask, _is_causal_mask(mask, sq, sk))
+        return self._causal[id(mask)][1]
+
     @property
     def ops(self):
         return self.fd.ops
@@ -421,8 +454,7 @@ class _Converter:
             return v
         if isinstance(v, _Folded):
             for value, tv in self._consts:
-                if (value.shape == v.value.shape and value.dtype == v.value.dtype and not value.is_meta
-                        and not v.value.is_meta and torch.equal(value, v.value)):  # meta: no values to compare
+                if _same_values(value, v.value):
                     return tv
             name = f"const.{v.name}"
             tv = self.fd.define_tensor(tuple(v.value.shape), v.value.dtype, name)
@@ -539,6 +571,29 @@ def _unfold(v):
         return {k: _unfold(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return type(v)(_unfold(x) for x in v)
+    return v
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two folded constants hold the same values: one view of one storage without comparing (each
+    of Llama-3-8B's 32 layers unsqueezes the model's rotary tables: torch.equal took 1.8 s of the export),
+    else torch.equal (after the first row's first 64). A meta tensor has no values to compare: never the same."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.is_meta or b.is_meta:
+        return False
+    if (a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.storage_offset() == b.storage_offset() and a.stride() == b.stride()):
+        return True
+    corner = (0,) * max(a.ndim - 1, 0)  # the first row first: the rotary cos and sin tables differ there
+    return (a.ndim == 0 or torch.equal(a[corner][:64], b[corner][:64])) and torch.equal(a, b)
+
+
+def _on_cpu(v):
+    """A folded node's argument with the meta device read as the CPU (arange(..., device='meta') of a module
+    built on meta gives its values); a tensor on meta has none to give, and _meta_buffer gave buffers theirs."""
+    if isinstance(v, torch.device) and v.type == "meta":
+        return torch.device("cpu")
+    if isinstance(v, (list, tuple)):
+        return type(v)(_on_cpu(x) for x in v)
     return v
 
 
@@ -981,10 +1036,12 @@ def _embedding(c, weight, indices, padding_idx=-1, scale_grad_by_freq=False, spa
 def _is_causal_mask(mask: torch.Tensor, sq: int, sk: int) -> bool:
     """Whether an attention mask, bool (True keeps) or additive (0 keeps, -inf drops), is the causal one
     on every batch and head."""
-    keep = torch.ones(sq, sk, dtype=torch.bool).tril()
+    if sq != sk:
+        return False
+    keep = torch.ones(sq, sk, dtype=torch.bool).tril().expand(mask.shape)
     kept = mask if mask.dtype == torch.bool else (mask == 0)
     drops_all = mask.dtype == torch.bool or bool(torch.isneginf(mask[~kept.expand(mask.shape)]).all())
-    return sq == sk and drops_all and bool((kept == keep).all())
+    return drops_all and torch.equal(kept.expand(mask.shape), keep)
 
 
 @maps(aten.scaled_dot_product_attention)
@@ -995,7 +1052,7 @@ def _sdpa(c, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
     if enable_gqa and k.shape[1] != q.shape[1]:
         k, v = (_repeat_heads(c, t, q.shape[1] // t.shape[1]) for t in (k, v))
     if attn_mask is None or (isinstance(attn_mask, _Folded) and not is_causal
-                             and _is_causal_mask(attn_mask.value, q.shape[2], k.shape[2])):
+                             and c.is_causal_mask(attn_mask.value, q.shape[2], k.shape[2])):
         return c.ops.sdpa(q, k, v, is_causal=bool(is_causal or attn_mask is not None), scale=scale)
     if is_causal:
         raise c.error("has both a mask and is_causal", "torch refuses this too; pass one of them")

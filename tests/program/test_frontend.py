@@ -372,9 +372,10 @@ def test_transformers_model_optimizes_on_four_ranks_and_simulates_to_the_module(
     assert_close(ed.simulate(plan, fd.bind(ids, use_cache=False))["logits"], model(ids, use_cache=False).logits, F32)
 
 
-def test_a_module_on_the_meta_device_exports_without_comparing_its_constants():
-    """A model built on the meta device (layouts chosen at real sizes with no weights) folds constants that
-    hold no values: they are kept apart, not compared (torch.equal has no meta kernel)."""
+def test_a_module_on_the_meta_device_folds_its_constants_on_the_cpu():
+    """A model built on the meta device (layouts chosen at real sizes with no weights) still folds constants
+    that hold values: a folded node asking for the meta device computes on the CPU, so equal constants
+    merge as on the CPU and a plan can run with them once the weights are loaded."""
     class Positions(torch.nn.Module):
         def forward(self, x):
             a = torch.arange(x.shape[-1], device=x.device, dtype=x.dtype)
@@ -384,7 +385,25 @@ def test_a_module_on_the_meta_device_exports_without_comparing_its_constants():
     with torch.device("meta"):
         fd = ed.from_torch(Positions(), (torch.ones(2, 4),))
     assert fd.fusion.outputs["out"].shape == (2, 4)
-    assert sum(name.startswith("const.") for name in fd.constants) == 2  # unknown values: not merged
+    [(name, value)] = fd.constants.items()  # equal values: one constant
+    assert value.device.type == "cpu" and torch.equal(value, torch.arange(4.0))
+
+
+def test_a_meta_buffer_the_program_reads_is_refused_naming_it():
+    """A buffer on the meta device has no values to fold (only transformers' rotary frequencies are
+    recomputed from the config): the error names the buffer and how to give it values."""
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Buffer(torch.ones(4))
+
+        def forward(self, x):
+            return x * self.scale.exp()
+
+    with torch.device("meta"):
+        module = Scaled()
+    with pytest.raises(ed.ExportError, match="buffer 'scale' is on the meta device.*register_buffer"):
+        ed.from_torch(module, (torch.ones(2, 4, device="meta"),))
 
 
 # ---------------------------------------------------------------------- routing of mixture-of-experts layers
