@@ -22,7 +22,6 @@ import functools
 import json
 import time
 from collections import defaultdict
-from dataclasses import replace
 
 from egglog import EGraph, String, eq, i64, relation, ruleset, union, var
 from egglog import rule as erule
@@ -626,39 +625,43 @@ def read_back(eg: EGraph, problem: Problem, name_of: dict[str, str]) -> PhysGrap
 
 
 def _reachable(graph: PhysGraph) -> PhysGraph:
-    """The graph without what no plan makes: a class is reachable where one of its nodes reads reachable
-    classes only (a Load reads none); nodes reading an unreachable class go too. Classes keep their order
-    and are renamed c0, c1, .. in it."""
+    """The graph without what no plan makes (in place): a class is reachable where one of its nodes reads
+    reachable classes only (a Load reads none); nodes reading an unreachable class go too.
+
+    >>> g = PhysGraph({"c0": [Node("Load", (), "x")], "c1": [Node("Keep", ("c0",)), Node("Keep", ("c2",))],
+    ...                "c2": [Node("Keep", ("c3",))], "c3": []}, ident={"c2": ("y", "R", 1)})
+    >>> sorted(_reachable(g).classes), len(g.classes["c1"]), g.ident
+    (['c0', 'c1'], 1, {})
+    """
     classes = graph.classes
-    parents: dict = defaultdict(list)
-    need: dict = {}
-    ready = []
+    readers: dict = defaultdict(list)  # class -> the nodes reading it, as (class, slot)
+    waiting = []  # per node (its slot): how many distinct classes it reads are not known reachable yet
+    made, ready = set(), []
     for c, nodes in classes.items():
-        for i, node in enumerate(nodes):
+        for node in nodes:
             kids = set(node.children)
-            need[(c, i)] = len(kids)
             if not kids:
                 ready.append(c)
+            slot = len(waiting)
+            waiting.append(len(kids))
             for k in kids:
-                parents[k].append((c, i))
-    made = set()
+                readers[k].append((c, slot))
     while ready:
         c = ready.pop()
         if c in made:
             continue
         made.add(c)
-        for p in parents[c]:
-            need[p] -= 1
-            if need[p] == 0:
-                ready.append(p[0])
+        for reader, slot in readers.get(c, ()):
+            waiting[slot] -= 1
+            if waiting[slot] == 0 and reader not in made:
+                ready.append(reader)
     if len(made) == len(classes):
         return graph
-    rename = {c: f"c{i}" for i, c in enumerate(c for c in classes if c in made)}
-    out = PhysGraph(canonical=graph.canonical, stats=graph.stats)
+    for c in [c for c in classes if c not in made]:
+        del classes[c]
     for c, nodes in classes.items():
-        if c in made:
-            out.classes[rename[c]] = [n if not n.children else replace(n, children=tuple(rename[k] for k in n.children))
-                                      for n in nodes if all(k in made for k in n.children)]
-    out.ident = {rename[c]: i for c, i in graph.ident.items() if c in made}
-    out.index = {i: rename[c] for i, c in graph.index.items() if c in made}
-    return out
+        if any(k not in made for n in nodes for k in n.children):
+            classes[c] = [n for n in nodes if all(k in made for k in n.children)]
+    graph.ident = {c: i for c, i in graph.ident.items() if c in made}
+    graph.index = {i: c for i, c in graph.index.items() if c in made}
+    return graph
