@@ -366,6 +366,10 @@ def mesh_rules(shape: tuple[int, ...]):
         # the outputs kept as they are up to level m in the same step: a consumer that needs no collective
         # fires in the next iteration (saturation takes as many iterations as the longest chain of steps)
         keep = [KeepOf(Held(y, lo, k + 1), Held(y, lo, k)) for y, lo in zip(ys, lout) for k in range(m)]
+        # every strategy's outputs held at level 0 up front, so the operands' levels (Keep, Coll) grow in m
+        # iterations for the whole program at once rather than one step of its longest chain per iteration;
+        # outputs no plan can reach are pruned in read_back (_reachable)
+        yield erule(PLAN[(n, o)](key, kern, *ys, *xs, *lout, *lin)).then(*[Held(y, lo, 0) for y, lo in zip(ys, lout)])
         if o == 1:
             yield erule(*query).then(RUN_OF[(n, o)](Held(ys[0], lout[0], 0), key, kern, lout[0], *operands), *keep)
         else:
@@ -617,4 +621,47 @@ def read_back(eg: EGraph, problem: Problem, name_of: dict[str, str]) -> PhysGrap
                 # tensor's levels, which the extractors take for acyclic (fuzz seed 32 case 1061)
                 continue
             classes[made].append(Node("Apply", children, key, strategies[sig]))
+    return _reachable(graph)
+
+
+def _reachable(graph: PhysGraph) -> PhysGraph:
+    """The graph without what no plan makes (in place): a class is reachable where one of its nodes reads
+    reachable classes only (a Load reads none); nodes reading an unreachable class go too.
+
+    >>> g = PhysGraph({"c0": [Node("Load", (), "x")], "c1": [Node("Keep", ("c0",)), Node("Keep", ("c2",))],
+    ...                "c2": [Node("Keep", ("c3",))], "c3": []}, ident={"c2": ("y", "R", 1)})
+    >>> sorted(_reachable(g).classes), len(g.classes["c1"]), g.ident
+    (['c0', 'c1'], 1, {})
+    """
+    classes = graph.classes
+    readers: dict = defaultdict(list)  # class -> the nodes reading it, as (class, slot)
+    waiting = []  # per node (its slot): how many distinct classes it reads are not known reachable yet
+    made, ready = set(), []
+    for c, nodes in classes.items():
+        for node in nodes:
+            kids = set(node.children)
+            if not kids:
+                ready.append(c)
+            slot = len(waiting)
+            waiting.append(len(kids))
+            for k in kids:
+                readers[k].append((c, slot))
+    while ready:
+        c = ready.pop()
+        if c in made:
+            continue
+        made.add(c)
+        for reader, slot in readers.get(c, ()):
+            waiting[slot] -= 1
+            if waiting[slot] == 0 and reader not in made:
+                ready.append(reader)
+    if len(made) == len(classes):
+        return graph
+    for c in [c for c in classes if c not in made]:
+        del classes[c]
+    for c, nodes in classes.items():
+        if any(k not in made for n in nodes for k in n.children):
+            classes[c] = [n for n in nodes if all(k in made for k in n.children)]
+    graph.ident = {c: i for c, i in graph.ident.items() if c in made}
+    graph.index = {i: c for i, c in graph.index.items() if c in made}
     return graph
