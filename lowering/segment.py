@@ -141,7 +141,8 @@ def _handed_on_saves(plan: Plan, run: list[ComputeStep], later: list) -> list[Co
     alias of its input (ops.saved: no kernel); in a kernel it would be an extra output, a copy written
     for the backward, so these run after the kernel as aliases (aten steps that return their input)."""
     _, outs = _segment_io(plan, run, later)
-    return [s for s in run if s.op == SAVE_OP and s.outputs[0] in outs]
+    read_inside = {v for s in run if s.op != SAVE_OP for v in s.reads}  # a step of the kernel reads it: it stays
+    return [s for s in run if s.op == SAVE_OP and s.outputs[0] in outs and s.outputs[0] not in read_inside]
 
 
 def _segment_io(plan: Plan, steps: list[ComputeStep], later: list) -> tuple[tuple[str, ...], tuple[str, ...]]:
