@@ -566,29 +566,35 @@ def read_back(eg: EGraph, problem: Problem, name_of: dict[str, str]) -> PhysGrap
             classes[c] = []
         return c
 
-    levels = {}
-    for ins, out in rows["Held"]:
-        if ins[2] not in levels:
-            levels[ins[2]] = raw.value_to_i64(ins[2])
-        ident = (tensor[ins[0]], lays[ins[1]], levels[ins[2]])
+    # classes are named, and each class's nodes ordered, by what they hold (the program's order of tensors,
+    # level, layout; then their children's names), never by egglog's row order: that follows the e-graph's
+    # history (which problems the mesh's template held before), and the extractors break cost ties by order
+    rank = {name: i for i, name in enumerate(problem.fusion.tensors)}
+    levels = {v: raw.value_to_i64(v) for v in {ins[2] for ins, _ in rows["Held"]}}
+    held = [((tensor[ins[0]], lays[ins[1]], levels[ins[2]]), out) for ins, out in rows["Held"]]
+    for ident, out in sorted(held, key=lambda h: (rank.get(h[0][0], len(rank)), h[0][0], h[0][2], h[0][1])):
         c = cls(out)
         assert graph.ident.setdefault(c, ident) == ident, f"layouts {ident} and {graph.ident[c]} merged"
         graph.index[ident] = c
     for ins, out in rows.get("Load", []):
         classes[cls(out)].append(Node("Load", (), name_of[string(ins[0])]))
-    get = cid.get  # every Held term's class exists by now: cls() below makes only tuple classes
-    for ins, _ in rows.get("KeepOf", []):
-        classes[get(ins[0]) or cls(ins[0])].append(Node("Keep", (get(ins[1]) or cls(ins[1]),)))
-    axis = {}
-    for ins, _ in rows.get("CollOf", []):
-        if ins[2] not in axis:
-            axis[ins[2]] = raw.value_to_i64(ins[2])
-        classes[get(ins[0]) or cls(ins[0])].append(Node("Coll", (get(ins[4]) or cls(ins[4]),), string(ins[1]), axis[ins[2]]))
-    index = {}
-    for ins, _ in rows.get("ProjOf", []):
-        if ins[1] not in index:
-            index[ins[1]] = raw.value_to_i64(ins[1])
-        classes[cls(ins[0])].append(Node("Proj", (cls(ins[2]),), sid=index[ins[1]]))
+    num = {v: int(c[1:]) for v, c in cid.items()}  # every Held term's class exists by now
+    for dst, src in sorted((num[ins[0]], num[ins[1]]) for ins, _ in rows.get("KeepOf", [])):
+        classes[f"c{dst}"].append(Node("Keep", (f"c{src}",)))
+    axis = {v: raw.value_to_i64(v) for v in {ins[2] for ins, _ in rows.get("CollOf", [])}}
+    for dst, src, kind, ax in sorted((num[ins[0]], num[ins[4]], string(ins[1]), axis[ins[2]])
+                                     for ins, _ in rows.get("CollOf", [])):
+        classes[f"c{dst}"].append(Node("Coll", (f"c{src}",), kind, ax))
+    for (n, o), name in zip(RUN, run_rows):  # a multi-output run's class (a tuple) named by what it runs
+        if o > 1:
+            apps = [(string(ins[0]), kerns[ins[1]], tuple(lays[v] for v in ins[2:2 + o]),
+                     tuple(num[v] for v in ins[2 + o:]), out) for ins, out in rows.get(name, [])]
+            for *_, out in sorted(apps):
+                cls(out)
+    num.update((v, int(c[1:])) for v, c in cid.items())
+    index = {v: raw.value_to_i64(v) for v in {ins[1] for ins, _ in rows.get("ProjOf", [])}}
+    for dst, i, app in sorted((num[ins[0]], index[ins[1]], num[ins[2]]) for ins, _ in rows.get("ProjOf", [])):
+        classes[f"c{dst}"].append(Node("Proj", (f"c{app}",), sid=i))
     codes: dict = {}  # id(layouts tuple) -> its codes (the exprs of one signature share their strategies' tuples)
 
     def code(lays: tuple) -> tuple:
@@ -600,9 +606,13 @@ def read_back(eg: EGraph, problem: Problem, name_of: dict[str, str]) -> PhysGrap
     strategies = {(k, code(s.inputs), code(s.outputs), s.flags): s.sid for k, ss in problem.strategies.items() for s in ss}
     flags_of: dict = {}
     ident = graph.ident
+    get = cid.get
     for (n, o), name in zip(RUN, run_rows):
         # RunOf{n}x1(dst, key, kern, out layout, operands..); Run{n}x{o}(key, kern, outs.., operands..) -> tuple
-        for ins, out in rows.get(name, []):
+        ordered = sorted(rows.get(name, []), key=lambda r: (num[r[0][0]], string(r[0][1]), kerns[r[0][2]],
+                                                           tuple(num[v] for v in r[0][4:]))) if o == 1 else \
+            sorted(rows.get(name, []), key=lambda r: num[r[1]])
+        for ins, out in ordered:
             if o == 1:
                 dst, ins = ins[0], ins[1:]
             else:
