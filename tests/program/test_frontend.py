@@ -401,11 +401,12 @@ def test_llama_called_with_labels_exports_its_loss_with_no_opaque_step_and_train
     """transformers' ForCausalLMLoss shifts the labels with F.pad(value=-100) and a slice, then takes the
     cross entropy with ignore_index=-100: a cat with a full and cross_entropy(ignore_index=-100). The loss
     is the module's exactly; ForCausalLMLoss casts the logits to float32 (logits.float()), so the gradient
-    of a float64 model agrees to float32's precision, not float64's."""
+    of a float64 model agrees to float32's precision, not float64's. Planned on 4 ranks with the batch
+    split, it simulates to the module's loss."""
     model = _hf("llama", F64)
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
     labels = ids.clone()
-    labels[0, :3] = labels[1, 5] = -100  # a prompt and a padding token: left out of the mean
+    labels[0, :3] = labels[2, 5] = -100  # a prompt and a padding token: left out of the mean
     fd = ed.from_torch(model, (ids,), {"labels": labels, "use_cache": False}, strict=True)
     ops = [e.op.name for e in fd.fusion.exprs]
     assert "opaque" not in ops and ops.count("cross_entropy") == 1 and list(fd.fusion.outputs) == ["loss", "logits"]
@@ -417,6 +418,9 @@ def test_llama_called_with_labels_exports_its_loss_with_no_opaque_step_and_train
     want.loss.backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(got[f"grad_{name}"], p.grad, rtol=1e-5, atol=1e-6)
+    for name in ("input_ids", "labels"):
+        fd[name].set_device_mesh(MESH).outer_split(0, 4).axis(0).parallelize(ed.ParallelType.DIDx)
+    assert_close(ed.simulate(ed.optimize(fd, MESH), inputs)["loss"], want.loss, F64)
 
 
 def test_a_module_on_the_meta_device_folds_its_constants_on_the_cpu():
