@@ -33,14 +33,14 @@ def loss_of_logits(n, c, dtype, reduction="mean", ignore_index=None):
     return fd
 
 
-def lm_head_step(n, h, c, dtype):
+def lm_head_step(n, h, c, dtype, ignore_index=None):
     """The gradient of cross_entropy(linear(x, w), target) in x and w: x, target, loss and grad_x whole,
     w (the lm head, [vocab, hidden]) and its gradient free."""
     with ed.FusionDefinition() as fd:
         x = fd.define_tensor((n, h), dtype, name="x")
         w = fd.define_tensor((c, h), dtype, name="w")
         target = fd.define_tensor((n,), torch.int64, name="target")
-        fd.add_output(fd.ops.cross_entropy(fd.ops.linear(x, w), target), name="loss")
+        fd.add_output(fd.ops.cross_entropy(fd.ops.linear(x, w), target, ignore_index=ignore_index), name="loss")
     g = ed.grad(fd, "loss", ["x", "w"])
     for t in ("x", "target", "loss", "grad_x"):
         g[t].set_device_mesh(MESH)
@@ -101,16 +101,19 @@ def test_mean_with_ignore_index_of_row_sharded_logits_never_divides_by_the_row_c
     simulate_equals_reference(rows_sharded(8, 6, F64), plan, 6, ignored=[0, 1, 5])
 
 
-def test_lm_head_and_loss_gradient_under_a_1_gib_bound_is_vocab_parallel():
+@pytest.mark.parametrize("ignore_index", [None, -100])
+def test_lm_head_and_loss_gradient_under_a_1_gib_bound_is_vocab_parallel(ignore_index):
     """The lm head's rows split over the ranks (its logits class-sharded); the loss, its backward and the
     head's gradient never move a [tokens, vocab] tensor: only row statistics and grad_x, the activation
-    gradient Megatron's vocab-parallel loss all-reduces too."""
+    gradient Megatron's vocab-parallel loss all-reduces too. The same with transformers' ignore_index
+    (the backward's rows of ignored tokens zero)."""
     cm = ed.CostModel.h200(memory_limit=1 << 30)
-    plan = ed.optimize(lm_head_step(ROWS, HIDDEN, VOCAB, BF16), MESH, cm)
+    plan = ed.optimize(lm_head_step(ROWS, HIDDEN, VOCAB, BF16, ignore_index), MESH, cm)
     assert plan.memory <= 1 << 30
     assert str(plan.layout_of("w")) == str(plan.layout_of("grad_w")) == "[S(0)]"
     big = {c.tensor for c in plan.collectives if c.bytes > ROWS * 4}
     assert big <= {"grad_x"}, plan.explain()  # nothing of the logits' [4096, 128256] moves
     logits = ROWS * VOCAB * 2
     assert sum(c.bytes for c in plan.collectives if c.tensor != "grad_x") < 0.01 * logits / 4
-    simulate_equals_reference(lm_head_step(8, 8, 22, F64), plan, 22)
+    simulate_equals_reference(lm_head_step(8, 8, 22, F64, ignore_index), plan, 22,
+                              ignored=[1, 2, 6] if ignore_index is not None else [])
