@@ -176,7 +176,7 @@ def _axis_facts(e) -> list[tuple]:
         rank = x.ndim - 1
         dim, keep = _norm(args["dim"], rank), args.get("keepdim")
         out += [("AxisMap", 0, a, a if keep or a < dim else a - 1) for a in range(rank) if a != dim]
-    for name in ("reduction", "is_causal"):
+    for name in ("reduction", "is_causal", "ignore_index"):
         if name in args:
             out.append(("AttrS", name, attr_text(args[name])))
     return out

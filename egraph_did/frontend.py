@@ -231,6 +231,8 @@ class _Converter:
         self._seed: TensorView | None = None  # the program's one seed input, made by the first dropout
         self._rng_offset = 0  # counters the dropouts mapped so far have used
         self._causal: dict[int, tuple[torch.Tensor, bool]] = {}  # id(mask) -> (mask, whether causal)
+        # id(log_softmax output) -> (its operand, dim): an nll_loss of one maps onto cross_entropy
+        self.log_softmax_of: dict[int, tuple[TensorView, int]] = {}
 
     def run(self) -> TorchFusion:
         self._placeholders()
@@ -963,6 +965,93 @@ def _bitwise_not(c, self):
 @maps(aten._softmax, aten.softmax)
 def _softmax(c, self, dim, half_to_float=False, dtype=None):
     return c.ops.softmax(_cast(c, self, dtype), dim)
+
+
+@maps(aten._log_softmax, aten.log_softmax)
+def _log_softmax(c, self, dim, half_to_float=False, dtype=None):
+    """log_softmax(x) = x - max - log(sum(exp(x - max))) in fusion ops; remembered as x's, so that an
+    nll_loss of it maps onto cross_entropy(x) (one op, its own vjp and the vocab-parallel rules)."""
+    x = _cast(c, self, dtype)
+    shifted = c.ops.sub(x, c.ops.amax(x, dim, keepdim=True))
+    out = c.ops.sub(shifted, c.ops.log(c.ops.sum(c.ops.exp(shifted), dim, keepdim=True)))
+    c.log_softmax_of[id(out)] = (x, dim % x.ndim)
+    return out
+
+
+_REDUCTIONS = ("none", "mean", "sum")  # ATen's reduction enum: 0, 1, 2
+
+
+def _class_loss(c, x: TensorView, target, reduction: int, ignore_index: int, nll: bool) -> TensorView:
+    """torch's cross entropy (nll=False) or nll_loss (nll=True: x holds log-probabilities) of x [N, C] or
+    [N, C, d..] against class indices, as fd.ops.cross_entropy; an nll_loss of a log_softmax over the
+    classes is the cross entropy of the log_softmax's operand. A loss of [N, C, d..] is the one of its
+    rows with the classes last (permute and reshape; 'none' reshaped back to [N, d..])."""
+    t = c._tensor(target)
+    red = _REDUCTIONS[reduction]
+    if nll:
+        x, dim = c.log_softmax_of.get(id(x), (None, None))
+        if dim != 1:
+            return None
+    if x.ndim > 2:
+        x = c.ops.reshape(c.ops.permute(x, (0, *range(2, x.ndim), 1)), (-1, x.shape[1]))
+        t = c.ops.reshape(t, (-1,))
+    t = t if t.dtype == torch.int64 else c.ops.cast(t, torch.int64)
+    out = c.ops.cross_entropy(x, t, red, ignore_index=ignore_index)
+    shape = c._tensor(target).shape
+    return c.ops.reshape(out, shape) if red == "none" and out.shape != shape else out
+
+
+@maps(aten.cross_entropy_loss)
+def _cross_entropy_loss(c, self, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0):
+    """F.cross_entropy with class indices (transformers' ForCausalLMLoss: ignore_index -100, 'mean' or
+    'sum'); class weights, label smoothing, probabilities as targets and 1-D logits are opaque steps."""
+    x, t = c._tensor(self), c._tensor(target)
+    if weight is not None or label_smoothing or x.ndim < 2 or t.dtype.is_floating_point:
+        return c.unmapped(c.node)
+    return _class_loss(c, x, target, reduction, ignore_index, nll=False)
+
+
+@maps(aten.nll_loss_nd, aten.nll_loss, aten.nll_loss2d)
+def _nll_loss(c, self, target, weight=None, reduction=1, ignore_index=-100):
+    """F.nll_loss of a log_softmax over the classes: cross_entropy of its operand; another input (or class
+    weights) an opaque step."""
+    x = c._tensor(self)
+    out = None if weight is not None or x.ndim < 2 else _class_loss(c, x, target, reduction, ignore_index, nll=True)
+    return c.unmapped(c.node) if out is None else out
+
+
+@maps(aten.nll_loss_forward)
+def _nll_loss_forward(c, self, target, weight, reduction, ignore_index):
+    """nll_loss_forward: the loss as nll_loss; its total_weight (the count of rows kept) is not computed."""
+    x = c._tensor(self)
+    out = None if weight is not None or x.ndim != 2 else _class_loss(c, x, target, reduction, ignore_index, nll=True)
+    if out is None:
+        raise c.error("is the loss of an input other than a log_softmax over the classes, with two outputs",
+                      "compute the loss with F.cross_entropy, or F.nll_loss of F.log_softmax")
+    return out, _Unavailable("nll_loss_forward's total_weight")
+
+
+@maps(aten.constant_pad_nd, aten.pad)
+def _pad(c, self, pad, value=None, mode="constant"):
+    """F.pad in constant mode (transformers' ForCausalLMLoss shifts its labels so): along each padded axis a
+    cat with a full of `value` (0 where None), a negative pad a slice; other modes are opaque steps."""
+    x = c._tensor(self)
+    if mode != "constant" or len(pad) % 2 or len(pad) // 2 > x.ndim:
+        return c.unmapped(c.node)
+    value = 0 if value is None else value
+    value = bool(value) if x.dtype == torch.bool else value if x.dtype.is_floating_point else int(value)
+    for i in range(len(pad) // 2):
+        dim, (lo, hi) = x.ndim - 1 - i, pad[2 * i: 2 * i + 2]
+        n = x.shape[dim]
+        if lo < 0 or hi < 0:
+            x = c.ops.slice(x, dim, max(-lo, 0), n + hi if hi < 0 else None)
+        for amount, first in ((lo, True), (hi, False)):
+            if amount > 0:
+                shape = x.shape[:dim] + (amount,) + x.shape[dim + 1:]
+                fill = c.ops.full(shape, value, x.dtype) if x.dtype != torch.bool else \
+                    c.ops.ne(c.ops.full(shape, int(value), torch.int64), 0)
+                x = c.ops.cat(fill, x, dim) if first else c.ops.cat(x, fill, dim)
+    return x
 
 
 @maps(aten.layer_norm)

@@ -113,6 +113,9 @@ class Indexing:
     axis: int | str
     counts: str
     fix: str = "fix {index}"
+    # the parameter holding an index value that marks "no entry" (cross_entropy's ignore_index): allowed
+    # anywhere; None (the parameter's value or no such parameter): every index must be in range
+    skip: str | None = None
 
 
 @dataclass(frozen=True)
@@ -1671,28 +1674,65 @@ def scatter_add(x, dim: int, index, src):
     return [OutSpec(x.shape, x.dtype, x.axes)]
 
 
-def _vjp_cross_entropy(ops, g, out, logits, target, reduction="mean"):
-    """logits: (softmax(logits) - onehot(target)) times each row's gradient (g / N for the mean)"""
+def _ce_rows(ops, target, ignore_index):
+    """(mask, safe target) of cross entropy's rows: mask holds where target is not ignore_index, the safe
+    target is 0 there (a class every row has), so that take_along_axis and scatter_add read in range"""
+    mask = ops.ne(target, ignore_index)
+    return mask, ops.where(mask, target, 0)
+
+
+def _vjp_cross_entropy(ops, g, out, logits, target, reduction="mean", ignore_index=None):
+    """logits: (softmax(logits) - onehot(target)) times each row's gradient (g / N for the mean); with
+    ignore_index, ignored rows get 0 and the mean divides by the rows not ignored (torch: all rows ignored
+    give a zero gradient)"""
     n = logits.shape[0]
+    if ignore_index is None:
+        if reduction == "none":
+            rows = ops.unsqueeze(g, 1)
+        else:
+            rows = ops.expand(ops.reshape(ops.div(g, float(n)) if reduction == "mean" else g, (1, 1)), (n, 1))
+        picked = ops.scatter_add(zeros_like(ops, logits), 1, ops.unsqueeze(target, 1), rows)
+        return {"logits": ops.sub(ops.mul(ops.softmax(logits, -1), rows), picked)}
+    mask, safe = _ce_rows(ops, target, ignore_index)
     if reduction == "none":
-        rows = ops.unsqueeze(g, 1)
+        rows = g
     else:
-        rows = ops.expand(ops.reshape(ops.div(g, float(n)) if reduction == "mean" else g, (1, 1)), (n, 1))
-    picked = ops.scatter_add(zeros_like(ops, logits), 1, ops.unsqueeze(target, 1), rows)
+        scale = ops.div(g, ops.sum(ops.cast(mask, logits.dtype))) if reduction == "mean" else g
+        rows = ops.expand(ops.reshape(scale, (1,)), (n,))
+    rows = ops.unsqueeze(ops.where(mask, rows, 0.0), 1)  # where, not a product: g / 0 rows is inf
+    picked = ops.scatter_add(zeros_like(ops, logits), 1, ops.unsqueeze(safe, 1), rows)
     return {"logits": ops.sub(ops.mul(ops.softmax(logits, -1), rows), picked)}
 
 
-def _decompose_cross_entropy(ops, logits, target, reduction="mean"):
+def _decompose_cross_entropy(ops, logits, target, reduction="mean", ignore_index=None):
     shifted = ops.sub(logits, ops.amax(logits, -1, keepdim=True))
     logz = ops.log(ops.sum(ops.exp(shifted), -1, keepdim=True))
-    picked = ops.take_along_axis(shifted, ops.unsqueeze(target, -1), -1)
-    nll = ops.sum(ops.sub(logz, picked), -1)
-    return {"none": lambda: nll, "sum": lambda: ops.sum(nll), "mean": lambda: ops.mean(nll)}[reduction]()
+    if ignore_index is None:
+        picked = ops.take_along_axis(shifted, ops.unsqueeze(target, -1), -1)
+        nll = ops.sum(ops.sub(logz, picked), -1)
+        return {"none": lambda: nll, "sum": lambda: ops.sum(nll), "mean": lambda: ops.mean(nll)}[reduction]()
+    mask, safe = _ce_rows(ops, target, ignore_index)
+    picked = ops.take_along_axis(shifted, ops.unsqueeze(safe, -1), -1)
+    nll = ops.where(mask, ops.sum(ops.sub(logz, picked), -1), 0.0)
+    if reduction == "none":
+        return nll
+    if reduction == "sum":
+        return ops.sum(nll)
+    return ops.div(ops.sum(nll), ops.sum(ops.cast(mask, logits.dtype)))  # all rows ignored: 0 / 0, nan as torch
+
+
+def _cross_entropy_reference(logits, target, reduction="mean", ignore_index=None):
+    if ignore_index is None:
+        return F.cross_entropy(logits, target, reduction=reduction)
+    return F.cross_entropy(logits, target, reduction=reduction, ignore_index=ignore_index)
 
 
 def _cross_entropy_global_count(args, operands, outputs, ctx, axes):
     """mean cross entropy of the rank's rows as one summand of a partial: their summed loss over the
-    global row count"""
+    global row count (without ignore_index only: the count of rows not ignored is not the rank's to know)"""
+    if args.get("ignore_index") is not None:
+        raise PlanError("cross_entropy's global_count kernel divides by the row count, but this step has "
+                        f"ignore_index={args['ignore_index']}; the plan was made by another version of egraph-did")
     total = F.cross_entropy(args["logits"], args["target"], reduction="sum")
     return total / operands["target"].shape[0]
 
@@ -1700,13 +1740,26 @@ def _cross_entropy_global_count(args, operands, outputs, ctx, axes):
 CROSS_ENTROPY_GLOBAL_COUNT = LocalKernel("global_count", _cross_entropy_global_count)
 
 
-@op("cross_entropy", "reduction", lambda logits, target, reduction="mean":
-    F.cross_entropy(logits, target, reduction=reduction), _decompose_cross_entropy,
+@op("cross_entropy", "reduction", _cross_entropy_reference, _decompose_cross_entropy,
     indexes=Indexing("target", "logits", 1, "classes",
-                     "fix {index} (ignore_index is not supported: drop those rows first)"),
+                     "fix {index} (rows to leave out of the loss: pass their value as ignore_index)",
+                     skip="ignore_index"),
     local_kernels=(CROSS_ENTROPY_GLOBAL_COUNT,), vjp=_vjp_cross_entropy)
-def cross_entropy(logits, target, reduction: str = "mean"):
-    """Cross entropy of logits [N, C] against class indices [N] (reduction 'mean', 'sum' or 'none')."""
+def cross_entropy(logits, target, reduction: str = "mean", ignore_index: int | None = None):
+    """Cross entropy of logits [N, C] against class indices [N] (reduction 'mean', 'sum' or 'none'), as
+    torch.nn.functional.cross_entropy. Rows whose target is ignore_index (torch's default is -100; here
+    None: every target must be a class) count 0, and the mean divides by the rows not ignored (all
+    ignored: nan, as torch).
+
+    >>> import torch, egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     logits = fd.define_tensor((3, 4), torch.float64, name="logits")
+    ...     t = fd.define_tensor((3,), torch.int64, name="t")
+    ...     fd.add_output(fd.ops.cross_entropy(logits, t, ignore_index=-100), name="loss")
+    >>> x, t = torch.randn(3, 4, dtype=torch.float64), torch.tensor([1, -100, 3])
+    >>> torch.allclose(ed.evaluate(fd, {"logits": x, "t": t})["loss"], torch.nn.functional.cross_entropy(x, t))
+    True
+    """
     logits = _need_tensor("cross_entropy", "logits", logits)
     target = _need_tensor("cross_entropy", "target", target)
     what = f"cross_entropy({logits.name}, {target.name})"
@@ -1720,6 +1773,9 @@ def cross_entropy(logits, target, reduction: str = "mean"):
         raise ShapeError(f"{what}: target has shape {target.shape}, expected ({logits.shape[0]},)")
     if reduction not in ("mean", "sum", "none"):
         raise ShapeError(f"{what}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+        raise ShapeError(f"{what}: ignore_index must be an int (a target value to leave out, torch's -100) or "
+                         f"None, got {ignore_index!r}")
     if reduction == "none":
         return [OutSpec(target.shape, logits.dtype, target.axes)]
     return [OutSpec((), logits.dtype, ())]
@@ -2292,6 +2348,8 @@ def check_indices(op_name: str, args: dict, names: dict, shapes: dict, where: st
     d = d % len(shape)
     n = shape[d]
     bad = (idx < 0) | (idx >= n)
+    if spec.skip is not None and args.get(spec.skip) is not None:
+        bad &= idx != args[spec.skip]
     if not bool(bad.any()):
         return
     pos = [int(i) for i in bad.nonzero()[0]]

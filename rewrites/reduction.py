@@ -168,10 +168,17 @@ def norm_batch_axis(e):
     Case("uneven", (3,), {"logits": (5, 4), "t": indices((5,), 4)}, lambda o, logits, t: (
         o.cross_entropy(logits, t, "none"), o.cross_entropy(logits, t, "sum"), o.cross_entropy(logits, t))),
     Case("mesh2x2", (2, 2), {"logits": (7, 3), "t": indices((7,), 3)}, lambda o, logits, t: o.cross_entropy(logits, t)),
+    Case("ignore_index", (3,), {"logits": (5, 4), "t": indices((5,), 4)}, lambda o, logits, t: (
+        o.cross_entropy(logits, t, "none", ignore_index=2), o.cross_entropy(logits, t, "sum", ignore_index=2),
+        o.cross_entropy(logits, t, ignore_index=2))),
 ])
 def cross_entropy_batch_sharded(e):
-    """cross entropy of a shard of rows: per-row losses sharded, their sum or mean a partial"""
+    """cross entropy of a shard of rows: per-row losses sharded, their sum or mean a partial. A mean with
+    ignore_index divides by the rows not ignored, which no rank counts alone: it goes through the
+    decomposition (a partial sum of the losses over a partial sum of the kept rows)"""
     red = e.attr("reduction")
+    if red == "mean" and e.attr("ignore_index") is not None:
+        return
     out = S(0) if red == "none" else P
     local = CROSS_ENTROPY_GLOBAL_COUNT if red == "mean" else None
     yield e.strategy(out=out, logits=S(0), target=S(0), local=local)
@@ -247,9 +254,12 @@ def _norm_batch_axis(spec):
 @egglog_form(cross_entropy_batch_sharded)
 def _cross_entropy_batch_sharded(spec):
     """cross entropy of a shard of rows: per-row losses sharded, their sum or mean a partial"""
-    for red, out, kernel in (("none", S_(0), None), ("sum", P_(), None), ("mean", P_(), CROSS_ENTROPY_GLOBAL_COUNT)):
+    for red, out, kernel in (("none", S_(0), None), ("sum", P_(), None)):
         yield erule(site("cross_entropy", 2), AttrS(sig, "reduction", attr_text(red)), MeshSize(d)).then(
             ax([S_(0), S_(0)], [out], kernel))
+    yield erule(site("cross_entropy", 2), AttrS(sig, "reduction", attr_text("mean")),
+                AttrS(sig, "ignore_index", attr_text(None)), MeshSize(d)).then(
+        ax([S_(0), S_(0)], [P_()], CROSS_ENTROPY_GLOBAL_COUNT))
 
 
 reduction = family_ruleset("reduction")

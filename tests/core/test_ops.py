@@ -132,6 +132,15 @@ def ce_inputs(n=6, c=5, tdtype=torch.int64):
     return lambda dt: {"logits": rand(n, c, dtype=dt), "target": ints(n, high=c, dtype=tdtype)}
 
 
+def ce_ignored(rows, n=6, c=5):
+    """cross entropy's inputs with the targets of `rows` set to -100 (transformers' ignore_index)"""
+    def inputs(dt):
+        t = ints(n, high=c)
+        t[list(rows)] = -100
+        return {"logits": rand(n, c, dtype=dt), "target": t}
+    return inputs
+
+
 def welford_stats(x, dim, blocks):
     """(count, mean, M2) of each torch.chunk piece of x along dim; missing trailing pieces are empty (0, 0, 0)."""
     pieces = list(torch.chunk(x, blocks, dim))
@@ -353,6 +362,17 @@ CASES: list[Case] = [
     Case("cross_entropy", "cross_entropy-none", ce_inputs(),
          lambda o, t: o.cross_entropy(t["logits"], t["target"], reduction="none"),
          lambda v: F.cross_entropy(v["logits"], v["target"], reduction="none")),
+    *(Case("cross_entropy", f"cross_entropy-ignore_index-{red}", ce_ignored((0, 3, 4)),
+           lambda o, t, red=red: o.cross_entropy(t["logits"], t["target"], red, ignore_index=-100),
+           lambda v, red=red: F.cross_entropy(v["logits"], v["target"], reduction=red, ignore_index=-100))
+      for red in ("mean", "sum", "none")),
+    Case("cross_entropy", "cross_entropy-ignore_index-a-class", ce_inputs(),  # a class as ignore_index (torch allows it)
+         lambda o, t: o.cross_entropy(t["logits"], t["target"], ignore_index=2),
+         lambda v: F.cross_entropy(v["logits"], v["target"], ignore_index=2)),
+    *(Case("cross_entropy", f"cross_entropy-all-ignored-{red}", ce_ignored(range(6)),  # mean: 0 / 0, nan as torch
+           lambda o, t, red=red: o.cross_entropy(t["logits"], t["target"], red, ignore_index=-100),
+           lambda v, red=red: F.cross_entropy(v["logits"], v["target"], reduction=red, ignore_index=-100))
+      for red in ("mean", "sum")),
     # ---- views
     Case("reshape", "reshape-infer", x_(3, 4), lambda o, t: o.reshape(t["x"], (2, -1)), lambda v: v["x"].reshape(2, -1)),
     Case("reshape", "reshape-to-scalar", x_(1, 1), lambda o, t: o.reshape(t["x"], ()), lambda v: v["x"].reshape(())),

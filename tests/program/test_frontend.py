@@ -372,6 +372,57 @@ def test_transformers_model_optimizes_on_four_ranks_and_simulates_to_the_module(
     assert_close(ed.simulate(plan, fd.bind(ids, use_cache=False))["logits"], model(ids, use_cache=False).logits, F32)
 
 
+class Losses(nn.Module):
+    """torch's class losses and constant pads, as models write them: every one maps onto fusion ops."""
+
+    def forward(self, x, t, y, u):
+        return (F.nll_loss(F.log_softmax(x, -1), t, reduction="sum"),  # ignore_index -100 by default
+                F.nll_loss(torch.log_softmax(x, dim=1), t),
+                F.cross_entropy(x, t, reduction="none"),
+                F.cross_entropy(y, u, ignore_index=1),  # [N, C, d]: the classes on axis 1
+                F.pad(t, (1, 2), value=-100),
+                torch.constant_pad_nd(x, (0, 1, 2, 0), 0.5),
+                F.pad(x, (-1, 1)))  # a negative pad cuts
+
+
+def test_cross_entropy_nll_loss_of_log_softmax_and_constant_pads_map_onto_fusion_ops():
+    x, y = torch.randn(4, 5, dtype=F64), torch.randn(2, 5, 3, dtype=F64)
+    t, u = torch.tensor([1, -100, 2, 4]), torch.tensor([[1, 0, 4], [1, 1, 3]])
+    fd = ed.from_torch(Losses(), (x, t, y, u), strict=True)  # strict: no opaque step
+    ce = [e.attrs for e in fd.fusion.exprs if e.op.name == "cross_entropy"]
+    assert [(a["reduction"], a["ignore_index"]) for a in ce] == [
+        ("sum", -100), ("mean", -100), ("none", -100), ("mean", 1)]  # nll_loss(log_softmax(x)) is one op
+    got = ed.evaluate(fd, fd.bind(x, t, y, u))
+    for name, want in zip(fd.fusion.outputs, Losses()(x, t, y, u)):
+        assert_close(got[name], want, F64)
+
+
+def test_llama_called_with_labels_exports_its_loss_with_no_opaque_step_and_trains_as_torch():
+    """transformers' ForCausalLMLoss shifts the labels with F.pad(value=-100) and a slice, then takes the
+    cross entropy with ignore_index=-100: a cat with a full and cross_entropy(ignore_index=-100). The loss
+    is the module's exactly; ForCausalLMLoss casts the logits to float32 (logits.float()), so the gradient
+    of a float64 model agrees to float32's precision, not float64's. Planned on 4 ranks with the batch
+    split, it simulates to the module's loss."""
+    model = _hf("llama", F64)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, :3] = labels[2, 5] = -100  # a prompt and a padding token: left out of the mean
+    fd = ed.from_torch(model, (ids,), {"labels": labels, "use_cache": False}, strict=True)
+    ops = [e.op.name for e in fd.fusion.exprs]
+    assert "opaque" not in ops and ops.count("cross_entropy") == 1 and list(fd.fusion.outputs) == ["loss", "logits"]
+    inputs = fd.bind(ids, labels=labels, use_cache=False)
+    want = model(ids, labels=labels, use_cache=False)
+    assert_close(ed.evaluate(fd, inputs)["loss"], want.loss, F64)
+    got = ed.evaluate(ed.grad(fd, loss="loss", wrt=list(fd.params)), inputs)
+    model.zero_grad()
+    want.loss.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[f"grad_{name}"], p.grad, rtol=1e-5, atol=1e-6)
+    for name in ("input_ids", "labels"):
+        fd[name].set_device_mesh(MESH).outer_split(0, 4).axis(0).parallelize(ed.ParallelType.DIDx)
+    assert_close(ed.simulate(ed.optimize(fd, MESH), inputs)["loss"], want.loss, F64)
+
+
 def test_a_module_on_the_meta_device_folds_its_constants_on_the_cpu():
     """A model built on the meta device (layouts chosen at real sizes with no weights) still folds constants
     that hold values: a folded node asking for the meta device computes on the CPU, so equal constants
