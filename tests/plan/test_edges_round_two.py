@@ -6,6 +6,8 @@ import torch
 import egraph_did as ed
 from egraph_did.ir import ParallelType
 
+from plan.test_plan_edges import assert_simulates, random_inputs
+
 F64 = torch.float64
 DIDx, DIDy = ParallelType.DIDx, ParallelType.DIDy
 MESH2, MESH4 = ed.DeviceMesh.arange(2), ed.DeviceMesh.arange(4)
@@ -16,19 +18,6 @@ def shard(tv, mesh, axis, ptype=DIDx):
     """Pin tv on mesh: logical axis `axis` outer-split by the size of the mesh axis ptype binds."""
     tv.set_device_mesh(mesh)
     return tv.outer_split(axis, mesh.shape[ptype.mesh_axis(mesh)]).parallelize(axis, ptype)
-
-
-def random_inputs(fd, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return {tv.name: torch.randn(tv.shape, generator=g, dtype=tv.dtype) for tv in fd.fusion.inputs}
-
-
-def assert_simulates(plan, fd, inputs=None):
-    inputs = inputs or random_inputs(fd)
-    got, want = ed.simulate(plan, inputs), ed.evaluate(fd, inputs)
-    assert set(got) == set(want)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-10, msg=k)
 
 
 # ---------------------------------------------------------------------- items 1 and 2: one input contract
