@@ -716,6 +716,8 @@ def titan3_report(result: dict) -> str:
                      f"{_fmt(total(records)):>9} | {summary(ours):<34} {_fmt(total(ours, 'bytes')):>9} "
                      f"{_fmt(total(ours)):>9} | {total(ours) / total(records):5.2f}")
     split = [n for n in fd.params if "DID" in plan.loop_domain(n)]
+    matrices = [n for n in fd.params if fd[n].ndim == 2]
+    whole = [n for n in matrices if n not in split]
     lines += ["",
               f"model: torchtitan.models.llama3 Llama3Model, dim {TITAN['dim']}, {TITAN['n_heads']} heads, "
               f"{TITAN['n_kv_heads']} KV heads, FFN {TITAN['hidden_dim']}, vocab {TITAN['vocab_size']}, "
@@ -724,8 +726,9 @@ def titan3_report(result: dict) -> str:
               "  set_llama3_sharding_config(enable_sp=False | True) declares; CommDebugMode over one forward on 4 gloo",
               "  ranks; logits come out vocab-sharded (Shard(-1)) under both.",
               f"egraph-did: ed.from_torch + ed.optimize (greedy), tokens replicated, logits vocab-sharded, memory bound "
-              f"{TITAN_LIMIT} B per rank: {len(split)} of {len(fd.params)} parameters split (every weight matrix; "
-              f"torchtitan splits the same 12), predicted memory {plan.memory / 2**10:.0f} KiB per rank.",
+              f"{TITAN_LIMIT} B per rank: {len(split)} of {len(fd.params)} parameters split (torchtitan splits the "
+              f"{len(matrices)} weight matrices; kept whole here: {', '.join(whole) or 'none'}), predicted memory "
+              f"{plan.memory / 2**10:.0f} KiB per rank.",
               "bytes and wire as above (wire: what each rank sends, ring algorithms).", "",
               "logits on 4 gloo ranks against the unsharded model: assert_close(rtol=1e-5, atol=1e-5) passed; largest "
               f"|difference| (largest |logit| {result['scale']:.3g}):"]
