@@ -914,12 +914,13 @@ def generate_case(seed: int, index: int, ops: Iterable[str] | None = None, gloo:
 
 
 def add_edges(spec: dict, rng: random.Random, pins: bool = True, pin_styles=("outer", "nonouter", "inner-first"),
-              p_chain: float = 0.3, p_unread: float = 0.3) -> dict:
+              p_chain: float = 0.3, p_unread: float = 0.3, p_ignore: float = 0.4) -> dict:
     """Issue 29's edges added to a case: with probability p_chain a reshape chain on one of its tensors (merge
     every axis, split, merge and split again: equal terms the e-graph shares one value between), its last
     tensor an output and each other one an output with probability 0.4, each pinned with probability 0.3
     (view pins among them); with probability p_unread an input no output reads ("unread": prune keeps it;
-    evaluate, simulate and plan.run must take it and ignore it, and the plan list it in plan.unread).
+    evaluate, simulate and plan.run must take it and ignore it, and the plan list it in plan.unread); with
+    probability p_ignore each cross_entropy of 3 classes or more ignores one of them (ignore_index).
 
     >>> spec = generate_case(0, 0, ops=["relu"], edges=False)
     >>> edged = add_edges(spec, random.Random(0), p_chain=1.0, p_unread=1.0)
@@ -957,6 +958,12 @@ def add_edges(spec: dict, rng: random.Random, pins: bool = True, pin_styles=("ou
         if pins and rng.random() < 0.3:
             pin = _random_pin(rng, tuple(shape), spec["mesh"], partial_ok=False, empty_ok=False)
             spec["pins"]["u0"] = pin if pin["style"] in pin_styles else dict(pin, style="outer")
+    for op in spec["ops"]:  # drawn last: the draws above, and so every case without a cross_entropy, stay
+        if op["op"] == "cross_entropy" and rng.random() < p_ignore:
+            logits = dict(op["args"])["logits"]["t"]
+            classes = shapes[logits][0][1] if logits in shapes else 0
+            if classes >= 3:  # a class the targets hold: its rows count 0, a mean is over the others
+                op["args"].append(["ignore_index", rng.randrange(classes)])
     return spec
 
 
