@@ -364,7 +364,7 @@ def mesh_rules(shape: tuple[int, ...]):
         query = [PLAN[(n, o)](key, kern, *ys, *xs, *lout, *lin)] + [Held(x, li, m) for x, li in zip(xs, lin)]
         operands = [Held(x, li, m) for x, li in zip(xs, lin)]
         # the outputs kept as they are up to level m in the same step: a consumer that needs no collective
-        # fires in the next iteration (saturation takes as many iterations as the longest chain of steps)
+        # fires in the next iteration
         keep = [KeepOf(Held(y, lo, k + 1), Held(y, lo, k)) for y, lo in zip(ys, lout) for k in range(m)]
         # every strategy's outputs held at level 0 up front, so the operands' levels (Keep, Coll) grow in m
         # iterations for the whole program at once rather than one step of its longest chain per iteration;
@@ -643,6 +643,8 @@ def _reachable(graph: PhysGraph) -> PhysGraph:
     >>> sorted(_reachable(g).classes), len(g.classes["c1"]), g.ident
     (['c0', 'c1'], 1, {})
     """
+    # a worklist, not extract's children-first order and feasible nodes: the terms no plan reaches may
+    # close cycles (Plan rows seed outputs whose operands are never held), where that order is not one
     classes = graph.classes
     readers: dict = defaultdict(list)  # class -> the nodes reading it, as (class, slot)
     waiting = []  # per node (its slot): how many distinct classes it reads are not known reachable yet

@@ -16,7 +16,7 @@ from .expand import RewriteSet, check_rewrites
 from .explain import why
 from .physgraph import Node, PhysGraph, gc_paused
 from .fusion import as_fusion
-from .extract import ROOT, Selection, exact, greedy_dag, with_roots
+from .extract import ROOT, Selection, _topo_order, exact, greedy_dag, with_roots
 from .layout import Layout, R
 from .mesh import DeviceMesh
 from .pins import PinView, view_pins
@@ -680,34 +680,17 @@ class _TopoOrder:
             for n in ns:
                 for ch in n.children:
                     self.readers[ch].add(c)
-        self.ord: dict[str, int] = {}
-        for root in self.classes:  # post-order over children: what a class reads comes first
-            if root in self.ord:
-                continue
-            stack = [(root, iter(self._children(root)))]
-            seen = {root}
-            while stack:
-                c, it = stack[-1]
-                ch = next(it, None)
-                if ch is None:
-                    stack.pop()
-                    self.ord[c] = len(self.ord)
-                elif ch not in self.ord and ch not in seen:
-                    seen.add(ch)
-                    stack.append((ch, iter(self._children(ch))))
+        self.ord = {c: i for i, c in enumerate(_topo_order(graph, list(graph.classes)))}
 
     def _children(self, c: str):
         return {ch for n in self.classes.get(c, ()) for ch in n.children}
 
     def add_edge(self, c: str, ch: str) -> bool:
         """Whether c may read ch (no cycle: ch is not computed from c); if so, the order puts ch before c."""
-        o = self.ord
-        for x in (c, ch):
-            if x not in o:
-                o[x] = len(o)
-        lo, hi = o[c], o[ch]
         if c == ch:
             return False
+        o = self.ord
+        lo, hi = o[c], o[ch]
         if hi < lo:
             return True
         # the readers of c placed before ch: ch among them is a cycle
@@ -718,7 +701,7 @@ class _TopoOrder:
                 return False
             if x not in forward:
                 forward.add(x)
-                stack.extend(r for r in self.readers.get(x, ()) if o.get(r, -1) <= hi)
+                stack.extend(r for r in self.readers.get(x, ()) if o[r] <= hi)
         # what ch reads placed after c moves before the forward set, each part keeping its own order
         backward, stack = set(), [ch]
         while stack:
