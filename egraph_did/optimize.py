@@ -9,11 +9,12 @@ import time
 from collections import defaultdict
 
 from . import collectives
+from .chain import WINDOW, Chain, Refused, find_chain, stitch, window
 from .cost import CostModel
 from .egraph import saturate
 from .errors import MemoryBoundError, PlanError
 from .expand import RewriteSet, check_rewrites
-from .explain import why
+from .explain import whys
 from .physgraph import Node, PhysGraph, gc_paused
 from .fusion import as_fusion
 from .extract import ROOT, Selection, _topo_order, exact, greedy_dag, with_roots
@@ -138,7 +139,7 @@ def collective_cost(problem: Problem, kind: str, axis: int, tensor: str, src: La
 
 
 def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extractor: str = "greedy",
-             like: Plan | None = None, time_limit: float | None = None, rewrites=None) -> Plan:
+             like: Plan | None = None, time_limit: float | None = None, rewrites=None, chain: bool = True) -> Plan:
     """Lay out every tensor of `fd` on `mesh` at the least predicted time.
 
     Tensors given a mesh (set_device_mesh, plus DID splits) are pinned exactly; the rest are free.
@@ -149,7 +150,10 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     loop, each x taken in the layout next.x is delivered in: a first pass over the whole graph, whose plan gives
     the loops' pins (the exact extractor leaves it unproven unless it is a loop itself: it is then a candidate
     plan), then a pass per loop, each proven optimal under its pins; plan.stats["passes"] lists them. rewrites: the program rewrites of
-    rewrites/algebra.py the e-graph may apply, by name (None: all; (): none, the program as written).
+    rewrites/algebra.py the e-graph may apply, by name (None: all; (): none, the program as written). chain: plan
+    a chain of identical layers (at least 5) as a window of four and stamp its middle layer's plan on the others
+    (egraph_did/chain.py; the whole graph where the window's plan is not periodic, under a memory bound, with
+    like= or view pins); False: plan the whole graph.
 
     >>> import egraph_did as ed
     >>> with ed.FusionDefinition() as fd:
@@ -173,13 +177,45 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
         like = _like_in_view_names(like, views)
     time_limit = _check_time_limit(time_limit, extractor)
     names = check_rewrites(rewrites)
+    if not isinstance(chain, bool):
+        raise PlanError(f"optimize: chain must be True or False, got {chain!r}")
+    found = None
+    if chain and like is None and not views and (cost_model or CostModel.h200()).memory_limit is None:
+        found = find_chain(as_fusion(fd))
     try:
-        plan = _optimize(fd, mesh, cost_model, extractor, like, time_limit, names, views)
+        if found is not None:
+            plan = _optimize_chain(found, fd, mesh, cost_model, extractor, time_limit, names)
+        else:
+            plan = _optimize(fd, mesh, cost_model, extractor, like, time_limit, names, views)
     except PlanError as e:  # an error about a view names the tensor the user pinned
         if views:
             e.args = (_as_pinned(str(e), views),) + e.args[1:]
         raise
     plan.unread = [t.name for t in user.inputs if t.name not in plan.inputs]  # read by no output: not loaded
+    return plan
+
+
+def _optimize_chain(found: Chain, fd, mesh: DeviceMesh, cost_model, extractor: str, time_limit: float, names) -> Plan:
+    """optimize of a chain of layers: its window planned, then stitched (chain.py); the whole graph where the
+    window's plan cannot be stamped (plan.stats["chain_refused"] says why)."""
+    t0 = time.perf_counter()
+    small = window(found)
+    planned = _optimize(small, mesh, cost_model, extractor, None, time_limit, names, {})
+    t1 = time.perf_counter()
+    try:
+        plan = stitch(planned, found)
+    except Refused as e:
+        log.info("optimize: the window's plan of %d layers is not stamped (%s): planning the whole graph",
+                 found.layers, e)
+        plan = _optimize(fd, mesh, cost_model, extractor, None, time_limit, names, {})
+        plan.stats["chain_refused"] = str(e)
+        return plan
+    t2 = time.perf_counter()
+    log.info("optimize: %d layers planned as a window of %d (%.2f s), stitched in %.2f s", found.layers, WINDOW,
+             t1 - t0, t2 - t1)
+    plan.stats.update(chain={"layers": found.layers, "window_s": t1 - t0, "stitch_s": t2 - t1,
+                             "window_steps": len(planned.steps), "window_ms": planned.predicted_time * 1e3},
+                      total_s=t2 - t0)
     return plan
 
 
@@ -933,5 +969,5 @@ def _order(graph: PhysGraph, choice) -> list[str]:
 def _explain_why(steps, values, outputs, problem: Problem) -> list:
     """Fill each collective's `why` (explain.why: the first step or output that reads what it made)."""
     layouts = {v: val.layout.code() for v, val in values.items()}
-    return [dataclasses.replace(s, why=why(steps, i, layouts, outputs, problem.pins))
-            if isinstance(s, Collective) else s for i, s in enumerate(steps)]
+    return [dataclasses.replace(s, why=w) if w is not None else s
+            for s, w in zip(steps, whys(steps, layouts, outputs, problem.pins))]
