@@ -332,8 +332,9 @@ class _Window:
     """The window plan's steps, each with the window layer it belongs to (0..3, None: no layer), and each
     value as its layer sees it."""
 
-    def __init__(self, plan: Plan, chain: Chain):
+    def __init__(self, plan: Plan, chain: Chain, small: Fusion):
         self.plan, self.chain = plan, chain
+        self.known = set(small.tensors)  # the window's tensors (a tensor the optimizer added is not one)
         n = chain.layers
         self.at = {0: 0, 1: 1, MIDDLE: 2, n - 1: 3}  # chain layer -> window layer
         self.real = {0: 0, 1: 1, 2: MIDDLE, 3: n - 1}  # window layer -> chain layer
@@ -342,7 +343,7 @@ class _Window:
         self.tags = self._tags()
 
     def tensor_layer(self, t: str) -> int | None:
-        k = self.chain.layer.get(t)
+        k = None if self.added(t) else self.chain.layer.get(t)
         return None if k is None else self.at.get(k)
 
     def _tags(self) -> list[int | None]:
@@ -352,7 +353,7 @@ class _Window:
         added: list[int] = []
         for i, s in enumerate(self.steps):
             tensors = [self.plan.values[v].tensor for v in s.writes]
-            known = [t for t in tensors if t in self.chain.fusion.tensors]
+            known = [t for t in tensors if not self.added(t)]
             if known:
                 tags[i] = self.tensor_layer(known[0])
             else:
@@ -364,10 +365,20 @@ class _Window:
         for i in reversed(added):
             first = min((readers[v] for v in self.steps[i].writes if v in readers), default=None)
             tags[i] = tags[first] if first is not None else None
+        # a step that reads only tensors of no layer computes the same for every layer (AdamW's bias corrections,
+        # from the step counter): the e-graph made it once, in some layer's name; it is of no layer
+        self.invariant: set[str] = set()
+        for i, s in enumerate(self.steps):
+            if all(v in self.invariant or (v not in self.maker and self.tensor_layer(self.plan.values[v].tensor) is None)
+                   for v in s.reads):
+                tags[i] = None
+                self.invariant.update(s.writes)
         return tags
 
     def added(self, t: str) -> bool:
-        return t not in self.chain.fusion.tensors
+        """Whether the optimizer added tensor t (a decomposition's, a rewrite's: named afresh, maybe as a tensor
+        of a layer the window left out is named)."""
+        return t not in self.known
 
     def value_rel(self, v: str, w: int | None, memo: dict):
         """Value v as window layer w sees it (comparable between layers); raises Refused beyond neighbours."""
@@ -384,17 +395,13 @@ class _Window:
         if k is None or w is None:
             return ("shared", val.tensor, code)
         offset = k - w
-        if self.shared(val.tensor, k, w):
+        if v in self.invariant:
             return ("shared", val.tensor, code)
+        if abs(offset) > 1:
+            raise Refused(f"{v} of window layer {k} is read by window layer {w}")
         if val.tensor in self.chain.params:
             return ("param", offset, self.chain.params[val.tensor][0], code)
         return ("made", offset, self.place(val.tensor, k), code)
-
-    def shared(self, t: str, k: int, w: int) -> bool:
-        """Whether window layer w reads tensor t (of window layer k) as one value for every layer: the e-graph
-        found equal terms of several layers (AdamW's bias corrections) and the plan computes them once, named
-        after the first; a layer reads its neighbours' tensors only where the fusion says so (chain.alias)."""
-        return abs(k - w) > 1 or (k != w and k in (0, 3) and t not in self.chain.alias and t not in self.chain.params)
 
     def place(self, t: str, k: int) -> tuple[int, int]:
         """The place of tensor t (of window layer k) in a middle layer's block."""
@@ -431,7 +438,7 @@ class Refused(Exception):
     """The window's plan cannot be stamped (the message says why): optimize plans the whole graph."""
 
 
-def stitch(plan: Plan, chain: Chain) -> Plan:
+def stitch(plan: Plan, chain: Chain, small: Fusion) -> Plan:
     """The chain's plan from its window's: layers 0, 1 and L-1 as the window runs them, the window's layer 2
     instantiated on each of layers 2 .. L-2; Refused where the window's plan is not periodic.
 
@@ -439,25 +446,28 @@ def stitch(plan: Plan, chain: Chain) -> Plan:
     >>> from egraph_did.models import gpt_layer
     >>> fd = gpt_layer(1, 16, 32, 2, torch.float32, layers=6)
     >>> mesh = ed.DeviceMesh.arange(2)
-    >>> whole, chained = ed.optimize(fd, mesh, chain=False), ed.optimize(fd, mesh)
+    >>> whole, chained = ed.optimize(fd, mesh, chain=False), ed.optimize(fd, mesh)  # optimize stitches
     >>> chained.stats["chain"]["layers"], len(chained.steps) == len(whole.steps)
     (6, True)
     >>> abs(chained.predicted_time - whole.predicted_time) < 1e-12
     True
     """
-    win = _Window(plan, chain)
+    win = _Window(plan, chain, small)
     win.periodic()
     n = chain.layers
     values: dict[str, Value] = {}
+    invariant = {plan.values[v].tensor for v in win.invariant}
 
     def tensor_for(t: str, w: int | None, j: int) -> str:
-        if win.added(t):
-            return t if w != 2 or j == MIDDLE else f"{t}@{j}"
+        if win.added(t):  # named afresh: the window's names may be those of left-out layers' tensors
+            return f"{t}@" if t in invariant else f"{t}@{j}"
+        if t in invariant:
+            return t
         k = win.tensor_layer(t)
         if k is None or w is None:
             return t
         target = j + (k - w)
-        if target == win.real[k] or win.shared(t, k, w):
+        if target == win.real[k]:
             return t
         if t in chain.params:
             return chain.param(chain.params[t][0], target)
@@ -468,7 +478,9 @@ def stitch(plan: Plan, chain: Chain) -> Plan:
         t = tensor_for(val.tensor, w, j)
         name = f"{t}:{v[len(val.tensor) + 1:]}"
         if name not in values:
-            tv = chain.fusion.tensors.get(t)
+            tv = None if win.added(val.tensor) else chain.fusion.tensors[t]
+            if tv is not None and tuple(tv.shape) != tuple(val.shape):
+                raise Refused(f"{v} of the window stands for {t}, of another shape")
             axes = tuple(d.name for d in tv.logical_domain) if tv is not None else val.axes
             values[name] = replace(val, name=name, tensor=t, axes=axes)
         return name

@@ -203,7 +203,7 @@ def _optimize_chain(found: Chain, fd, mesh: DeviceMesh, cost_model, extractor: s
     planned = _optimize(small, mesh, cost_model, extractor, None, time_limit, names, {})
     t1 = time.perf_counter()
     try:
-        plan = stitch(planned, found)
+        plan = stitch(planned, found, small)
     except Refused as e:
         log.info("optimize: the window's plan of %d layers is not stamped (%s): planning the whole graph",
                  found.layers, e)

@@ -1,0 +1,151 @@
+"""A chain of identical layers planned as a window of four and stamped (egraph_did/chain.py): the stitched plan
+equals the whole graph's on small deep programs (both extractors) and computes what one device does; layers
+that differ are not merged."""
+import torch
+import pytest
+
+import egraph_did as ed
+from egraph_did import models
+from egraph_did.chain import find_chain, window
+from egraph_did.layout import Layout, S
+from egraph_did.pins import apply_layout
+
+F64 = torch.float64
+
+
+def stack(widths, hidden=16, extra_relu_at=None):
+    """A residual MLP per width: h + w2 gelu(w1 h), layer i's weights l<i>.w1, l<i>.w2."""
+    with ed.FusionDefinition() as fd:
+        h = fd.define_tensor((8, hidden), F64, name="x")
+        for i, w in enumerate(widths):
+            w1 = fd.define_tensor((w, hidden), F64, name=f"l{i}.w1")
+            w2 = fd.define_tensor((hidden, w), F64, name=f"l{i}.w2")
+            a = fd.ops.gelu(fd.ops.linear(h, w1))
+            if i == extra_relu_at:
+                a = fd.ops.relu(a)
+            h = fd.ops.add(h, fd.ops.linear(a, w2))
+        fd.add_output(h, name="y")
+    return fd
+
+
+def training(layers, mesh):
+    fd = models.gpt_training_step(2, 16, 32, 4, F64, layers=layers)
+    for name in ("x", "target"):
+        apply_layout(fd[name], Layout((S(1),)), mesh)
+    return fd
+
+
+def inputs_of(fd, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = {tv.name: torch.randn(tv.shape, generator=g, dtype=tv.dtype) for tv in fd.fusion.inputs}
+    if "step" in out:
+        out["step"] = torch.ones_like(out["step"])
+    return {k: v.abs() if k.startswith("exp_avg_sq.") else v for k, v in out.items()}  # second moments: >= 0
+
+
+def assert_one_device(plan, fd):
+    inputs = inputs_of(fd)
+    got, want = ed.simulate(plan, inputs), ed.evaluate(fd, inputs)
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-9, msg=k)
+
+
+def kinds(plan):
+    return sorted(c.kind for c in plan.collectives)
+
+
+def test_find_chain_gives_every_layer_of_a_training_step_its_forward_backward_and_update():
+    fusion = models.gpt_training_step(1, 16, 32, 2, F64, layers=6).fusion
+    chain = find_chain(fusion)
+    assert chain.layers == 6
+    assert len({len(b) for b in chain.blocks[1:-1]}) == 1  # the middle layers are one program
+    in_blocks = {i for b in chain.blocks for i in b}
+    shared = [str(e) for i, e in enumerate(fusion.exprs) if i not in in_blocks]
+    assert shared == ["next.step = add(step, 1.0)"]  # read by every layer's AdamW: of no layer
+    block3 = {o.name for i in chain.blocks[3] for o in fusion.exprs[i].outputs}
+    assert {"grad_l3.wq", "next.l3.wq", "next.exp_avg.l3.wq"} <= block3
+
+
+def test_the_window_holds_the_first_two_middle_and_last_layers():
+    fusion = models.gpt_training_step(1, 16, 32, 2, F64, layers=7).fusion
+    w = window(find_chain(fusion))
+    layers = {t.name.split(".")[0] for t in w.inputs if t.name.startswith("l")}
+    assert layers == {"l0", "l1", "l2", "l6"}
+    assert {"next.l6.wq", "next.l2.wq", "loss"} <= set(w.outputs) and "next.l4.wq" not in w.outputs
+
+
+@pytest.mark.parametrize("widths, why", [([32] * 6, None), ([32, 32, 48, 32, 32, 32], "a wider layer"),
+                                         ([32] * 4, "too short")])
+def test_layers_that_differ_or_too_few_are_not_merged(widths, why):
+    chain = find_chain(stack(widths).fusion)
+    assert (chain is None) == (why is not None)
+
+
+def test_a_middle_layer_with_another_op_is_not_merged():
+    assert find_chain(stack([32] * 6, extra_relu_at=3).fusion) is None
+    plan = ed.optimize(stack([32] * 6, extra_relu_at=3), ed.DeviceMesh.arange(2))
+    assert "chain" not in plan.stats
+
+
+def test_a_middle_layer_pinned_otherwise_is_not_merged():
+    fd = stack([32] * 6)
+    mesh = ed.DeviceMesh.arange(2)
+    _ = fd["l3.w1"].set_device_mesh(mesh)  # only layer 3's weight pinned (replicated)
+    assert find_chain(fd.fusion) is None
+
+
+def test_forward_chain_plan_equals_the_whole_graph_and_one_device():
+    mesh = ed.DeviceMesh.arange(4)
+
+    def fd():
+        f = models.gpt_layer(2, 16, 32, 4, F64, layers=6)
+        for name in ("x", "y"):
+            apply_layout(f[name], Layout((S(1),)), mesh)
+        return f
+    chained, whole = ed.optimize(fd(), mesh), ed.optimize(fd(), mesh, chain=False)
+    assert chained.stats["chain"]["layers"] == 6 and "chain" not in whole.stats
+    assert chained.predicted_time == pytest.approx(whole.predicted_time, rel=1e-12)
+    assert kinds(chained) == kinds(whole)
+    assert_one_device(chained, fd())
+
+
+@pytest.mark.parametrize("extractor", ["greedy", "exact"])
+def test_training_step_chain_plan_equals_the_whole_graph_with_both_extractors(extractor):
+    mesh = ed.DeviceMesh.arange(2)
+    chained = ed.optimize(training(5, mesh), mesh, extractor=extractor)
+    whole = ed.optimize(training(5, mesh), mesh, extractor=extractor, chain=False)
+    assert chained.stats["chain"]["layers"] == 5
+    assert chained.predicted_time == pytest.approx(whole.predicted_time, rel=1e-9)
+    assert kinds(chained) == kinds(whole)
+    assert len(chained.steps) == len(whole.steps)
+    assert_one_device(chained, training(5, mesh))
+
+
+def test_stitched_plan_explains_round_trips_and_names_every_layers_tensors():
+    mesh = ed.DeviceMesh.arange(2)
+    fd = training(6, mesh)
+    plan = ed.optimize(fd, mesh)
+    assert set(plan.outputs) == set(fd.fusion.outputs)
+    assert {f"l{i}.wq" for i in range(6)} <= set(plan.inputs)
+    back = ed.Plan.from_json(plan.to_json())
+    assert back.predicted_time == pytest.approx(plan.predicted_time) and len(back.steps) == len(plan.steps)
+    text = plan.explain()
+    assert "grad_l4.wq" in text and "next.l3.w1" in text
+    assert all(c.why for c in plan.collectives)  # each collective says which step reads what it made
+    assert plan.memory == plan.memory_breakdown()["total"] > 0
+
+
+def test_no_chain_under_a_memory_bound_or_a_replay():
+    mesh = ed.DeviceMesh.arange(2)
+    free = ed.optimize(stack([32] * 6), mesh)
+    assert free.stats["chain"]["layers"] == 6
+    bounded = ed.optimize(stack([32] * 6), mesh, cost_model=ed.CostModel.h200(memory_limit=10**9))
+    assert "chain" not in bounded.stats
+    replay = ed.optimize(stack([32] * 6), mesh, like=free)
+    assert "chain" not in replay.stats and replay.predicted_time == pytest.approx(free.predicted_time)
+
+
+def test_chain_must_be_a_bool():
+    with pytest.raises(ed.PlanError, match="chain must be True or False"):
+        ed.optimize(stack([32] * 6), ed.DeviceMesh.arange(2), chain="yes")
