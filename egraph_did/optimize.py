@@ -20,7 +20,7 @@ from .fusion import as_fusion
 from .extract import ROOT, Selection, _topo_order, exact, greedy_dag, with_roots
 from .layout import Layout, R
 from .mesh import DeviceMesh
-from .pins import PinView, view_pins
+from .pins import PinView, pin_of, view_pins
 from .plan import SAVE_OP, Collective, ComputeStep, Plan, StepMemory, Value, check_optimize_args
 from .grad import NEXT
 from .problem import Problem, build_problem
@@ -192,6 +192,10 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
             e.args = (_as_pinned(str(e), views),) + e.args[1:]
         raise
     plan.unread = [t.name for t in user.inputs if t.name not in plan.inputs]  # read by no output: not loaded
+    for tv in user.inputs:  # a pinned input no output reads: its pin as given (a view pin's too: no view is held)
+        if tv.name in plan.unread and tv.mesh is not None and tv.name not in plan.pinned_loops:
+            plan.pinned_loops[tv.name] = [tv.loop_str(), views[tv.name].layout.code() if tv.name in views
+                                          else pin_of(tv, mesh).code()]
     return plan
 
 

@@ -208,3 +208,19 @@ def test_a_pin_on_a_saved_marker_that_the_keep_everything_graph_cannot_honour_le
         assert plan.loop_domain("t1") == PINNED, (extractor, plan.loop_domain("t1"))
         x = {"x0": torch.randn(6, 1, dtype=torch.float64)}
         _close(ed.simulate(plan, x), ed.evaluate(fd, x))
+
+
+def test_an_unread_input_pinned_as_a_view_reports_its_pin_as_given():
+    """`pins-missing-from-plan` (seed 37, cases 2339, 8911 and 8 more): an input no output reads, pinned so that
+    no layout names it (a non-outermost split: held as a reshaped view), had no loop domain: "the plan holds no
+    tensor named 'u0'". Like a layout pin's, its loop domain is the pin as given (the plan loads nothing)."""
+    mesh = ed.DeviceMesh.arange(4)
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((4, 4), torch.float64, name="x")
+        u0 = fd.define_tensor((3, 4), torch.float64, name="u0")
+        fd.add_output(fd.ops.relu(x), name="y")
+    u0.set_device_mesh(mesh).outer_split(1, 2).outer_split(2, 4).axis(2).parallelize(ed.ParallelType.DIDx)
+    plan = ed.optimize(fd, mesh)
+    assert plan.unread == ["u0"]
+    assert plan.loop_domain("u0") == u0.loop_str()
+    assert ed.Plan.from_json(plan.to_json()).loop_domain("u0") == u0.loop_str()
