@@ -9,7 +9,11 @@ exact), a line under the row gives each pass's extraction seconds (wall, and thi
 dual reached the start, "mip": HiGHS after reduced-cost fixing) and predicted ms (plan.stats["passes"]).
 
     .venv/bin/python bench/optimizer.py [--layers 1 8 32 96] [--mesh 8] [--rewrites sum_partials_first]
-    .venv/bin/python bench/optimizer.py --training --layers 1 [--extractor exact] [--no-recompute]
+    .venv/bin/python bench/optimizer.py --training --layers 1 [--extractor exact] [--no-recompute] [--no-chain]
+
+chain: the layers the plan was stamped on (optimize's default for 5 or more identical layers: a window of four
+planned, its middle layer's plan stamped, egraph_did/chain.py; the stage columns are then the window's), "-" for
+a whole-graph plan (--no-chain, or fewer layers). optimize_cpu_s: this process's CPU seconds for optimize.
 
 --rewrites: the program rewrites optimize may apply, by name (default: all of them; `--rewrites` alone: none).
 --training: the whole training step instead (models.gpt_training_step: forward, MSE loss, backward and AdamW
@@ -38,7 +42,7 @@ from egraph_did.pins import apply_layout
 
 
 def run(layers: int, ndev: int, seq: int, hidden: int, heads: int, extractor: str, rewrites=None,
-        training: bool = False, recompute: bool | None = None) -> dict:
+        training: bool = False, recompute: bool | None = None, chain: bool = True) -> dict:
     mesh = ed.DeviceMesh.arange(ndev)
     t0 = time.perf_counter()
     if training:
@@ -50,15 +54,17 @@ def run(layers: int, ndev: int, seq: int, hidden: int, heads: int, extractor: st
     for name in sharded:
         apply_layout(fd[name], Layout((S(1),)), mesh)
     t1 = time.perf_counter()
-    plan = ed.optimize(fd, mesh, extractor=extractor, rewrites=rewrites)
-    t2 = time.perf_counter()
+    c1 = time.process_time()
+    plan = ed.optimize(fd, mesh, extractor=extractor, rewrites=rewrites, chain=chain)
+    t2, c2 = time.perf_counter(), time.process_time()
     st = plan.stats
     kinds = {}
     for c in plan.collectives:
         kinds[c.kind] = kinds.get(c.kind, 0) + 1
     return {"layers": layers, "exprs": len(fd.fusion.exprs), "define_s": t1 - t0, "build_s": st["build_s"],
             "template_s": st["template_s"], "encode_s": st["encode_s"], "iterations": st["iterations"], "saturate_s": st["saturate_s"], "serialize_s": st["serialize_s"],
-            "extract_s": st["extract_s"], "optimize_s": t2 - t1, "facts": st["facts"], "classes": st["classes"],
+            "extract_s": st["extract_s"], "optimize_s": t2 - t1, "optimize_cpu_s": c2 - c1,
+            "chain": st.get("chain", {}).get("layers", "-"), "facts": st["facts"], "classes": st["classes"],
             "nodes": st["nodes"], "bucket_pairs": st.get("bucket_pairs_offered", 0), "collectives": kinds,
             "loops_tried": st.get("loops_tried", 0), "passes": st.get("passes", []),
             "predicted_ms": plan.predicted_time * 1e3}
@@ -86,9 +92,12 @@ def main() -> None:
     ap.add_argument("--training", action="store_true", help="the training step (forward, backward, AdamW)")
     ap.add_argument("--no-recompute", dest="recompute", action="store_false", default=None,
                     help="--training without saved markers (recompute=False)")
+    ap.add_argument("--no-chain", dest="chain", action="store_false",
+                    help="plan the whole graph (optimize(chain=False)), not a window of four layers stamped")
     args = ap.parse_args()
     cols = ["layers", "exprs", "facts", "iterations", "classes", "nodes", "build_s", "template_s", "encode_s",
-            "saturate_s", "serialize_s", "extract_s", "bucket_pairs", "loops_tried", "optimize_s", "predicted_ms"]
+            "saturate_s", "serialize_s", "extract_s", "bucket_pairs", "loops_tried", "chain", "optimize_s",
+            "optimize_cpu_s", "predicted_ms"]
     what = "GPT training steps (AdamW), x/target" if args.training else "GPT layers, x/y"
     print(f"{what} sequence-sharded, seq {args.seq}, hidden {args.hidden}, {args.heads} heads, bf16, {args.mesh} ranks, "
           f"{args.extractor} extraction, rewrites "
@@ -97,7 +106,7 @@ def main() -> None:
     print(" | ".join(f"{c:>11}" for c in cols) + " | collectives")
     for n in args.layers:
         r = run(n, args.mesh, args.seq, args.hidden, args.heads, args.extractor, args.rewrites, args.training,
-                args.recompute)
+                args.recompute, args.chain)
         cells = [f"{r[c]:>11.3f}" if isinstance(r[c], float) else f"{r[c]:>11}" for c in cols]
         print(" | ".join(cells) + " | " + ", ".join(f"{v} {k}" for k, v in sorted(r["collectives"].items())),
               flush=True)
