@@ -381,22 +381,24 @@ class _Window:
         return t not in self.known
 
     def value_rel(self, v: str, w: int | None, memo: dict):
-        """Value v as window layer w sees it (comparable between layers); raises Refused beyond neighbours."""
+        """Value v as window layer w sees it (comparable between layers): one that layer makes by the step that
+        makes it (equal terms share a value named after any of them, so not by its name), a neighbour's by its
+        place in the neighbour's block; raises Refused where it is neither."""
         val = self.plan.values[v]
         code = v[len(val.tensor) + 1:]
+        if v in self.invariant:
+            return ("shared", val.tensor, code)
+        i = self.maker.get(v)
+        if i is not None and self.tags[i] == w:
+            return ("own", self.step_rel(i, w, memo, outputs=False), self.steps[i].writes.index(v), code)
         if self.added(val.tensor):
-            i = self.maker[v]
-            if self.tags[i] != w:
-                raise Refused(f"{v} is made in window layer {self.tags[i]} and read in {w}")
-            return ("added", self.step_rel(i, w, memo, outputs=False), self.steps[i].writes.index(v), code)
+            raise Refused(f"{v} is made in window layer {self.tags[i]} and read in {w}")
         k = self.tensor_layer(val.tensor)
         if val.tensor in self.chain.layer and k is None:
             raise Refused(f"{val.tensor} is of a layer the window left out")
         if k is None or w is None:
             return ("shared", val.tensor, code)
         offset = k - w
-        if v in self.invariant:
-            return ("shared", val.tensor, code)
         if abs(offset) > 1:
             raise Refused(f"{v} of window layer {k} is read by window layer {w}")
         if val.tensor in self.chain.params:

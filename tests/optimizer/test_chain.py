@@ -149,3 +149,38 @@ def test_no_chain_under_a_memory_bound_or_a_replay():
 def test_chain_must_be_a_bool():
     with pytest.raises(ed.PlanError, match="chain must be True or False"):
         ed.optimize(stack([32] * 6), ed.DeviceMesh.arange(2), chain="yes")
+
+
+def test_a_transformers_llama_joint_step_is_stamped_and_equals_the_whole_graph():
+    """transformers' Llama (6 layers) exported by from_torch, its forward and backward in one fusion as
+    ed.parallelize plans it: layers found from the module's parameter names, the plan stamped, equal to the
+    whole graph's and to one device (transformers computes the loss in float32: 1e-6)."""
+    transformers = pytest.importorskip("transformers")
+    from egraph_did.parallelize import joint_fusion
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+    class Loss(torch.nn.Module):
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids, labels):
+            return self.lm(ids, labels=labels, use_cache=False).loss
+    module = Loss(transformers.LlamaForCausalLM(cfg).to(F64))
+    ids = torch.randint(0, 64, (2, 16))
+    fd = ed.from_torch(module, (ids, ids))
+    mesh = ed.DeviceMesh.arange(2)
+    for name in fd.fusion.outputs:
+        fd[name].set_device_mesh(mesh)
+    joint = joint_fusion(fd, list(fd.fusion.outputs), list(fd.params), {}, mesh)
+    chained, whole = ed.optimize(joint, mesh), ed.optimize(joint, mesh, chain=False)
+    assert chained.stats["chain"]["layers"] == 6
+    assert chained.predicted_time == pytest.approx(whole.predicted_time, rel=1e-9)
+    g = torch.Generator().manual_seed(1)
+    inputs = {tv.name: torch.randn(tv.shape, dtype=tv.dtype, generator=g) * 0.2 if tv.dtype.is_floating_point
+              else torch.randint(0, 64, tv.shape, generator=g).to(tv.dtype) for tv in joint.inputs}
+    got, want = ed.simulate(chained, inputs), ed.evaluate(joint, inputs)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6, msg=k)
