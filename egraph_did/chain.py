@@ -19,8 +19,8 @@ the window's plan is periodic, i.e. the two middle layers run the same steps rel
 The window is exact for what it holds. What stamping assumes: each middle layer's best plan given the layouts
 at its boundaries is the one of the window's middle layers, i.e. the optimum is periodic along the chain;
 a chain whose cheapest steady state only pays off over many layers (a costly change of layout at layer 1
-that every later layer would repay) is not found by a window of four. Not used under a memory bound (the
-window's memory is four layers', not L's) nor with like= or view pins.
+that every later layer would repay) is not found by a window of four. Under a memory bound the window is
+planned without it and the stamped plan taken only where it fits (optimize); not used with like= or view pins.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from collections import defaultdict
 
 from . import collectives
 from .chain import WINDOW, Chain, Refused, find_chain, stitch, window
-from .cost import CostModel
+from .cost import CostModel, size_text
 from .egraph import saturate
 from .errors import MemoryBoundError, PlanError
 from .expand import RewriteSet, check_rewrites
@@ -152,8 +152,9 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     plan), then a pass per loop, each proven optimal under its pins; plan.stats["passes"] lists them. rewrites: the program rewrites of
     rewrites/algebra.py the e-graph may apply, by name (None: all; (): none, the program as written). chain: plan
     a chain of identical layers (at least 5) as a window of four and stamp its middle layer's plan on the others
-    (egraph_did/chain.py; the whole graph where the window's plan is not periodic, under a memory bound, with
-    like= or view pins); False: plan the whole graph.
+    (egraph_did/chain.py; the window planned without a memory bound, the stamped plan taken where it fits one;
+    the whole graph where the window's plan is not periodic or does not fit, with like= or view pins); False:
+    plan the whole graph.
 
     >>> import egraph_did as ed
     >>> with ed.FusionDefinition() as fd:
@@ -180,7 +181,7 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     if not isinstance(chain, bool):
         raise PlanError(f"optimize: chain must be True or False, got {chain!r}")
     found = None
-    if chain and like is None and not views and (cost_model or CostModel.h200()).memory_limit is None:
+    if chain and like is None and not views:
         found = find_chain(as_fusion(fd))
     try:
         if found is not None:
@@ -203,11 +204,18 @@ def _optimize_chain(found: Chain, fd, mesh: DeviceMesh, cost_model, extractor: s
     """optimize of a chain of layers: its window planned, then stitched (chain.py); the whole graph where the
     window's plan cannot be stamped (plan.stats["chain_refused"] says why)."""
     t0 = time.perf_counter()
+    cm = cost_model or CostModel.h200()
     small = window(found)
-    planned = _optimize(small, mesh, cost_model, extractor, None, time_limit, names, {})
+    # the window holds four layers' memory, not L's: it is planned without the bound, and its stamped plan is
+    # taken where it fits (the plan without a bound that fits is the plan under it); else the whole graph
+    planned = _optimize(small, mesh, dataclasses.replace(cm, memory_limit=None), extractor, None, time_limit, names, {})
     t1 = time.perf_counter()
     try:
         plan = stitch(planned, found, small)
+        if cm.memory_limit is not None and plan.memory > cm.memory_limit:
+            raise Refused(f"the stamped plan needs {size_text(plan.memory)} per device, over the bound of "
+                          f"{size_text(cm.memory_limit)}")
+        plan.cost_model = cm
     except Refused as e:
         log.info("optimize: the window's plan of %d layers is not stamped (%s): planning the whole graph",
                  found.layers, e)

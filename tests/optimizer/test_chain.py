@@ -136,12 +136,23 @@ def test_stitched_plan_explains_round_trips_and_names_every_layers_tensors():
     assert plan.memory == plan.memory_breakdown()["total"] > 0
 
 
-def test_no_chain_under_a_memory_bound_or_a_replay():
+def test_under_a_memory_bound_the_stamped_plan_is_taken_where_it_fits():
     mesh = ed.DeviceMesh.arange(2)
     free = ed.optimize(stack([32] * 6), mesh)
     assert free.stats["chain"]["layers"] == 6
-    bounded = ed.optimize(stack([32] * 6), mesh, cost_model=ed.CostModel.h200(memory_limit=10**9))
-    assert "chain" not in bounded.stats
+    roomy = ed.optimize(stack([32] * 6), mesh, cost_model=ed.CostModel.h200(memory_limit=free.memory))
+    assert roomy.stats["chain"]["layers"] == 6 and roomy.predicted_time == pytest.approx(free.predicted_time)
+    assert roomy.cost_model.memory_limit == free.memory
+    tight = ed.CostModel.h200(memory_limit=int(free.memory * 0.8))  # the whole graph finds a plan that fits
+    bounded = ed.optimize(stack([32] * 6), mesh, cost_model=tight)
+    assert "over the bound" in bounded.stats["chain_refused"] and bounded.memory <= tight.memory_limit
+    whole = ed.optimize(stack([32] * 6), mesh, cost_model=tight, chain=False)
+    assert bounded.predicted_time == pytest.approx(whole.predicted_time)
+
+
+def test_no_chain_in_a_replay():
+    mesh = ed.DeviceMesh.arange(2)
+    free = ed.optimize(stack([32] * 6), mesh)
     replay = ed.optimize(stack([32] * 6), mesh, like=free)
     assert "chain" not in replay.stats and replay.predicted_time == pytest.approx(free.predicted_time)
 
