@@ -146,7 +146,9 @@ def _greedy_sets(graph: PhysGraph, w: _Weighted, paid: dict[str, Node] | None = 
                  base: Best | None = None, affected: set[str] | None = None) -> Best:
     """Each class's cheapest set of nodes, shared descendants counted once. Classes in `paid` are held
     at their given node and cost nothing (their value is bought anyway); with `base`, only `affected`
-    classes are recomputed (the others' sets cannot change)."""
+    classes are recomputed (the others' sets cannot change). A set is a bitset; a one-child node's (a
+    collective, a Keep: most of a 2-D mesh's graph) is its bit over its child's set, made only where a set of
+    several children reads it (_mask): its cost alone decides the class's pick."""
     sk = w.skeleton if w.skeleton is not None else _Skeleton(graph, w.order)
     weight = w.weight
     if paid:
@@ -173,16 +175,14 @@ def _greedy_sets(graph: PhysGraph, w: _Weighted, paid: dict[str, Node] | None = 
                 if not kids:
                     mask, cost = 1 << i, weight[i]
                 elif len(kids) == 1:
-                    b = best[kids[0]]
-                    mask, cost = (1 << i) | b[1], weight[i] + b[0]
+                    mask, cost = (i, kids[0]), weight[i] + best[kids[0]][0]  # the set made where it is read
                 else:
                     # start from the costliest child's set as a whole; walk only what the others add to it,
                     # so a residual chain (each set holding the previous one) stays linear
                     kids = sorted(kids, key=lambda ch: best[ch][0], reverse=True)
-                    b = best[kids[0]]
-                    mask, cost = (1 << i) | b[1], weight[i] + b[0]
+                    mask, cost = (1 << i) | _mask(best, kids[0]), weight[i] + best[kids[0]][0]
                     for ch in kids[1:]:
-                        new = best[ch][1] & ~mask
+                        new = _mask(best, ch) & ~mask
                         mask |= new
                         while new:
                             low = new & -new
@@ -195,22 +195,35 @@ def _greedy_sets(graph: PhysGraph, w: _Weighted, paid: dict[str, Node] | None = 
     return best
 
 
+def _mask(best: Best, c: str) -> int:
+    """Class c's set as a bitset, made (and kept in `best`) through the one-child picks below it."""
+    m = best[c][1]
+    if isinstance(m, int):
+        return m
+    chain = []  # the one-child picks down to a made set
+    while not isinstance(m, int):
+        chain.append(c)
+        c = m[1]
+        m = best[c][1]
+    for c in reversed(chain):
+        cost, (i, _), n = best[c]
+        m = (1 << i) | m
+        best[c] = (cost, m, n)
+    return m
+
+
 def _chosen(best: Best, w: _Weighted, cls: str = ROOT) -> dict[str, Node] | None:
-    """The nodes of cls's set, by class (a set holds one node per class: each class's pick is fixed
-    before any set that contains it is built)."""
+    """The nodes of cls's set, by class in topological order: the picks reached from cls's (a set holds one
+    node per class: each class's pick is fixed before any set that contains it is built)."""
     if cls not in best:
         return None
-    bits = bin(best[cls][1])  # '0b1...': bit k is bits[-1 - k] (one conversion, not a shift per class)
-    top = len(bits) - 2
-    index = w.index
-    out = {}
-    for c in w.order:
-        b = best.get(c)
-        if b is not None:
-            k = index[id(b[2])]
-            if k < top and bits[-1 - k] == "1":
-                out[c] = b[2]
-    return out
+    reached, stack = set(), [cls]
+    while stack:
+        c = stack.pop()
+        if c not in reached:
+            reached.add(c)
+            stack.extend(best[c][2].children)
+    return {c: best[c][2] for c in w.order if c in reached}
 
 
 def _amortized(graph: PhysGraph, order: list[str], penalty: float, skeleton: _Skeleton | None = None
@@ -346,7 +359,7 @@ def _seeded(graph: PhysGraph, w: _Weighted, best: Best, budget: int) -> dict[str
             seeds = [d for d in _shared_seeds(graph, w, best, tensors, parents, layouts) if d not in paid]
             if round_ == 0 and layouts:
                 seeds = [d for d in seeds if d not in tried]
-            current, win = best[ROOT][0] + _paid_cost(w, paid, best[ROOT][1]), None
+            current, win = best[ROOT][0] + _paid_cost(w, paid, _mask(best, ROOT)), None
             for d in seeds:
                 cone = _chosen(best, w, d)
                 priced = [c for c, n in cone.items() if c not in paid and w.weight[w.index[id(n)]] > 0]
@@ -360,7 +373,7 @@ def _seeded(graph: PhysGraph, w: _Weighted, best: Best, budget: int) -> dict[str
                 trial = _greedy_sets(graph, w, trial_paid, best, affected)
                 if ROOT not in trial:
                     continue
-                cost = trial[ROOT][0] + _paid_cost(w, trial_paid, trial[ROOT][1])  # bought nodes it uses
+                cost = trial[ROOT][0] + _paid_cost(w, trial_paid, _mask(trial, ROOT))  # bought nodes it uses
                 if cost < current - 1e-15:
                     current, win = cost, (trial_paid, trial)
             if win is None:
