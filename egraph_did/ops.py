@@ -1353,8 +1353,28 @@ def _vjp_sdpa(ops, g, out, q, k, v, is_causal=False, scale=None):
     return _vjp_sdpa_lse(ops, (g, None), (out, lse), q, k, v, is_causal, scale)
 
 
+def _rfactor_attention(ops, blocks, q, k, v, is_causal=False, scale=None, with_lse=True):
+    """Attention as a reduction over the keys, split in `blocks` pieces of the key sequence (the online
+    softmax merge, exact): each block's attention o_r and logsumexp l_r (attention_blocks), m = max_r l_r,
+    w_r = exp(l_r - m), out = sum_r w_r o_r / sum_r w_r, lse = m + log(sum_r w_r). With the keys split
+    over the ranks, one block each, the max is a pending max and both sums pending sums: only [b, h, sq]
+    statistics and the output's summands move, never k and v."""
+    o_b, l_b = ops.attention_blocks(q, k, v, blocks, is_causal=is_causal, scale=scale)
+    m = ops.amax(l_b, 2)
+    w = ops.exp(ops.sub(l_b, ops.unsqueeze(m, 2)))
+    den = ops.sum(w, 2)
+    # cast back from the logsumexp's dtype even where it is q's (a copy, fused into the division's kernel):
+    # one program for every dtype, so that a plan replays on another (optimize(like=) matches tensor names)
+    out = ops.cast(ops.div(ops.sum(ops.mul(o_b, ops.unsqueeze(w, -1)), 2), ops.unsqueeze(den, -1)), q.dtype)
+    return (out, ops.add(m, ops.log(den))) if with_lse else out
+
+
+def _rfactor_sdpa(ops, blocks, q, k, v, is_causal=False, scale=None):
+    return _rfactor_attention(ops, blocks, q, k, v, is_causal, scale, with_lse=False)
+
+
 @op("sdpa", "attention", _sdpa_ref, _decompose_sdpa, flops=_sdpa_flops, local_kernels=(SDPA_QUERY_OFFSET,),
-    vjp=_vjp_sdpa, differentiated_as="sdpa_lse")
+    rfactor=_rfactor_sdpa, vjp=_vjp_sdpa, differentiated_as="sdpa_lse")
 def sdpa(q, k, v, is_causal: bool = False, scale: float | None = None):
     """Scaled dot-product attention on [batch, heads, seq, head_dim] operands (torch's sdpa)."""
     q, k, v = (_need_tensor("sdpa", n, t) for n, t in (("q", q), ("k", k), ("v", v)))
@@ -1388,14 +1408,15 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _attention_scores(q, k, is_causal, scale, offset=0):
-    """The scaled scores q k^T in the logsumexp's dtype, -inf above the causal diagonal (offset: the
-    global position of the first query row)."""
+def _attention_scores(q, k, is_causal, scale, offset=0, key_offset=0):
+    """The scaled scores q k^T in the logsumexp's dtype, -inf above the causal diagonal (offset and
+    key_offset: the global positions of the first query row and of the first key)."""
     dt = lse_dtype(q.dtype)
     s = torch.matmul(q.to(dt), k.to(dt).transpose(-2, -1)) * _attention_scale(q, scale)
     if is_causal:
         rows = torch.arange(q.shape[2], device=q.device).unsqueeze(1) + offset
-        s = s.masked_fill(torch.arange(k.shape[2], device=q.device).unsqueeze(0) > rows, -math.inf)
+        keys = torch.arange(k.shape[2], device=q.device).unsqueeze(0) + key_offset
+        s = s.masked_fill(keys > rows, -math.inf)
     return s
 
 
@@ -1463,7 +1484,7 @@ def _sdpa_lse_flops(ins, outs, args) -> float:
 
 
 @op("sdpa_lse", "attention", _sdpa_lse_ref, flops=_sdpa_lse_flops, local_kernels=(SDPA_LSE_QUERY_OFFSET,),
-    vjp=_vjp_sdpa_lse)
+    rfactor=_rfactor_attention, vjp=_vjp_sdpa_lse)
 def sdpa_lse(q, k, v, is_causal: bool = False, scale: float | None = None):
     """sdpa that also gives the logsumexp of each query's scaled scores, [batch, heads, seq_q] (float32 for
     16-bit operands): (out, lse), torch's flash attention forward. A gradient of sdpa runs it, so that the
@@ -1497,11 +1518,11 @@ def _fused_backward(g, q, k, v, out, lse, is_causal, scale):
         return None
 
 
-def _sdpa_backward_math(g, q, k, v, out, lse, is_causal=False, scale=None, offset=0):
+def _sdpa_backward_math(g, q, k, v, out, lse, is_causal=False, scale=None, offset=0, key_offset=0):
     """The backward from the logsumexp, in its dtype: p = exp(s - lse) (0 where masked); dv = p^T g;
     ds = p (g v^T - rowsum(g out)) c; dq = ds k; dk = ds^T q."""
     dt = lse.dtype
-    p = torch.exp(_attention_scores(q, k, is_causal, scale, offset) - lse.unsqueeze(-1))
+    p = torch.exp(_attention_scores(q, k, is_causal, scale, offset, key_offset) - lse.unsqueeze(-1))
     g_, q_, k_, v_, o_ = (t.to(dt) for t in (g, q, k, v, out))
     ds = p * (torch.matmul(g_, v_.transpose(-2, -1)) - (g_ * o_).sum(-1, keepdim=True)) * _attention_scale(q, scale)
     return (torch.matmul(ds, k_).to(q.dtype), torch.matmul(ds.transpose(-2, -1), q_).to(k.dtype),
@@ -1513,15 +1534,23 @@ def _sdpa_backward_ref(g, q, k, v, output, lse, is_causal=False, scale=None):
     return fused if fused is not None else _sdpa_backward_math(g, q, k, v, output, lse, is_causal, scale)
 
 
-def _sdpa_backward_query_offset(args, operands, outputs, ctx, axes):
-    """the causal backward for the rank's shard of the queries (global rows start..): dq of those rows,
-    and their summands of dk and dv"""
-    lo, _ = ctx.shard_range(operands["q"].shape[2], operands["q"].layout, 2)
+def _causal_offsets(operands, ctx) -> tuple[int, int]:
+    """The global positions of the rank's first query row and first key (0 where q or k is whole on the
+    sequence axis): where its causal diagonal lies."""
+    q, k = operands["q"], operands["k"]
+    return ctx.shard_range(q.shape[2], q.layout, 2)[0], ctx.shard_range(k.shape[2], k.layout, 2)[0]
+
+
+def _sdpa_backward_causal_offsets(args, operands, outputs, ctx, axes):
+    """the causal backward for the rank's shard of the queries (global rows start..) and of the keys and
+    values (global keys kstart..): dq of those rows (a summand of it, where the keys are sharded), and
+    their summands of dk and dv (those keys' own, where the keys are sharded)"""
+    lo, k_lo = _causal_offsets(operands, ctx)
     a = args
-    return _sdpa_backward_math(a["g"], a["q"], a["k"], a["v"], a["output"], a["lse"], True, a.get("scale"), lo)
+    return _sdpa_backward_math(a["g"], a["q"], a["k"], a["v"], a["output"], a["lse"], True, a.get("scale"), lo, k_lo)
 
 
-SDPA_BACKWARD_QUERY_OFFSET = LocalKernel("q_offset", _sdpa_backward_query_offset)
+SDPA_BACKWARD_CAUSAL_OFFSETS = LocalKernel("causal_offsets", _sdpa_backward_causal_offsets)
 
 
 def _sdpa_backward_flops(ins, outs, args) -> float:
@@ -1532,7 +1561,7 @@ def _sdpa_backward_flops(ins, outs, args) -> float:
 
 
 @op("sdpa_backward", "attention", _sdpa_backward_ref, flops=_sdpa_backward_flops,
-    local_kernels=(SDPA_BACKWARD_QUERY_OFFSET,),
+    local_kernels=(SDPA_BACKWARD_CAUSAL_OFFSETS,),
     no_grad="the backward of attention: a gradient of a gradient (double backward) is not supported")
 def sdpa_backward(g, q, k, v, output, lse, is_causal: bool = False, scale: float | None = None):
     """The gradients (dq, dk, dv) of sdpa from the output's gradient g, the operands, sdpa's output and the
@@ -1555,6 +1584,69 @@ def sdpa_backward(g, q, k, v, output, lse, is_causal: bool = False, scale: float
         raise ShapeError(f"{what}: {lse.name} is {lse.shape} {lse.dtype}; it must be sdpa_lse's logsumexp, "
                          f"{q.shape[:3]} {lse_dtype(q.dtype)}")
     return [OutSpec(t.shape, t.dtype, t.axes) for t in (q, k, v)]
+
+
+# Attention as a reduction over the keys (sdpa's and sdpa_lse's rfactor, _rfactor_attention): the first half,
+# each block's attention and logsumexp; the merge is made of ops that have partial rules (amax, sum).
+
+def _attention_blocks(q, k, v, blocks, is_causal, scale, offset=0, key_offset=0):
+    """(out, lse) of q against each of `blocks` torch.chunk pieces of k and v (global positions from
+    offset and key_offset), stacked on axis 2; a row that sees no key of a block (a causal mask, an empty
+    block) gets lse -inf and out 0, so that its weight exp(lse - m) is 0 and adds nothing."""
+    dt = lse_dtype(q.dtype)
+    outs, lses = [], []
+    for lo, hi in _block_bounds(k.shape[2], blocks):
+        s = _attention_scores(q, k[:, :, lo:hi], is_causal, scale, offset, key_offset + lo)
+        lse = torch.logsumexp(s, -1)
+        seen = torch.where(torch.isfinite(lse), lse, torch.zeros((), dtype=dt, device=q.device))
+        outs.append(torch.matmul(torch.exp(s - seen.unsqueeze(-1)), v[:, :, lo:hi].to(dt)))
+        lses.append(lse)
+    return torch.stack(outs, 2), torch.stack(lses, 2)
+
+
+def _attention_blocks_ref(q, k, v, blocks, is_causal=False, scale=None):
+    return _attention_blocks(q, k, v, blocks, is_causal, scale)
+
+
+def _attention_blocks_causal_offsets(args, operands, outputs, ctx, axes):
+    """causal attention of the rank's queries (global rows start..) against its blocks of the keys (global
+    keys kstart..: one block where the keys are split one block per rank), each block's mask offset by
+    both positions"""
+    lo, k_lo = _causal_offsets(operands, ctx)
+    a = args
+    return _attention_blocks(a["q"], a["k"], a["v"], a["blocks"], True, a.get("scale"), lo, k_lo)
+
+
+ATTENTION_BLOCKS_CAUSAL_OFFSETS = LocalKernel("causal_offsets", _attention_blocks_causal_offsets)
+
+
+def _attention_blocks_flops(ins, outs, args) -> float:
+    """attention's over the rank's keys (sdpa's count), and the block outputs' weighting"""
+    return _sdpa_flops(ins, outs, args) + float(math.prod(outs[1]))
+
+
+@op("attention_blocks", "attention", _attention_blocks_ref, flops=_attention_blocks_flops,
+    local_attrs=lambda args, outs: {"blocks": outs[0][2]}, local_kernels=(ATTENTION_BLOCKS_CAUSAL_OFFSETS,),
+    no_grad="a half of attention split over the keys by the optimizer's rfactor, which runs after "
+            "differentiation: a fusion differentiates sdpa or sdpa_lse, whose vjp it has")
+def attention_blocks(q, k, v, blocks: int, is_causal: bool = False, scale: float | None = None):
+    """Attention of q against `blocks` torch.chunk pieces of the key sequence of k and v, each on its own:
+    (out [batch, heads, blocks, seq_q, head_dim_v], lse [batch, heads, blocks, seq_q]), both in the
+    logsumexp's dtype (float32 for 16-bit operands, as torch's merge of blocks keeps them); a row that sees
+    no key of a block has lse -inf and out 0. The first half of attention split over the keys (the second:
+    m = amax(lse, 2), w = exp(lse - m), out = sum(w out, 2) / sum(w, 2), lse = m + log(sum(w, 2))).
+
+    >>> q = TensorSpec("q", (2, 4, 16, 8), torch.bfloat16, ("b", "h", "s", "d"))
+    >>> [(o.shape, o.dtype) for o in attention_blocks(q, q, q, 4, is_causal=True)]
+    [((2, 4, 4, 16, 8), torch.float32), ((2, 4, 4, 16), torch.float32)]
+    """
+    (out,) = sdpa(q, k, v, is_causal, scale)
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+        raise ShapeError(f"attention_blocks({q.name}, {k.name}, {v.name}): blocks must be a positive int, got "
+                         f"{blocks!r}")
+    dt, blk = lse_dtype(q.dtype), (blocks,)
+    return [OutSpec(q.shape[:2] + blk + out.shape[2:], dt, q.axes[:2] + (f"{k.axes[2]}/blk",) + out.axes[2:]),
+            OutSpec(q.shape[:2] + blk + q.shape[2:3], dt, q.axes[:2] + (f"{k.axes[2]}/blk",) + q.axes[2:3])]
 
 
 def _masked_take(table: torch.Tensor, index: torch.Tensor, lo: int, hi: int, take) -> torch.Tensor:

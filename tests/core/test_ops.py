@@ -128,6 +128,25 @@ def sdpa_grads(v, **kw):
     return torch.autograd.grad(F.scaled_dot_product_attention(*leaves, **kw), leaves, v["g"])
 
 
+def attention_blocks_ref(v, blocks, **kw):
+    """torch's sdpa of q against each torch.chunk piece of k and v on its own (a row that sees none of a
+    piece's keys: out 0, lse -inf), stacked on axis 2, with the logsumexp of each piece's scores."""
+    q, k, vv = v["q"], v["k"], v["v"]
+    s = q @ k.transpose(-2, -1) * kw.get("scale", q.shape[-1] ** -0.5)
+    if kw.get("is_causal"):
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    outs, lses = [], []
+    chunks = list(zip(torch.chunk(torch.arange(k.shape[2]), blocks)))
+    chunks += [(torch.arange(0),)] * (blocks - len(chunks))
+    for (idx,) in chunks:
+        piece = s[..., idx]
+        lse = torch.logsumexp(piece, -1)
+        p = torch.softmax(piece, -1).nan_to_num(0.0)
+        outs.append(p @ vv[:, :, idx])
+        lses.append(lse)
+    return torch.stack(outs, 2), torch.stack(lses, 2)
+
+
 def ce_inputs(n=6, c=5, tdtype=torch.int64):
     return lambda dt: {"logits": rand(n, c, dtype=dt), "target": ints(n, high=c, dtype=tdtype)}
 
@@ -330,6 +349,12 @@ CASES: list[Case] = [
          lambda v: sdpa_with_lse(v, is_causal=True)),
     Case("sdpa_lse", "sdpa_lse-cross-scale-dv", sdpa_inputs(sq=3, sk=6, d=4, dv=2),
          lambda o, t: o.sdpa_lse(t["q"], t["k"], t["v"], scale=0.3), lambda v: sdpa_with_lse(v, scale=0.3)),
+    Case("attention_blocks", "attention_blocks-causal-uneven-empty-block", sdpa_inputs(sk=5),
+         lambda o, t: o.attention_blocks(t["q"], t["k"], t["v"], 4, is_causal=True),
+         lambda v: attention_blocks_ref(v, 4, is_causal=True)),
+    Case("attention_blocks", "attention_blocks-cross-scale-dv", sdpa_inputs(sq=3, sk=6, d=4, dv=2),
+         lambda o, t: o.attention_blocks(t["q"], t["k"], t["v"], 2, scale=0.3),
+         lambda v: attention_blocks_ref(v, 2, scale=0.3)),
     Case("sdpa_backward", "sdpa_backward-causal", sdpa_grad_inputs(),
          lambda o, t: o.sdpa_backward(t["g"], t["q"], t["k"], t["v"],
                                       *o.sdpa_lse(t["q"], t["k"], t["v"], is_causal=True), is_causal=True),
