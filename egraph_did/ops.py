@@ -1592,16 +1592,59 @@ def sdpa_backward(g, q, k, v, output, lse, is_causal: bool = False, scale: float
 def _attention_blocks(q, k, v, blocks, is_causal, scale, offset=0, key_offset=0):
     """(out, lse) of q against each of `blocks` torch.chunk pieces of k and v (global positions from
     offset and key_offset), stacked on axis 2; a row that sees no key of a block (a causal mask, an empty
-    block) gets lse -inf and out 0, so that its weight exp(lse - m) is 0 and adds nothing."""
-    dt = lse_dtype(q.dtype)
+    block) gets lse -inf and out 0, so that its weight exp(lse - m) is 0 and adds nothing. On a GPU each
+    block runs in torch's fused kernels where they take the operands (_fused_block), else in the math."""
     outs, lses = [], []
     for lo, hi in _block_bounds(k.shape[2], blocks):
-        s = _attention_scores(q, k[:, :, lo:hi], is_causal, scale, offset, key_offset + lo)
-        lse = torch.logsumexp(s, -1)
-        seen = torch.where(torch.isfinite(lse), lse, torch.zeros((), dtype=dt, device=q.device))
-        outs.append(torch.matmul(torch.exp(s - seen.unsqueeze(-1)), v[:, :, lo:hi].to(dt)))
+        kb, vb = k[:, :, lo:hi], v[:, :, lo:hi]
+        o, lse = _fused_block(q, kb, vb, is_causal, scale, offset, key_offset + lo) or \
+            _math_block(q, kb, vb, is_causal, scale, offset, key_offset + lo)
+        outs.append(o)
         lses.append(lse)
     return torch.stack(outs, 2), torch.stack(lses, 2)
+
+
+def _math_block(q, k, v, is_causal, scale, offset, key_offset):
+    """One block's (out, lse) in the logsumexp's dtype, from the [sq, block] scores."""
+    dt = lse_dtype(q.dtype)
+    s = _attention_scores(q, k, is_causal, scale, offset, key_offset)
+    lse = torch.logsumexp(s, -1)
+    seen = torch.where(torch.isfinite(lse), lse, torch.zeros((), dtype=dt, device=q.device))
+    return torch.matmul(torch.exp(s - seen.unsqueeze(-1)), v.to(dt)), lse
+
+
+def _fused_block(q, k, v, is_causal, scale, offset, key_offset, forward=None):
+    """One block's (out, lse) from torch's fused kernels (no [sq, block] tensor; out rounded to q's dtype
+    before it is widened, as torch's own merge of ring attention's blocks does); None where they refuse.
+    Under a causal mask the global row offset + i sees key key_offset + j where j <= r_i = offset + i -
+    key_offset: rows with r_i < 0 see nothing, rows with r_i >= block - 1 the whole block, and the rows
+    between (r_i = r0, r0 + 1, ..) see keys [0, r0) whole and keys [r0, r0 + rows) as a square causal
+    mask: each piece is one fused call (`forward`, _fused_forward's signature), merged by the logsumexp."""
+    dt, sq, n = lse_dtype(q.dtype), q.shape[2], k.shape[2]
+    if n == 0 or (forward is None and not q.is_cuda):
+        return None
+    forward = forward or _fused_forward
+    out = torch.zeros(q.shape[:3] + (v.shape[3],), dtype=dt, device=q.device)
+    lse = torch.full(q.shape[:3], -math.inf, dtype=dt, device=q.device)
+    if not is_causal:
+        spans = [(0, sq, [(0, n, False)])]
+    else:
+        first = min(max(key_offset - offset, 0), sq)  # rows before it see nothing
+        whole = min(max(n - 1 - offset + key_offset, first), sq)  # rows from it see the whole block
+        r0, m = offset + first - key_offset, whole - first
+        spans = [(first, whole, ([(0, r0, False)] if r0 else []) + [(r0, r0 + m, True)]), (whole, sq, [(0, n, False)])]
+    for lo, hi, pieces in spans:
+        if hi <= lo:
+            continue
+        parts = [forward(q[:, :, lo:hi], k[:, :, a:b], v[:, :, a:b], causal, scale) for a, b, causal in pieces]
+        if any(p is None for p in parts):
+            return None
+        ls = torch.stack([p[1].to(dt) for p in parts])
+        top = ls.amax(0)
+        w = torch.exp(ls - top)
+        out[:, :, lo:hi] = sum(wi.unsqueeze(-1) * p[0].to(dt) for wi, p in zip(w, parts)) / w.sum(0).unsqueeze(-1)
+        lse[:, :, lo:hi] = top + torch.log(w.sum(0))
+    return out, lse
 
 
 def _attention_blocks_ref(q, k, v, blocks, is_causal=False, scale=None):

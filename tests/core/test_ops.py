@@ -831,6 +831,34 @@ def test_sdpa_causal_with_unequal_lengths_raises():
         fd.ops.sdpa(q, k, v, is_causal=True)
 
 
+def test_attention_blocks_without_blocks_raises():
+    from egraph_did.ops import TensorSpec, attention_blocks
+    q = TensorSpec("q", (1, 2, 4, 8), F32, ("b", "h", "s", "d"))
+    with pytest.raises(ShapeError, match="blocks must be a positive int"):
+        attention_blocks(q, q, q, 0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_blocks_in_fused_pieces_equal_the_math_on_every_diagonal(causal):
+    """On a GPU a block runs as torch's fused kernels on pieces of its rows and keys (rows that see the whole
+    block, rows that see a prefix whole and a square causal part, rows that see nothing), merged by the
+    logsumexp: with the math as the stand-in kernel it equals the math block for every query and key offset."""
+    from egraph_did.ops import _fused_block, _math_block
+
+    def square(q, k, v, c, scale):
+        assert not c or q.shape[2] == k.shape[2], "a fused causal piece must be square (no alignment question)"
+        return _math_block(q, k, v, c, scale, 0, 0)
+    g = torch.Generator().manual_seed(0)
+    for sq, n, offset, key_offset in [(s, n, o, k) for s in (1, 3, 7) for n in (1, 2, 5) for o in (0, 2, 5, 9)
+                                      for k in (0, 1, 4, 8)]:
+        q, k = torch.randn(2, 3, sq, 4, generator=g, dtype=F64), torch.randn(2, 3, n, 4, generator=g, dtype=F64)
+        v = torch.randn(2, 3, n, 5, generator=g, dtype=F64)
+        (out, lse), (want, want_lse) = (f(q, k, v, causal, 0.3, offset, key_offset) for f in (
+            lambda *a: _fused_block(*a, forward=square), _math_block))
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)  # -inf where a row sees nothing
+
+
 def test_layer_norm_weight_of_the_wrong_shape_raises():
     fd, (x, w) = fdef(("x", (3, 4)), ("w", (3,)))
     with pytest.raises(ShapeError, match="normalized_shape"):
