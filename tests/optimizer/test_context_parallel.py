@@ -200,3 +200,29 @@ def test_the_causal_backward_over_sequence_sharded_keys_offsets_each_rank_by_its
     assert [(s.rules, dict(s.flags).keys() == {"causal_offsets"}) for s in backward] == [
         (("sdpa_backward_key_sequence",), True)], plan.explain()
     simulate_equals_reference(attention_step(1, 2, 10, 10, 3, F64, pins, causal=True), plan)
+
+
+def test_data_and_context_parallel_on_a_2x4_mesh_reduce_over_the_key_blocks_on_the_context_axis():
+    """Batch split on dp, the sequence on cp (mesh 2 x 4): the key blocks run on cp alone, per batch shard;
+    only cp carries collectives (the gathered queries and the two all-to-alls of the blocks), and the plan
+    replayed at 7 queries and 10 keys simulates to the reference."""
+    mesh = ed.DeviceMesh([[0, 1, 2, 3], [4, 5, 6, 7]], axis_names=("dp", "cp"))
+
+    def chunk(b, h, sq, sk, d, dtype):
+        with ed.FusionDefinition() as fd:
+            q = fd.define_tensor((b, h, sq, d), dtype, name="q")
+            k, v = (fd.define_tensor((b, h, sk, d), dtype, name=n) for n in "kv")
+            fd.add_output(fd.ops.sdpa(q, k, v), name="out")
+        for name in ("q", "k", "v", "out"):
+            apply_layout(fd[name], Layout.parse("[S(0), S(2)]"), mesh)
+        return fd
+    plan = ed.optimize(chunk(2, 16, 512, 65536, 128, BF16), mesh)
+    assert sorted((c.kind, c.mesh_axis) for c in plan.collectives) == [
+        ("allgather", 1), ("alltoall", 1), ("alltoall", 1)], plan.explain()
+    step = next(s for s in plan.compute_steps if s.op == "attention_blocks")
+    assert step.rules == ("attention_batch_or_heads", "attention_blocks_key_blocks"), plan.explain()
+    small = chunk(2, 2, 7, 10, 3, F64)
+    g = torch.Generator().manual_seed(0)
+    inputs = {t.name: torch.randn(t.shape, generator=g, dtype=F64) for t in small.fusion.inputs}
+    got = ed.simulate(ed.optimize(small, mesh, like=plan), inputs)
+    torch.testing.assert_close(got["out"], ed.evaluate(small, inputs)["out"], rtol=1e-10, atol=1e-12)
