@@ -1541,13 +1541,59 @@ def _causal_offsets(operands, ctx) -> tuple[int, int]:
     return ctx.shard_range(q.shape[2], q.layout, 2)[0], ctx.shard_range(k.shape[2], k.layout, 2)[0]
 
 
+def _causal_pieces(sq: int, n: int, is_causal: bool, offset: int, key_offset: int) -> list:
+    """How attention of sq query rows (global positions offset..) to n keys (key_offset..) splits into
+    calls of torch's fused kernels, which mask only a square causal diagonal: (first row, end row, [(first
+    key, end key, causal)]). Global row offset + i sees key key_offset + j where j <= r_i = offset + i -
+    key_offset: rows with r_i < 0 see nothing (no piece), rows with r_i >= n - 1 every key, and the rows
+    between (r_i = r0, r0 + 1, ..) see keys [0, r0) whole and keys [r0, r0 + rows) as a square causal mask.
+
+    >>> _causal_pieces(4, 6, True, 0, 0)  # the diagonal: 4 rows see keys 0..i
+    [(0, 4, [(0, 4, True)])]
+    >>> _causal_pieces(4, 2, True, 4, 2)  # rows 4..7 against keys 2..3: rows 4..7 see both
+    [(0, 4, [(0, 2, False)])]
+    >>> _causal_pieces(3, 4, True, 5, 4)  # rows 5..7, keys 4..7: rows 5, 6 see key 4 and a diagonal; 7 all
+    [(0, 2, [(0, 1, False), (1, 3, True)]), (2, 3, [(0, 4, False)])]
+    """
+    if not is_causal:
+        return [(0, sq, [(0, n, False)])]
+    first = min(max(key_offset - offset, 0), sq)  # rows before it see nothing
+    whole = min(max(n - 1 - offset + key_offset, first), sq)  # rows from it see the whole block
+    r0, m = offset + first - key_offset, whole - first
+    spans = [(first, whole, ([(0, r0, False)] if r0 else []) + [(r0, r0 + m, True)]), (whole, sq, [(0, n, False)])]
+    return [span for span in spans if span[1] > span[0]]
+
+
+def _fused_backward_pieces(g, q, k, v, out, lse, is_causal, scale, offset, key_offset, backward=None):
+    """(dq, dk, dv) from torch's fused backward on the pieces of _causal_pieces (no [sq, n] tensor), each
+    piece's with the rows' whole output and logsumexp, so exact for its keys: dq summed over a row's pieces,
+    dk and dv over a key's; None where the kernels refuse (`backward`: _fused_backward's signature)."""
+    if backward is None and not q.is_cuda:
+        return None
+    backward = backward or _fused_backward
+    acc = lse.dtype
+    dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
+    for lo, hi, pieces in _causal_pieces(q.shape[2], k.shape[2], is_causal, offset, key_offset):
+        for a, b, causal in pieces:
+            got = backward(g[:, :, lo:hi], q[:, :, lo:hi], k[:, :, a:b], v[:, :, a:b], out[:, :, lo:hi],
+                           lse[:, :, lo:hi].contiguous(), causal, scale)
+            if got is None:
+                return None
+            dq[:, :, lo:hi] += got[0].to(acc)
+            dk[:, :, a:b] += got[1].to(acc)
+            dv[:, :, a:b] += got[2].to(acc)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 def _sdpa_backward_causal_offsets(args, operands, outputs, ctx, axes):
     """the causal backward for the rank's shard of the queries (global rows start..) and of the keys and
     values (global keys kstart..): dq of those rows (a summand of it, where the keys are sharded), and
-    their summands of dk and dv (those keys' own, where the keys are sharded)"""
+    their summands of dk and dv (those keys' own, where the keys are sharded); on a GPU in torch's fused
+    backward, piece by piece"""
     lo, k_lo = _causal_offsets(operands, ctx)
     a = args
-    return _sdpa_backward_math(a["g"], a["q"], a["k"], a["v"], a["output"], a["lse"], True, a.get("scale"), lo, k_lo)
+    operands_ = (a["g"], a["q"], a["k"], a["v"], a["output"], a["lse"], True, a.get("scale"), lo, k_lo)
+    return _fused_backward_pieces(*operands_) or _sdpa_backward_math(*operands_)
 
 
 SDPA_BACKWARD_CAUSAL_OFFSETS = LocalKernel("causal_offsets", _sdpa_backward_causal_offsets)
@@ -1616,26 +1662,15 @@ def _math_block(q, k, v, is_causal, scale, offset, key_offset):
 def _fused_block(q, k, v, is_causal, scale, offset, key_offset, forward=None):
     """One block's (out, lse) from torch's fused kernels (no [sq, block] tensor; out rounded to q's dtype
     before it is widened, as torch's own merge of ring attention's blocks does); None where they refuse.
-    Under a causal mask the global row offset + i sees key key_offset + j where j <= r_i = offset + i -
-    key_offset: rows with r_i < 0 see nothing, rows with r_i >= block - 1 the whole block, and the rows
-    between (r_i = r0, r0 + 1, ..) see keys [0, r0) whole and keys [r0, r0 + rows) as a square causal
-    mask: each piece is one fused call (`forward`, _fused_forward's signature), merged by the logsumexp."""
+    Each piece of _causal_pieces is one fused call (`forward`, _fused_forward's signature), the pieces of
+    a row merged by their logsumexps."""
     dt, sq, n = lse_dtype(q.dtype), q.shape[2], k.shape[2]
     if n == 0 or (forward is None and not q.is_cuda):
         return None
     forward = forward or _fused_forward
     out = torch.zeros(q.shape[:3] + (v.shape[3],), dtype=dt, device=q.device)
     lse = torch.full(q.shape[:3], -math.inf, dtype=dt, device=q.device)
-    if not is_causal:
-        spans = [(0, sq, [(0, n, False)])]
-    else:
-        first = min(max(key_offset - offset, 0), sq)  # rows before it see nothing
-        whole = min(max(n - 1 - offset + key_offset, first), sq)  # rows from it see the whole block
-        r0, m = offset + first - key_offset, whole - first
-        spans = [(first, whole, ([(0, r0, False)] if r0 else []) + [(r0, r0 + m, True)]), (whole, sq, [(0, n, False)])]
-    for lo, hi, pieces in spans:
-        if hi <= lo:
-            continue
+    for lo, hi, pieces in _causal_pieces(sq, n, is_causal, offset, key_offset):
         parts = [forward(q[:, :, lo:hi], k[:, :, a:b], v[:, :, a:b], causal, scale) for a, b, causal in pieces]
         if any(p is None for p in parts):
             return None

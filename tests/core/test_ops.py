@@ -859,6 +859,28 @@ def test_attention_blocks_in_fused_pieces_equal_the_math_on_every_diagonal(causa
         torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)  # -inf where a row sees nothing
 
 
+def test_the_causal_backward_in_fused_pieces_equals_the_math_on_every_diagonal():
+    """On a GPU the causal backward of a shard of the queries and of the keys runs torch's fused backward on
+    the same pieces as the forward blocks, each with its rows' whole output and logsumexp (exact for its
+    keys): with the math as the stand-in kernel it equals the math backward at every query and key offset."""
+    from egraph_did.ops import _fused_backward_pieces, _sdpa_backward_math
+
+    def square(g, q, k, v, out, lse, c, scale):
+        assert not c or q.shape[2] == k.shape[2], "a fused causal piece must be square (no alignment question)"
+        return _sdpa_backward_math(g, q, k, v, out, lse, c, scale)
+    gen = torch.Generator().manual_seed(1)
+    for sq, n, offset, key_offset in [(s, n, o, k) for s in (1, 3, 7) for n in (1, 2, 5) for o in (0, 2, 5, 9)
+                                      for k in (0, 1, 4, 8)]:
+        q, g = (torch.randn(2, 3, sq, 4, generator=gen, dtype=F64) for _ in range(2))
+        k, v = (torch.randn(2, 3, n, 4, generator=gen, dtype=F64) for _ in range(2))
+        out = torch.randn(2, 3, sq, 4, generator=gen, dtype=F64)  # any rows' output and logsumexp: both
+        lse = torch.randn(2, 3, sq, generator=gen, dtype=F64)     # sides read the same ones
+        got = _fused_backward_pieces(g, q, k, v, out, lse, True, 0.3, offset, key_offset, backward=square)
+        want = _sdpa_backward_math(g, q, k, v, out, lse, True, 0.3, offset, key_offset)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_layer_norm_weight_of_the_wrong_shape_raises():
     fd, (x, w) = fdef(("x", (3, 4)), ("w", (3,)))
     with pytest.raises(ShapeError, match="normalized_shape"):
