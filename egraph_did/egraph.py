@@ -124,7 +124,7 @@ def _dims(x_ndim: int, dims) -> tuple[int, ...]:
 def _axis_facts(e) -> list[tuple]:
     """The op's axis correspondence (AxisMap: output axis b is operand axis a, unchanged), its reduced or
     gathered axes (Reduced), a reshape's groups (ReshapeBlock) and attributes the rules read (AttrS, AttrI:
-    welford's blocks, scatter_add's dim), by op kind.
+    an rfactor's blocks, scatter_add's dim), by op kind.
 
     >>> from egraph_did.models import row_sum
     >>> _axis_facts(row_sum(8, 64).fusion.exprs[0])  # sum over axis 1 keeps axis 0
@@ -151,7 +151,6 @@ def _axis_facts(e) -> list[tuple]:
     elif op.name == "welford_blocks":
         dim = _norm(args["dim"], x.ndim)
         out += [("AxisMap", 0, a, a) for a in range(x.ndim) if a != dim] + [("Reduced", dim)]
-        out.append(("AttrI", "blocks", args["blocks"]))
     elif op.name == "unsqueeze":
         d = _norm(args["dim"], e.outputs[0].ndim)
         out += [("AxisMap", 0, a, a if a < d else a + 1) for a in range(x.ndim)]
@@ -179,6 +178,8 @@ def _axis_facts(e) -> list[tuple]:
     for name in ("reduction", "is_causal", "ignore_index"):
         if name in args:
             out.append(("AttrS", name, attr_text(args[name])))
+    if "blocks" in args:  # an rfactor's first half (welford_blocks, attention_blocks): one block per rank
+        out.append(("AttrI", "blocks", args["blocks"]))
     return out
 
 

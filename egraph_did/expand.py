@@ -18,7 +18,7 @@ from egglog import EGraph
 from egraph_did.rewrites import collective_matmul, recompute  # noqa: F401  (recompute registers its rewrite)
 from egraph_did.rewrites.algebra import REWRITES, Bucket, Member, Merge, MergedB, MergedW, MergedY, Rewrote, rewrite_ruleset
 from egraph_did.rewrites.recompute import Keepable, Kept
-from egraph_did.rewrites.sorts import OPS_SORT, Def, Lit, ShapeOf, Shp, T, shape_code
+from egraph_did.rewrites.sorts import OPS_SORT, Def, Lit, Out, ShapeOf, Shp, T, shape_code
 
 from .egglog_io import frozen_rows, held_string, run_text, string_term
 from .errors import PlanError
@@ -99,7 +99,8 @@ def _template(names: tuple[str, ...]):
     # ShapeOf on a class of its own: on junk (which every op's term joins) recompute's Kept would grow terms
     eg.register(ShapeOf(Lit("declare-shape"), Shp("declare")), Rewrote(junk, "declare"), Def(T("declare"), junk), Bucket(*[junk] * 8), Kept(junk), Keepable(junk),
                 Merge(-1, junk, -1, *[junk] * 4), Member(-1, -1, *[junk] * 8), MergedW(-1, -1), MergedB(-1, -1), MergedY(-1),
-                *[Def(junk, OPS_SORT[op](*[junk] * len(OPS[op].signature.parameters))) for op in sorted(OPS_SORT)])
+                *[Def(junk, OPS_SORT[op](*[junk] * len(OPS[op].signature.parameters))) for op in sorted(OPS_SORT)],
+                Def(junk, Out(0, junk)))  # a multi-output op's outputs, whatever rewrites are named
     eg.run(1, ruleset=rules)
     return eg, rules
 

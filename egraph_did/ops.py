@@ -1353,8 +1353,28 @@ def _vjp_sdpa(ops, g, out, q, k, v, is_causal=False, scale=None):
     return _vjp_sdpa_lse(ops, (g, None), (out, lse), q, k, v, is_causal, scale)
 
 
+def _rfactor_attention(ops, blocks, q, k, v, is_causal=False, scale=None, with_lse=True):
+    """Attention as a reduction over the keys, split in `blocks` pieces of the key sequence (the online
+    softmax merge, exact): each block's attention o_r and logsumexp l_r (attention_blocks), m = max_r l_r,
+    w_r = exp(l_r - m), out = sum_r w_r o_r / sum_r w_r, lse = m + log(sum_r w_r). With the keys split
+    over the ranks, one block each, the max is a pending max and both sums pending sums: only [b, h, sq]
+    statistics and the output's summands move, never k and v."""
+    o_b, l_b = ops.attention_blocks(q, k, v, blocks, is_causal=is_causal, scale=scale)
+    m = ops.amax(l_b, 2)
+    w = ops.exp(ops.sub(l_b, ops.unsqueeze(m, 2)))
+    den = ops.sum(w, 2)
+    # cast back from the logsumexp's dtype even where it is q's (a copy, fused into the division's kernel):
+    # one program for every dtype, so that a plan replays on another (optimize(like=) matches tensor names)
+    out = ops.cast(ops.div(ops.sum(ops.mul(o_b, ops.unsqueeze(w, -1)), 2), ops.unsqueeze(den, -1)), q.dtype)
+    return (out, ops.add(m, ops.log(den))) if with_lse else out
+
+
+def _rfactor_sdpa(ops, blocks, q, k, v, is_causal=False, scale=None):
+    return _rfactor_attention(ops, blocks, q, k, v, is_causal, scale, with_lse=False)
+
+
 @op("sdpa", "attention", _sdpa_ref, _decompose_sdpa, flops=_sdpa_flops, local_kernels=(SDPA_QUERY_OFFSET,),
-    vjp=_vjp_sdpa, differentiated_as="sdpa_lse")
+    rfactor=_rfactor_sdpa, vjp=_vjp_sdpa, differentiated_as="sdpa_lse")
 def sdpa(q, k, v, is_causal: bool = False, scale: float | None = None):
     """Scaled dot-product attention on [batch, heads, seq, head_dim] operands (torch's sdpa)."""
     q, k, v = (_need_tensor("sdpa", n, t) for n, t in (("q", q), ("k", k), ("v", v)))
@@ -1388,14 +1408,15 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _attention_scores(q, k, is_causal, scale, offset=0):
-    """The scaled scores q k^T in the logsumexp's dtype, -inf above the causal diagonal (offset: the
-    global position of the first query row)."""
+def _attention_scores(q, k, is_causal, scale, offset=0, key_offset=0):
+    """The scaled scores q k^T in the logsumexp's dtype, -inf above the causal diagonal (offset and
+    key_offset: the global positions of the first query row and of the first key)."""
     dt = lse_dtype(q.dtype)
     s = torch.matmul(q.to(dt), k.to(dt).transpose(-2, -1)) * _attention_scale(q, scale)
     if is_causal:
         rows = torch.arange(q.shape[2], device=q.device).unsqueeze(1) + offset
-        s = s.masked_fill(torch.arange(k.shape[2], device=q.device).unsqueeze(0) > rows, -math.inf)
+        keys = torch.arange(k.shape[2], device=q.device).unsqueeze(0) + key_offset
+        s = s.masked_fill(keys > rows, -math.inf)
     return s
 
 
@@ -1463,7 +1484,7 @@ def _sdpa_lse_flops(ins, outs, args) -> float:
 
 
 @op("sdpa_lse", "attention", _sdpa_lse_ref, flops=_sdpa_lse_flops, local_kernels=(SDPA_LSE_QUERY_OFFSET,),
-    vjp=_vjp_sdpa_lse)
+    rfactor=_rfactor_attention, vjp=_vjp_sdpa_lse)
 def sdpa_lse(q, k, v, is_causal: bool = False, scale: float | None = None):
     """sdpa that also gives the logsumexp of each query's scaled scores, [batch, heads, seq_q] (float32 for
     16-bit operands): (out, lse), torch's flash attention forward. A gradient of sdpa runs it, so that the
@@ -1497,11 +1518,11 @@ def _fused_backward(g, q, k, v, out, lse, is_causal, scale):
         return None
 
 
-def _sdpa_backward_math(g, q, k, v, out, lse, is_causal=False, scale=None, offset=0):
+def _sdpa_backward_math(g, q, k, v, out, lse, is_causal=False, scale=None, offset=0, key_offset=0):
     """The backward from the logsumexp, in its dtype: p = exp(s - lse) (0 where masked); dv = p^T g;
     ds = p (g v^T - rowsum(g out)) c; dq = ds k; dk = ds^T q."""
     dt = lse.dtype
-    p = torch.exp(_attention_scores(q, k, is_causal, scale, offset) - lse.unsqueeze(-1))
+    p = torch.exp(_attention_scores(q, k, is_causal, scale, offset, key_offset) - lse.unsqueeze(-1))
     g_, q_, k_, v_, o_ = (t.to(dt) for t in (g, q, k, v, out))
     ds = p * (torch.matmul(g_, v_.transpose(-2, -1)) - (g_ * o_).sum(-1, keepdim=True)) * _attention_scale(q, scale)
     return (torch.matmul(ds, k_).to(q.dtype), torch.matmul(ds.transpose(-2, -1), q_).to(k.dtype),
@@ -1513,15 +1534,69 @@ def _sdpa_backward_ref(g, q, k, v, output, lse, is_causal=False, scale=None):
     return fused if fused is not None else _sdpa_backward_math(g, q, k, v, output, lse, is_causal, scale)
 
 
-def _sdpa_backward_query_offset(args, operands, outputs, ctx, axes):
-    """the causal backward for the rank's shard of the queries (global rows start..): dq of those rows,
-    and their summands of dk and dv"""
-    lo, _ = ctx.shard_range(operands["q"].shape[2], operands["q"].layout, 2)
+def _causal_offsets(operands, ctx) -> tuple[int, int]:
+    """The global positions of the rank's first query row and first key (0 where q or k is whole on the
+    sequence axis): where its causal diagonal lies."""
+    q, k = operands["q"], operands["k"]
+    return ctx.shard_range(q.shape[2], q.layout, 2)[0], ctx.shard_range(k.shape[2], k.layout, 2)[0]
+
+
+def _causal_pieces(sq: int, n: int, is_causal: bool, offset: int, key_offset: int) -> list:
+    """How attention of sq query rows (global positions offset..) to n keys (key_offset..) splits into
+    calls of torch's fused kernels, which mask only a square causal diagonal: (first row, end row, [(first
+    key, end key, causal)]). Global row offset + i sees key key_offset + j where j <= r_i = offset + i -
+    key_offset: rows with r_i < 0 see nothing (no piece), rows with r_i >= n - 1 every key, and the rows
+    between (r_i = r0, r0 + 1, ..) see keys [0, r0) whole and keys [r0, r0 + rows) as a square causal mask.
+
+    >>> _causal_pieces(4, 6, True, 0, 0)  # the diagonal: 4 rows see keys 0..i
+    [(0, 4, [(0, 4, True)])]
+    >>> _causal_pieces(4, 2, True, 4, 2)  # rows 4..7 against keys 2..3: rows 4..7 see both
+    [(0, 4, [(0, 2, False)])]
+    >>> _causal_pieces(3, 4, True, 5, 4)  # rows 5..7, keys 4..7: rows 5, 6 see key 4 and a diagonal; 7 all
+    [(0, 2, [(0, 1, False), (1, 3, True)]), (2, 3, [(0, 4, False)])]
+    """
+    if not is_causal:
+        return [(0, sq, [(0, n, False)])]
+    first = min(max(key_offset - offset, 0), sq)  # rows before it see nothing
+    whole = min(max(n - 1 - offset + key_offset, first), sq)  # rows from it see the whole block
+    r0, m = offset + first - key_offset, whole - first
+    spans = [(first, whole, ([(0, r0, False)] if r0 else []) + [(r0, r0 + m, True)]), (whole, sq, [(0, n, False)])]
+    return [span for span in spans if span[1] > span[0]]
+
+
+def _fused_backward_pieces(g, q, k, v, out, lse, is_causal, scale, offset, key_offset, backward=None):
+    """(dq, dk, dv) from torch's fused backward on the pieces of _causal_pieces (no [sq, n] tensor), each
+    piece's with the rows' whole output and logsumexp, so exact for its keys: dq summed over a row's pieces,
+    dk and dv over a key's; None where the kernels refuse (`backward`: _fused_backward's signature)."""
+    if backward is None and not q.is_cuda:
+        return None
+    backward = backward or _fused_backward
+    acc = lse.dtype
+    dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
+    for lo, hi, pieces in _causal_pieces(q.shape[2], k.shape[2], is_causal, offset, key_offset):
+        for a, b, causal in pieces:
+            got = backward(g[:, :, lo:hi], q[:, :, lo:hi], k[:, :, a:b], v[:, :, a:b], out[:, :, lo:hi],
+                           lse[:, :, lo:hi].contiguous(), causal, scale)
+            if got is None:
+                return None
+            dq[:, :, lo:hi] += got[0].to(acc)
+            dk[:, :, a:b] += got[1].to(acc)
+            dv[:, :, a:b] += got[2].to(acc)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _sdpa_backward_causal_offsets(args, operands, outputs, ctx, axes):
+    """the causal backward for the rank's shard of the queries (global rows start..) and of the keys and
+    values (global keys kstart..): dq of those rows (a summand of it, where the keys are sharded), and
+    their summands of dk and dv (those keys' own, where the keys are sharded); on a GPU in torch's fused
+    backward, piece by piece"""
+    lo, k_lo = _causal_offsets(operands, ctx)
     a = args
-    return _sdpa_backward_math(a["g"], a["q"], a["k"], a["v"], a["output"], a["lse"], True, a.get("scale"), lo)
+    operands_ = (a["g"], a["q"], a["k"], a["v"], a["output"], a["lse"], True, a.get("scale"), lo, k_lo)
+    return _fused_backward_pieces(*operands_) or _sdpa_backward_math(*operands_)
 
 
-SDPA_BACKWARD_QUERY_OFFSET = LocalKernel("q_offset", _sdpa_backward_query_offset)
+SDPA_BACKWARD_CAUSAL_OFFSETS = LocalKernel("causal_offsets", _sdpa_backward_causal_offsets)
 
 
 def _sdpa_backward_flops(ins, outs, args) -> float:
@@ -1532,7 +1607,7 @@ def _sdpa_backward_flops(ins, outs, args) -> float:
 
 
 @op("sdpa_backward", "attention", _sdpa_backward_ref, flops=_sdpa_backward_flops,
-    local_kernels=(SDPA_BACKWARD_QUERY_OFFSET,),
+    local_kernels=(SDPA_BACKWARD_CAUSAL_OFFSETS,),
     no_grad="the backward of attention: a gradient of a gradient (double backward) is not supported")
 def sdpa_backward(g, q, k, v, output, lse, is_causal: bool = False, scale: float | None = None):
     """The gradients (dq, dk, dv) of sdpa from the output's gradient g, the operands, sdpa's output and the
@@ -1555,6 +1630,101 @@ def sdpa_backward(g, q, k, v, output, lse, is_causal: bool = False, scale: float
         raise ShapeError(f"{what}: {lse.name} is {lse.shape} {lse.dtype}; it must be sdpa_lse's logsumexp, "
                          f"{q.shape[:3]} {lse_dtype(q.dtype)}")
     return [OutSpec(t.shape, t.dtype, t.axes) for t in (q, k, v)]
+
+
+# Attention as a reduction over the keys (sdpa's and sdpa_lse's rfactor, _rfactor_attention): the first half,
+# each block's attention and logsumexp; the merge is made of ops that have partial rules (amax, sum).
+
+def _attention_blocks(q, k, v, blocks, is_causal, scale, offset=0, key_offset=0):
+    """(out, lse) of q against each of `blocks` torch.chunk pieces of k and v (global positions from
+    offset and key_offset), stacked on axis 2; a row that sees no key of a block (a causal mask, an empty
+    block) gets lse -inf and out 0, so that its weight exp(lse - m) is 0 and adds nothing. On a GPU each
+    block runs in torch's fused kernels where they take the operands (_fused_block), else in the math."""
+    outs, lses = [], []
+    for lo, hi in _block_bounds(k.shape[2], blocks):
+        kb, vb = k[:, :, lo:hi], v[:, :, lo:hi]
+        o, lse = _fused_block(q, kb, vb, is_causal, scale, offset, key_offset + lo) or \
+            _math_block(q, kb, vb, is_causal, scale, offset, key_offset + lo)
+        outs.append(o)
+        lses.append(lse)
+    return torch.stack(outs, 2), torch.stack(lses, 2)
+
+
+def _math_block(q, k, v, is_causal, scale, offset, key_offset):
+    """One block's (out, lse) in the logsumexp's dtype, from the [sq, block] scores."""
+    dt = lse_dtype(q.dtype)
+    s = _attention_scores(q, k, is_causal, scale, offset, key_offset)
+    lse = torch.logsumexp(s, -1)
+    seen = torch.where(torch.isfinite(lse), lse, torch.zeros((), dtype=dt, device=q.device))
+    return torch.matmul(torch.exp(s - seen.unsqueeze(-1)), v.to(dt)), lse
+
+
+def _fused_block(q, k, v, is_causal, scale, offset, key_offset, forward=None):
+    """One block's (out, lse) from torch's fused kernels (no [sq, block] tensor; out rounded to q's dtype
+    before it is widened, as torch's own merge of ring attention's blocks does); None where they refuse.
+    Each piece of _causal_pieces is one fused call (`forward`, _fused_forward's signature), the pieces of
+    a row merged by their logsumexps."""
+    dt, sq, n = lse_dtype(q.dtype), q.shape[2], k.shape[2]
+    if n == 0 or (forward is None and not q.is_cuda):
+        return None
+    forward = forward or _fused_forward
+    out = torch.zeros(q.shape[:3] + (v.shape[3],), dtype=dt, device=q.device)
+    lse = torch.full(q.shape[:3], -math.inf, dtype=dt, device=q.device)
+    for lo, hi, pieces in _causal_pieces(sq, n, is_causal, offset, key_offset):
+        parts = [forward(q[:, :, lo:hi], k[:, :, a:b], v[:, :, a:b], causal, scale) for a, b, causal in pieces]
+        if any(p is None for p in parts):
+            return None
+        ls = torch.stack([p[1].to(dt) for p in parts])
+        top = ls.amax(0)
+        w = torch.exp(ls - top)
+        out[:, :, lo:hi] = sum(wi.unsqueeze(-1) * p[0].to(dt) for wi, p in zip(w, parts)) / w.sum(0).unsqueeze(-1)
+        lse[:, :, lo:hi] = top + torch.log(w.sum(0))
+    return out, lse
+
+
+def _attention_blocks_ref(q, k, v, blocks, is_causal=False, scale=None):
+    return _attention_blocks(q, k, v, blocks, is_causal, scale)
+
+
+def _attention_blocks_causal_offsets(args, operands, outputs, ctx, axes):
+    """causal attention of the rank's queries (global rows start..) against its blocks of the keys (global
+    keys kstart..: one block where the keys are split one block per rank), each block's mask offset by
+    both positions"""
+    lo, k_lo = _causal_offsets(operands, ctx)
+    a = args
+    return _attention_blocks(a["q"], a["k"], a["v"], a["blocks"], True, a.get("scale"), lo, k_lo)
+
+
+ATTENTION_BLOCKS_CAUSAL_OFFSETS = LocalKernel("causal_offsets", _attention_blocks_causal_offsets)
+
+
+def _attention_blocks_flops(ins, outs, args) -> float:
+    """attention's over the rank's keys (sdpa's count), and the block outputs' weighting"""
+    return _sdpa_flops(ins, outs, args) + float(math.prod(outs[1]))
+
+
+@op("attention_blocks", "attention", _attention_blocks_ref, flops=_attention_blocks_flops,
+    local_attrs=lambda args, outs: {"blocks": outs[0][2]}, local_kernels=(ATTENTION_BLOCKS_CAUSAL_OFFSETS,),
+    no_grad="a half of attention split over the keys by the optimizer's rfactor, which runs after "
+            "differentiation: a fusion differentiates sdpa or sdpa_lse, whose vjp it has")
+def attention_blocks(q, k, v, blocks: int, is_causal: bool = False, scale: float | None = None):
+    """Attention of q against `blocks` torch.chunk pieces of the key sequence of k and v, each on its own:
+    (out [batch, heads, blocks, seq_q, head_dim_v], lse [batch, heads, blocks, seq_q]), both in the
+    logsumexp's dtype (float32 for 16-bit operands, as torch's merge of blocks keeps them); a row that sees
+    no key of a block has lse -inf and out 0. The first half of attention split over the keys (the second:
+    m = amax(lse, 2), w = exp(lse - m), out = sum(w out, 2) / sum(w, 2), lse = m + log(sum(w, 2))).
+
+    >>> q = TensorSpec("q", (2, 4, 16, 8), torch.bfloat16, ("b", "h", "s", "d"))
+    >>> [(o.shape, o.dtype) for o in attention_blocks(q, q, q, 4, is_causal=True)]
+    [((2, 4, 4, 16, 8), torch.float32), ((2, 4, 4, 16), torch.float32)]
+    """
+    (out,) = sdpa(q, k, v, is_causal, scale)
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+        raise ShapeError(f"attention_blocks({q.name}, {k.name}, {v.name}): blocks must be a positive int, got "
+                         f"{blocks!r}")
+    dt, blk = lse_dtype(q.dtype), (blocks,)
+    return [OutSpec(q.shape[:2] + blk + out.shape[2:], dt, q.axes[:2] + (f"{k.axes[2]}/blk",) + out.axes[2:]),
+            OutSpec(q.shape[:2] + blk + q.shape[2:3], dt, q.axes[:2] + (f"{k.axes[2]}/blk",) + q.axes[2:3])]
 
 
 def _masked_take(table: torch.Tensor, index: torch.Tensor, lo: int, hi: int, take) -> torch.Tensor:

@@ -33,6 +33,12 @@ from .ops import canonical_dtype, ops_where
 REDUCING_COMPOSITES = ops_where(is_composite=True, reduces=True)
 
 
+def _expands(e: Expr) -> bool:
+    """Whether the e-graph holds e's decomposition beside it: a reducing composite, or an op that states
+    its reduction split in blocks (rfactor: var_mean, attention over its keys)."""
+    return (e.op.is_composite and e.op.reduces) or e.op.rfactor is not None
+
+
 @dataclass(frozen=True)
 class Strategy:
     """One way to run an expr on the whole mesh: a layout per operand and output, flags per mesh axis.
@@ -150,12 +156,12 @@ def _add_decompositions(work: Fusion, ops: Ops, mesh: DeviceMesh, problem: Probl
     """Append, for each reducing composite, its decomposition (and its rfactor by each mesh axis size),
     recording that the decomposition's outputs equal the composite's."""
     blocks = sorted({s for s in mesh.shape if s > 1})
-    pending = [e for e in work.exprs if e.op.is_composite and e.op.reduces]
+    pending = [e for e in work.exprs if _expands(e)]
     for _ in range(4):  # composites inside decompositions (layer_norm -> var_mean) expand in turn
         start = len(work.exprs)
         for e in pending:
             args = dict(e.args)
-            if e.op.rfactor is not None:  # var_mean: the parallel Welford merge, one block per rank
+            if e.op.rfactor is not None:  # var_mean: the parallel Welford merge; attention: the online softmax's
                 variants = [lambda g=g: e.op.rfactor(ops, g, **args) for g in blocks]
             else:
                 variants = [lambda: e.op.decompose(ops, **args)]
@@ -169,7 +175,7 @@ def _add_decompositions(work: Fusion, ops: Ops, mesh: DeviceMesh, problem: Probl
                 for d in work.exprs[first:]:
                     for o in d.outputs:
                         problem.origin[o.name] = problem.origin.get(e.outputs[0].name, e.outputs[0].name)
-        pending = [e for e in work.exprs[start:] if e.op.is_composite and e.op.reduces]
+        pending = [e for e in work.exprs[start:] if _expands(e)]
         if not pending:
             break
 

@@ -1,16 +1,17 @@
-"""ATen-evaluated ops: linear and matmul (column-, row-, batch- and sequence-parallel), sdpa on batch or
-heads, embedding on the vocabulary, gathers on class-sharded logits."""
+"""ATen-evaluated ops: linear and matmul (column-, row-, batch- and sequence-parallel), sdpa on batch,
+heads, queries or (through its rfactor, attention_blocks) keys, embedding on the vocabulary, gathers on
+class-sharded logits."""
 from __future__ import annotations
 
 from egglog import i64, ne, var
 from egglog import rule as erule
 
-from egraph_did.ops import (EMBEDDING_VOCAB_PARALLEL, LINEAR_BIAS_ONCE, SDPA_BACKWARD_QUERY_OFFSET, SDPA_LSE_QUERY_OFFSET,
-                            SDPA_QUERY_OFFSET, TAKE_ALONG_MASKED)
+from egraph_did.ops import (ATTENTION_BLOCKS_CAUSAL_OFFSETS, EMBEDDING_VOCAB_PARALLEL, LINEAR_BIAS_ONCE,
+                            SDPA_BACKWARD_CAUSAL_OFFSETS, SDPA_LSE_QUERY_OFFSET, SDPA_QUERY_OFFSET, TAKE_ALONG_MASKED)
 
 from .rules import P, R, S, Case, egglog_form, family_ruleset, indices, rule
 from .sorts import P as P_, R as R_, S as S_
-from .sorts import (AttrS, AxisMap, Bcast, Extent, MeshSize, Placement, Rank, Reduced, a, ax, b, d, i, m, n, r, sig, site,
+from .sorts import (AttrI, AttrS, AxisMap, Bcast, Extent, MeshSize, Placement, Rank, Reduced, a, ax, b, d, i, m, n, r, sig, site,
                     sx0, sx1, sy)
 
 
@@ -161,8 +162,14 @@ ATTN = {"q": (2, 3, 5, 4), "k": (2, 3, 5, 4), "v": (2, 3, 5, 3)}
 ATTN_G = {**ATTN, "g": (2, 3, 5, 3)}
 
 
-@rule("sdpa_lse", "sdpa_backward", cases=[
+def _blocks(o, q, k, v, blocks, **kw):
+    """attention_blocks' two outputs (out, lse) of `blocks` pieces of the keys."""
+    return tuple(o.attention_blocks(q, k, v, blocks, **kw))
+
+
+@rule("sdpa_lse", "sdpa_backward", "attention_blocks", cases=[
     Case("lse-heads-uneven", (2,), ATTN, lambda o, q, k, v: _with_lse(o, q, k, v)),
+    Case("blocks-causal-heads-uneven", (2,), ATTN, lambda o, q, k, v: _blocks(o, q, k, v, 2, is_causal=True)),
     Case("lse-causal-batch-mesh2x2", (2, 2), {"q": (4, 2, 3, 2), "k": (4, 2, 3, 2), "v": (4, 2, 3, 2)},
          lambda o, q, k, v: _with_lse(o, q, k, v, is_causal=True)),
     Case("backward-heads-uneven", (2,), ATTN_G, lambda o, q, k, v, g: _backward(o, g, q, k, v, is_causal=True)),
@@ -190,6 +197,35 @@ def sdpa_lse_query_sequence(e):
     yield e.strategy(out=S(2), q=S(2), local=SDPA_LSE_QUERY_OFFSET if e.attr("is_causal") else None)
 
 
+@rule("attention_blocks", cases=[
+    Case("causal-uneven", (3,), {"q": (1, 2, 5, 4), "k": (1, 2, 5, 4), "v": (1, 2, 5, 3)},
+         lambda o, q, k, v: _blocks(o, q, k, v, 3, is_causal=True)),
+    Case("cross-scale", (2,), {"q": (1, 2, 5, 4), "k": (1, 2, 6, 4), "v": (1, 2, 6, 3)},
+         lambda o, q, k, v: _blocks(o, q, k, v, 4, scale=0.3)),
+])
+def attention_blocks_query_sequence(e):
+    """each query row's block outputs and logsumexps read all its keys: a shard of the queries with k, v
+    replicated is local (causal masks offset by the shard's first position)"""
+    yield e.strategy(out=S(3), q=S(2), local=ATTENTION_BLOCKS_CAUSAL_OFFSETS if e.attr("is_causal") else None)
+
+
+@rule("attention_blocks", nestable=False, cases=[
+    Case("causal-uneven", (3,), {"q": (1, 2, 7, 4), "k": (1, 2, 7, 4), "v": (1, 2, 7, 3)},
+         lambda o, q, k, v: _blocks(o, q, k, v, 3, is_causal=True)),
+    Case("cross-scale", (2,), {"q": (2, 1, 3, 4), "k": (2, 1, 6, 4), "v": (2, 1, 6, 5)},
+         lambda o, q, k, v: _blocks(o, q, k, v, 2, scale=0.3)),
+    Case("causal-mesh2x2", (2, 2), {"q": (1, 1, 7, 2), "k": (1, 1, 7, 2), "v": (1, 1, 7, 2)},
+         lambda o, q, k, v: _blocks(o, q, k, v, 2, is_causal=True)),
+])
+def attention_blocks_key_blocks(e):
+    """attention against one block of the keys per rank needs no other rank's keys: k and v split on the
+    sequence as the blocks are (torch.chunk), q whole, the blocks axis split alike (causal masks offset by
+    the block's first key)"""
+    if e.attr("blocks") == e.d:
+        yield e.strategy(out=S(2), k=S(2), v=S(2),
+                         local=ATTENTION_BLOCKS_CAUSAL_OFFSETS if e.attr("is_causal") else None)
+
+
 @rule("sdpa_lse", cases=[
     Case("causal", (2,), {"q": (1, 2, 3, 4), "k": (1, 2, 3, 4), "v": (1, 2, 3, 5)},
          lambda o, q, k, v: _with_lse(o, q, k, v, is_causal=True)),
@@ -213,7 +249,23 @@ def sdpa_backward_query_sequence(e):
     sum over the queries, so each rank's rows give a summand: dq sharded, dk and dv partial (causal masks
     offset by the shard's first position)"""
     yield e.strategy(out=(S(2), P, P), g=S(2), q=S(2), output=S(2), lse=S(2),
-                     local=SDPA_BACKWARD_QUERY_OFFSET if e.attr("is_causal") else None)
+                     local=SDPA_BACKWARD_CAUSAL_OFFSETS if e.attr("is_causal") else None)
+
+
+@rule("sdpa_backward", cases=[
+    Case("causal-uneven", (3,), ATTN_G, lambda o, q, k, v, g: _backward(o, g, q, k, v, is_causal=True)),
+    Case("cross-scale", (2,), {"q": (1, 2, 3, 4), "k": (1, 2, 6, 4), "v": (1, 2, 6, 3), "g": (1, 2, 3, 3)},
+         lambda o, q, k, v, g: _backward(o, g, q, k, v, scale=0.3)),
+    Case("causal-mesh2x2-nested-uneven", (2, 2), {"q": (1, 1, 13, 2), "k": (1, 1, 13, 2), "v": (1, 1, 13, 2),
+                                                 "g": (1, 1, 13, 2)},
+         lambda o, q, k, v, g: _backward(o, g, q, k, v, is_causal=True)),
+])
+def sdpa_backward_key_sequence(e):
+    """p_ij = exp(s_ij - lse_i) from the whole logsumexp is exact for a shard of the keys: dk and dv of
+    those keys need only them, and dq = sum_j ds_ij k_j sums over the keys, so each rank's keys give a
+    summand: dk and dv sharded, dq partial (causal masks offset by the shard's first key)"""
+    yield e.strategy(out=(P, S(2), S(2)), k=S(2), v=S(2),
+                     local=SDPA_BACKWARD_CAUSAL_OFFSETS if e.attr("is_causal") else None)
 
 
 @rule("sdpa_backward", cases=[
@@ -364,7 +416,7 @@ def _sdpa_value_dim(spec):
 @egglog_form(attention_batch_or_heads)
 def _attention_batch_or_heads(spec):
     """attention and its backward are independent per batch element and per head: all sharded alike"""
-    for name, n_in, n_out in (("sdpa_lse", 3, 2), ("sdpa_backward", 6, 3)):
+    for name, n_in, n_out in (("sdpa_lse", 3, 2), ("sdpa_backward", 6, 3), ("attention_blocks", 3, 2)):
         yield erule(site(name, n_in, n_out), MeshSize(d)).then(*[ax([S_(k)] * n_in, [S_(k)] * n_out) for k in (0, 1)])
 
 
@@ -376,6 +428,22 @@ def _sdpa_lse_query_sequence(spec):
             ax([S_(2), R_(), R_()], [S_(2), S_(2)], kernel))
 
 
+@egglog_form(attention_blocks_query_sequence)
+def _attention_blocks_query_sequence(spec):
+    """a shard of the queries attends to replicated keys and values locally, block by block"""
+    for causal, kernel in (("true", ATTENTION_BLOCKS_CAUSAL_OFFSETS), ("false", None)):
+        yield erule(site("attention_blocks", 3, 2), AttrS(sig, "is_causal", causal), MeshSize(d)).then(
+            ax([S_(2), R_(), R_()], [S_(3), S_(3)], kernel))
+
+
+@egglog_form(attention_blocks_key_blocks)
+def _attention_blocks_key_blocks(spec):
+    """one block of the keys per rank: k, v and the blocks axis split alike, q whole"""
+    for causal, kernel in (("true", ATTENTION_BLOCKS_CAUSAL_OFFSETS), ("false", None)):
+        yield erule(site("attention_blocks", 3, 2), AttrS(sig, "is_causal", causal), AttrI(sig, "blocks", d),
+                    MeshSize(d)).then(ax([R_(), S_(2), S_(2)], [S_(2), S_(2)], kernel, nestable=False))
+
+
 @egglog_form(sdpa_lse_value_dim)
 def _sdpa_lse_value_dim(spec):
     """a shard of v's head_dim passes to the output; the logsumexp whole"""
@@ -385,9 +453,17 @@ def _sdpa_lse_value_dim(spec):
 @egglog_form(sdpa_backward_query_sequence)
 def _sdpa_backward_query_sequence(spec):
     """dq of a shard of the queries is local; dk and dv are partial sums over the query shards"""
-    for causal, kernel in (("true", SDPA_BACKWARD_QUERY_OFFSET), ("false", None)):
+    for causal, kernel in (("true", SDPA_BACKWARD_CAUSAL_OFFSETS), ("false", None)):
         yield erule(site("sdpa_backward", 6, 3), AttrS(sig, "is_causal", causal), MeshSize(d)).then(
             ax([S_(2), S_(2), R_(), R_(), S_(2), S_(2)], [S_(2), P_(), P_()], kernel))
+
+
+@egglog_form(sdpa_backward_key_sequence)
+def _sdpa_backward_key_sequence(spec):
+    """dk and dv of a shard of the keys are local; dq is a partial sum over the key shards"""
+    for causal, kernel in (("true", SDPA_BACKWARD_CAUSAL_OFFSETS), ("false", None)):
+        yield erule(site("sdpa_backward", 6, 3), AttrS(sig, "is_causal", causal), MeshSize(d)).then(
+            ax([R_(), R_(), S_(2), S_(2), R_(), R_()], [P_(), S_(2), S_(2)], kernel))
 
 
 @egglog_form(sdpa_backward_value_dim)

@@ -128,6 +128,25 @@ def sdpa_grads(v, **kw):
     return torch.autograd.grad(F.scaled_dot_product_attention(*leaves, **kw), leaves, v["g"])
 
 
+def attention_blocks_ref(v, blocks, **kw):
+    """torch's sdpa of q against each torch.chunk piece of k and v on its own (a row that sees none of a
+    piece's keys: out 0, lse -inf), stacked on axis 2, with the logsumexp of each piece's scores."""
+    q, k, vv = v["q"], v["k"], v["v"]
+    s = q @ k.transpose(-2, -1) * kw.get("scale", q.shape[-1] ** -0.5)
+    if kw.get("is_causal"):
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    outs, lses = [], []
+    chunks = list(zip(torch.chunk(torch.arange(k.shape[2]), blocks)))
+    chunks += [(torch.arange(0),)] * (blocks - len(chunks))
+    for (idx,) in chunks:
+        piece = s[..., idx]
+        lse = torch.logsumexp(piece, -1)
+        p = torch.softmax(piece, -1).nan_to_num(0.0)
+        outs.append(p @ vv[:, :, idx])
+        lses.append(lse)
+    return torch.stack(outs, 2), torch.stack(lses, 2)
+
+
 def ce_inputs(n=6, c=5, tdtype=torch.int64):
     return lambda dt: {"logits": rand(n, c, dtype=dt), "target": ints(n, high=c, dtype=tdtype)}
 
@@ -330,6 +349,12 @@ CASES: list[Case] = [
          lambda v: sdpa_with_lse(v, is_causal=True)),
     Case("sdpa_lse", "sdpa_lse-cross-scale-dv", sdpa_inputs(sq=3, sk=6, d=4, dv=2),
          lambda o, t: o.sdpa_lse(t["q"], t["k"], t["v"], scale=0.3), lambda v: sdpa_with_lse(v, scale=0.3)),
+    Case("attention_blocks", "attention_blocks-causal-uneven-empty-block", sdpa_inputs(sk=5),
+         lambda o, t: o.attention_blocks(t["q"], t["k"], t["v"], 4, is_causal=True),
+         lambda v: attention_blocks_ref(v, 4, is_causal=True)),
+    Case("attention_blocks", "attention_blocks-cross-scale-dv", sdpa_inputs(sq=3, sk=6, d=4, dv=2),
+         lambda o, t: o.attention_blocks(t["q"], t["k"], t["v"], 2, scale=0.3),
+         lambda v: attention_blocks_ref(v, 2, scale=0.3)),
     Case("sdpa_backward", "sdpa_backward-causal", sdpa_grad_inputs(),
          lambda o, t: o.sdpa_backward(t["g"], t["q"], t["k"], t["v"],
                                       *o.sdpa_lse(t["q"], t["k"], t["v"], is_causal=True), is_causal=True),
@@ -804,6 +829,56 @@ def test_sdpa_causal_with_unequal_lengths_raises():
     fd, (q, k, v) = fdef(("q", (2, 3, 4, 4)), ("k", (2, 3, 5, 4)), ("v", (2, 3, 5, 4)))
     with pytest.raises(ShapeError, match="is_causal"):
         fd.ops.sdpa(q, k, v, is_causal=True)
+
+
+def test_attention_blocks_without_blocks_raises():
+    from egraph_did.ops import TensorSpec, attention_blocks
+    q = TensorSpec("q", (1, 2, 4, 8), F32, ("b", "h", "s", "d"))
+    with pytest.raises(ShapeError, match="blocks must be a positive int"):
+        attention_blocks(q, q, q, 0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_blocks_in_fused_pieces_equal_the_math_on_every_diagonal(causal):
+    """On a GPU a block runs as torch's fused kernels on pieces of its rows and keys (rows that see the whole
+    block, rows that see a prefix whole and a square causal part, rows that see nothing), merged by the
+    logsumexp: with the math as the stand-in kernel it equals the math block for every query and key offset."""
+    from egraph_did.ops import _fused_block, _math_block
+
+    def square(q, k, v, c, scale):
+        assert not c or q.shape[2] == k.shape[2], "a fused causal piece must be square (no alignment question)"
+        return _math_block(q, k, v, c, scale, 0, 0)
+    g = torch.Generator().manual_seed(0)
+    for sq, n, offset, key_offset in [(s, n, o, k) for s in (1, 3, 7) for n in (1, 2, 5) for o in (0, 2, 5, 9)
+                                      for k in (0, 1, 4, 8)]:
+        q, k = torch.randn(2, 3, sq, 4, generator=g, dtype=F64), torch.randn(2, 3, n, 4, generator=g, dtype=F64)
+        v = torch.randn(2, 3, n, 5, generator=g, dtype=F64)
+        (out, lse), (want, want_lse) = (f(q, k, v, causal, 0.3, offset, key_offset) for f in (
+            lambda *a: _fused_block(*a, forward=square), _math_block))
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)  # -inf where a row sees nothing
+
+
+def test_the_causal_backward_in_fused_pieces_equals_the_math_on_every_diagonal():
+    """On a GPU the causal backward of a shard of the queries and of the keys runs torch's fused backward on
+    the same pieces as the forward blocks, each with its rows' whole output and logsumexp (exact for its
+    keys): with the math as the stand-in kernel it equals the math backward at every query and key offset."""
+    from egraph_did.ops import _fused_backward_pieces, _sdpa_backward_math
+
+    def square(g, q, k, v, out, lse, c, scale):
+        assert not c or q.shape[2] == k.shape[2], "a fused causal piece must be square (no alignment question)"
+        return _sdpa_backward_math(g, q, k, v, out, lse, c, scale)
+    gen = torch.Generator().manual_seed(1)
+    for sq, n, offset, key_offset in [(s, n, o, k) for s in (1, 3, 7) for n in (1, 2, 5) for o in (0, 2, 5, 9)
+                                      for k in (0, 1, 4, 8)]:
+        q, g = (torch.randn(2, 3, sq, 4, generator=gen, dtype=F64) for _ in range(2))
+        k, v = (torch.randn(2, 3, n, 4, generator=gen, dtype=F64) for _ in range(2))
+        out = torch.randn(2, 3, sq, 4, generator=gen, dtype=F64)  # any rows' output and logsumexp: both
+        lse = torch.randn(2, 3, sq, generator=gen, dtype=F64)     # sides read the same ones
+        got = _fused_backward_pieces(g, q, k, v, out, lse, True, 0.3, offset, key_offset, backward=square)
+        want = _sdpa_backward_math(g, q, k, v, out, lse, True, 0.3, offset, key_offset)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 def test_layer_norm_weight_of_the_wrong_shape_raises():

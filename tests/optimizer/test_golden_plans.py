@@ -216,6 +216,33 @@ def test_memory_bound_forces_a_sharded_embedding_table():
         ed.optimize(fd, MESH, ed.CostModel.h200(memory_limit=1024))
 
 
+def attention_chunk(heads, queries, keys, dim, dtype):
+    """out = sdpa(q, k, v) of `queries` queries against `keys` keys, q, k, v and out split on the sequence."""
+    with ed.FusionDefinition() as fd:
+        q = fd.define_tensor((1, heads, queries, dim), dtype, name="q")
+        k, v = (fd.define_tensor((1, heads, keys, dim), dtype, name=n) for n in "kv")
+        fd.add_output(fd.ops.sdpa(q, k, v), name="out")
+    for name in ("q", "k", "v", "out"):
+        pin(fd, name, Layout((S(2),)))
+    return fd
+
+
+def test_context_parallel_attention_under_a_memory_bound_reduces_over_the_key_blocks():
+    """Context parallelism (issue 28 item 2): 2048 queries against 131072 keys, bf16, 2 heads (too few to
+    split over 4 ranks), every operand split on the sequence. Gathering k and v (the only plan before the
+    key blocks: 2 allgathers, 96 MiB sent per rank) needs 114 MiB per device; under a 64 MiB bound the
+    plan runs each rank's block of the keys against the gathered queries and sends the block outputs and
+    logsumexps to the queries' split: one allgather and two all-to-alls, 2.26 MiB sent per rank. Replayed at
+    7 queries and 10 keys (2, 2, 2, 1 and 3, 3, 3, 1) it simulates to the reference."""
+    bound = ed.CostModel.h200(memory_limit=64 << 20)
+    plan = both_extractors_agree(attention_chunk(2, 2048, 131072, 128, BF16), cost_model=bound)
+    assert plan.memory <= 64 << 20
+    assert [(c.kind, c.tensor) for c in plan.collectives] == [
+        ("allgather", "q"), ("alltoall", "attention_blocks_1"), ("alltoall", "attention_blocks_2")], plan.explain()
+    assert next(s for s in plan.compute_steps if s.op == "attention_blocks").rules == ("attention_blocks_key_blocks",)
+    check_numerics(plan, attention_chunk(2, 7, 10, 3, F64))
+
+
 def test_plan_round_trips_through_json():
     fd = models.gpt_layer(1, 32, 8192, 64, BF16)
     pin(fd, "x", Layout((S(1),))), pin(fd, "y", Layout((S(1),)))

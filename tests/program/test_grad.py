@@ -95,7 +95,8 @@ def test_the_ops_without_a_gradient_are_comparisons_masks_the_rfactor_halves_and
     comparisons = {"gt", "eq", "ne", "lt", "le", "ge"}
     masks = {"bitwise_and", "bitwise_or", "bitwise_xor", "logical_and", "logical_or", "logical_not", "any", "all"}
     assert {n for n, d in OPS.items() if d.no_grad} == comparisons | masks | {"welford_blocks", "welford_merge",
-                                                                            "opaque_grad", "sdpa_backward"}
+                                                                            "attention_blocks", "opaque_grad",
+                                                                            "sdpa_backward"}
 
 
 # ---------------------------------------------------------------------- the program transform
