@@ -75,6 +75,9 @@ def reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[lis
     Case("identity-uneven", (3,), {"x": (5, 4)}, lambda o, x: o.reshape(x, (5, 4))),
     Case("sharded-axis-left-alone-uneven", (3,), {"x": (5, 6)}, lambda o, x: o.reshape(x, (5, 2, 3))),
     Case("merge-uneven-same-flat-blocks", (4,), {"x": (7, 2)}, lambda o, x: o.reshape(x, (14,))),
+    # a rank holding nothing: 6 over 4 is 2, 2, 2, 0 on both sides; 3 rows of 2 are 1, 1, 1, 0 rows, 2, 2, 2, 0 of 6
+    Case("unit-axis-empty-rank", (4,), {"x": (1, 6)}, lambda o, x: o.reshape(x, (6,))),
+    Case("merge-empty-rank", (4,), {"x": (3, 2)}, lambda o, x: o.reshape(x, (6,))),
 ])
 def reshape_sharded(e):
     """reshape(x)[shard] = reshape(x[shard]) when a rank's flat block is unchanged by the reshape
@@ -108,6 +111,7 @@ def reshape_blocks(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[int
 @rule("unsqueeze", cases=[
     Case("uneven", (3,), {"x": (5, 3)}, lambda o, x: (o.unsqueeze(x, 1), o.unsqueeze(x, -1))),
     Case("front", (2,), {"x": (3, 4)}, lambda o, x: o.unsqueeze(x, 0)),
+    Case("empty-rank", (4,), {"x": (3, 5)}, lambda o, x: o.unsqueeze(x, 1)),
 ])
 def unsqueeze_sharded(e):
     """unsqueeze moves axes at or after the new one by one place"""
@@ -121,6 +125,7 @@ def unsqueeze_sharded(e):
     Case("broadcast_in_dim-uneven", (3,), {"x": (5,)}, lambda o, x: o.broadcast_in_dim(x, (5, 4), (0,))),
     Case("mesh2x2", (2, 2), {"x": (4, 1)}, lambda o, x: o.expand(x, (4, 6))),
     Case("mesh2x2-nested-uneven", (2, 2), {"x": (13, 1)}, lambda o, x: o.expand(x, (13, 2))),
+    Case("empty-rank", (4,), {"x": (3, 1)}, lambda o, x: o.expand(x, (3, 4))),
 ])
 def broadcast_sharded(e):
     """broadcasting leaves an axis that is not broadcast sharded as it was"""

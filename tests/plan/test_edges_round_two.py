@@ -223,11 +223,14 @@ def test_an_uneven_reshard_with_one_side_on_every_rank_is_one_alltoall(shape, sr
     assert_simulates(plan, fd)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 29 item 4, left: a layout that leaves a rank empty is held only "
-                   "as a pin and no op runs on it, so [6, 5] S(0) -> S(1) on 4 ranks (both 2, 2, 2|1, 0) goes R")
-def test_an_uneven_reshard_with_an_empty_rank_on_both_sides_is_one_alltoall():
-    plan = ed.optimize(_reshard((6, 5), 0, 1), MESH4)
+@pytest.mark.parametrize("shape,src,dst", [((6, 5), 0, 1), ((5, 6), 1, 0), ((3, 5), 0, 1), ((6, 2, 5), 0, 2)])
+def test_an_uneven_reshard_with_an_empty_rank_on_both_sides_is_one_alltoall(shape, src, dst):
+    # 6 over 4 ranks is 2, 2, 2, 0 and 5 is 2, 2, 1, 0: relu runs on the empty-ranked S(0) (an elementwise op
+    # is right on an empty shard), then DTensor's one all-to-all; it went through R (an allgather)
+    fd = _reshard(shape, src, dst)
+    plan = ed.optimize(fd, MESH4)
     assert [c.kind for c in plan.collectives] == ["alltoall"]
+    assert_simulates(plan, fd)
 
 
 @pytest.mark.parametrize("shape,src,dst", [((1, 8, 4), 1, ((8, 4), 0)), ((1, 7), 1, ((7,), 0)), ((7,), 0, ((1, 7), 1))])
@@ -239,8 +242,12 @@ def test_a_view_keeping_a_size_one_leading_axis_moves_nothing(shape, src, dst):
     assert_simulates(plan, fd)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 29 item 4, left: [1, 6] -> [6] with 6 over 4 ranks (2, 2, 2, 0) "
-                   "leaves rank 3 empty, a layout no op (the reshape) runs on: an allgather where none is needed")
-def test_a_view_keeping_a_size_one_leading_axis_of_an_uneven_split_moves_nothing():
-    plan = ed.optimize(_reshard((1, 6), 1, ((6,), 0), op="reshape"), MESH4)
+@pytest.mark.parametrize("shape,src,dst", [((1, 6), 1, ((6,), 0)), ((6,), 0, ((1, 6), 1)), ((1, 3, 2), 1, ((3, 2), 0)),
+                                           ((1, 5), 1, ((5,), 0))])
+def test_a_view_keeping_a_size_one_leading_axis_of_an_uneven_split_moves_nothing(shape, src, dst):
+    # 6 over 4 ranks is 2, 2, 2, 0 (5: 2, 2, 1, 0): the reshape runs on rank 3's empty shard (a view is right
+    # on one); it allgathered
+    fd = _reshard(shape, src, dst, op="reshape")
+    plan = ed.optimize(fd, MESH4)
     assert plan.collectives == []
+    assert_simulates(plan, fd)
