@@ -1,7 +1,7 @@
 """Propagation through views: permutes move the sharded axis; reshapes keep a shard where the DID split
 stays outermost in its group of merged or split axes and every rank's flat block is unchanged (any
-extent for an axis the reshape leaves alone); otherwise no rule fires and the plan
-reshards. Views are linear, so partials pass through."""
+extent for an axis the reshape leaves alone), or where a split size-1 axis stays one; otherwise no rule
+fires and the plan reshards. Views are linear, so partials pass through."""
 from __future__ import annotations
 
 import math
@@ -90,6 +90,21 @@ def reshape_sharded(e):
             yield e.strategy(out=S(b), x=S(a))
 
 
+@rule("reshape", nestable=False, cases=[
+    Case("unit-to-unit-empty-rank", (2,), {"x": (1, 1, 2)}, lambda o, x: o.reshape(x, (1, 2))),
+    Case("unit-axes-moved", (3,), {"x": (1, 4, 1, 3)}, lambda o, x: o.reshape(x, (4, 1, 3, 1))),
+    Case("unit-axes-mesh2x2", (2, 2), {"x": (1, 4, 6)}, lambda o, x: o.reshape(x, (4, 1, 6))),
+])
+def reshape_unit_axis(e):
+    """reshape(x)[shard] = reshape(x[shard]) for a split size-1 axis that stays a size-1 axis: on both
+    sides the rank at coordinate 0 holds everything and the others nothing (the split of a unit axis leaves
+    ranks empty, which only ops of empty_shards, as views, compute on)"""
+    x, out = e["x"], e.out
+    for a in (k for k, n in enumerate(x.shape) if n == 1):
+        for b in (k for k, n in enumerate(out.shape) if n == 1):
+            yield e.strategy(out=S(b), x=S(a))
+
+
 def reshape_blocks(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
     """Per group of reshape_groups with a non-unit axis on both sides: (the outermost non-unit src axis,
     the product of the group's src extents inside it, the same for dst); none when an extent is 0.
@@ -164,6 +179,12 @@ def _reshape_sharded(spec):
     yield erule(site("reshape"), ReshapeBlock(sig, a, inner_a, b, inner_b), MeshSize(d), Extent(sx0, a, n),
                 Extent(sy, b, m),
                 eq((n + d - 1) / d * inner_a).to((m + d - 1) / d * inner_b)).then(ax([S_(a)], [S_(b)], nestable=False))
+
+
+@egglog_form(reshape_unit_axis)
+def _reshape_unit_axis(spec):
+    """reshape(x)[shard] = reshape(x[shard]) for a split size-1 axis that stays a size-1 axis"""
+    yield erule(site("reshape"), MeshSize(d), Extent(sx0, a, 1), Extent(sy, b, 1)).then(ax([S_(a)], [S_(b)], nestable=False))
 
 
 @egglog_form(unsqueeze_sharded)

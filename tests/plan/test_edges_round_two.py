@@ -203,7 +203,7 @@ def test_from_torch_names_the_op_and_line_that_makes_a_complex_tensor():
         ed.from_torch(_ToComplex(), (torch.zeros(4, 2),))
 
 
-# ---------------------------------------------------------------------- item 4: uneven resharding (in part)
+# ---------------------------------------------------------------------- item 4: uneven resharding
 
 def _reshard(shape, src, dst, op="relu"):
     with ed.FusionDefinition() as fd:
@@ -249,5 +249,19 @@ def test_a_view_keeping_a_size_one_leading_axis_of_an_uneven_split_moves_nothing
     # on one); it allgathered
     fd = _reshard(shape, src, dst, op="reshape")
     plan = ed.optimize(fd, MESH4)
+    assert plan.collectives == []
+    assert_simulates(plan, fd)
+
+
+def test_a_reshape_keeping_a_split_size_one_axis_moves_nothing():
+    # found by the fuzzer's reshard probe (seed 4141, case 45): [1, 1, 2] split on its axis 1 (1 over 2
+    # ranks: 1, 0) viewed as [1, 2] split on its axis 0 (1, 0 too) allgathered: rank 0 holds everything on
+    # both sides, rank 1 nothing
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((1, 1, 2), F64, name="x")
+        fd.add_output(fd.ops.reshape(x, (1, 2)), name="y")
+    shard(x, MESH2, 1)
+    shard(fd["y"], MESH2, 0)
+    plan = ed.optimize(fd, MESH2)
     assert plan.collectives == []
     assert_simulates(plan, fd)
