@@ -21,6 +21,8 @@ the repro printed for a failure is that script plus the failing check. Per case:
 - an input no output reads (drawn as "unread") is ignored: evaluate without it gives the same outputs, the
   plan lists it in plan.unread, simulate and gloo take it;
 - exact <= greedy in predicted time; a memory bound is respected; no collective on a mesh axis of size 1;
+- a reshard probe (add_reshard, issue 29), pinned beside the case, runs the collectives DTensor would: an
+  uneven S(a) -> S(b) with a rank left empty is one alltoall, a view keeping a size-1 axis moves nothing;
 - every --gloo-every'th case also runs on real gloo processes (ed.launch + plan.run).
 
 Cases run in a worker process (spawned, its own process group): a crash or a hang (--timeout) ends that
@@ -837,7 +839,8 @@ def generate_case(seed: int, index: int, ops: Iterable[str] | None = None, gloo:
                   max_ops: int = 6, mesh_ndims: Iterable[int] = (1, 2, 3), exact: bool = True, *,
                   meshes: Iterable[Iterable[int]] | None = None, pin_styles=("outer", "nonouter", "inner-first"),
                   partial_pins: bool = True, empty_shards: bool = True, intermediate_pins: bool = True,
-                  memory_bounds: bool = True, multinode: bool = True, float32: bool = True, edges: bool = True) -> dict:
+                  memory_bounds: bool = True, multinode: bool = True, float32: bool = True, edges: bool = True,
+                  reshards: bool = True) -> dict:
     """The case (plain data) for (seed, index); the same arguments give the same case.
 
     ops: the op families to draw from (default: every op); gloo: also run it on gloo processes (the
@@ -847,7 +850,8 @@ def generate_case(seed: int, index: int, ops: Iterable[str] | None = None, gloo:
     'inner-first': an axis split over two mesh axes with the inner mesh axis outside), partial_pins (P and
     Pmax), empty_shards (splits that leave a rank nothing), intermediate_pins, memory_bounds, multinode
     (the h200_multinode cost model), float32 (else every case is float64), edges (add_edges: reshape chains
-    and unread inputs, drawn from a stream of their own: edges=False gives the cases drawn before them).
+    and unread inputs, drawn from a stream of their own: edges=False gives the cases drawn before them),
+    reshards (add_reshard: a pinned uneven reshard or size-1 view beside the case, from a stream of its own).
 
     >>> a, b = generate_case(7, 1), generate_case(7, 1)
     >>> a == b and a["ops"] != generate_case(7, 2)["ops"]
@@ -930,7 +934,69 @@ def generate_case(seed: int, index: int, ops: Iterable[str] | None = None, gloo:
     if edges:
         spec = add_edges(spec, random.Random(f"egraph-did-fuzz-edges:{seed}:{index}"),
                          pins=intermediate_pins, pin_styles=pin_styles)
+    if reshards and empty_shards:
+        spec = add_reshard(spec, random.Random(f"egraph-did-fuzz-reshard:{seed}:{index}"))
     return spec
+
+
+def add_reshard(spec: dict, rng: random.Random, p: float = 0.25) -> dict:
+    """Issue 29 item 4 added to a case, with probability p: beside its program, a new input r0 pinned split
+    on one mesh axis of size d >= 2 and an output r1 pinned on the same mesh axis, the extents mostly uneven
+    with a rank left empty (5 over 4: 2, 2, 1, 0). Either an elementwise op between splits of two axes
+    (r0 S(a) -> r1 S(b): one alltoall, DTensor's redistribute) or a view that keeps or drops a size-1
+    leading axis ([1, n] S(1) <-> [n] S(0): no communication). spec["reshard"] states the collectives the
+    plan must run on r0 and r1 (the optimize check), while the case still holds the probe as drawn.
+
+    >>> spec = add_reshard(generate_case(0, 0, ops=["relu"], reshards=False) | {"mesh": [4]}, random.Random(1), p=1.0)
+    >>> spec["reshard"]["collectives"], spec["pins"]["r0"]["pl"], spec["inputs"]["r0"]["shape"]  # 3, 3, 3, 1 -> 1, 1, 0, 0
+    (['alltoall'], ['S0'], [10, 2])
+    """
+    spec = copy.deepcopy(spec)
+    axes = [m for m, size in enumerate(spec["mesh"]) if size >= 2]
+    if rng.random() >= p or not axes or {"r0", "r1"} & (set(spec["inputs"]) | set(spec.get("pins", {}))):
+        return spec
+    m = rng.choice(axes)
+    d = spec["mesh"][m]
+    empty = [n for n in range(1, 3 * d) if n % d and -(-n // d) * (d - 1) >= n]  # some rank holds nothing
+    uneven = [n for n in range(d + 1, 3 * d) if n % d and n not in empty]
+
+    def extent():
+        return rng.choice(empty if empty and (rng.random() < 0.75 or not uneven) else uneven)
+
+    def pin(a):
+        return {"pl": [f"S{a}" if k == m else "R" for k in range(len(spec["mesh"]))], "style": "outer"}
+    if rng.random() < 0.6:  # r0 S(a) -> r1 S(b): one alltoall
+        shape = [extent() for _ in range(rng.choice([2, 2, 3]))]
+        a, b = rng.sample(range(len(shape)), 2)
+        op = {"op": rng.choice(["relu", "neg", "abs"]), "args": [["x", _tensor_arg("r0")]], "outs": ["r1"]}
+        pins, want = {"r0": pin(a), "r1": pin(b)}, ["alltoall"]
+    else:  # [1, n, ...] S(1) <-> [n, ...] S(0): a view every rank computes on its own shard
+        inner = [extent()] + ([rng.randint(2, 3)] if rng.random() < 0.3 else [])
+        drop = rng.random() < 0.6  # [1, n, ...] -> [n, ...], else [n, ...] -> [1, n, ...]; n itself may be 1
+        shape, target = ([1] + inner, inner) if drop else (inner, [1] + inner)
+        op = {"op": "reshape", "args": [["x", _tensor_arg("r0")], ["shape", list(target)]], "outs": ["r1"]}
+        pins, want = {"r0": pin(int(drop)), "r1": pin(int(not drop))}, []
+    spec["inputs"]["r0"] = {"shape": shape, "dtype": spec["dtype"], "data": "randn"}
+    spec["ops"].append(op)
+    spec["outputs"].append("r1")
+    spec["pins"].update(pins)
+    # copies: a minimizer's edit of the case (extents, pins) must not edit the probe it is checked against
+    spec["reshard"] = copy.deepcopy({"op": op, "pins": pins, "mesh": spec["mesh"], "shape": shape,
+                                     "collectives": want})
+    return spec
+
+
+def reshard_intact(spec: dict) -> bool:
+    """Whether the case still holds its reshard probe as drawn (the minimizer may cut or change it).
+
+    >>> reshard_intact({"mesh": [4]}), reshard_intact(add_reshard({"mesh": [4], "dtype": "float64", "inputs": {},
+    ...     "ops": [], "outputs": [], "pins": {}}, random.Random(0), p=1.0))
+    (False, True)
+    """
+    probe = spec.get("reshard")
+    return bool(probe) and probe["op"] in spec["ops"] and spec["mesh"] == probe["mesh"] and "r1" in spec["outputs"] \
+        and spec["inputs"].get("r0", {}).get("shape") == probe["shape"] \
+        and all(spec["pins"].get(k) == v for k, v in probe["pins"].items())
 
 
 def add_edges(spec: dict, rng: random.Random, pins: bool = True, pin_styles=("outer", "nonouter", "inner-first"),
@@ -1490,6 +1556,12 @@ def _run_checks(spec, checks, res, fail, timed, stage, torch, ed):
             bad = [c for c in plan.collectives if mesh.shape[c.mesh_axis] == 1]
             if bad:
                 fail("collective-on-size-1-mesh-axis", "; ".join(map(str, bad)), ex)  # as explain names them
+        if "optimize" in checks and reshard_intact(spec):  # issue 29: alltoall, or nothing, as DTensor does
+            got = [c.kind for c in plan.collectives if c.tensor in ("r0", "r1")]
+            if got != spec["reshard"]["collectives"]:
+                fail("optimize-reshard-moves-more-than-needed", f"r0 {spec['inputs']['r0']['shape']} pinned "
+                     f"{spec['pins']['r0']['pl']} -> r1 pinned {spec['pins']['r1']['pl']} ({spec['reshard']['op']['op']}) "
+                     f"on mesh {spec['mesh']}: collectives {got}, want {spec['reshard']['collectives']}", ex)
         if "optimize" in checks and sorted(plan.unread) != sorted(fd.fusion.unread_inputs()):
             fail("optimize-unread-misreported", f"plan.unread {plan.unread}, the fusion's unread inputs "
                                                 f"{fd.fusion.unread_inputs()}", ex)

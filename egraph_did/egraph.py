@@ -29,7 +29,7 @@ from egglog import rule as erule
 from egraph_did.rewrites import ALL_RULES, aten, collective_matmul, frontend_ops, grad_ops, pointwise, reduction, scans, views
 from egraph_did.rewrites.rules import EGGLOG
 from egraph_did.rewrites.sorts import (AX, KERNS, LAYOUTS, OPS_SORT, PLAN, RUN, SIG, SITE, STRAT, Apart, AttrI, AttrS, AxisMap,
-                                       Bcast, Connect, D, Def, Extent, Fits, FloatSize, Held, Input, Lit, Load,
+                                       Bcast, Connect, D, Def, Extent, Fits, FitsAny, FitsEmpty, FloatSize, Held, Input, Lit, Load,
                                        LoadIn, MeshSize, NestOK, NoPartial, OpKind, Out, Param, Placement, Rank,
                                        Reduced, ReshapeBlock, Shape, ShapeOf, Shp, T, Tensor, Valid, attr_text,
                                        shape_code)
@@ -216,8 +216,9 @@ def encode(problem: Problem) -> tuple[list[str], dict[str, str], dict[str, str]]
         out += [f"(Extent {s} {a} {n})" for a, n in enumerate(tv.shape)]
         if tv.dtype.is_floating_point:
             out.append(f"(FloatSize {s} {tv.dtype.itemsize})")
-        out += [f"(Fits {s} {lay_text(lay)})" for lay in problem.layouts[tv.name] if is_valid(lay, tv.shape, mesh)]
-    for name, lay in problem.pins.items():  # a pin that leaves a rank empty is held, not computed on
+        out += [f"({'Fits' if is_valid(lay, tv.shape, mesh) else 'FitsEmpty'} {s} {lay_text(lay)})"
+                for lay in problem.layouts[tv.name]]
+    for name, lay in problem.pins.items():
         out.append(f"(Valid {t(name)} {lay_text(lay)})")
     for d in sorted(set(mesh.shape)):
         out.append(f"(MeshSize {d})")
@@ -255,6 +256,7 @@ def encode(problem: Problem) -> tuple[list[str], dict[str, str], dict[str, str]]
     for name in sorted(kinds):
         op = OPS[name]
         tags = [op.kind] + (["broadcasts"] if op.kind == "pointwise" or name == "matmul" else [])
+        tags.append("empty_shards" if op.empty_shards else "full_shards")  # which Fits its strategies read
         out += [f"(OpKind {_q(name)} {_q(tag)})" for tag in tags]
     for a, b in problem.equal:
         out.append(f"(Def {t(a)} {t(b)})")
@@ -315,6 +317,9 @@ def program_rules(shape: tuple[int, ...]):
     t, t2, s, lay = var("t", Tensor), var("t2", Tensor), var("s", Shape), var("lay", LayoutSort)
     yield erule(Def(t, t2)).then(union(t).with_(t2))
     yield erule(ShapeOf(t, s), Fits(s, lay)).then(Valid(t, lay), Lay(lay))
+    yield erule(ShapeOf(t, s), FitsEmpty(s, lay)).then(Valid(t, lay), Lay(lay))  # held and moved, if not computed on
+    yield erule(Fits(s, lay)).then(FitsAny(s, lay))
+    yield erule(FitsEmpty(s, lay)).then(FitsAny(s, lay))
     yield erule(Valid(t, lay)).then(Lay(lay))
     ps = [var(f"p{k}", Placement) for k in range(m)]
     q, kind, name = var("q", Placement), var("kind", String), var("name", String)
@@ -335,9 +340,10 @@ def program_rules(shape: tuple[int, ...]):
         lout = [L(*[pout[k][j] for k in range(m)]) for j in range(o)]
         query = [SIG[(n, o)](sig, op, *sy, *sx)]
         query += [AX[(n, o)](sig, shape[k], *pin[k], *pout[k], kern[k], nst[k]) for k in range(m)]
-        query += [Fits(x, li) for x, li in zip(sx, lin)] + [Fits(y, lo) for y, lo in zip(sy, lout)]
         query += [NestOK(nst[k], pin[k][i], pin[j][i]) for k in range(m) for i in range(n) for j in range(m) if j != k]
-        yield erule(*query).then(STRAT[(n, o)](sig, K(*kern), *lout, *lin))
+        for tag, fits in (("full_shards", Fits), ("empty_shards", FitsAny)):  # OpDef.empty_shards
+            shards = [OpKind(op, tag)] + [fits(x, li) for x, li in zip(sx, lin)] + [fits(y, lo) for y, lo in zip(sy, lout)]
+            yield erule(*query, *shards).then(STRAT[(n, o)](sig, K(*kern), *lout, *lin))
     key, kern = var("key", String), var("kern", KernSort)
     for (n, o) in SITE:  # each application's strategies: the physical rules join Plan with Held alone
         ys, xs = [var(f"y{j}", Tensor) for j in range(o)], [var(f"x{i}", Tensor) for i in range(n)]
@@ -513,7 +519,7 @@ def _declare(eg: EGraph) -> None:
     kern = var("kern", KernSort)
     mention = [Open(v), Def(t, t), Input(t, key), LoadIn(t, key, lay), NoPartial(pl), AxisMap(key, v, v, v), Reduced(key, v), AttrS(key, key, key), AttrI(key, key, v), Param(key, v, key),
                ReshapeBlock(key, v, v, v, v), Bcast(key, v, v, pl), Rank(s, v),
-               Extent(s, v, v), FloatSize(s, v), MeshSize(v), OpKind(key, key), Fits(s, lay), Valid(t, lay),
+               Extent(s, v, v), FloatSize(s, v), MeshSize(v), OpKind(key, key), Fits(s, lay), FitsEmpty(s, lay), FitsAny(s, lay), Valid(t, lay),
                Connect(pl, pl, key), Apart(pl, pl), NestOK(v, pl, pl), eq(pl).to(R_()), eq(pl).to(P_()),
                eq(pl).to(Pmax_()), eq(pl).to(S_(v)), eq(t).to(T(key)), eq(dv).to(Load(key, lay)),
                eq(dv).to(Held(t, lay, v))]

@@ -80,6 +80,8 @@ def _layouts(plan) -> list[str]:
     lines = ["tensor layouts (loop domain):"]
     for tensor in dict.fromkeys(v.tensor for v in plan.values.values()):
         pinned = " (pinned)" if tensor in plan.pins else ""
+        if tensor in plan.dtensor_chunks:  # runtime.pin_placements: no loop domain cuts DTensor's chunks
+            pinned = " (pinned in DTensor's chunks: rechunked at the plan's boundary)"
         lines.append(f"  {tensor:<14} {plan.loop_domain(tensor)}{pinned}")
     return lines
 

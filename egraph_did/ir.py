@@ -291,6 +291,11 @@ class TensorView:
                        index=LogicalIndex(i))
             for i, (n, e) in enumerate(zip(names, shape)))
         self._loop: list[IterDomain] = list(self.logical_domain)
+        # "dtensor": the outer DID splits of an axis cut as torch DTensor chunks them (each split chunks the
+        # extent the one outside it left, where the loop domain cuts that split's allocated ceil extent): the
+        # two differ for some nested uneven splits (9 rows on 2x2: 3, 2, 2, 2 against 3, 2, 3, 1), which no
+        # loop domain expresses; runtime.pin_placements pins so (see local_indices)
+        self.chunks = "loop"
 
     # ------------------------------------------------------------ shape
     @property
@@ -559,6 +564,7 @@ class TensorView:
         ('[s, h]', 2)
         """
         self._loop = list(self.logical_domain)
+        self.chunks = "loop"
         return self
 
     # ------------------------------------------------------------ queries
@@ -601,9 +607,21 @@ class TensorView:
         >>> x = FusionDefinition().define_tensor((5,)).set_device_mesh(DeviceMesh.arange(2))
         >>> [a.tolist() for a in x.outer_split(0, 2).parallelize(0, ParallelType.DIDx).local_indices(1)]
         [[3, 4]]
+
+        Under DTensor's chunks (chunks == "dtensor": outer DID splits only, outer mesh axis first, as
+        runtime.pin_placements writes them) each split chunks the extent the one outside it left:
+
+        >>> y = FusionDefinition().define_tensor((9,)).set_device_mesh(DeviceMesh([[0, 1], [2, 3]]))
+        >>> _ = y.outer_split(0, 2).parallelize(0, ParallelType.DIDy).outer_split(1, 2).parallelize(1, ParallelType.DIDx)
+        >>> [len(y.local_indices(r)[0]) for r in range(4)], setattr(y, "chunks", "dtensor")
+        ([3, 2, 3, 1], None)
+        >>> [y.local_indices(r)[0].tolist() for r in range(4)]
+        [[0, 1, 2], [3, 4], [5, 6], [7, 8]]
         """
         mesh = self.device_mesh()
         coords = mesh.coords(rank)
+        if self.chunks == "dtensor":
+            return self._dtensor_indices(mesh, coords)
         out = []
         for a, extent in enumerate(self.shape):
             idx = np.arange(extent, dtype=np.int64)
@@ -612,6 +630,21 @@ class TensorView:
                 if d.is_device and not d.is_reduction and a in d.logical_axes:
                     keep &= d.index.eval({a: idx}) == coords[d.parallel_type.mesh_axis(mesh)]
             out.append(idx[keep])
+        return out
+
+    def _dtensor_indices(self, mesh: DeviceMesh, coords) -> list[np.ndarray]:
+        """local_indices under DTensor's chunks: per axis, its DID splits in loop order (outer first), each
+        chunking (ceil-sized pieces) the range the ones before it left."""
+        out = []
+        for a, extent in enumerate(self.shape):
+            lo, size = 0, extent
+            for d in self._loop:
+                if d.is_device and not d.is_reduction and a in d.logical_axes:
+                    n, c = mesh.shape[d.parallel_type.mesh_axis(mesh)], coords[d.parallel_type.mesh_axis(mesh)]
+                    chunk = -(-size // n)
+                    start = min(chunk * c, size)
+                    lo, size = lo + start, min(size, start + chunk) - start
+            out.append(np.arange(lo, lo + size, dtype=np.int64))
         return out
 
     def device_mesh(self) -> DeviceMesh:
@@ -629,4 +662,5 @@ class TensorView:
 
     def __repr__(self) -> str:
         mesh = f" on {self.mesh}" if self.mesh is not None else ""
-        return f"TensorView({self.name}: {self.loop_str()} {str(self.dtype).replace('torch.', '')}{mesh})"
+        chunks = " in DTensor's chunks" if self.chunks == "dtensor" else ""
+        return f"TensorView({self.name}: {self.loop_str()}{chunks} {str(self.dtype).replace('torch.', '')}{mesh})"

@@ -183,10 +183,11 @@ def _bad(text):
     raise ValueError(text)
 
 
-def valid_layouts(shape: Sequence[int], mesh: DeviceMesh, partial: bool = False) -> Iterator[Layout]:
+def valid_layouts(shape: Sequence[int], mesh: DeviceMesh, partial: bool = False,
+                  allow_empty: bool = False) -> Iterator[Layout]:
     """Every layout of a tensor of `shape`: an axis is sharded only where every rank gets at least one
-    element (uneven shards allowed, empty ones not); partials only when asked; only R on a mesh axis of
-    size 1 (see is_valid).
+    element (uneven shards allowed, empty ones only with allow_empty); partials only when asked; only R
+    on a mesh axis of size 1 (see is_valid).
 
     >>> [str(lay) for lay in valid_layouts((4, 1), DeviceMesh.arange(2))]  # axis 1 is too short to split
     ['[R]', '[S(0)]']
@@ -194,12 +195,14 @@ def valid_layouts(shape: Sequence[int], mesh: DeviceMesh, partial: bool = False)
     ['[R]', '[P]', '[Pmax]', '[S(0)]']
     >>> [str(lay) for lay in valid_layouts((4,), DeviceMesh([[0], [1]]))]  # the second mesh axis has size 1
     ['[R, R]', '[S(0), R]']
+    >>> [str(lay) for lay in valid_layouts((4, 1), DeviceMesh.arange(2), allow_empty=True)]  # 1, 0 rows
+    ['[R]', '[S(0)]', '[S(1)]']
     """
     full = [R] + ([P, PMAX] if partial else []) + [S(a) for a in range(len(shape))]
     choices = [full if size > 1 else [R] for size in mesh.shape]
     for combo in itertools.product(*choices):
         layout = Layout(tuple(combo))
-        if is_valid(layout, shape, mesh):
+        if is_valid(layout, shape, mesh, allow_empty):
             yield layout
 
 
@@ -240,7 +243,8 @@ def is_valid(layout: Layout, shape: Sequence[int], mesh: DeviceMesh, allow_empty
     axis first, each inner split of the ceil-sized loop extent), and only R on a mesh axis of size 1
     (a split or a partial over one device holds the same data as R: R is its canonical form).
     allow_empty admits shards that hold nothing (5 rows over 4 ranks: 2, 2, 1, 0, as DTensor chunks):
-    a pin may say so, and the plan reshards it before computing; the optimizer never picks one itself.
+    any tensor may be held so, and collectives move such shards, but only ops whose local kernel is right
+    on an empty shard (OpDef.empty_shards: elementwise ops and views) compute on them.
 
     >>> mesh = DeviceMesh.arange(4)
     >>> is_valid(Layout((S(0),)), (7, 8), mesh)  # rows 2, 2, 2, 1

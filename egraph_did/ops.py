@@ -179,6 +179,19 @@ class OpDef:
         """It reduces over an axis (so a sharded reduced axis leaves a partial)."""
         return self.kind in ("reduction", "normalization")
 
+    @property
+    def empty_shards(self) -> bool:
+        """Its local kernel is right on a shard that holds no elements, so its strategies may take layouts
+        that leave a rank empty (5 rows over 4 ranks: 2, 2, 1, 0): an elementwise op or a view maps an empty
+        shard to an empty one. A reduction, a matmul or a normalization of an empty shard would have to
+        produce the reduction's identity (torch's amax refuses an empty axis), so they keep to layouts
+        where every rank holds data.
+
+        >>> OPS["relu"].empty_shards, OPS["reshape"].empty_shards, OPS["sum"].empty_shards
+        (True, True, False)
+        """
+        return self.kind in ("pointwise", "view")
+
     def count_flops(self, ins: list[tuple[int, ...]], outs: list[tuple[int, ...]], args: dict) -> float:
         """Floating-point work on these (local) shapes; by default one operation per element read or
         written.

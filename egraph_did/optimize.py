@@ -342,6 +342,8 @@ def _optimize(fd, mesh: DeviceMesh, cost_model, extractor: str, like, time_limit
     for tv in as_fusion(fd).all_tensors():  # pins as the user wrote them (Plan.loop_domain reports them so)
         if tv.mesh is not None and tv.name in problem.pins:
             plan.pinned_loops[tv.name] = [tv.loop_str(), problem.pins[tv.name].code()]
+            if tv.chunks == "dtensor" and (tv.name in plan.inputs or tv.name in plan.outputs):
+                plan.dtensor_chunks.append(tv.name)
     report_views(plan, views)
     plan.stats.update(total_s=time.perf_counter() - t0, bucket_pairs_offered=len(pairs), loops_tried=ran,
                       passes=passes, **({} if screens is None else {"loop_screens": screens}))

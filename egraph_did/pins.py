@@ -122,6 +122,7 @@ def _read_layout(tv: TensorView, mesh: DeviceMesh) -> Layout | None:
         probe = layout_view(tv.name, tv.shape, tv.dtype, layout, mesh, [d.name for d in tv.logical_domain])
     except PlanError:
         return None
+    probe.chunks = tv.chunks  # a pin in DTensor's chunks is the layout the plan holds, bound by a rechunk
     same = all([i.tolist() for i in local_indices(probe, r)] == [i.tolist() for i in local_indices(tv, r)]
                for r in mesh.ranks)
     return layout if same else None
@@ -397,7 +398,7 @@ class _ViewedFusion:
 
     def pin(self, tv: TensorView, src: TensorView) -> None:  # the user's pin, as written, on the replay's copy
         tv.set_device_mesh(self.mesh)
-        tv._loop = list(src.loop_domain)
+        tv._loop, tv.chunks = list(src.loop_domain), src.chunks
 
     def operand(self, tv: TensorView) -> TensorView:
         """The replay's tensor for a user tensor an op reads whole: a viewed input reshaped back, a linear

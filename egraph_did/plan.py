@@ -259,6 +259,10 @@ class Plan:
     # inputs of the fusion no output reads (Fusion.unread_inputs): the plan loads none of them; simulate and
     # plan.run take them or not and ignore them
     unread: list[str] = field(default_factory=list)
+    # pinned inputs and outputs the user holds in DTensor's chunks of their layout (TensorView.chunks, from
+    # runtime.pin_placements: nested uneven splits no loop domain cuts so): the plan holds them in the
+    # loop domain's chunks; plan.run rechunks such a local input on load and such a local output on delivery
+    dtensor_chunks: list[str] = field(default_factory=list)
 
     # ------------------------------------------------------------ queries
     @property
@@ -549,7 +553,8 @@ class Plan:
     def input_shape(self, name: str, rank: int | None = None, value: str | None = None) -> tuple[int, ...]:
         """The shape plan.run takes for input `name`: global (rank None), or `rank`'s local shard (of the
         layout of `value`, one of plan.inputs[name]; default the first it is loaded in); a viewed input's
-        (plan.views) is the user's, not its view's.
+        (plan.views) is the user's, not its view's; one pinned in DTensor's chunks (plan.dtensor_chunks), that
+        chunk's.
 
         >>> import egraph_did as ed
         >>> from egraph_did.models import row_sum
@@ -558,6 +563,9 @@ class Plan:
         ((10, 3), (1, 3))
         """
         value = value or self.inputs[name][0]
+        if rank is not None and name in self.dtensor_chunks and value == self.inputs[name][0]:
+            v = self.values[value]
+            return RankContext(self.mesh, rank).local_shape(Operand(v.shape, v.layout), "dtensor")
         local = self.values[value].shape if rank is None else self.local_shape(value, rank)
         if name not in self.views:
             return local
@@ -683,7 +691,8 @@ class Plan:
                 fixed.append(dataclasses.replace(s, src=fix(s.src)))
         plan = Plan(self.mesh, self.cost_model, dict(self.values), fixed, self.inputs,
                     {k: fix(v) for k, v in self.outputs.items()}, self.memory, self.method, dict(self.stats),
-                    {k: fix(v) for k, v in self.pins.items()}, views=dict(self.views), unread=list(self.unread))
+                    {k: fix(v) for k, v in self.pins.items()}, views=dict(self.views), unread=list(self.unread),
+                    dtensor_chunks=list(self.dtensor_chunks))
         plan.validate()
         return plan
 
@@ -733,6 +742,7 @@ class Plan:
             "method": self.method, "stats": self.stats, "pins": self.pins, "rewrites": self.rewrites,
             "buckets": self.buckets, "pinned_loops": self.pinned_loops,
             **({"unread": self.unread} if self.unread else {}),
+            **({"dtensor_chunks": self.dtensor_chunks} if self.dtensor_chunks else {}),
             **({"views": {k: v.to_dict() for k, v in self.views.items()}} if self.views else {})}, indent=1)
 
     @classmethod
@@ -856,6 +866,10 @@ class Plan:
                    [list(p) for p in d.get("buckets", [])],
                    {k: list(v) for k, v in d.get("pinned_loops", {}).items()},
                    _views_of(d.get("views", {}), d["inputs"], d["outputs"], values), list(unread))
+        chunked = d.get("dtensor_chunks", [])
+        if not isinstance(chunked, list) or not all(n in d["inputs"] or n in d["outputs"] for n in chunked):
+            raise PlanError(f"plan JSON: dtensor_chunks must list inputs or outputs of the plan, got {chunked!r}")
+        plan.dtensor_chunks = list(chunked)
         for name, v in plan.pins.items():
             if v not in values:
                 raise PlanError(f"plan JSON: pins[{name!r}] must name a value (a key of 'values'), got {v!r}")

@@ -349,7 +349,7 @@ def _priced_rows(e: Expr, mesh: DeviceMesh, cm: CostModel, fused: Fused = Fused(
     for combo in itertools.product(*per_axis):
         ins = tuple(Layout(tuple(c.inputs[i] for c in combo)) for i in range(len(operands)))
         outs = tuple(Layout(tuple(c.outputs[i] for c in combo)) for i in range(len(e.outputs)))
-        if not all(is_valid(lay, t.shape, mesh) for lay, t in zip(ins + outs, operands + list(e.outputs))):
+        if not all(is_valid(lay, t.shape, mesh, e.op.empty_shards) for lay, t in zip(ins + outs, operands + list(e.outputs))):
             continue
         if not _nesting_ok(combo, ins):
             continue
@@ -420,14 +420,12 @@ def _build(user: Fusion, mesh: DeviceMesh, cost_model: CostModel | None, pins, l
     by_shape: dict[tuple[int, ...], list[Layout]] = {}  # the layouts of a shape, on this mesh
     for tv in work.all_tensors():
         shape = tuple(tv.shape)
-        if shape not in by_shape:
-            by_shape[shape] = list(valid_layouts(shape, mesh, partial=True))
+        if shape not in by_shape:  # a rank may hold nothing: only ops that compute on empty shards take those
+            by_shape[shape] = list(valid_layouts(shape, mesh, partial=True, allow_empty=True))
         problem.layouts[tv.name] = list(by_shape[shape])
     for name, lay in problem.pins.items():
         if not is_valid(lay, work.tensors[name].shape, mesh, allow_empty=True):
             raise PlanError(f"{name}: pinned layout {lay} does not fit its shape {work.tensors[name].shape}")
-        if lay not in problem.layouts[name]:  # a pin whose shards leave a rank empty: held as given, and
-            problem.layouts[name].append(lay)  # resharded before any op reads it (ops take valid layouts)
     priced: dict[tuple, list[tuple]] = {}  # signature -> its strategies' rows, on this mesh and cost model
     problem.fused = fused = fusion_context(work, problem.pins)
     real = _unsaved(work)  # a reader of saved(t) in registers reads t's: a collective on either breaks it

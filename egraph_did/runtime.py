@@ -31,7 +31,7 @@ from .lowering.segment import eager_segments
 from .ir import ParallelType
 from .mesh import DeviceMesh
 from .plan import Plan, register_runner
-from .shards import RankContext, dtensor_chunks_agree, shard, unshard
+from .shards import Operand, RankContext, dtensor_chunks_agree, shard, unshard
 
 INPUT_KINDS = ("global", "local", "dtensor")
 OUTPUT_KINDS = ("global", "local", "dtensor")
@@ -259,9 +259,12 @@ def pin_placements(tv, placements, mesh: DeviceMesh):
     """Pin `tv` to the loop domain DTensor `placements` express on `mesh` (Shard, _StridedShard, Partial,
     Replicate; a DTensor's own through dtensor_placements, its shard order included): per tensor axis, the
     digits DTensor's left-to-right chunking cuts, outer first, each mesh axis's bound to it. Plain Shards in
-    the default order are the canonical layout (uneven allowed, as DTensor chunks it where the loop domain
-    agrees); a _StridedShard nesting must divide the extents (ShardingError naming the tensor otherwise).
-    Returns tv.
+    the default order are the canonical layout, uneven allowed; where they nest unevenly and DTensor's chunks
+    are no loop domain's (9 rows on 2x2: DTensor chunks 5 | 4 into 3, 2 | 2, 2, a loop domain cuts the ceil
+    extent 5 of each half: 3, 2 | 3, 1), tv is pinned to that loop domain held in DTensor's chunks
+    (tv.chunks = "dtensor": local_shape and shard_tensor give DTensor's), which the plan rechunks at its
+    boundary (plan.dtensor_chunks). A _StridedShard nesting must divide the extents (ShardingError naming the
+    tensor otherwise). Returns tv.
 
     >>> import torch, egraph_did as ed
     >>> from torch.distributed.tensor import Shard
@@ -273,6 +276,11 @@ def pin_placements(tv, placements, mesh: DeviceMesh):
     '[DIDx{2}, DIDy{2}, 8/2/2, 6]'
     >>> pin_placements(x, (_StridedShard(0, split_factor=2),), ed.DeviceMesh.arange(4)).loop_str()  # gate/up
     '[2, DIDx{4}, 8/2/4, 6]'
+    >>> with ed.FusionDefinition() as fd:
+    ...     z = fd.define_tensor((9, 6), name="z")
+    >>> z = pin_placements(z, (Shard(0), Shard(0)), mesh)  # DTensor's chunk of a chunk
+    >>> z.loop_str(), z.chunks, [z.local_shape(r)[0] for r in mesh.ranks]
+    ('[DIDy{2}, DIDx{2}, 9/2/2, 6]', 'dtensor', [3, 2, 2, 2])
     """
     if len(placements) != mesh.ndim:
         raise ShardingError(f"{tv.name}: {len(placements)} placements for the {mesh.ndim}-D {mesh}; give one per "
@@ -317,13 +325,20 @@ def pin_placements(tv, placements, mesh: DeviceMesh):
     for m, p in enumerate(placements):
         if p.is_partial():
             tv.add_partial(ParallelType.for_mesh_axis(mesh, m), partial_reduce(p))  # avg: a sum (avg_scale)
-    for r in mesh.ranks:  # exactly DTensor's chunks, or no pin (uneven nested chunks can differ)
-        if [i.tolist() for i in tv.local_indices(r)] != _dtensor_indices(tv.shape, placements, mesh, r):
-            tv.reset_loop_domain()
-            raise ShardingError(f"{tv.name}: DTensor's chunks of {tuple(tv.shape)} under {tuple(placements)} differ "
-                                f"from every loop domain's on rank {r} (an uneven split nested in another: DTensor "
-                                f"chunks what the mesh axes before left, the loop domain their ceil extent); give "
-                                f"extents the splits divide, or pin the loop domain itself")
+    def differs():
+        return next((r for r in mesh.ranks if [i.tolist() for i in tv.local_indices(r)] !=
+                     _dtensor_indices(tv.shape, placements, mesh, r)), None)
+    if differs() is not None and not any(_is_strided(p) for p in placements):
+        # plain Shards nested unevenly (9 rows on 2x2: DTensor's 3, 2, 2, 2, the loop domain's 3, 2, 3, 1): no
+        # loop domain cuts DTensor's chunks, so the pin is the loop domain of the same placements held in
+        # DTensor's chunks; the plan holds the loop domain's and rechunks at its boundary (plan.dtensor_chunks)
+        tv.chunks = "dtensor"
+    r = differs()
+    if r is not None:  # exactly DTensor's chunks, or no pin
+        tv.reset_loop_domain()
+        raise ShardingError(f"{tv.name}: DTensor's chunks of {tuple(tv.shape)} under {tuple(placements)} differ "
+                            f"from every loop domain's on rank {r} (an uneven split nested in a _StridedShard "
+                            f"nesting); give extents the splits divide, or pin the loop domain itself")
     return tv
 
 
@@ -370,6 +385,19 @@ def _to_dtensor(plan: Plan, name: str, value: str, local: torch.Tensor, rank: in
         local = shard(whole, layout, plan.mesh, rank, val.tensor, chunks="dtensor")
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local, tmesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def _rechunk(plan: Plan, value: str, local: torch.Tensor, rank: int, timeout: float | None, to: str) -> torch.Tensor:
+    """This rank's shard of `value` cut in the other chunking of its layout: to="loop" from DTensor's chunks
+    (a local input pinned so, plan.dtensor_chunks), to="dtensor" from the loop domain's (such an output
+    delivered local). Every rank's piece is gathered and the whole cut again: a step at the plan's boundary,
+    outside its predicted cost (collective: every rank takes it for the same tensor)."""
+    val = plan.values[value]
+    held = "dtensor" if to == "loop" else "loop"
+    shapes = [RankContext(plan.mesh, r).local_shape(Operand(val.shape, val.layout), held)
+              for r in sorted(plan.mesh.ranks)]
+    whole = unshard(gather_to_all(local, shapes, timeout), val.layout, plan.mesh, val.shape, val.tensor, held)
+    return shard(whole, val.layout, plan.mesh, rank, val.tensor, chunks=to)
 
 
 def _global_of(plan: Plan, value: str, local: torch.Tensor, timeout: float | None) -> torch.Tensor:
@@ -425,6 +453,8 @@ def _bind_inputs(plan: Plan, inputs: Mapping[str, Any], kind: str, rank: int, de
                              f"{tuple(given.shape)}, but its loop domain {loop} "
                              f"gives rank {rank} the shape {want} (of global {plan.input_shape(name)}); pass "
                              f"that shard (ed.shard_tensor) or the global tensor with inputs_kind='global'")
+        if name in plan.dtensor_chunks:  # DTensor's chunk, as pinned: the loop domain's is the plan's
+            given = _rechunk(plan, first, given, rank, timeout, to="loop")
         env[first] = plan.bind_view(name, given, rank).contiguous()  # a viewed input: its view's shard
         if len(vals) > 1:
             whole = _global_of(plan, first, env[first], timeout)
@@ -556,7 +586,9 @@ def run_plan(plan: Plan, inputs: Mapping[str, Any], *, inputs_kind: str = "globa
     def deliver():
         out = {}
         for name, v in plan.outputs.items():
-            if outputs_kind == "local":
+            if outputs_kind == "local" and name in plan.dtensor_chunks:  # pinned in DTensor's chunks
+                out[name] = _rechunk(plan, v, env[v], rank, step_timeout, to="dtensor")
+            elif outputs_kind == "local":
                 out[name] = plan.deliver_view(name, env[v], rank)
             elif outputs_kind == "global":
                 out[name] = plan.deliver_view(name, _global_of(plan, v, env[v], step_timeout))

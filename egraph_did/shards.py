@@ -109,9 +109,15 @@ class RankContext:
         lo, hi = self.shard_range(shape[a], dst, a)
         return lo - held, hi - held
 
-    def local_shape(self, o: Operand) -> tuple[int, ...]:
-        """The shape of this rank's shard of `o`."""
-        return tuple(hi - lo for lo, hi in (self.shard_range(e, o.layout, a) for a, e in enumerate(o.shape)))
+    def local_shape(self, o: Operand, chunks: str = "loop") -> tuple[int, ...]:
+        """The shape of this rank's shard of `o` (chunks="dtensor": of DTensor's chunks, see dtensor_range).
+
+        >>> o = Operand((9,), Layout.from_code("S0.S0"))  # 5 | 4, then 3, 2 | 3, 1 (loop) or 2, 2 (DTensor)
+        >>> [RankContext(DeviceMesh([[0, 1], [2, 3]]), r).local_shape(o, "dtensor") for r in range(4)]
+        [(3,), (2,), (2,), (2,)]
+        """
+        ranges = self.shard_range if chunks == "loop" else self.dtensor_range
+        return tuple(hi - lo for lo, hi in (ranges(e, o.layout, a) for a, e in enumerate(o.shape)))
 
     def on_first(self, mesh_axes) -> bool:
         """Whether this rank sits at coordinate 0 of every given mesh axis."""
@@ -206,10 +212,11 @@ def _global_shape(by_rank: dict[int, torch.Tensor], layout: Layout, mesh: Device
 
 
 def unshard(pieces: Sequence[torch.Tensor] | Mapping[int, torch.Tensor], layout: Layout, mesh: DeviceMesh,
-            shape: Sequence[int] | None = None, name: str = "tensor") -> torch.Tensor:
+            shape: Sequence[int] | None = None, name: str = "tensor", chunks: str = "loop") -> torch.Tensor:
     """The global tensor from every rank's piece under `layout` (a list in ascending rank order, or
     {rank: piece}): pieces placed at their ranges, P summed, Pmax maximized; replicated copies must
-    agree. `shape` (the global shape) is checked when given, else read off the pieces.
+    agree. `shape` (the global shape) is checked when given, else read off the pieces. chunks="dtensor":
+    the pieces are DTensor's chunks (see shard).
 
     >>> mesh = DeviceMesh.arange(4)
     >>> unshard([torch.tensor([0., 1., 2.]), torch.tensor([3., 4., 5.]), torch.tensor([6., 7., 8.]),
@@ -222,7 +229,8 @@ def unshard(pieces: Sequence[torch.Tensor] | Mapping[int, torch.Tensor], layout:
     by_rank = by_rank_of(pieces, mesh, where)
     shape = _global_shape(by_rank, layout, mesh) if shape is None else tuple(shape)
     _check_layout(layout, shape, mesh, where)
-    index = {r: _slices(RankContext(mesh, r), shape, layout) for r in mesh.ranks}
+    assert chunks in CHUNKS, chunks
+    index = {r: _slices(RankContext(mesh, r), shape, layout, chunks) for r in mesh.ranks}
     for r, idx in index.items():
         want = tuple(s.stop - s.start for s in idx)
         if tuple(by_rank[r].shape) != want:

@@ -24,6 +24,7 @@ def _rotate_half(o, x):
 
 @rule("slice", cases=[
     Case("rows-kept-uneven", (3,), {"x": (5, 6)}, lambda o, x: o.slice(x, 1, 1, -2)),
+    Case("rows-kept-empty-rank", (4,), {"x": (3, 6)}, lambda o, x: o.slice(x, 1, 2)),
     Case("heads-mesh2x2", (2, 2), {"x": (2, 4, 3, 6)}, lambda o, x: (o.slice(x, -1, 3), o.slice(x, 2, 0, 2))),
 ])
 def slice_other_axis(e):

@@ -53,6 +53,9 @@ def replicated(e):
     Case("mesh2x2", (2, 2), {"a": (4, 6), "b": (4, 1), "c": (7,), "d": (3, 7)}, lambda o, a, b, c, d: (
         o.add(a, b), o.mul(d, c))),
     Case("mesh2x2-nested-uneven", (2, 2), {"a": (13, 3), "b": (13, 3)}, lambda o, a, b: o.mul(a, b)),
+    # a rank holding nothing: 3 over 4 is 1, 1, 1, 0 and 5 is 2, 2, 1, 0; 5 on 2x2 nests 3 | 2 then 2, 1 | 2, 0
+    Case("empty-rank", (4,), {"a": (3, 5), "b": (5,)}, lambda o, a, b: (o.add(a, b), o.relu(a), o.where(o.gt(a, 0.0), a, b))),
+    Case("mesh2x2-empty-rank", (2, 2), {"a": (5, 1), "b": (5, 2)}, lambda o, a, b: o.mul(a, b)),
 ])
 def elementwise_sharded(e):
     """f(x)[shard] = f(x[shard]) for elementwise f; an operand broadcast along the axis stays replicated"""

@@ -133,6 +133,9 @@ Rank = relation("Rank", Shape, i64, egg_fn="Rank")
 Extent = relation("Extent", Shape, i64, i64, egg_fn="Extent")  # shape, axis, extent
 FloatSize = relation("FloatSize", Shape, i64, egg_fn="FloatSize")  # a float dtype's bytes
 Fits = relation("Fits", Shape, Layout, egg_fn="Fits")  # no rank empty, sharded axes exist
+# fits but leaves some rank empty (5 over 4: 2, 2, 1, 0): only ops of empty_shards compute on it
+FitsEmpty = relation("FitsEmpty", Shape, Layout, egg_fn="FitsEmpty")
+FitsAny = relation("FitsAny", Shape, Layout, egg_fn="FitsAny")  # Fits or FitsEmpty
 Valid = relation("Valid", Tensor, Layout, egg_fn="Valid")  # t may be held so (Fits, or a pin)
 MeshSize = relation("MeshSize", i64, egg_fn="MeshSize")  # a mesh axis of this many devices exists
 OpKind = relation("OpKind", String, String, egg_fn="OpKind")  # op name, kind (the op table's)

@@ -1,7 +1,7 @@
 """Propagation through views: permutes move the sharded axis; reshapes keep a shard where the DID split
 stays outermost in its group of merged or split axes and every rank's flat block is unchanged (any
-extent for an axis the reshape leaves alone); otherwise no rule fires and the plan
-reshards. Views are linear, so partials pass through."""
+extent for an axis the reshape leaves alone), or where a split size-1 axis stays one; otherwise no rule
+fires and the plan reshards. Views are linear, so partials pass through."""
 from __future__ import annotations
 
 import math
@@ -75,6 +75,9 @@ def reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[lis
     Case("identity-uneven", (3,), {"x": (5, 4)}, lambda o, x: o.reshape(x, (5, 4))),
     Case("sharded-axis-left-alone-uneven", (3,), {"x": (5, 6)}, lambda o, x: o.reshape(x, (5, 2, 3))),
     Case("merge-uneven-same-flat-blocks", (4,), {"x": (7, 2)}, lambda o, x: o.reshape(x, (14,))),
+    # a rank holding nothing: 6 over 4 is 2, 2, 2, 0 on both sides; 3 rows of 2 are 1, 1, 1, 0 rows, 2, 2, 2, 0 of 6
+    Case("unit-axis-empty-rank", (4,), {"x": (1, 6)}, lambda o, x: o.reshape(x, (6,))),
+    Case("merge-empty-rank", (4,), {"x": (3, 2)}, lambda o, x: o.reshape(x, (6,))),
 ])
 def reshape_sharded(e):
     """reshape(x)[shard] = reshape(x[shard]) when a rank's flat block is unchanged by the reshape
@@ -84,6 +87,21 @@ def reshape_sharded(e):
     x, out = e["x"], e.out
     for a, inner_in, b, inner_out in reshape_blocks(x.shape, out.shape):
         if -(-x.shape[a] // e.d) * inner_in == -(-out.shape[b] // e.d) * inner_out:
+            yield e.strategy(out=S(b), x=S(a))
+
+
+@rule("reshape", nestable=False, cases=[
+    Case("unit-to-unit-empty-rank", (2,), {"x": (1, 1, 2)}, lambda o, x: o.reshape(x, (1, 2))),
+    Case("unit-axes-moved", (3,), {"x": (1, 4, 1, 3)}, lambda o, x: o.reshape(x, (4, 1, 3, 1))),
+    Case("unit-axes-mesh2x2", (2, 2), {"x": (1, 4, 6)}, lambda o, x: o.reshape(x, (4, 1, 6))),
+])
+def reshape_unit_axis(e):
+    """reshape(x)[shard] = reshape(x[shard]) for a split size-1 axis that stays a size-1 axis: on both
+    sides the rank at coordinate 0 holds everything and the others nothing (the split of a unit axis leaves
+    ranks empty, which only ops of empty_shards, as views, compute on)"""
+    x, out = e["x"], e.out
+    for a in (k for k, n in enumerate(x.shape) if n == 1):
+        for b in (k for k, n in enumerate(out.shape) if n == 1):
             yield e.strategy(out=S(b), x=S(a))
 
 
@@ -108,6 +126,7 @@ def reshape_blocks(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[int
 @rule("unsqueeze", cases=[
     Case("uneven", (3,), {"x": (5, 3)}, lambda o, x: (o.unsqueeze(x, 1), o.unsqueeze(x, -1))),
     Case("front", (2,), {"x": (3, 4)}, lambda o, x: o.unsqueeze(x, 0)),
+    Case("empty-rank", (4,), {"x": (3, 5)}, lambda o, x: o.unsqueeze(x, 1)),
 ])
 def unsqueeze_sharded(e):
     """unsqueeze moves axes at or after the new one by one place"""
@@ -121,6 +140,7 @@ def unsqueeze_sharded(e):
     Case("broadcast_in_dim-uneven", (3,), {"x": (5,)}, lambda o, x: o.broadcast_in_dim(x, (5, 4), (0,))),
     Case("mesh2x2", (2, 2), {"x": (4, 1)}, lambda o, x: o.expand(x, (4, 6))),
     Case("mesh2x2-nested-uneven", (2, 2), {"x": (13, 1)}, lambda o, x: o.expand(x, (13, 2))),
+    Case("empty-rank", (4,), {"x": (3, 1)}, lambda o, x: o.expand(x, (3, 4))),
 ])
 def broadcast_sharded(e):
     """broadcasting leaves an axis that is not broadcast sharded as it was"""
@@ -159,6 +179,12 @@ def _reshape_sharded(spec):
     yield erule(site("reshape"), ReshapeBlock(sig, a, inner_a, b, inner_b), MeshSize(d), Extent(sx0, a, n),
                 Extent(sy, b, m),
                 eq((n + d - 1) / d * inner_a).to((m + d - 1) / d * inner_b)).then(ax([S_(a)], [S_(b)], nestable=False))
+
+
+@egglog_form(reshape_unit_axis)
+def _reshape_unit_axis(spec):
+    """reshape(x)[shard] = reshape(x[shard]) for a split size-1 axis that stays a size-1 axis"""
+    yield erule(site("reshape"), MeshSize(d), Extent(sx0, a, 1), Extent(sy, b, 1)).then(ax([S_(a)], [S_(b)], nestable=False))
 
 
 @egglog_form(unsqueeze_sharded)

@@ -14,9 +14,6 @@ that others are fixing; put it back in the slice when its class is fixed:
   commit 2857e24's neighbours, `collective-on-size-1-mesh-axis`).
 - nothing else of the op table: `expand` of a 0-D tensor to shape () passes the shape rule and crashes
   ed.evaluate (`evaluate-crash: TypeError in ops.py:<lambda>`), rare enough that the slice's seed misses it.
-- splits that leave a rank empty (5 rows over 4 ranks) are refused. (Non-outermost splits, as of a merged
-  gate/up weight, and nested splits with the inner mesh axis outside are in the slice: they plan through a
-  reshaped view where their splits divide the extent, and are refused saying what to do where not.)
 - partial pins (P, Pmax): `replicate -> partial` is missing, so most are refused; where accepted they
   are checked in the long run.
 - the h200_multinode cost model (on meshes that are not 2-D it is refused, which ends the case), and
@@ -29,9 +26,15 @@ that others are fixing; put it back in the slice when its class is fixed:
 - the exact extractor is run (exact <= greedy is checked, and the gap is measured but not bounded: greedy
   is more than 1% worse than exact on about 8% of random cases, `greedy-over-1%-worse-than-exact` with
   --gap-limit 0.01), and gloo processes are not (the long run samples them with --gloo-every).
+
+In the slice: splits that leave a rank empty (5 rows over 4 ranks), with issue 29's reshard probe beside
+about a quarter of its cases; non-outermost splits, as of a merged gate/up weight, and nested splits with the
+inner mesh axis outside (they plan through a reshaped view where their splits divide the extent, and are
+refused saying what to do where not).
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -43,13 +46,14 @@ if ROOT not in sys.path:  # `python -m pytest` from the root has it; a bare `pyt
     sys.path.insert(0, ROOT)
 
 import egraph_did as ed  # noqa: E402
+from egraph_did.layout import empty_rank  # noqa: E402
 from bench import fuzz  # noqa: E402
 
 # op families the CI slice draws from: every op but those the docstring excludes
 CI_EXCLUDED_OPS = {"welford_blocks", "welford_merge"}
 CI_OPS = sorted(set(ed.op_names()) - CI_EXCLUDED_OPS)
 CI_MESHES = [[2], [3], [4], [5], [2, 2], [2, 3], [3, 2], [2, 4], [2, 2, 2]]
-CI_PROFILE = dict(meshes=CI_MESHES, pin_styles=("outer", "nonouter", "inner-first"), partial_pins=False, empty_shards=False,
+CI_PROFILE = dict(meshes=CI_MESHES, pin_styles=("outer", "nonouter", "inner-first"), partial_pins=False, empty_shards=True,
                   memory_bounds=False, multinode=False)
 CI_SEED, CI_CASES = 2024, 40
 
@@ -286,13 +290,13 @@ def test_seeded_slice_passes():
 # ------------------------------------------------------------------------------ issue 29's edges
 
 def test_the_generator_draws_reshape_chains_and_unread_inputs_from_their_own_stream():
-    specs = [fuzz.generate_case(5, i) for i in range(60)]
+    specs = [fuzz.generate_case(5, i, reshards=False) for i in range(60)]  # the reshard probe: the test below
     unread = [s for s in specs if any(i.get("unread") for i in s["inputs"].values())]
     chains = [s for s in specs if any(o["outs"][0].startswith("c") and o["op"] == "reshape" for o in s["ops"])]
     assert len(unread) >= 8 and len(chains) >= 8
     assert any(sum(o.startswith("c") for o in s["outputs"]) >= 2 for s in chains)  # chain tensors as outputs
     for i, s in enumerate(specs):  # edges=False: the case as drawn before the edges (the other draws unchanged)
-        plain = fuzz.generate_case(5, i, edges=False)
+        plain = fuzz.generate_case(5, i, edges=False, reshards=False)
         assert [o for o in s["ops"] if not o["outs"][0].startswith("c")] == plain["ops"]
         assert {k: p for k, p in s["pins"].items() if k in plain["pins"]} == plain["pins"]
 
@@ -317,3 +321,55 @@ def test_the_fuzzer_replays_plans_checks_unread_inputs_and_reports_outputs():
     assert "u0" in spec["inputs"]
     res = fuzz.run_case(spec, checks={"build", "evaluate", "optimize", "pins", "eager", "like"})
     assert res["refusal"] is None and res["failures"] == [], res["failures"]
+
+
+# ------------------------------------------------------------------------------ issue 29 item 4: uneven reshards
+
+def test_the_generator_draws_uneven_reshards_with_empty_ranks_from_their_own_stream():
+    specs = [fuzz.generate_case(5, i) for i in range(80)]
+    probes = [s for s in specs if "reshard" in s]
+    kinds = {tuple(s["reshard"]["collectives"]) for s in probes}
+    assert len(probes) >= 10 and kinds == {("alltoall",), ()}  # an S(a) -> S(b) alltoall, a size-1 view
+    def leaves_a_rank_empty(s):
+        mesh = ed.DeviceMesh(torch.arange(math.prod(s["mesh"])).reshape(s["mesh"]).tolist())
+        return any(empty_rank(ed.Layout.from_code(".".join(s["pins"][t]["pl"])), shape, mesh) is not None
+                   for t, shape in (("r0", s["inputs"]["r0"]["shape"]), ("r1", fuzz.infer_shapes(s)["r1"][0])))
+    empty = [s for s in probes if leaves_a_rank_empty(s)]
+    assert len(empty) >= len(probes) // 2  # mostly a rank left empty
+    for i, s in enumerate(specs):  # reshards=False: the same case without the probe
+        plain = fuzz.generate_case(5, i, reshards=False)
+        assert "reshard" not in plain
+        if "reshard" in s:
+            assert s["ops"][:-1] == plain["ops"] and s["outputs"][:-1] == plain["outputs"]
+            assert {k: v for k, v in s["pins"].items() if k not in ("r0", "r1")} == plain["pins"]
+        else:
+            assert s == plain
+
+
+def _reshard_case(shape, src, dst, op="relu", target=None):
+    spec = {"seed": 0, "index": 0, "dtype": "float64", "mesh": [4], "axis_names": None,
+            "inputs": {}, "ops": [], "outputs": [], "pins": {},
+            "cost": {"preset": "h200", "memory_frac": None}, "extractors": ["greedy", "exact"], "gloo": False}
+    op = {"op": op, "args": [["x", {"t": "r0"}]] + ([["shape", target]] if target else []), "outs": ["r1"]}
+    pins = {"r0": {"pl": [f"S{src}"], "style": "outer"}, "r1": {"pl": [f"S{dst}"], "style": "outer"}}
+    spec["inputs"]["r0"] = {"shape": list(shape), "dtype": "float64", "data": "randn"}
+    spec["ops"], spec["outputs"], spec["pins"] = [op], ["r1"], dict(pins)
+    spec["reshard"] = {"op": op, "pins": pins, "mesh": [4], "shape": list(shape),
+                       "collectives": [] if target else ["alltoall"]}
+    return spec
+
+
+@pytest.mark.parametrize("case", [((6, 5), 0, 1), ((1, 6), 1, 0, "reshape", [6])], ids=["alltoall", "view"])
+def test_the_reshard_check_passes_now_and_finds_the_allgather_of_before(case, monkeypatch):
+    spec = _reshard_case(*case)
+    checks = {"build", "evaluate", "optimize", "eager"}
+    assert fuzz.reshard_intact(spec)
+    res = fuzz.run_case(spec, checks=checks)
+    assert res["refusal"] is None and res["failures"] == [], res["failures"]
+    # before issue 29's fix no op computed on a layout that leaves a rank empty: it went through R
+    monkeypatch.setattr(ed.ops.OpDef, "empty_shards", property(lambda self: False))
+    res = fuzz.run_case(spec, checks=checks)
+    assert {f["cls"] for f in res["failures"]} == {"optimize-reshard-moves-more-than-needed"}
+    assert "allgather" in res["failures"][0]["detail"]
+    spec["pins"].pop("r1")  # a minimizer's cut: no longer the probe, no longer checked
+    assert not fuzz.reshard_intact(spec)

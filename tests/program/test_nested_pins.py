@@ -341,17 +341,26 @@ def test_dtensor_placements_and_loop_domains_map_onto_each_other(mesh_shape, sha
         assert _dtensor_indices(shape, placements, mesh, r) == [i.tolist() for i in fd["y"].local_indices(r)]
 
 
-def test_dtensor_placements_no_loop_domain_holds_are_refused_naming_the_tensor():
+def test_dtensor_placements_no_loop_domain_holds_pin_the_loop_domain_held_in_dtensors_chunks():
     """5 rows over 2x2 as (Shard(0), Shard(0)): DTensor chunks 3 | 2 into 2, 1 | 1, 1; the loop domain
-    cuts the ceil extent (3) of each half: 2, 1 | 2, 0. No loop domain is DTensor's here."""
+    cuts the ceil extent (3) of each half: 2, 1 | 2, 0. No loop domain is DTensor's here: the pin is the
+    loop domain of those placements held in DTensor's chunks (it was refused; issue 29), which the plan
+    rechunks at its boundary."""
     from torch.distributed.tensor import Shard
-    from egraph_did.runtime import pin_placements
+    from egraph_did.runtime import _dtensor_indices, pin_placements
     with ed.FusionDefinition() as fd:
         t = fd.define_tensor((5, 4), F64, name="t")
-    with pytest.raises(ed.ShardingError, match=r"^t: DTensor's chunks of \(5, 4\) .* differ from every loop domain"):
-        pin_placements(t, (Shard(0), Shard(0)), MESH22)
-    assert t.loop_str() == "[5, 4]"  # left unpinned
-
+        fd.add_output(fd.ops.neg(t), name="y")
+    pin_placements(t, (Shard(0), Shard(0)), MESH22)
+    assert t.loop_str() == "[DIDy{2}, DIDx{2}, 5/2/2, 4]" and t.chunks == "dtensor"
+    for r in MESH22.ranks:
+        assert [i.tolist() for i in t.local_indices(r)] == _dtensor_indices((5, 4), (Shard(0), Shard(0)), MESH22, r)
+    plan = ed.optimize(fd, MESH22)
+    assert plan.dtensor_chunks == ["t"] and [plan.input_shape("t", r)[0] for r in MESH22.ranks] == [2, 1, 1, 1]
+    X = torch.randn(5, 4, dtype=F64)
+    assert torch.equal(ed.simulate(plan, {"t": X})["y"], -X)
+    pin_placements(t, (Shard(0), Shard(1)), MESH22)  # pinned again: the loop domain's own chunks
+    assert t.chunks == "loop"
 
 
 @pytest.mark.parametrize("seed", range(12))

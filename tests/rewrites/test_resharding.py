@@ -38,10 +38,12 @@ MESHES = {
     "mesh3": DeviceMesh.arange(3),
     "mesh2x2": DeviceMesh([[0, 1], [2, 3]]),
 }
-# Uneven extents on purpose: 5 and 7 over 3 ranks; 3 and 5 over 2; 13 split by both axes of 2x2.
+# Uneven extents on purpose: 5 and 7 over 3 ranks; 3 and 5 over 2; 13 split by both axes of 2x2. Some leave a
+# rank empty (a layout every tensor may be held in): 2 over 3 is 1, 1, 0; 5 split by both axes of 2x2 is
+# 3 | 2, then 2, 1 | 2, 0.
 SHAPES = {
-    "mesh3": [(5, 7), (6, 3)],
-    "mesh2x2": [(4, 8), (3, 5), (13, 7)],
+    "mesh3": [(5, 7), (6, 3), (2, 7)],
+    "mesh2x2": [(4, 8), (3, 5), (13, 7), (5, 3)],
 }
 PLACEMENTS = [R, P, PMAX, S(0), S(1)]
 
@@ -51,7 +53,7 @@ def code(layout: Layout) -> str:
 
 
 def layouts(mesh: DeviceMesh, shape) -> list[Layout]:
-    return [lay for lay in map(Layout, itertools.product(PLACEMENTS, repeat=mesh.ndim)) if is_valid(lay, shape, mesh)]
+    return [lay for lay in map(Layout, itertools.product(PLACEMENTS, repeat=mesh.ndim)) if is_valid(lay, shape, mesh, allow_empty=True)]
 
 
 def nests_badly(src: Layout, dst: Layout, m: int) -> bool:
@@ -145,7 +147,7 @@ def test_rank_context_shard_range_matches_the_loop_domain(mname):
     nested uneven splits included (13 rows on 2x2 with S(0) on both axes: [0:4] [4:7] [7:11] [11:13])."""
     mesh = MESHES[mname]
     for shape in SHAPES[mname]:
-        for layout in valid_layouts(shape, mesh):
+        for layout in valid_layouts(shape, mesh, allow_empty=True):
             tv = view(shape, layout, mesh)
             for r in mesh.ranks:
                 idx = local_indices(tv, r)
