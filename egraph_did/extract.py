@@ -529,18 +529,25 @@ RELINK_MAX_CLASSES = 10_000
 
 
 def _layout_plans(graph: PhysGraph, w: _Weighted, surcharge: bool = False) -> list[dict[str, Node]]:
-    """Greedy's plans with the computations (level-0 Apply nodes) of one layout at LAYOUT_BIAS of their
-    price (with surcharge, and those of the other layouts dearer by the cheapest collective's), one plan
-    per layout: whole regions computed in one layout, which greedy's per-class choices do not reach from
-    a plan that computes them in another (a weight gradient and its AdamW chain computed in S0 rather
-    than S1: every tensor of the chain would have to switch at once). _relink takes the parts of these
-    plans that pay."""
+    """Greedy's plans with the computations (level-0 Apply nodes, and the multi-output ops their outputs
+    project) of one layout at LAYOUT_BIAS of their price (with surcharge, and those of the other layouts
+    dearer by the cheapest collective's), one plan per layout: whole regions computed in one layout, which
+    greedy's per-class choices do not reach from a plan that computes them in another (a weight gradient
+    and its AdamW chain computed in S0 rather than S1: every tensor of the chain would have to switch at
+    once). _relink takes the parts of these plans that pay."""
     sk = w.skeleton
     levels: dict[str, list[str]] = {}
     for c in w.order:
         idn = graph.ident.get(c)
         if idn is not None and idn[2] == 0:
             levels.setdefault(idn[1], []).append(c)
+    # a multi-output op (attention and its lse, its backward's three gradients) computes in a class of its
+    # own that no layout names; it is a computation of the layout whose outputs project it (fuzz seed 37
+    # case 4048: the attention backward, left at its price in the replicated layout's plan, stayed split
+    # and its gradients gathered; 23% over exact -> equal)
+    for lay, cs in levels.items():
+        cs.extend(sorted({ch for c in cs for n in graph.classes[c] if n.op == "Proj" for ch in n.children
+                          if ch not in graph.ident}))
     # surcharge: the other layouts' computations dearer by the cheapest collective: a factor on a price of about
     # nothing (an elementwise op) favours nothing, so a chain of them stayed where its input was gathered
     # and each output was sliced back (fuzz seed 37 case 2238: 22% over exact -> equal)
