@@ -269,7 +269,8 @@ def _shared_seeds(graph: PhysGraph, w: _Weighted, best: Best, tensors: dict[str,
 
     The values are tried in the order of what the current plan would save: a reader's saving is capped at
     what the plan pays for the reader's tensor in the reader's layout (or, where the plan holds the tensor
-    in no such layout, in the cheapest it holds). A reader's own best counts every layout alike, so a
+    in no such layout, in the cheapest it holds; a tensor the plan does not hold, such as a rewrite's
+    merged GEMM, is not capped: test_gqa_projections_merge_on_a_2x2_mesh). A reader's own best counts every layout alike, so a
     costly value whose readers are costly layouts no plan takes (an attention backward in a layout split
     three ways) scored above the value the plan needs (fuzz seed 37 case 6459: the forward attention
     computed replicated once, read by its three outputs, was the 204th of 325 values and the tries'
@@ -325,7 +326,7 @@ def _shared_seeds(graph: PhysGraph, w: _Weighted, best: Best, tensors: dict[str,
                 continue
             t = key[p]
             paid = pays.get(ident[p][:2]) if p in ident else None
-            paid = min(best[p][0], paid if paid is not None else pays.get(tensor(p), 0.0))
+            paid = min(best[p][0], paid if paid is not None else pays.get(tensor(p), best[p][0]))
             for n in graph.classes[p]:
                 if d in n.children and all(ch in best for ch in n.children):
                     alt = w.weight[w.index[id(n)]] + sum(best[ch][0] for ch in set(n.children) if ch != d)
