@@ -224,3 +224,24 @@ def test_an_unread_input_pinned_as_a_view_reports_its_pin_as_given():
     assert plan.unread == ["u0"]
     assert plan.loop_domain("u0") == u0.loop_str()
     assert ed.Plan.from_json(plan.to_json()).loop_domain("u0") == u0.loop_str()
+
+
+def test_a_fused_run_beside_a_rank_holding_nothing_runs_each_step_through_torch():
+    """`simulate-lowered-crash: ShardingError in shards.py:assemble` (seed 38, case 3267): tanh of x2 [3, 1] split
+    over tp beside abs/add/sqrt of x0 split over pp then tp, where rank (pp 1, tp 1) holds no row of x0: the one
+    fused kernel of the four left that rank's tanh different from rank (pp 0, tp 1)'s. A run where some rank holds
+    nothing of a tensor is not fused."""
+    mesh = ed.DeviceMesh(torch.arange(4).reshape(2, 1, 2), axis_names=("pp", "dp", "tp"))
+    with ed.FusionDefinition() as fd:
+        x0, x1, x2 = (fd.define_tensor((3, 1), torch.float32, name=n) for n in ("x0", "x1", "x2"))
+        t0 = fd.ops.layer_norm(x=x0, normalized_shape=(3, 1), weight=x1, bias=x2)
+        t1 = fd.ops.tanh(x=x2)
+        fd.add_output(t0, name="t0")
+        fd.add_output(t1, name="t1")
+        fd.add_output(fd.ops.sqrt(x=fd.ops.add(a=fd.ops.abs(x=x0), b=0.5)), name="t4")
+    t0.set_device_mesh(mesh)
+    t1.set_device_mesh(mesh).outer_split(0, 2).parallelize(0, ed.ParallelType.DIDx)
+    g = torch.Generator().manual_seed(0)
+    inputs = {n: torch.randn((3, 1), generator=g) for n in ("x0", "x1", "x2")}
+    plan = ed.optimize(fd, mesh)
+    _close(ed.simulate(plan, inputs), ed.evaluate(fd, inputs))  # lowered: kernels where every rank holds data
