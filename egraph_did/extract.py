@@ -764,67 +764,6 @@ LADDER_START = 1e-6
 LADDER_STEP = 4.0
 
 
-def _repair(graph: PhysGraph, choice: dict[str, Node], fallback: dict[str, Node], memory_limit: float,
-            penalty: float, skeleton: _Skeleton, finish: bool = False, budget: int = 2_000_000
-            ) -> dict[str, Node] | None:
-    """A plan over the memory bound brought within it one switch at a time, each the switch that frees
-    memory for the least time per byte, or (finish) the fastest that frees enough where one does (what it
-    newly reads completed from `fallback`, then from the cheapest routes given the plan at the price
-    `penalty`); None if no
-    switch frees memory or the budget (classes walked) runs out first. A plan no price of a byte reaches:
-    the bound between two plans that the price jumps from one to the other (fuzz seed 37 case 6374: 27%
-    faster than any price's plan; case 65: one 4 us slice of a value kept whole, where the price's plan
-    gathers it, 10 us, and frees four times what the bound asks, is the one switch that finishes).
-
-    >>> g = PhysGraph({"w": [Node("Load", (), "w", memory=8.0)],
-    ...                "y": [Node("Apply", ("w",), "y", 0, cost=1e-6, memory=8.0),
-    ...                      Node("Apply", ("w",), "y", 1, cost=3e-6, memory=2.0),
-    ...                      Node("Apply", ("w",), "y", 2, cost=9e-6, memory=1.0)]})
-    >>> roots = with_roots(g, {"y": ["y"]})
-    >>> order = _topo_order(g, roots)
-    >>> plan = greedy_dag(g, roots).choice
-    >>> _repair(g, plan, plan, 12.0, 0.0, _Skeleton(g, order))["y"].sid  # 2 us for 6 bytes, not 8 us for 7
-    1
-    >>> _repair(g, plan, plan, 9.5, 0.0, _Skeleton(g, order))["y"].sid  # 1 and 2 in turn: 8 us for 7 bytes
-    2
-    >>> _repair(g, plan, plan, 9.5, 0.0, _Skeleton(g, order), finish=True)["y"].sid  # the one that fits
-    2
-    """
-    choice = dict(choice)
-    refs: dict[str, int] = {ROOT: 1}
-    for m in choice.values():
-        for ch in set(m.children):
-            refs[ch] = refs.get(ch, 0) + 1
-    memory = _total(choice)[1]
-    while memory > memory_limit:
-        complete = {**fallback, **_completions(skeleton, choice, penalty)}
-        pick = None
-        for c in list(choice):
-            for n in graph.classes[c]:
-                if n is choice[c]:
-                    continue
-                move = _switch(choice, refs, complete, c, n, 0.0)
-                if move is None:
-                    continue
-                delta, added, removed, _ = move
-                budget -= 1 + len(added) + len(removed)
-                freed = choice[c].memory - n.memory - sum(m.memory for m in added.values()) \
-                    + sum(choice[r].memory for r in removed)
-                if freed <= 0:
-                    continue
-                # with `finish`, a switch that brings the plan within the bound goes before any that does
-                # not, the fastest of them first; until one does, the least time per byte freed
-                key = (0, delta) if finish and memory - freed <= memory_limit else (1, delta / freed)
-                if pick is None or key < pick[0]:
-                    pick = (key, c, n, move, freed)
-        if pick is None or budget < 0:
-            return None
-        _, c, n, move, freed = pick
-        _apply(choice, refs, c, n, move)
-        memory -= freed
-    return choice
-
-
 def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = None) -> Selection:
     """Bottom-up greedy: each class keeps the cheapest node counting shared descendants once; an
     amortized variant and greedy reruns with one value several tensors read bought up front catch values
@@ -890,12 +829,6 @@ def _greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None) 
                 break
             over = [unbounded, trial]
             price *= LADDER_STEP
-        # and the plans that do not fit repaired (_repair): a plan the price of a byte reaches at no price
-        for plan in over:
-            for finish in (False, True):
-                fixed = _repair(graph, plan, wider, memory_limit, hi, skeleton, finish)
-                if fixed is not None:
-                    starts.append(fixed)
         # the price of a byte is one number for the whole plan; spend what the bound leaves on time
         polished = [_improve(graph, s, fallback if i == 0 else wider, 0.0, memory_limit=memory_limit, skeleton=skeleton)
                     for i, s in enumerate(starts)]
