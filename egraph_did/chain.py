@@ -82,13 +82,6 @@ class Chain:
             return ("made", self.layer[t] - layer, self.place[t])
         return ("shared", t)
 
-    def absolute(self, rel, layer: int) -> str:
-        """The tensor that `rel` (relative()'s form) names for layer `layer`."""
-        if rel[0] == "param":
-            return self.param(rel[1], layer + rel[2])
-        if rel[0] == "made":
-            return self.made(layer + rel[1], rel[2])
-        return rel[1]
 
 
 def _families(fusion: Fusion) -> list[dict[str, tuple[str, int]]]:
@@ -305,23 +298,35 @@ def _window_order(chain: Chain, kept: list[int], operand) -> list[int]:
     later in program order (in layer 3's backward)."""
     fusion = chain.fusion
     maker = {tv.name: i for i in kept for tv in fusion.exprs[i].outputs}
-    waiting = {i: {maker[m] for s, t in enumerate(fusion.exprs[i].inputs) if (m := operand(i, s, t)) in maker}
-               for i in kept}
+    after = [{maker[m] for s, t in enumerate(fusion.exprs[i].inputs) if (m := operand(i, s, t)) in maker}
+             for i in kept]
+    at = {i: k for k, i in enumerate(kept)}
+    return [kept[k] for k in _ready_first([{at[m] for m in ms} for ms in after], kept)]
+
+
+def _ready_first(after: list[set[int]], keys: list) -> list[int]:
+    """An order of items 0..n-1 in which each comes after the items in after[its index]: among those ready,
+    the one of the least key first. AssertionError where they hold a cycle.
+
+    >>> _ready_first([set(), {0}, set()], [5, 1, 3])  # 1 waits for 0; 2 is ready first by its key
+    [2, 0, 1]
+    """
+    waiting = [len(a) for a in after]
     readers: dict[int, list[int]] = defaultdict(list)
-    for i, ms in waiting.items():
-        for m in ms:
-            readers[m].append(i)
-    ready = [i for i in kept if not waiting[i]]
+    for k, a in enumerate(after):
+        for m in a:
+            readers[m].append(k)
+    ready = [(keys[k], k) for k in range(len(after)) if not waiting[k]]
     heapq.heapify(ready)
     order = []
     while ready:
-        i = heapq.heappop(ready)
-        order.append(i)
-        for r in readers[i]:
-            waiting[r].discard(i)
+        _, k = heapq.heappop(ready)
+        order.append(k)
+        for r in readers[k]:
+            waiting[r] -= 1
             if not waiting[r]:
-                heapq.heappush(ready, r)
-    assert len(order) == len(kept), "the window's rewiring made a cycle"
+                heapq.heappush(ready, (keys[r], r))
+    assert len(order) == len(after), "the order's items hold a cycle"
     return order
 
 
@@ -393,9 +398,7 @@ class _Window:
             return ("own", self.step_rel(i, w, memo, outputs=False), self.steps[i].writes.index(v), code)
         if self.added(val.tensor):
             raise Refused(f"{v} is made in window layer {self.tags[i]} and read in {w}")
-        k = self.tensor_layer(val.tensor)
-        if val.tensor in self.chain.layer and k is None:
-            raise Refused(f"{val.tensor} is of a layer the window left out")
+        k = self.tensor_layer(val.tensor)  # the window holds no tensor of a layer it left out
         if k is None or w is None:
             return ("shared", val.tensor, code)
         offset = k - w
@@ -535,24 +538,7 @@ def _topological(steps: list, laid: list[tuple[int, int]]) -> list[int]:
     """An order of the stitched steps in which each reads only what earlier steps made: among the steps ready,
     the one of the earliest window step (then the lowest layer) first, so every layer keeps the window's order."""
     maker = {v: k for k, s in enumerate(steps) for v in s.writes}
-    waiting = [0] * len(steps)
-    readers: dict[int, list[int]] = defaultdict(list)
-    for k, s in enumerate(steps):
-        for m in {maker[v] for v in s.reads if v in maker}:
-            waiting[k] += 1
-            readers[m].append(k)
-    ready = [(laid[k], k) for k in range(len(steps)) if not waiting[k]]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, k = heapq.heappop(ready)
-        order.append(k)
-        for r in readers[k]:
-            waiting[r] -= 1
-            if not waiting[r]:
-                heapq.heappush(ready, (laid[r], r))
-    assert len(order) == len(steps), "the stitched steps hold a cycle"
-    return order
+    return _ready_first([{maker[v] for v in s.reads if v in maker} for s in steps], laid)
 
 
 __all__ = ["Chain", "Refused", "find_chain", "window", "stitch", "WINDOW"]

@@ -164,17 +164,11 @@ def whys(steps: Sequence, layouts: Mapping[str, str], outputs: Mapping[str, str]
     >>> whys([c, relu], {"h:R": "R", "y:R": "R"}, {"y": "y:R"})
     ['y:R = relu(h:R) [elementwise] reads h:R', None]
     """
-    first: dict[tuple[str, int], object] = {}  # (value, the step that made it) -> its first reader after that
-    made: dict[str, int] = {}
-    for i, s in enumerate(steps):
+    first: dict[str, object] = {}  # value -> the first step that reads it (a value is made once, before it)
+    for s in steps:
         for v in s.reads:
-            key = (v, made.get(v, -1))
-            if key not in first:
-                first[key] = s
-        for v in s.writes:
-            made[v] = i
-    return [_why(s, first.get((s.dst, i)), layouts, outputs, pinned) if s.kind != "compute" else None
-            for i, s in enumerate(steps)]
+            first.setdefault(v, s)
+    return [_why(s, first.get(s.dst), layouts, outputs, pinned) if s.kind != "compute" else None for s in steps]
 
 
 def _why(c, reader, layouts: Mapping[str, str], outputs: Mapping[str, str], pinned: Sequence[str]) -> str:

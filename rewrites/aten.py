@@ -236,13 +236,19 @@ def sdpa_lse_value_dim(e):
     yield e.strategy(out=(S(3), R), v=S(3))
 
 
-@rule("sdpa_backward", cases=[
+# the causal cases of the backward's sequence rules: uneven shards on 3 ranks, nested uneven ones on 2x2
+CAUSAL_BACKWARD_CASES = [
     Case("causal-uneven", (3,), ATTN_G, lambda o, q, k, v, g: _backward(o, g, q, k, v, is_causal=True)),
-    Case("noncausal-scale", (2,), {"q": (1, 2, 5, 4), "k": (1, 2, 6, 4), "v": (1, 2, 6, 3), "g": (1, 2, 5, 3)},
-         lambda o, q, k, v, g: _backward(o, g, q, k, v, scale=0.3)),
     Case("causal-mesh2x2-nested-uneven", (2, 2), {"q": (1, 1, 13, 2), "k": (1, 1, 13, 2), "v": (1, 1, 13, 2),
                                                  "g": (1, 1, 13, 2)},
          lambda o, q, k, v, g: _backward(o, g, q, k, v, is_causal=True)),
+]
+
+
+@rule("sdpa_backward", cases=[
+    *CAUSAL_BACKWARD_CASES,
+    Case("noncausal-scale", (2,), {"q": (1, 2, 5, 4), "k": (1, 2, 6, 4), "v": (1, 2, 6, 3), "g": (1, 2, 5, 3)},
+         lambda o, q, k, v, g: _backward(o, g, q, k, v, scale=0.3)),
 ])
 def sdpa_backward_query_sequence(e):
     """dq of a shard of the queries needs only those rows; dk = sum_i ds_i^T q_i and dv = sum_i p_i^T g_i
@@ -253,12 +259,9 @@ def sdpa_backward_query_sequence(e):
 
 
 @rule("sdpa_backward", cases=[
-    Case("causal-uneven", (3,), ATTN_G, lambda o, q, k, v, g: _backward(o, g, q, k, v, is_causal=True)),
+    *CAUSAL_BACKWARD_CASES,
     Case("cross-scale", (2,), {"q": (1, 2, 3, 4), "k": (1, 2, 6, 4), "v": (1, 2, 6, 3), "g": (1, 2, 3, 3)},
          lambda o, q, k, v, g: _backward(o, g, q, k, v, scale=0.3)),
-    Case("causal-mesh2x2-nested-uneven", (2, 2), {"q": (1, 1, 13, 2), "k": (1, 1, 13, 2), "v": (1, 1, 13, 2),
-                                                 "g": (1, 1, 13, 2)},
-         lambda o, q, k, v, g: _backward(o, g, q, k, v, is_causal=True)),
 ])
 def sdpa_backward_key_sequence(e):
     """p_ij = exp(s_ij - lse_i) from the whole logsumexp is exact for a shard of the keys: dk and dv of

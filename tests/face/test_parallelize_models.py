@@ -42,9 +42,9 @@ KWARGS = {"use_cache": False}  # no cache object in the outputs: logits only
 LIMITS = {"llama": 450_000, "gpt2": 700_000}
 
 
-def make_llama() -> torch.nn.Module:
+def make_llama(layers: int = 2) -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                    initializer_range=INIT)
     return transformers.LlamaForCausalLM(cfg).eval()
