@@ -18,6 +18,15 @@ _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if _os.path.isdir(_os.path.join(_root, "rewrites")) and _root not in __path__:
     __path__.append(_root)
 
+import torch as _torch  # noqa: E402
+
+# Triton's jit reads TRITON_INTERPRET once, when triton.language is first imported (by our kernels, or by
+# torch.export / transformers importing inductor): without a GPU the kernels run only interpreted, so set it
+# before anything imports Triton (from_torch and the lowering set it too, which is late once transformers
+# has imported it: tl.sum inside an interpreted kernel then raises "Cannot call @triton.jit'd outside ...").
+if not _torch.cuda.is_available():
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from .errors import DtypeError, EgraphDidError, MeshError, PlanError, ShapeError, ShardingError
 from .evaluate import decompose, evaluate
 from .fusion import Expr, Fusion, FusionDefinition

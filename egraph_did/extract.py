@@ -86,15 +86,16 @@ def _total(choice: dict[str, Node]) -> tuple[float, float]:
 
 class _Skeleton:
     """What the greedy passes read of the graph, whatever the price of a byte: the classes in topological
-    order, their nodes numbered (a node is a bit of a set), each node's distinct children (in the order
+    order (a class is a bit of a set), their nodes numbered, each node's distinct children (in the order
     set(children) gives them, as the passes always took them), and which tensors and classes read each
     class. Built once per extraction; the passes loop over it instead of the graph's Node objects."""
 
     def __init__(self, graph: PhysGraph, order: list[str]):
         self.graph, self.order = graph, order
         self.nodes = [n for c in order for n in graph.classes[c]]
-        self.index = {id(n): i for i, n in enumerate(self.nodes)}  # id(node) -> bit
-        self.entries: dict[str, list[tuple[Node, int, list[str]]]] = {}  # class -> (node, bit, distinct children)
+        self.index = {id(n): i for i, n in enumerate(self.nodes)}  # id(node) -> its number (its weight's index)
+        self.position = {c: k for k, c in enumerate(order)}  # class -> its bit in a set
+        self.entries: dict[str, list[tuple[Node, int, list[str]]]] = {}  # class -> (node, number, distinct children)
         i = 0
         for c in order:
             es = self.entries[c] = []
@@ -126,10 +127,10 @@ class _Skeleton:
 
 @dataclass
 class _Weighted:
-    """The classes in topological order, their nodes numbered (a node is a bit of a set) and weighted."""
+    """The classes in topological order (a class is a bit of a set), their nodes numbered and weighted."""
     order: list[str]
-    index: dict[int, int]  # id(node) -> bit
-    weight: list[float]  # cost + penalty * memory, by bit
+    index: dict[int, int]  # id(node) -> its number
+    weight: list[float]  # cost + penalty * memory, by node number
     skeleton: _Skeleton | None = None
 
     @classmethod
@@ -139,16 +140,19 @@ class _Weighted:
         return cls(order, sk.index, [n.cost + penalty * n.memory for n in sk.nodes], sk)
 
 
-Best = dict[str, tuple[float, int, Node]]  # class -> (cost of its set, its set as a bitset, its node)
+Best = dict[str, tuple[float, int, Node]]  # class -> (cost of its set, its set as a bitset of classes, its node)
 
 
 def _greedy_sets(graph: PhysGraph, w: _Weighted, paid: dict[str, Node] | None = None,
                  base: Best | None = None, affected: set[str] | None = None) -> Best:
     """Each class's cheapest set of nodes, shared descendants counted once. Classes in `paid` are held
     at their given node and cost nothing (their value is bought anyway); with `base`, only `affected`
-    classes are recomputed (the others' sets cannot change). A set is a bitset; a one-child node's (a
-    collective, a Keep: most of a 2-D mesh's graph) is its bit over its child's set, made only where a set of
-    several children reads it (_mask): its cost alone decides the class's pick."""
+    classes are recomputed (the others' sets cannot change). A set holds one node per class it reaches (each
+    class's pick is fixed before any set that reads it is built), so it is a bitset over classes (bit = the
+    class's position in the order), each bit weighing its class's pick: C bits a set where a bitset over
+    nodes took N (a 2x4 mesh's Llama window has ~7 nodes a class; its sets over nodes filled 24 GB). A
+    one-child node's set (a collective, a Keep: most of a 2-D mesh's graph) is its bit over its child's set,
+    made only where a set of several children reads it (_mask): its cost alone decides the class's pick."""
     sk = w.skeleton if w.skeleton is not None else _Skeleton(graph, w.order)
     weight = w.weight
     if paid:
@@ -156,12 +160,17 @@ def _greedy_sets(graph: PhysGraph, w: _Weighted, paid: dict[str, Node] | None = 
         for n in paid.values():
             weight[w.index[id(n)]] = 0.0
     best: Best = dict(base) if base is not None else {}
+    position, index = sk.position, w.index
+    picked = [0.0] * len(w.order)  # by class bit: the weight of the class's pick
+    for c, (_, _, n) in best.items():
+        picked[position[c]] = weight[index[id(n)]]
     entries = sk.entries
     for c in w.order:
         if affected is not None and c not in affected:
             continue
         best.pop(c, None)
         pick = None
+        bit = position[c]
         if paid and c in paid:
             n = paid[c]
             es = [e for e in entries[c] if e[0] is n]
@@ -173,25 +182,26 @@ def _greedy_sets(graph: PhysGraph, w: _Weighted, paid: dict[str, Node] | None = 
                     break
             else:
                 if not kids:
-                    mask, cost = 1 << i, weight[i]
+                    mask, cost = 1 << bit, weight[i]
                 elif len(kids) == 1:
-                    mask, cost = (i, kids[0]), weight[i] + best[kids[0]][0]  # the set made where it is read
+                    mask, cost = (bit, kids[0]), weight[i] + best[kids[0]][0]  # the set made where it is read
                 else:
                     # start from the costliest child's set as a whole; walk only what the others add to it,
                     # so a residual chain (each set holding the previous one) stays linear
                     kids = sorted(kids, key=lambda ch: best[ch][0], reverse=True)
-                    mask, cost = (1 << i) | _mask(best, kids[0]), weight[i] + best[kids[0]][0]
+                    mask, cost = (1 << bit) | _mask(best, kids[0]), weight[i] + best[kids[0]][0]
                     for ch in kids[1:]:
                         new = _mask(best, ch) & ~mask
                         mask |= new
                         while new:
                             low = new & -new
-                            cost += weight[low.bit_length() - 1]
+                            cost += picked[low.bit_length() - 1]
                             new ^= low
                 if pick is None or cost < pick[0] - 1e-15:
-                    pick = (cost, mask, n)
+                    pick = (cost, mask, n, i)
         if pick is not None:
-            best[c] = pick
+            best[c] = pick[:3]
+            picked[bit] = weight[pick[3]]
     return best
 
 
@@ -206,8 +216,8 @@ def _mask(best: Best, c: str) -> int:
         c = m[1]
         m = best[c][1]
     for c in reversed(chain):
-        cost, (i, _), n = best[c]
-        m = (1 << i) | m
+        cost, (bit, _), n = best[c]
+        m = (1 << bit) | m
         best[c] = (cost, m, n)
     return m
 
@@ -362,7 +372,9 @@ def _ancestors(classes, parents: dict[str, dict]) -> set[str]:
 
 
 def _paid_cost(w: _Weighted, paid: dict[str, Node], mask: int) -> float:
-    return sum(w.weight[w.index[id(n)]] for n in paid.values() if mask >> w.index[id(n)] & 1)
+    """What the bought nodes of a set weigh (a bought class holds its bought node in every set)."""
+    position = w.skeleton.position
+    return sum(w.weight[w.index[id(n)]] for c, n in paid.items() if mask >> position[c] & 1)
 
 
 def _seeded(graph: PhysGraph, w: _Weighted, best: Best, budget: int) -> dict[str, Node] | None:
