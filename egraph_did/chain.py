@@ -519,10 +519,18 @@ def stitch(plan: Plan, chain: Chain, small: Fusion) -> Plan:
     pinned_loops = {t: loop for name, loop in plan.pinned_loops.items() for t, _, _ in every(name)}
     rewrites = {s.key: plan.rewrites[plan.steps[i].key] for s, (i, _) in zip(made, laid)
                 if isinstance(s, ComputeStep) and plan.steps[i].key in plan.rewrites}
-    # a pair with a tensor of window layer 2 is sent in one buffer on every middle layer
+    # the pairs offered to bucket_pair (a like= replay offers them again): one with a tensor of window layer 2 on
+    # every middle layer; a pair with a tensor of the last layer that no middle layer's neighbour has (a gradient
+    # of its norm weight) is offered only where it was, beside layer L-2: no step sends it (a step reading it
+    # from layer 2 would have been refused above), so nothing the plan runs is lost
+    def offered(pair, j):
+        try:
+            return tuple(tensor_for(t, 2, j) for t in pair)
+        except Refused:
+            return None
     buckets = sorted({tuple(p) for p in plan.buckets} | {
-        tuple(tensor_for(t, 2, j) for t in pair) for pair in plan.buckets
-        if any(win.tensor_layer(t) == 2 for t in pair) for j in range(MIDDLE, n - 1)})
+        b for pair in plan.buckets if any(win.tensor_layer(t) == 2 for t in pair)
+        for b in (offered(pair, j) for j in range(MIDDLE, n - 1)) if b is not None})
     layouts = {v: val.layout.code() for v, val in values.items()}
     steps = [replace(s, why=y) if y is not None else s
              for s, y in zip(steps, whys(steps, layouts, outputs, list(pins)))]

@@ -6,7 +6,7 @@ import pytest
 
 import egraph_did as ed
 from egraph_did import models
-from egraph_did.chain import find_chain, window
+from egraph_did.chain import find_chain, stitch, window
 from egraph_did.layout import Layout, S
 from egraph_did.pins import apply_layout
 
@@ -148,6 +148,21 @@ def test_under_a_memory_bound_the_stamped_plan_is_taken_where_it_fits():
     assert "over the bound" in bounded.stats["chain_refused"] and bounded.memory <= tight.memory_limit
     whole = ed.optimize(stack([32] * 6), mesh, cost_model=tight, chain=False)
     assert bounded.predicted_time == pytest.approx(whole.predicted_time)
+
+
+def test_a_bucket_offer_beside_the_last_layer_is_kept_where_it_was():
+    """Llama-3-8B's step on 2x4 offered bucket_pair a pair of a middle layer's and the last layer's norm-weight
+    gradients: the last layer's has no counterpart a middle layer reads, and stitching refused the whole window
+    (the 32 layers were planned as one graph, 412 s). An offer is not a step: it is kept beside layer L-2."""
+    mesh = ed.DeviceMesh.arange(2)
+    found = find_chain(training(5, mesh).fusion)
+    small = window(found)
+    planned = ed.optimize(small, mesh, chain=False)
+    planned.buckets.append(["grad_l2.ln1_w", "grad_l4.ln1_w"])
+    plan = stitch(planned, found, small)
+    assert sorted(p for p in plan.buckets if "grad_l4.ln1_w" in p) == [["grad_l2.ln1_w", "grad_l4.ln1_w"],
+                                                                       ["grad_l3.ln1_w", "grad_l4.ln1_w"]]
+    assert len(plan.steps) == len(ed.optimize(training(5, mesh), mesh).steps)
 
 
 def test_no_chain_in_a_replay():
