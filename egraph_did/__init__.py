@@ -21,10 +21,11 @@ if _os.path.isdir(_os.path.join(_root, "rewrites")) and _root not in __path__:
 import torch as _torch  # noqa: E402
 
 # Triton's jit reads TRITON_INTERPRET once, when triton.language is first imported (by our kernels, or by
-# torch.export / transformers importing inductor): without a GPU the kernels run only interpreted, so set it
-# before anything imports Triton (from_torch and the lowering set it too, which is late once transformers
+# torch.export / transformers importing inductor): a CPU build of torch runs the kernels only interpreted, so
+# set it before anything imports Triton (from_torch and the lowering set it too, which is late once transformers
 # has imported it: tl.sum inside an interpreted kernel then raises "Cannot call @triton.jit'd outside ...").
-if not _torch.cuda.is_available():
+# torch.version, not torch.cuda.is_available(): asking the driver at import would tie forked workers to it.
+if _torch.version.cuda is None and getattr(_torch.version, "hip", None) is None:
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from .errors import DtypeError, EgraphDidError, MeshError, PlanError, ShapeError, ShardingError
