@@ -114,6 +114,30 @@ def sdpa_with_lse(v, **kw):
     return F.scaled_dot_product_attention(q, k, v["v"], **kw), torch.logsumexp(s, -1)
 
 
+def grouped_inputs(offsets, dtype=torch.int64, w=(4, 3, 5)):
+    """x [7, 3], w [4, 3, 5] (or [4, 5, 3]: transposed in the case) and offsets."""
+    return lambda dt: {"x": rand(7, 3, dtype=dt), "w": rand(*w, dtype=dt, seed=1),
+                       "o": torch.tensor(offsets, dtype=dtype)}
+
+
+def grouped_mm_ref(x, w, offsets):
+    """torch, one expert at a time: rows offsets[e-1]:offsets[e] times w[e], the others zero."""
+    parts, start = [], 0
+    for e, end in enumerate(offsets.tolist()):
+        parts.append(x[start:end] @ w[e])
+        start = end
+    parts.append(torch.zeros(x.shape[0] - start, w.shape[2], dtype=x.dtype))
+    return torch.cat(parts)
+
+
+def grouped_wgrad_ref(x, g, offsets):
+    out, start = [], 0
+    for end in offsets.tolist():
+        out.append(x[start:end].T @ g[start:end])
+        start = end
+    return torch.stack(out)
+
+
 def sdpa_grad_inputs(sq=5, sk=5, d=4, dv=4):
     def make(dt):
         out = sdpa_inputs(sq, sk, d, dv)(dt)
@@ -488,6 +512,25 @@ CASES: list[Case] = [
          lambda v: (v["m"].cumsum(-1) - 1, v["i"].cumsum(0)), dtypes=(None,)),
     Case("cumsum", "cumsum-0d", lambda dt: {"x": rand(1, dtype=dt).reshape(())}, lambda o, t: o.cumsum(t["x"], 0),
          lambda v: v["x"].cumsum(0)),
+    # ---- mixture of experts (issue 28 item 4): sort tokens by expert, count them, a matmul per expert's rows
+    Case("argsort", "argsort-stable-ties-both-ways", lambda dt: {"i": ints(3, 7, high=3)},
+         lambda o, t: (o.argsort(t["i"], 1), o.argsort(t["i"], 0, descending=True)),
+         lambda v: (torch.argsort(v["i"], dim=1, stable=True), torch.argsort(v["i"], dim=0, descending=True, stable=True)),
+         dtypes=(None,)),
+    Case("argsort", "argsort-floats", x_(4, 5), lambda o, t: o.argsort(t["x"]),
+         lambda v: torch.argsort(v["x"], dim=-1, stable=True)),
+    Case("histc", "histc-expert-counts", lambda dt: {"x": ints(9, high=5).to(dt)},
+         lambda o, t: (o.histc(t["x"], 4, 0, 3), o.histc(t["x"], 3, 0.5, 2.5)),
+         lambda v: (torch.histc(v["x"], 4, 0, 3), torch.histc(v["x"], 3, 0.5, 2.5))),
+    Case("grouped_mm", "grouped_mm-uneven-empty-expert-rows-past-the-end", grouped_inputs((2, 2, 5, 6)),
+         lambda o, t: o.grouped_mm(t["x"], t["w"], t["o"]), lambda v: grouped_mm_ref(v["x"], v["w"], v["o"])),
+    Case("grouped_mm", "grouped_mm-int32-offsets-all-rows", grouped_inputs((0, 4, 7, 7), torch.int32, (4, 5, 3)),
+         lambda o, t: o.grouped_mm(t["x"], o.transpose(t["w"], 1, 2), t["o"]),
+         lambda v: grouped_mm_ref(v["x"], v["w"].transpose(1, 2), v["o"])),
+    Case("grouped_mm_wgrad", "grouped_mm_wgrad-uneven-empty-expert", lambda dt: {
+         "x": rand(7, 3, dtype=dt), "g": rand(7, 5, dtype=dt, seed=1), "o": torch.tensor([2, 2, 5, 6])},
+         lambda o, t: o.grouped_mm_wgrad(t["x"], t["g"], t["o"]),
+         lambda v: grouped_wgrad_ref(v["x"], v["g"], v["o"])),
     # ---- constants (issue 11): full reads nothing; ed.grad seeds d loss / d loss with it
     Case("full", "full-added", x_(3, 4), lambda o, t: o.add(t["x"], o.full((3, 4), 1.5, t["x"].dtype)),
          lambda v: v["x"] + 1.5),
