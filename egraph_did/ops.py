@@ -1947,8 +1947,13 @@ GROUPED_MM_RANGED = LocalKernel("ranged", _grouped_mm_ranged)
 
 
 def _grouped_flops(ins, outs, args) -> float:
-    """2 rows x d x f: each row meets one expert's matrix."""
-    return 2.0 * ins[0][0] * ins[0][1] * (outs[0][1] if len(outs[0]) == 2 else outs[0][2])
+    """2 rows x d x f, each row meeting one expert's matrix, times the share of the experts the rank holds
+    (w's or the output's experts against the offsets' count): under expert parallelism a rank computes the
+    rows of its experts only, a share the cost model takes as the experts' share (balanced routing)."""
+    rows, d = ins[0]
+    f = outs[0][1] if len(outs[0]) == 2 else outs[0][2]
+    held = ins[1][0] if len(outs[0]) == 2 else outs[0][0]
+    return 2.0 * rows * d * f * held / max(ins[2][0], 1)
 
 
 def _offsets_spec(what: str, offsets, groups: int) -> TensorSpec:
