@@ -1876,16 +1876,16 @@ def argsort(x, dim: int = -1, descending: bool = False):
     return [OutSpec(x.shape, torch.int64, x.axes)]
 
 
-def _histc_ref(x, bins, min=0.0, max=1.0):
+def _histc_ref(x, bins, min=0.0, max=0.0):
     return torch.histc(x, bins=bins, min=min, max=max)
 
 
 @op("histc", "reduction", _histc_ref,
     no_grad="its output counts elements per bin: piecewise constant, as torch (which has no derivative for it)")
-def histc(x, bins: int, min: float = 0.0, max: float = 1.0):
+def histc(x, bins: int, min: float = 0.0, max: float = 0.0):
     """How many elements of x fall in each of `bins` equal bins over [min, max] (an element equal to max in
     the last bin, elements outside none), as torch.histc: a [bins] tensor of x's float dtype. min < max is
-    required: torch's min == max reads the range from the data, which differs per shard. A shard of x counts
+    required (torch's defaults, min == max == 0, read the range from the data, which differs per shard). A shard of x counts
     its elements, so x split on any axis gives a pending sum of counts (exact: counts are integers). Mixture
     of experts: tokens per expert, histc(ids.float(), experts, 0, experts - 1).
 

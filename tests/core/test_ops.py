@@ -1102,3 +1102,42 @@ def test_slice_of_an_axis_out_of_range_names_the_tensor():
     fd, (x,) = fdef(("x", (3, 4)))
     with pytest.raises(ShapeError, match=r"slice\(x\): axis 2 out of range"):
         fd.ops.slice(x, 2, 0, 1)
+
+
+# ---------------------------------------------------------------- mixture of experts: bad offsets and ranges
+
+def _grouped(offsets, dtype=torch.int64, w=(4, 3, 5)):
+    fd = ed.FusionDefinition()
+    x, wt = fd.define_tensor((7, 3), name="x"), fd.define_tensor(w, name="w")
+    o = fd.define_tensor(tuple(offsets), dtype=dtype, name="offsets")
+    return fd, fd.ops.grouped_mm(x, wt, o)
+
+
+def test_grouped_mm_refuses_offsets_that_are_not_ints_or_not_one_per_expert():
+    with pytest.raises(DtypeError, match="offsets must be int32 or int64"):
+        _grouped((4,), torch.float32)
+    with pytest.raises(ShapeError, match=r"offsets offsets has shape \(3,\), expected \(4,\): one end row per expert"):
+        _grouped((3,))
+    with pytest.raises(ShapeError, match=r"w's axis 1 is 5 but x's last axis is 3.*transpose\(w, 1, 2\)"):
+        _grouped((4,), w=(4, 5, 3))
+
+
+def test_grouped_mm_refuses_decreasing_offsets_or_offsets_past_the_rows_naming_the_group():
+    fd, y = _grouped((4,))
+    fd.add_output(y, name="y")
+    args = {"x": torch.zeros(7, 3), "w": torch.zeros(4, 3, 5)}
+    with pytest.raises(ShapeError, match=r"got \[2, 1, 5, 6\] \(group 1: 2\.\.1\)"):
+        ed.evaluate(fd, {**args, "offsets": torch.tensor([2, 1, 5, 6])})
+    with pytest.raises(ShapeError, match=r"within the 7 rows, got \[2, 2, 5, 9\]"):
+        ed.evaluate(fd, {**args, "offsets": torch.tensor([2, 2, 5, 9])})
+
+
+def test_histc_needs_its_range():
+    from egraph_did.ops import TensorSpec, histc
+    x = TensorSpec("ids", (6,), F32, ("s",))
+    with pytest.raises(ShapeError, match="min < max.*differs per shard"):
+        histc(x, 4)
+    with pytest.raises(ShapeError, match="bins must be an int >= 1"):
+        histc(x, 0, 0, 3)
+    with pytest.raises(DtypeError, match="needs a floating-point tensor"):
+        histc(TensorSpec("ids", (6,), torch.int64, ("s",)), 4, 0, 3)
