@@ -1321,6 +1321,23 @@ def _gather(c, self, dim, index, sparse_grad=False):
     return c.ops.take_along_axis(x, ids, d)
 
 
+@maps(aten.scatter)
+def _scatter(c, self, dim, index, value=None, src=None, reduce=None):
+    """x.scatter(dim, index, v) of a number v (DeepSeek's router marks its top groups so): where(hit, v, x),
+    hit = scatter_add of ones at index > 0; exact with repeated indices too (every write writes v), and x
+    keeps its gradient where nothing is written. A tensor src or a reduce is an opaque step."""
+    if src is not None or reduce is not None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return c.unmapped(c.node)
+    x, ids = c._tensor(self), c._tensor(index)
+    d = dim % max(x.ndim, 1)
+    if ids.dtype != torch.int64 or ids.ndim != x.ndim or any(
+            i != d and a != b for i, (a, b) in enumerate(zip(x.shape, ids.shape))):
+        return c.unmapped(c.node)
+    ops = c.ops
+    hits = ops.scatter_add(ops.full(x.shape, 0.0, torch.float32), d, ids, ops.full(ids.shape, 1.0, torch.float32))
+    return ops.where(ops.gt(hits, 0.0), value, x)
+
+
 @maps(aten.scatter_add)
 def _scatter_add(c, self, dim, index, src):
     """torch.scatter_add where index has src's shape and matches x on every axis but dim (the routing
@@ -1436,7 +1453,7 @@ def _like(c, self, **kwargs):
     """A value that depends on the operand's shape and dtype only: folded, as if the operand were known."""
     node = c.node
     stand_in = torch.zeros(self.shape, dtype=self.dtype)
-    raw = {k: stand_in if k == "self" else _unfold(v) for k, v in kwargs.items()}
+    raw = {"self": stand_in} | {k: _unfold(v) for k, v in kwargs.items()}
     with torch.no_grad():
         return _wrap(node.target(**raw), f"{_module_path(node)}.{node.name}".lstrip("."))
 

@@ -671,6 +671,38 @@ def test_mixtral_grouped_experts_export_with_no_opaque_step_and_train_through_fu
         torch.testing.assert_close(simulated[f"grad_{w}"] / scale, params[w].grad / scale, rtol=1e-5, atol=1e-5)
 
 
+def test_a_deepseek_v3_moe_block_exports_with_no_opaque_step_and_its_gradients_equal_torch():
+    """transformers' DeepseekV3MoE (8 routed experts in 2 groups, top group 1, top-2, a shared expert;
+    grouped_mm experts): the router's group mask (zeros_like, scatter_ of 1 at the top groups, masked_fill)
+    and topk map onto fusion ops, the experts onto argsort, histc and grouped_mm: a strict export equal to
+    the block, simulated on 4 ranks, and the routed experts' and the router's weight gradients equal
+    torch.autograd's (float32)."""
+    transformers = pytest.importorskip("transformers", reason="the `models` extra (pip install -e '.[models]')")
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, initializer_range=0.2, experts_implementation="grouped_mm")
+    block = transformers.DeepseekV3ForCausalLM(cfg).model.layers[1].mlp.eval()
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    fd = ed.from_torch(block, (x,), strict=True)
+    names = [e.op.name for e in fd.fusion.exprs]
+    assert "opaque" not in names and names.count("grouped_mm") == 2 and "scatter_add" in names
+    want = block(x)
+    assert_close(ed.evaluate(fd, fd.bind(x))["out"], want, F32)
+    fd["out"].set_device_mesh(MESH)
+    assert_close(ed.simulate(ed.optimize(fd, MESH), fd.bind(x))["out"], want, F32)
+    fd.add_output(fd.ops.sum(fd.ops.mul(fd["out"], fd["out"])), name="loss")
+    wrt = ["experts.gate_up_proj", "experts.down_proj", "gate.weight"]
+    got = ed.evaluate(ed.grad(fd, loss="loss", wrt=wrt), fd.bind(x))
+    block(x).square().sum().backward()
+    params = dict(block.named_parameters())
+    for w in wrt:
+        scale = params[w].grad.abs().max()
+        torch.testing.assert_close(got[f"grad_{w}"] / scale, params[w].grad / scale, rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------- complex numbers as pairs of reals
 
 class ComplexRotary(nn.Module):
