@@ -26,8 +26,8 @@ from collections import defaultdict
 from egglog import EGraph, String, eq, i64, relation, ruleset, union, var
 from egglog import rule as erule
 
-from egraph_did.rewrites import (ALL_RULES, aten, collective_matmul, experts, frontend_ops, grad_ops, pointwise, reduction,
-                                  scans, views)
+from egraph_did.rewrites import (ALL_RULES, aten, collective_matmul, experts, frontend_ops, grad_ops, pointwise,
+                                  reduction, scans, views)
 from egraph_did.rewrites.rules import EGGLOG
 from egraph_did.rewrites.sorts import (AX, KERNS, LAYOUTS, OPS_SORT, PLAN, RUN, SIG, SITE, STRAT, Apart, AttrI, AttrS, AxisMap,
                                        Bcast, Connect, D, Def, Extent, Fits, FitsAny, FitsEmpty, FloatSize, Held, Input, Lit, Load,

@@ -1859,7 +1859,11 @@ def scatter_add(x, dim: int, index, src):
 
 # ------------------------------------------------------------------ mixture of experts: sort, count, grouped matmul
 
-@op("argsort", "scan", lambda x, dim=-1, descending=False: torch.argsort(x, dim=dim, descending=descending, stable=True),
+def _argsort_ref(x, dim=-1, descending=False):
+    return torch.argsort(x, dim=dim, descending=descending, stable=True)
+
+
+@op("argsort", "scan", _argsort_ref,
     no_grad="its output is integer positions (a permutation), so no gradient flows through it")
 def argsort(x, dim: int = -1, descending: bool = False):
     """The positions that sort x along `dim`, stable (ties keep their order), as torch.argsort(stable=True):
@@ -1885,9 +1889,9 @@ def _histc_ref(x, bins, min=0.0, max=0.0):
 def histc(x, bins: int, min: float = 0.0, max: float = 0.0):
     """How many elements of x fall in each of `bins` equal bins over [min, max] (an element equal to max in
     the last bin, elements outside none), as torch.histc: a [bins] tensor of x's float dtype. min < max is
-    required (torch's defaults, min == max == 0, read the range from the data, which differs per shard). A shard of x counts
-    its elements, so x split on any axis gives a pending sum of counts (exact: counts are integers). Mixture
-    of experts: tokens per expert, histc(ids.float(), experts, 0, experts - 1).
+    required (torch's defaults, min == max == 0, read the range from the data, which differs per shard). A
+    shard of x counts its elements, so x split on any axis gives a pending sum of counts (exact: counts are
+    integers). Mixture of experts: tokens per expert, histc(ids.float(), experts, 0, experts - 1).
 
     >>> histc(TensorSpec("ids", (6,), torch.float32, ("s",)), 4, 0, 3)
     [OutSpec(shape=(4,), dtype=torch.float32, axes=('bins4',))]
@@ -1986,7 +1990,8 @@ def grouped_mm(x, w, offsets):
     ...     x, w = fd.define_tensor((3, 1), name="x"), fd.define_tensor((2, 1, 1), name="w")
     ...     o = fd.define_tensor((2,), dtype=torch.int64, name="offsets")
     ...     fd.add_output(fd.ops.grouped_mm(x, w, o), name="y")
-    >>> ed.evaluate(fd, {"x": torch.ones(3, 1), "w": torch.tensor([[[2.]], [[3.]]]), "offsets": torch.tensor([1, 2])})["y"]
+    >>> w = torch.tensor([[[2.]], [[3.]]])
+    >>> ed.evaluate(fd, {"x": torch.ones(3, 1), "w": w, "offsets": torch.tensor([1, 2])})["y"]
     tensor([[2.],
             [3.],
             [0.]])
@@ -2046,7 +2051,8 @@ def grouped_mm_wgrad(x, g, offsets):
     ...     x, g = fd.define_tensor((3, 1), name="x"), fd.define_tensor((3, 1), name="g")
     ...     o = fd.define_tensor((2,), dtype=torch.int64, name="offsets")
     ...     fd.add_output(fd.ops.grouped_mm_wgrad(x, g, o), name="dw")
-    >>> ed.evaluate(fd, {"x": torch.ones(3, 1), "g": torch.tensor([[1.], [2.], [4.]]), "offsets": torch.tensor([2, 2])})["dw"].flatten()
+    >>> g = torch.tensor([[1.], [2.], [4.]])
+    >>> ed.evaluate(fd, {"x": torch.ones(3, 1), "g": g, "offsets": torch.tensor([2, 2])})["dw"].flatten()
     tensor([3., 0.])
     """
     x, g = _need_tensor("grouped_mm_wgrad", "x", x), _need_tensor("grouped_mm_wgrad", "g", g)

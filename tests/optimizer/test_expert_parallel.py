@@ -108,7 +108,8 @@ def test_the_expert_parallel_plan_simulates_to_the_reference_at_small_shapes():
     g = torch.Generator().manual_seed(28)
     for trial in range(3):
         inputs = {"x": torch.randn(10, 4, generator=g, dtype=F64), "ids": torch.randint(0, 9, (10,), generator=g),
-                  "w1": torch.randn(E, 4, 6, generator=g, dtype=F64), "w2": torch.randn(E, 6, 4, generator=g, dtype=F64)}
+                  "w1": torch.randn(E, 4, 6, generator=g, dtype=F64),
+                  "w2": torch.randn(E, 6, 4, generator=g, dtype=F64)}
         want = ed.evaluate(small, inputs)["y"]
         got = ed.simulate(small_plan, inputs)["y"]
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
