@@ -24,7 +24,7 @@ D, F, E = 1024, 2048, 8
 EXPERT_SHARDED = {"x": "R", "y": "R", "w1": "[S(0)]", "w2": "[S(0)]"}
 
 
-def moe(s, d, f, e, dtype, pins, weights_used=None):
+def moe(s, d, f, e, dtype, pins, weights_used=None, mesh=MESH):
     """y = grouped_mm(silu(grouped_mm(x, w1c)), w2c) at offsets from histc of ids; w1c, w2c: copies of w1 and w2
     (cast to their own dtype), the weights as the matmuls read them, pinned `weights_used` (layout texts) to
     force a way of running them."""
@@ -39,9 +39,9 @@ def moe(s, d, f, e, dtype, pins, weights_used=None):
         y = fd.ops.grouped_mm(fd.ops.silu(fd.ops.grouped_mm(x, used[0], offsets)), used[1], offsets)
         fd.add_output(y, name="y")
     for name, text in pins.items():
-        apply_layout(fd[name], Layout.parse("[R]" if text == "R" else text), MESH)
+        apply_layout(fd[name], Layout.parse("[R]" if text == "R" else text), mesh)
     for tv, text in zip(used, weights_used or ()):
-        apply_layout(tv, Layout.parse("[R]" if text == "R" else text), MESH)
+        apply_layout(tv, Layout.parse("[R]" if text == "R" else text), mesh)
     return fd
 
 
@@ -115,3 +115,32 @@ def test_the_expert_parallel_plan_simulates_to_the_reference_at_small_shapes():
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
         past = int((inputs["ids"] == 8).sum())
         assert past == 0 or not want[-past:].any()  # rows from offsets[-1] = 10 - past on: zero
+
+
+MESH2 = ed.DeviceMesh([[0, 1], [2, 3]], axis_names=("dp", "ep"))
+DP_EP = {"x": "[S(0), R]", "y": "[S(0), R]", "w1": "[R, S(0)]", "w2": "[R, S(0)]"}
+
+
+def test_data_and_expert_parallel_on_a_2x2_mesh_computes_each_ranks_rows_of_its_experts():
+    """Tokens split over dp, the experts' weights over ep (mesh 2 x 2): one 'ranged' kernel per grouped_mm
+    on both mesh axes (grouped_mm_rows on dp: the rank's rows, offsets being global rows; grouped_mm_experts
+    on ep: of its experts), every collective on ep, over each dp shard's 256 rows (the hidden pair of 1 MiB,
+    y 0.5 MiB); 8192 tokens move the weights over ep instead. Replayed at 12 tokens, float64, it simulates
+    to the reference."""
+    plan = ed.optimize(moe(512, D, F, E, BF16, DP_EP, mesh=MESH2), MESH2)
+    steps = [st for st in plan.compute_steps if st.op == "grouped_mm"]
+    assert len(steps) == 2 and all(st.flags == (("ranged", (0, 1)),) for st in steps), plan.explain()
+    assert {"grouped_mm_rows", "grouped_mm_experts"} <= rules_of(plan)
+    hidden, act = 256 * F * 2, 256 * D * 2
+    assert sorted((c.kind, c.mesh_axis_name, c.bytes) for c in plan.collectives) == [
+        ("allgather", "ep", hidden), ("allreduce", "ep", act), ("reduce_scatter", "ep", hidden)], plan.explain()
+    big = ed.optimize(moe(8192, D, F, E, BF16, DP_EP, mesh=MESH2), MESH2)
+    assert sorted(c.kind for c in big.collectives if c.tensor in ("w1", "w2")) == ["alltoall", "alltoall"]
+
+    small = moe(12, 8, 8, E, F64, DP_EP, mesh=MESH2)
+    small_plan = ed.optimize(small, MESH2, like=plan)
+    g = torch.Generator().manual_seed(7)
+    inputs = {"x": torch.randn(12, 8, generator=g, dtype=F64), "ids": torch.randint(0, 9, (12,), generator=g),
+              "w1": torch.randn(E, 8, 8, generator=g, dtype=F64), "w2": torch.randn(E, 8, 8, generator=g, dtype=F64)}
+    torch.testing.assert_close(ed.simulate(small_plan, inputs)["y"], ed.evaluate(small, inputs)["y"],
+                               rtol=1e-10, atol=1e-12)
