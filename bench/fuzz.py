@@ -762,6 +762,56 @@ class _Gen:
         args = [["x", _tensor_arg(t.name)], ["dim", d - t.ndim if self.rng.random() < 0.3 else d]]
         return bool(self.emit("cumsum", args, bound=t.bound * t.shape[d]))
 
+    # mixture of experts (issue 28 item 4): tokens sorted by expert, counted, a matmul per expert's rows
+    def _expert_offsets(self, rows: int, experts: int) -> _T:
+        """offsets as transformers computes them: cumsum(histc(ids, experts, 0, experts - 1)) of int ids in
+        [0, experts] (an id of `experts` falls outside: rows past offsets[-1]), cast to int64."""
+        ids = self.new_input((rows,), "int64", data="int", high=experts + 1)
+        f = self.emit("cast", [["x", _tensor_arg(ids.name)], ["dtype", {"dtype": self.dtype}]], bound=experts)[0]
+        top = experts - 1 if experts > 1 else 0.5
+        counts = self.emit("histc", [["x", _tensor_arg(f.name)], ["bins", experts], ["min", 0], ["max", top]],
+                           bound=rows)[0]
+        c = self.emit("cumsum", [["x", _tensor_arg(counts.name)], ["dim", 0]], bound=rows)[0]
+        return self.emit("cast", [["x", _tensor_arg(c.name)], ["dtype", {"dtype": "int64"}]], bound=rows)[0]
+
+    def g_argsort(self):
+        # of integer keys (ties sorted stably; float keys a plan rounds otherwise could swap)
+        ids = self.new_input(self.shape(self.rng.choice((1, 2))), "int64", data="int", high=self.rng.randint(2, 5))
+        d = self.rng.randrange(len(ids.shape))
+        args = [["x", _tensor_arg(ids.name)], ["dim", d - len(ids.shape) if self.rng.random() < 0.3 else d]]
+        if self.rng.random() < 0.4:
+            args.append(["descending", True])
+        return bool(self.emit("argsort", args, bound=1.0))
+
+    def g_histc(self):
+        t = self.pick(ndim=(1, 2))
+        if t is None:
+            return False
+        return bool(self.emit("histc", [["x", _tensor_arg(t.name)], ["bins", self.rng.randint(1, 6)],
+                                        ["min", -t.bound / 2], ["max", t.bound / 2]], bound=math.prod(t.shape)))
+
+    def g_grouped_mm(self):
+        x = self.pick(ndim=2)
+        if x is None:
+            return False
+        experts = self.rng.randint(1, 5)
+        w = self.new_input((experts, x.shape[1], self.ext()))
+        if self.rng.random() < 0.3:  # transformers' [experts, f, d] weight, transposed
+            w = self.new_input((experts, w.shape[2], x.shape[1]))
+            w = self.emit("transpose", [["x", _tensor_arg(w.name)], ["dim0", 1], ["dim1", 2]], bound=w.bound)[0]
+        off = self._expert_offsets(x.shape[0], experts)
+        args = [["x", _tensor_arg(x.name)], ["w", _tensor_arg(w.name)], ["offsets", _tensor_arg(off.name)]]
+        return bool(self.emit("grouped_mm", args, bound=x.bound * w.bound * x.shape[1]))
+
+    def g_grouped_mm_wgrad(self):
+        x = self.pick(ndim=2)
+        if x is None:
+            return False
+        g = self.new_input((x.shape[0], self.ext()))
+        off = self._expert_offsets(x.shape[0], self.rng.randint(1, 5))
+        args = [["x", _tensor_arg(x.name)], ["g", _tensor_arg(g.name)], ["offsets", _tensor_arg(off.name)]]
+        return bool(self.emit("grouped_mm_wgrad", args, bound=x.bound * g.bound * x.shape[0]))
+
     def g_broadcast_in_dim(self):
         t = self.pick(float_only=False, pred=lambda t: t.ndim <= 3)
         if t is None:
@@ -831,7 +881,7 @@ def default_ops() -> list[str]:
 
 # Ops added after seeds were fixed: drawn from a stream of their own (generate_case), so that a case that
 # draws none of them is the case the seed gave before they existed
-LATE_OPS = ("attention_blocks",)
+LATE_OPS = ("attention_blocks", "argsort", "histc", "grouped_mm", "grouped_mm_wgrad")
 P_LATE = 0.15
 
 

@@ -26,7 +26,8 @@ from collections import defaultdict
 from egglog import EGraph, String, eq, i64, relation, ruleset, union, var
 from egglog import rule as erule
 
-from egraph_did.rewrites import ALL_RULES, aten, collective_matmul, frontend_ops, grad_ops, pointwise, reduction, scans, views
+from egraph_did.rewrites import (ALL_RULES, aten, collective_matmul, experts, frontend_ops, grad_ops, pointwise,
+                                  reduction, scans, views)
 from egraph_did.rewrites.rules import EGGLOG
 from egraph_did.rewrites.sorts import (AX, KERNS, LAYOUTS, OPS_SORT, PLAN, RUN, SIG, SITE, STRAT, Apart, AttrI, AttrS, AxisMap,
                                        Bcast, Connect, D, Def, Extent, Fits, FitsAny, FitsEmpty, FloatSize, Held, Input, Lit, Load,
@@ -65,7 +66,7 @@ RUN_OF = {(n, o): relation(f"RunOf{n}x{o}", D, String, KernSort, LayoutSort, *([
 RING_FLAG_SET = frozenset(RING_FLAGS)
 
 FAMILIES = (pointwise.pointwise | views.views | reduction.reduction | aten.aten | grad_ops.grad_ops
-            | frontend_ops.frontend_ops | scans.scans)
+            | frontend_ops.frontend_ops | scans.scans | experts.experts)
 
 
 def check_egglog_forms(rules=None, forms=None) -> None:

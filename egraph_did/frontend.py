@@ -26,8 +26,11 @@ order and emits each node through a table (ATEN: ATen op -> a function emitting 
   line it came from and what to do;
 - an in-place op (x.div_(...)) maps as its out-of-place form where that gives what torch gives (nothing
   reads x afterwards, x is no view and has none), else it raises naming the line;
-- the routing of mixture-of-experts layers: topk and sort are gathers at an (opaque) argsort, and an
+- the routing of mixture-of-experts layers: topk and sort are gathers at an argsort (fd.ops.argsort), and an
   expert's weights picked by index (w[ids]) an embedding of w's rows, so both keep their gradients;
+  transformers' grouped experts (argsort of expert ids, histc counts, cumsum offsets, F.grouped_mm or its
+  grouped_mm_fallback op, the inverse permutation written as inverse[perm] = arange, perm // k) map onto
+  argsort, histc, cumsum, grouped_mm and float ops: no opaque step;
 - complex numbers (torchtitan's rotary embedding: view_as_complex, a product with a complex table,
   view_as_real) as pairs of reals: a complex value is held as its view_as_real form [..., 2] and a
   product is computed from real and imaginary parts, so it shards and differentiates as real ops do.
@@ -636,8 +639,13 @@ ATEN: dict[Any, Callable[..., Any]] = {}
 
 
 def mapping(target) -> Callable[..., Any] | None:
-    """The registered mapping of an ATen overload: its own, or its packet's (see maps); None if neither."""
-    return ATEN.get(target) or ATEN.get(getattr(target, "overloadpacket", None))
+    """The registered mapping of an ATen overload: its own, or its packet's (see maps), or a custom op's by
+    schema name (BY_NAME); None if none."""
+    found = ATEN.get(target) or ATEN.get(getattr(target, "overloadpacket", None))
+    if found is None:
+        schema = getattr(target, "_schema", None)
+        found = BY_NAME.get(schema.name) if schema is not None else None
+    return found
 
 
 def maps(*targets):
@@ -1177,11 +1185,88 @@ def _sdpa_with_mask(c, q, k, v, mask, scale):
 # ------------------------------------------------------------ mixture-of-experts routing
 
 def _argsort(c, x: TensorView, dim: int, descending: bool) -> TensorView:
-    """The indices that sort x along dim, stable (ties keep their order), as an opaque step every rank runs
-    on the whole operand: an integer result, through which no gradient flows."""
-    call = json.dumps({"args": [{"tensor": 0}], "kwargs": {"stable": True, "dim": dim, "descending": bool(descending)}})
-    return c.ops.opaque(x, target="aten.argsort.stable", call=call, shape=x.shape, dtype=torch.int64,
-                        source=source_line(c.node))
+    """The indices that sort x along dim, stable (ties keep their order): fd.ops.argsort, which shards on
+    every axis but dim; an integer result, through which no gradient flows."""
+    return c.ops.argsort(x, dim, bool(descending))
+
+
+@maps(aten.argsort)
+def _argsort_op(c, self, dim=-1, descending=False, stable=False):
+    """torch.argsort, stable or not (a stable order is one an unstable sort may give)."""
+    x = c._tensor(self)
+    return _argsort(c, x, dim % max(x.ndim, 1), descending)
+
+
+@maps(aten.histc)
+def _histc(c, self, bins=100, min=0, max=0):
+    """torch.histc with its range given (min < max): fd.ops.histc, a pending sum of counts over shards of x.
+    min == max takes the range from the data: an opaque step."""
+    x = c._tensor(self)
+    if not (min < max) or x.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        return c.unmapped(c.node)
+    return c.ops.histc(x, int(bins), min, max)
+
+
+def _grouped(c, x, w, offs):
+    """grouped_mm of a 2-D x and a 3-D w over per-expert row ranges (offs), cast to int64 if int32; other
+    forms (2-D w, 3-D x, no offsets) are opaque steps."""
+    if offs is None:
+        return c.unmapped(c.node)
+    x, w, offs = c._tensor(x), c._tensor(w), c._tensor(offs)
+    if x.ndim != 2 or w.ndim != 3 or offs.ndim != 1 or offs.dtype not in (torch.int32, torch.int64):
+        return c.unmapped(c.node)
+    return c.ops.grouped_mm(x, w, offs)
+
+
+@maps(aten._grouped_mm)
+def _grouped_mm(c, self, mat2, offs=None, bias=None, out_dtype=None):
+    """torch._grouped_mm / F.grouped_mm of [rows, d] by [experts, d, f] at offsets: fd.ops.grouped_mm (a bias or
+    another output dtype: an opaque step)."""
+    if bias is not None or (out_dtype is not None and out_dtype != mat2.dtype):
+        return c.unmapped(c.node)
+    return _grouped(c, self, mat2, offs)
+
+
+def _grouped_mm_fallback(c, input, weight, offs):
+    """transformers' grouped_mm_fallback custom op (its loop of torch.mm over the experts' rows, rows past
+    offs[-1] zero): fd.ops.grouped_mm."""
+    return _grouped(c, input, weight, offs)
+
+
+# custom ops mapped by their schema name (their namespace exists only once the library that defines them loaded)
+BY_NAME: dict[str, Callable[..., Any]] = {"transformers::grouped_mm_fallback": _grouped_mm_fallback}
+
+
+@maps(aten.index_put)
+def _index_put(c, self, indices, values, accumulate=False):
+    """inverse[perm] = arange(n) into an uninitialized (folded: zeros) 1-D tensor, as transformers' grouped
+    experts un-sort tokens: the inverse permutation of perm, which is argsort(perm) (torch's result is
+    defined only where perm is a permutation of 0..n-1: with a repeated index it leaves entries
+    uninitialized). Other forms are opaque steps."""
+    idx = list(indices) if isinstance(indices, (list, tuple)) else []
+    if (accumulate or len(idx) != 1 or not isinstance(idx[0], TensorView) or not isinstance(values, _Folded)
+            or not isinstance(self, _Folded) or self.value.ndim != 1 or idx[0].ndim != 1):
+        return c.unmapped(c.node)
+    perm, n = idx[0], self.value.shape[0]
+    arange = torch.arange(n, dtype=values.value.dtype)
+    if perm.shape != (n,) or perm.dtype != torch.int64 or values.value.shape != (n,) or \
+            not torch.equal(values.value, arange) or self.value.dtype != torch.int64:
+        return c.unmapped(c.node)
+    return _argsort(c, perm, 0, False)
+
+
+@maps(aten.floor_divide)
+def _floor_divide(c, self, other):
+    """a // k of an integer tensor by a nonzero int: the float64 quotient truncated (cast), less one where
+    truncation rounded up (q k > a for k > 0, q k < a for k < 0), exact for |a| < 2**26; a float or tensor
+    divisor is an opaque step."""
+    a = c._tensor(self)
+    if a.dtype not in (torch.int32, torch.int64) or isinstance(other, bool) or not isinstance(other, int) or not other:
+        return c.unmapped(c.node)
+    ops = c.ops
+    q = ops.cast(ops.div(ops.cast(a, torch.float64), float(other)), a.dtype)
+    over = ops.gt(ops.mul(q, other), a) if other > 0 else ops.lt(ops.mul(q, other), a)
+    return ops.sub(q, ops.cast(over, a.dtype))
 
 
 @maps(aten.topk)
@@ -1234,6 +1319,23 @@ def _gather(c, self, dim, index, sparse_grad=False):
             i != d and a != b for i, (a, b) in enumerate(zip(x.shape, ids.shape))):
         return c.unmapped(c.node)
     return c.ops.take_along_axis(x, ids, d)
+
+
+@maps(aten.scatter)
+def _scatter(c, self, dim, index, value=None, src=None, reduce=None):
+    """x.scatter(dim, index, v) of a number v (DeepSeek's router marks its top groups so): where(hit, v, x),
+    hit = scatter_add of ones at index > 0; exact with repeated indices too (every write writes v), and x
+    keeps its gradient where nothing is written. A tensor src or a reduce is an opaque step."""
+    if src is not None or reduce is not None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return c.unmapped(c.node)
+    x, ids = c._tensor(self), c._tensor(index)
+    d = dim % max(x.ndim, 1)
+    if ids.dtype != torch.int64 or ids.ndim != x.ndim or any(
+            i != d and a != b for i, (a, b) in enumerate(zip(x.shape, ids.shape))):
+        return c.unmapped(c.node)
+    ops = c.ops
+    hits = ops.scatter_add(ops.full(x.shape, 0.0, torch.float32), d, ids, ops.full(ids.shape, 1.0, torch.float32))
+    return ops.where(ops.gt(hits, 0.0), value, x)
 
 
 @maps(aten.scatter_add)
@@ -1351,7 +1453,7 @@ def _like(c, self, **kwargs):
     """A value that depends on the operand's shape and dtype only: folded, as if the operand were known."""
     node = c.node
     stand_in = torch.zeros(self.shape, dtype=self.dtype)
-    raw = {k: stand_in if k == "self" else _unfold(v) for k, v in kwargs.items()}
+    raw = {"self": stand_in} | {k: _unfold(v) for k, v in kwargs.items()}
     with torch.no_grad():
         return _wrap(node.target(**raw), f"{_module_path(node)}.{node.name}".lstrip("."))
 

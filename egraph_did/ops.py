@@ -1857,6 +1857,217 @@ def scatter_add(x, dim: int, index, src):
     return [OutSpec(x.shape, x.dtype, x.axes)]
 
 
+# ------------------------------------------------------------------ mixture of experts: sort, count, grouped matmul
+
+def _argsort_ref(x, dim=-1, descending=False):
+    return torch.argsort(x, dim=dim, descending=descending, stable=True)
+
+
+@op("argsort", "scan", _argsort_ref,
+    no_grad="its output is integer positions (a permutation), so no gradient flows through it")
+def argsort(x, dim: int = -1, descending: bool = False):
+    """The positions that sort x along `dim`, stable (ties keep their order), as torch.argsort(stable=True):
+    int64, x's shape. Rows along other axes sort independently, so it shards on any axis but `dim`
+    (rewrites/scans.py). Routers take topk as its first k; grouped experts sort tokens by expert id.
+
+    >>> argsort(TensorSpec("ids", (6,), torch.int64, ("s",)))
+    [OutSpec(shape=(6,), dtype=torch.int64, axes=('s',))]
+    """
+    x = _need_tensor("argsort", "x", x)
+    norm_axis("argsort", x, dim, ndim=max(x.ndim, 1))
+    if x.dtype == torch.bool:
+        raise DtypeError(f"argsort({x.name}): x is bool; cast it to an integer or float dtype to sort it")
+    return [OutSpec(x.shape, torch.int64, x.axes)]
+
+
+def _histc_ref(x, bins, min=0.0, max=0.0):
+    return torch.histc(x, bins=bins, min=min, max=max)
+
+
+@op("histc", "reduction", _histc_ref,
+    no_grad="its output counts elements per bin: piecewise constant, as torch (which has no derivative for it)")
+def histc(x, bins: int, min: float = 0.0, max: float = 0.0):
+    """How many elements of x fall in each of `bins` equal bins over [min, max] (an element equal to max in
+    the last bin, elements outside none), as torch.histc: a [bins] tensor of x's float dtype. min < max is
+    required (torch's defaults, min == max == 0, read the range from the data, which differs per shard). A
+    shard of x counts its elements, so x split on any axis gives a pending sum of counts (exact: counts are
+    integers). Mixture of experts: tokens per expert, histc(ids.float(), experts, 0, experts - 1).
+
+    >>> histc(TensorSpec("ids", (6,), torch.float32, ("s",)), 4, 0, 3)
+    [OutSpec(shape=(4,), dtype=torch.float32, axes=('bins4',))]
+    """
+    x = _need_tensor("histc", "x", x)
+    _need_float("histc", x)
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+        raise ShapeError(f"histc({x.name}): bins must be an int >= 1, got {bins!r}")
+    if not (isinstance(min, (int, float)) and isinstance(max, (int, float))) or not min < max:
+        raise ShapeError(f"histc({x.name}): the range must be given as numbers min < max, got min={min!r}, "
+                         f"max={max!r} (torch's min == max takes the range from the data, which differs per shard: "
+                         f"give the range, as histc(ids, experts, 0, experts - 1))")
+    return [OutSpec((bins,), x.dtype, (f"bins{bins}",))]
+
+
+def _group_rows(offsets: torch.Tensor, rows: int, what: str) -> list[tuple[int, int]]:
+    """[start, stop) of each group's rows: group e holds rows offsets[e-1]:offsets[e] (offsets[-1] = 0), or a
+    ShapeError if offsets decrease, are negative or pass the rows (torch's kernels would read out of range)."""
+    ends = [int(v) for v in offsets.tolist()]
+    starts = [0] + ends[:-1]
+    bad = next((e for e, (a, b) in enumerate(zip(starts, ends)) if b < a or b > rows), None)
+    if bad is not None:
+        raise ShapeError(f"{what}: offsets must be non-decreasing ends of row ranges within the {rows} rows, got "
+                         f"{ends} (group {bad}: {starts[bad]}..{ends[bad]}); offsets are the cumsum of the rows "
+                         f"per group")
+    return list(zip(starts, ends))
+
+
+def _grouped_mm_block(x, w, offsets, start=0, total=None, e_lo=0):
+    """grouped_mm on one rank's block: x holds the global rows start.. of `total` (None: x is whole), w the
+    experts e_lo.. (offsets global). Rows of other experts, and past offsets[-1], are zero."""
+    lo, hi = start, start + x.shape[0]
+    out = torch.zeros(x.shape[0], w.shape[2], dtype=x.dtype, device=x.device)
+    spans = _group_rows(offsets, x.shape[0] if total is None else total, "grouped_mm")
+    for e in range(e_lo, e_lo + w.shape[0]):
+        a, b = max(spans[e][0], lo), min(spans[e][1], hi)
+        if b > a:
+            out[a - lo:b - lo] = x[a - lo:b - lo] @ w[e - e_lo]
+    return out
+
+
+def _first(o, ctx) -> int:
+    """The first global index along axis 0 of operand or output `o` this rank holds."""
+    return ctx.shard_range(o.shape[0], o.layout, 0)[0]
+
+
+def _grouped_mm_ranged(args, operands, outputs, ctx, axes):
+    """grouped_mm on the rank's rows of x (global row positions) and its experts of w: each row it holds
+    whose expert it holds, the others zero (a shard of the rows, or with the experts split one summand of a
+    partial: each row belongs to one expert)"""
+    x = operands["x"]
+    return _grouped_mm_block(args["x"], args["w"], args["offsets"], _first(x, ctx), x.shape[0],
+                             _first(operands["w"], ctx))
+
+
+GROUPED_MM_RANGED = LocalKernel("ranged", _grouped_mm_ranged)
+
+
+def _grouped_flops(ins, outs, args) -> float:
+    """2 rows x d x f, each row meeting one expert's matrix, times the share of the experts the rank holds
+    (w's or the output's experts against the offsets' count): under expert parallelism a rank computes the
+    rows of its experts only, a share the cost model takes as the experts' share (balanced routing)."""
+    rows, d = ins[0]
+    f = outs[0][1] if len(outs[0]) == 2 else outs[0][2]
+    held = ins[1][0] if len(outs[0]) == 2 else outs[0][0]
+    return 2.0 * rows * d * f * held / max(ins[2][0], 1)
+
+
+def _offsets_spec(what: str, offsets, groups: int) -> TensorSpec:
+    offsets = _need_tensor(what.split("(")[0], "offsets", offsets)
+    if offsets.dtype not in INT_DTYPES:
+        raise DtypeError(f"{what}: offsets must be int32 or int64 (the cumsum of the rows per expert), got "
+                         f"{str(offsets.dtype).replace('torch.', '')}")
+    if offsets.shape != (groups,):
+        raise ShapeError(f"{what}: offsets {offsets.name} has shape {offsets.shape}, expected ({groups},): one end "
+                         f"row per expert")
+    return offsets
+
+
+def _vjp_grouped_mm(ops, g, out, x, w, offsets):
+    """x: grouped_mm of g with each expert's matrix transposed; w: per expert x[rows]^T g[rows]"""
+    return {"x": ops.grouped_mm(g, ops.transpose(w, 1, 2), offsets), "w": ops.grouped_mm_wgrad(x, g, offsets)}
+
+
+@op("grouped_mm", "matmul", lambda x, w, offsets: _grouped_mm_block(x, w, offsets), flops=_grouped_flops,
+    local_kernels=(GROUPED_MM_RANGED,), vjp=_vjp_grouped_mm)
+def grouped_mm(x, w, offsets):
+    """A matmul per expert over row ranges: out[offsets[e-1]:offsets[e]] = x[offsets[e-1]:offsets[e]] @ w[e]
+    (offsets[-1] read as 0), rows past offsets[-1] zero; x [rows, d] sorted by expert, w [experts, d, f],
+    offsets [experts] int (the cumsum of the rows per expert). As torch's _grouped_mm (2-D x, 3-D w) and
+    transformers' grouped_mm_fallback. Shards on f, on d (a pending sum), on the rows, and on the experts
+    (expert parallelism: each rank computes the rows of its experts, a pending sum; rewrites/experts.py).
+
+    >>> import egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     x, w = fd.define_tensor((3, 1), name="x"), fd.define_tensor((2, 1, 1), name="w")
+    ...     o = fd.define_tensor((2,), dtype=torch.int64, name="offsets")
+    ...     fd.add_output(fd.ops.grouped_mm(x, w, o), name="y")
+    >>> w = torch.tensor([[[2.]], [[3.]]])
+    >>> ed.evaluate(fd, {"x": torch.ones(3, 1), "w": w, "offsets": torch.tensor([1, 2])})["y"]
+    tensor([[2.],
+            [3.],
+            [0.]])
+    """
+    x, w = _need_tensor("grouped_mm", "x", x), _need_tensor("grouped_mm", "w", w)
+    what = f"grouped_mm({x.name}, {w.name})"
+    if x.ndim != 2 or w.ndim != 3:
+        raise ShapeError(f"{what}: x must be 2-D [rows, d] and w 3-D [experts, d, f], got {x.shape} and {w.shape}")
+    if w.shape[1] != x.shape[1]:
+        raise ShapeError(f"{what}: {w.name}'s axis 1 is {w.shape[1]} but {x.name}'s last axis is {x.shape[1]}; w is "
+                         f"[experts, d, f] (transpose a [experts, f, d] weight: transpose(w, 1, 2))")
+    _same_float("grouped_mm", x, w)
+    _offsets_spec(what, offsets, w.shape[0])
+    return [OutSpec((x.shape[0], w.shape[2]), x.dtype, (x.axes[0], w.axes[2]))]
+
+
+def _grouped_wgrad_block(x, g, offsets, start=0, total=None, e_lo=0, e_hi=None):
+    """Per expert e_lo..e_hi (None: every one), x[rows]^T g[rows] over the rows of x and g the rank holds
+    (the global rows start.. of `total`; None: x and g are whole)."""
+    lo, hi = start, start + x.shape[0]
+    e_hi = offsets.shape[0] if e_hi is None else e_hi
+    out = torch.zeros(e_hi - e_lo, x.shape[1], g.shape[1], dtype=x.dtype, device=x.device)
+    spans = _group_rows(offsets, x.shape[0] if total is None else total, "grouped_mm_wgrad")
+    for e in range(e_lo, e_hi):
+        a, b = max(spans[e][0], lo), min(spans[e][1], hi)
+        if b > a:
+            out[e - e_lo] = x[a - lo:b - lo].transpose(0, 1) @ g[a - lo:b - lo]
+    return out
+
+
+def _grouped_wgrad_ranged(args, operands, outputs, ctx, axes):
+    """grouped_mm_wgrad from the rank's rows of x and g (one summand of a partial: the sum over the rows) for
+    the experts of the output it holds"""
+    x, out = operands["x"], outputs[0]
+    return _grouped_wgrad_block(args["x"], args["g"], args["offsets"], _first(x, ctx), x.shape[0],
+                                *ctx.shard_range(out.shape[0], out.layout, 0))
+
+
+GROUPED_WGRAD_RANGED = LocalKernel("ranged", _grouped_wgrad_ranged)
+
+
+def _vjp_grouped_wgrad(ops, gw, out, x, g, offsets):
+    """out[e] = x_e^T g_e: x gets g_e gw[e]^T, g gets x_e gw[e] (grouped_mm both)"""
+    return {"x": ops.grouped_mm(g, ops.transpose(gw, 1, 2), offsets), "g": ops.grouped_mm(x, gw, offsets)}
+
+
+@op("grouped_mm_wgrad", "matmul",
+    lambda x, g, offsets: _grouped_wgrad_block(x, g, offsets), flops=_grouped_flops,
+    local_kernels=(GROUPED_WGRAD_RANGED,), vjp=_vjp_grouped_wgrad)
+def grouped_mm_wgrad(x, g, offsets):
+    """The weight gradient of grouped_mm: out[e] = x[rows of e]^T @ g[rows of e], [experts, d, f] from x
+    [rows, d], g [rows, f] and offsets [experts] (as grouped_mm's); an expert with no rows gets zeros.
+    Shards on d, on f, on the experts (each rank its experts' rows) and on the rows (a pending sum).
+
+    >>> import egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     x, g = fd.define_tensor((3, 1), name="x"), fd.define_tensor((3, 1), name="g")
+    ...     o = fd.define_tensor((2,), dtype=torch.int64, name="offsets")
+    ...     fd.add_output(fd.ops.grouped_mm_wgrad(x, g, o), name="dw")
+    >>> g = torch.tensor([[1.], [2.], [4.]])
+    >>> ed.evaluate(fd, {"x": torch.ones(3, 1), "g": g, "offsets": torch.tensor([2, 2])})["dw"].flatten()
+    tensor([3., 0.])
+    """
+    x, g = _need_tensor("grouped_mm_wgrad", "x", x), _need_tensor("grouped_mm_wgrad", "g", g)
+    what = f"grouped_mm_wgrad({x.name}, {g.name})"
+    if x.ndim != 2 or g.ndim != 2 or x.shape[0] != g.shape[0]:
+        raise ShapeError(f"{what}: x [rows, d] and g [rows, f] must be 2-D with the same rows, got {x.shape} and "
+                         f"{g.shape}")
+    _same_float("grouped_mm_wgrad", x, g)
+    offsets = _need_tensor("grouped_mm_wgrad", "offsets", offsets)
+    if offsets.ndim != 1:
+        raise ShapeError(f"{what}: offsets {offsets.name} must be 1-D [experts], got {offsets.shape}")
+    _offsets_spec(what, offsets, offsets.shape[0])
+    return [OutSpec((offsets.shape[0], x.shape[1], g.shape[1]), x.dtype, (offsets.axes[0], x.axes[1], g.axes[1]))]
+
+
 def _ce_rows(ops, target, ignore_index):
     """(mask, safe target) of cross entropy's rows: mask holds where target is not ignore_index, the safe
     target is 0 there (a class every row has), so that take_along_axis and scatter_add read in range"""

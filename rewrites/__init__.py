@@ -22,4 +22,5 @@ from __future__ import annotations
 from .rules import (ALL_RULES, PMAX, RULES, AxisStrategy, Case, Input, Operand, OpView, P, Placement, R,  # noqa: F401
                     Rule, S, axis_strategies, indices, rule)
 
-from . import aten, pointwise, reduction, views, grad_ops, frontend_ops, scans  # noqa: E402,F401  (registering their rules, in this order)
+# registering their rules, in this order
+from . import aten, pointwise, reduction, views, grad_ops, frontend_ops, scans, experts  # noqa: E402,F401

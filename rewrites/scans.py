@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from egglog import rule as erule
 
-from .rules import P, S, Case, egglog_form, family_ruleset, rule
+from .rules import P, S, Case, egglog_form, family_ruleset, indices, rule
 from .sorts import P as P_, S as S_
 from .sorts import AxisMap, FloatSize, MeshSize, a, ax, b, d, n, sig, site, sx0
 
@@ -48,6 +48,18 @@ def cumsum_of_partial(e):
         yield e.strategy(out=P, x=P)
 
 
+@rule("argsort", cases=[
+    Case("rows-uneven", (3,), {"x": (5, 4)}, lambda o, x: (o.argsort(x, 1), o.argsort(x, 0, descending=True))),
+    Case("ids-mesh2x2", (2, 2), {"ids": indices((4, 6), 3)}, lambda o, ids: o.argsort(ids, -1)),
+])
+def argsort_other_axis(e):
+    """argsort(x, dim)[shard of axis a != dim] = argsort(x[shard of a], dim): every rank sorts whole rows"""
+    dim = e.attr("dim") % max(e["x"].ndim, 1)
+    for k in range(e["x"].ndim):
+        if k != dim:
+            yield e.strategy(out=S(k), x=S(k))
+
+
 # ---------------------------------------------------------------------- the same identities as egglog rules
 
 @egglog_form(cumsum_other_axis)
@@ -60,6 +72,12 @@ def _cumsum_other_axis(spec):
 def _cumsum_of_partial(spec):
     """cumsum(sum_r x_r) = sum_r cumsum(x_r), of floats"""
     yield erule(site("cumsum"), FloatSize(sx0, n), MeshSize(d)).then(ax([P_()], [P_()]))
+
+
+@egglog_form(argsort_other_axis)
+def _argsort_other_axis(spec):
+    """argsort(x, dim)[shard of a != dim] = argsort(x[shard of a], dim)"""
+    yield erule(site("argsort"), AxisMap(sig, 0, a, b), MeshSize(d)).then(ax([S_(a)], [S_(b)]))
 
 
 scans = family_ruleset("scans")

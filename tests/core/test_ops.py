@@ -114,6 +114,30 @@ def sdpa_with_lse(v, **kw):
     return F.scaled_dot_product_attention(q, k, v["v"], **kw), torch.logsumexp(s, -1)
 
 
+def grouped_inputs(offsets, dtype=torch.int64, w=(4, 3, 5)):
+    """x [7, 3], w [4, 3, 5] (or [4, 5, 3]: transposed in the case) and offsets."""
+    return lambda dt: {"x": rand(7, 3, dtype=dt), "w": rand(*w, dtype=dt, seed=1),
+                       "o": torch.tensor(offsets, dtype=dtype)}
+
+
+def grouped_mm_ref(x, w, offsets):
+    """torch, one expert at a time: rows offsets[e-1]:offsets[e] times w[e], the others zero."""
+    parts, start = [], 0
+    for e, end in enumerate(offsets.tolist()):
+        parts.append(x[start:end] @ w[e])
+        start = end
+    parts.append(torch.zeros(x.shape[0] - start, w.shape[2], dtype=x.dtype))
+    return torch.cat(parts)
+
+
+def grouped_wgrad_ref(x, g, offsets):
+    out, start = [], 0
+    for end in offsets.tolist():
+        out.append(x[start:end].T @ g[start:end])
+        start = end
+    return torch.stack(out)
+
+
 def sdpa_grad_inputs(sq=5, sk=5, d=4, dv=4):
     def make(dt):
         out = sdpa_inputs(sq, sk, d, dv)(dt)
@@ -488,6 +512,26 @@ CASES: list[Case] = [
          lambda v: (v["m"].cumsum(-1) - 1, v["i"].cumsum(0)), dtypes=(None,)),
     Case("cumsum", "cumsum-0d", lambda dt: {"x": rand(1, dtype=dt).reshape(())}, lambda o, t: o.cumsum(t["x"], 0),
          lambda v: v["x"].cumsum(0)),
+    # ---- mixture of experts (issue 28 item 4): sort tokens by expert, count them, a matmul per expert's rows
+    Case("argsort", "argsort-stable-ties-both-ways", lambda dt: {"i": ints(3, 7, high=3)},
+         lambda o, t: (o.argsort(t["i"], 1), o.argsort(t["i"], 0, descending=True)),
+         lambda v: (torch.argsort(v["i"], dim=1, stable=True),
+                    torch.argsort(v["i"], dim=0, descending=True, stable=True)),
+         dtypes=(None,)),
+    Case("argsort", "argsort-floats", x_(4, 5), lambda o, t: o.argsort(t["x"]),
+         lambda v: torch.argsort(v["x"], dim=-1, stable=True)),
+    Case("histc", "histc-expert-counts", lambda dt: {"x": ints(9, high=5).to(dt)},
+         lambda o, t: (o.histc(t["x"], 4, 0, 3), o.histc(t["x"], 3, 0.5, 2.5)),
+         lambda v: (torch.histc(v["x"], 4, 0, 3), torch.histc(v["x"], 3, 0.5, 2.5))),
+    Case("grouped_mm", "grouped_mm-uneven-empty-expert-rows-past-the-end", grouped_inputs((2, 2, 5, 6)),
+         lambda o, t: o.grouped_mm(t["x"], t["w"], t["o"]), lambda v: grouped_mm_ref(v["x"], v["w"], v["o"])),
+    Case("grouped_mm", "grouped_mm-int32-offsets-all-rows", grouped_inputs((0, 4, 7, 7), torch.int32, (4, 5, 3)),
+         lambda o, t: o.grouped_mm(t["x"], o.transpose(t["w"], 1, 2), t["o"]),
+         lambda v: grouped_mm_ref(v["x"], v["w"].transpose(1, 2), v["o"])),
+    Case("grouped_mm_wgrad", "grouped_mm_wgrad-uneven-empty-expert", lambda dt: {
+         "x": rand(7, 3, dtype=dt), "g": rand(7, 5, dtype=dt, seed=1), "o": torch.tensor([2, 2, 5, 6])},
+         lambda o, t: o.grouped_mm_wgrad(t["x"], t["g"], t["o"]),
+         lambda v: grouped_wgrad_ref(v["x"], v["g"], v["o"])),
     # ---- constants (issue 11): full reads nothing; ed.grad seeds d loss / d loss with it
     Case("full", "full-added", x_(3, 4), lambda o, t: o.add(t["x"], o.full((3, 4), 1.5, t["x"].dtype)),
          lambda v: v["x"] + 1.5),
@@ -1059,3 +1103,42 @@ def test_slice_of_an_axis_out_of_range_names_the_tensor():
     fd, (x,) = fdef(("x", (3, 4)))
     with pytest.raises(ShapeError, match=r"slice\(x\): axis 2 out of range"):
         fd.ops.slice(x, 2, 0, 1)
+
+
+# ---------------------------------------------------------------- mixture of experts: bad offsets and ranges
+
+def _grouped(offsets, dtype=torch.int64, w=(4, 3, 5)):
+    fd = ed.FusionDefinition()
+    x, wt = fd.define_tensor((7, 3), name="x"), fd.define_tensor(w, name="w")
+    o = fd.define_tensor(tuple(offsets), dtype=dtype, name="offsets")
+    return fd, fd.ops.grouped_mm(x, wt, o)
+
+
+def test_grouped_mm_refuses_offsets_that_are_not_ints_or_not_one_per_expert():
+    with pytest.raises(DtypeError, match="offsets must be int32 or int64"):
+        _grouped((4,), torch.float32)
+    with pytest.raises(ShapeError, match=r"offsets offsets has shape \(3,\), expected \(4,\): one end row per expert"):
+        _grouped((3,))
+    with pytest.raises(ShapeError, match=r"w's axis 1 is 5 but x's last axis is 3.*transpose\(w, 1, 2\)"):
+        _grouped((4,), w=(4, 5, 3))
+
+
+def test_grouped_mm_refuses_decreasing_offsets_or_offsets_past_the_rows_naming_the_group():
+    fd, y = _grouped((4,))
+    fd.add_output(y, name="y")
+    args = {"x": torch.zeros(7, 3), "w": torch.zeros(4, 3, 5)}
+    with pytest.raises(ShapeError, match=r"got \[2, 1, 5, 6\] \(group 1: 2\.\.1\)"):
+        ed.evaluate(fd, {**args, "offsets": torch.tensor([2, 1, 5, 6])})
+    with pytest.raises(ShapeError, match=r"within the 7 rows, got \[2, 2, 5, 9\]"):
+        ed.evaluate(fd, {**args, "offsets": torch.tensor([2, 2, 5, 9])})
+
+
+def test_histc_needs_its_range():
+    from egraph_did.ops import TensorSpec, histc
+    x = TensorSpec("ids", (6,), F32, ("s",))
+    with pytest.raises(ShapeError, match="min < max.*differs per shard"):
+        histc(x, 4)
+    with pytest.raises(ShapeError, match="bins must be an int >= 1"):
+        histc(x, 0, 0, 3)
+    with pytest.raises(DtypeError, match="needs a floating-point tensor"):
+        histc(TensorSpec("ids", (6,), torch.int64, ("s",)), 4, 0, 3)

@@ -480,17 +480,18 @@ class Router(nn.Module):
         return y.view(x.shape[0], self.k, -1).sum(1)
 
 
-def test_a_mixture_of_experts_router_maps_onto_gathers_and_one_opaque_argsort():
-    """topk: the values gathered (take_along_axis) at the first k of an opaque argsort; the expert
-    weights picked by index: an embedding of the parameter's rows; repeat_interleave: an expand; the in-place
-    renormalization: a div. Forward and the gradients of both parameters equal torch's (float64)."""
+def test_a_mixture_of_experts_router_maps_onto_gathers_and_an_argsort():
+    """topk: the values gathered (take_along_axis) at the first k of an argsort (fd.ops.argsort: no opaque
+    step); the expert weights picked by index: an embedding of the parameter's rows; repeat_interleave: an
+    expand; the in-place renormalization: a div. Forward and the gradients of both parameters equal torch's
+    (float64)."""
     torch.manual_seed(0)
     module, x = Router().double(), torch.randn(6, 8, dtype=F64)
-    fd = ed.from_torch(module, (x,))
+    fd = ed.from_torch(module, (x,), strict=True)
     ops = [e.op.name for e in fd.fusion.exprs]
-    assert ops.count("opaque") == 1 and ops.count("take_along_axis") == 1 and ops.count("embedding") == 1
-    (step,) = [e for e in fd.fusion.exprs if e.op.name == "opaque"]
-    assert dict(step.args)["target"] == "aten.argsort.stable" and "torch.topk(probs" in dict(step.args)["source"]
+    assert ops.count("argsort") == 1 and ops.count("take_along_axis") == 1 and ops.count("embedding") == 1
+    (step,) = [e for e in fd.fusion.exprs if e.op.name == "argsort"]
+    assert dict(step.args)["descending"] is True and dict(step.args)["dim"] == 1
     assert_close(ed.evaluate(fd, fd.bind(x))["out"], module(x), F64)
     fd.add_output(fd.ops.sum(fd.ops.mul(fd["out"], fd["out"])), name="loss")
     got = ed.evaluate(ed.grad(fd, loss="loss", wrt=["gate.weight", "experts"]), fd.bind(x))
@@ -532,21 +533,60 @@ def test_an_in_place_op_read_through_a_view_taken_before_it_is_refused_naming_th
 
 def test_sort_and_an_inverse_permutation_written_in_place_run_as_torchs():
     """sort: the values gathered at a stable argsort; inverse[perm] = arange (index_put_ into empty_like,
-    as transformers' grouped experts un-sort tokens): an opaque step of the out-of-place index_put, which
-    never writes into its operand, on zeros for the uninitialized tensor."""
-    def unsort(x):
+    as transformers' grouped experts un-sort tokens): argsort(perm), the inverse permutation; perm // k
+    (floor_divide by an int, negative values too) in float64 ops: a strict export, no opaque step."""
+    def unsort(x, k):
         values, perm = torch.sort(x, dim=0, descending=True)
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(x.shape[0])
-        return values * 2, inverse
+        return values * 2, inverse, perm // 4, (k - 5) // 3, (k - 5) // -2
 
     x = torch.randn(6, dtype=F64, generator=torch.Generator().manual_seed(4))
-    fd = ed.from_torch(unsort, (x,))
-    targets = [dict(e.args)["target"] for e in fd.fusion.exprs if e.op.name == "opaque"]
-    assert targets == ["aten.argsort.stable", "aten.index_put.default"]
-    got, (values, inverse) = ed.evaluate(fd, fd.bind(x)), unsort(x)
-    assert_close(got["0"], values, F64)
-    assert torch.equal(got["1"], inverse)
+    k = torch.arange(11)
+    fd = ed.from_torch(unsort, (x, k), strict=True)
+    assert [e.op.name for e in fd.fusion.exprs].count("argsort") == 2
+    got, want = ed.evaluate(fd, fd.bind(x, k)), unsort(x, k)
+    assert_close(got["0"], want[0], F64)
+    for i in range(1, 5):
+        assert torch.equal(got[str(i)], want[i]), (i, got[str(i)], want[i])
+
+
+def test_argsort_histc_and_grouped_mm_map_onto_fusion_ops():
+    """torch.argsort, torch.histc with a range, F.grouped_mm (aten._grouped_mm, bfloat16: its export takes no
+    other dtype) and transformers' grouped_mm_fallback custom op (float64, what Mixtral exports in float32):
+    strict exports equal to torch; histc without a range (min == max: read from the data) stays an opaque
+    step."""
+    transformers = pytest.importorskip("transformers", reason="the `models` extra (pip install -e '.[models]')")
+    from transformers.integrations import moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 5, (9,), generator=g)  # id 4 falls outside histc's 4 bins: rows past offsets[-1]
+
+    def route(ids, x, w):
+        perm = torch.argsort(ids, stable=True)
+        counts = torch.histc(ids[perm].float(), bins=4, min=0, max=3)
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        return perm, counts, F.grouped_mm(x[perm], w, offs=offs)
+
+    x, w = torch.randn(9, 16, generator=g), torch.randn(4, 16, 8, generator=g)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    fd = ed.from_torch(route, (ids, xb, wb), strict=True)
+    assert {"argsort", "histc", "grouped_mm"} <= {e.op.name for e in fd.fusion.exprs}
+    got, want = ed.evaluate(fd, fd.bind(ids, xb, wb)), route(ids, xb, wb)
+    assert torch.equal(got["0"], want[0]) and torch.equal(got["1"], want[1])
+    end = int(want[1].sum())  # torch leaves the rows past offsets[-1] uninitialized; grouped_mm zeros them
+    assert end < 9 and not got["2"][end:].any()
+    torch.testing.assert_close(got["2"][:end].float(), want[2][:end].float(), rtol=2e-2, atol=2e-2)
+
+    def fallback(x, w, offs):
+        return torch.ops.transformers.grouped_mm_fallback(x, w, offs=offs)
+
+    x64, w64 = x.double(), w.double()
+    offs = torch.tensor([2, 2, 6, 8], dtype=torch.int32)
+    fd = ed.from_torch(fallback, (x64, w64, offs), strict=True)
+    assert [e.op.name for e in fd.fusion.exprs] == ["grouped_mm"]
+    assert_close(ed.evaluate(fd, fd.bind(x64, w64, offs))["out"], fallback(x64, w64, offs), F64)
+    fd = ed.from_torch(lambda x: torch.histc(x, bins=3), (x,))
+    assert [e.op.name for e in fd.fusion.exprs] == ["opaque"]
 
 
 def _mixtral(implementation: str):
@@ -597,30 +637,28 @@ def test_gather_scatter_add_and_index_add_map_onto_fusion_ops_and_differentiate(
         assert_close(grads[f"grad_{inputs[i]}"], leaves[i].grad, F64)
 
 
-def test_mixtral_grouped_experts_run_replicated_as_opaque_steps_and_train_through_torch_autograd():
-    """transformers' default experts ("grouped_mm") sort the tokens by expert, count them (histc) and call
-    its own grouped_mm_fallback op, whose per-expert row ranges depend on the data: opaque steps, which
-    plan and simulate to the model's logits on 4 ranks and which explain() names. Their gradients are
-    opaque_grad steps (torch's autograd of the same call, replicated): the experts' and the router's weight
-    gradients equal torch.autograd's on the model, evaluated and simulated on 4 ranks."""
+def test_mixtral_grouped_experts_export_with_no_opaque_step_and_train_through_fusion_ops():
+    """transformers' default experts ("grouped_mm") sort the tokens by expert (argsort), count them (histc),
+    take offsets by cumsum, run F.grouped_mm on each expert's rows and un-sort (index_put of arange: an
+    argsort): a strict export, no opaque step; the plan simulates to the model's logits on 4 ranks. The
+    gradients (grouped_mm's vjp: grouped_mm with w transposed, grouped_mm_wgrad) of the experts' and the
+    router's weights equal torch.autograd's on the model, evaluated and simulated on 4 ranks."""
     model = _mixtral("grouped_mm")
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-    fd = ed.from_torch(model, (ids,), {"use_cache": False})
-    targets = {dict(e.args)["target"] for e in fd.fusion.exprs if e.op.name == "opaque"}
-    assert {"transformers.grouped_mm_fallback.default", "aten.histc.default", "aten.index_put.default"} <= targets
+    fd = ed.from_torch(model, (ids,), {"use_cache": False}, strict=True)
+    names = [e.op.name for e in fd.fusion.exprs]
+    assert "opaque" not in names and names.count("grouped_mm") == 4 and names.count("histc") == 2
     want = model(ids, use_cache=False).logits
     fd["logits"].set_device_mesh(MESH)
     plan = ed.optimize(fd, MESH)
     assert_close(ed.simulate(plan, fd.bind(ids, use_cache=False))["logits"], want, F32)
-    rows = [line for line in plan.explain().splitlines() if "= opaque(" in line]
-    assert any("replicated (transformers.grouped_mm_fallback.default at " in r for r in rows)
 
     fd.add_output(fd.ops.sum(fd.ops.mul(fd["logits"], fd["logits"])), name="loss")
     wrt = ["model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.gate_up_proj",
            "model.layers.1.mlp.gate.weight"]
     g = ed.grad(fd, loss="loss", wrt=wrt)
-    assert {dict(e.args)["target"] for e in g.fusion.exprs if e.op.name == "opaque_grad"} >= {
-        "transformers.grouped_mm_fallback.default"}
+    assert {"grouped_mm_wgrad", "grouped_mm"} <= {e.op.name for e in g.fusion.exprs}
+    assert not [e for e in g.fusion.exprs if e.op.name.startswith("opaque")]
     model(ids, use_cache=False).logits.square().sum().backward()
     params = dict(model.named_parameters())
     got = ed.evaluate(g, fd.bind(ids, use_cache=False))
@@ -631,6 +669,38 @@ def test_mixtral_grouped_experts_run_replicated_as_opaque_steps_and_train_throug
         scale = params[w].grad.abs().max()
         torch.testing.assert_close(got[f"grad_{w}"] / scale, params[w].grad / scale, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(simulated[f"grad_{w}"] / scale, params[w].grad / scale, rtol=1e-5, atol=1e-5)
+
+
+def test_a_deepseek_v3_moe_block_exports_with_no_opaque_step_and_its_gradients_equal_torch():
+    """transformers' DeepseekV3MoE (8 routed experts in 2 groups, top group 1, top-2, a shared expert;
+    grouped_mm experts): the router's group mask (zeros_like, scatter_ of 1 at the top groups, masked_fill)
+    and topk map onto fusion ops, the experts onto argsort, histc and grouped_mm: a strict export equal to
+    the block, simulated on 4 ranks, and the routed experts' and the router's weight gradients equal
+    torch.autograd's (float32)."""
+    transformers = pytest.importorskip("transformers", reason="the `models` extra (pip install -e '.[models]')")
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, initializer_range=0.2, experts_implementation="grouped_mm")
+    block = transformers.DeepseekV3ForCausalLM(cfg).model.layers[1].mlp.eval()
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    fd = ed.from_torch(block, (x,), strict=True)
+    names = [e.op.name for e in fd.fusion.exprs]
+    assert "opaque" not in names and names.count("grouped_mm") == 2 and "scatter_add" in names
+    want = block(x)
+    assert_close(ed.evaluate(fd, fd.bind(x))["out"], want, F32)
+    fd["out"].set_device_mesh(MESH)
+    assert_close(ed.simulate(ed.optimize(fd, MESH), fd.bind(x))["out"], want, F32)
+    fd.add_output(fd.ops.sum(fd.ops.mul(fd["out"], fd["out"])), name="loss")
+    wrt = ["experts.gate_up_proj", "experts.down_proj", "gate.weight"]
+    got = ed.evaluate(ed.grad(fd, loss="loss", wrt=wrt), fd.bind(x))
+    block(x).square().sum().backward()
+    params = dict(block.named_parameters())
+    for w in wrt:
+        scale = params[w].grad.abs().max()
+        torch.testing.assert_close(got[f"grad_{w}"] / scale, params[w].grad / scale, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------- complex numbers as pairs of reals

@@ -91,12 +91,12 @@ def test_every_op_with_a_vjp_is_checked_against_torch():
     assert not unchecked, f"ops with a vjp but no float case in tests/core/test_ops.py CASES: {unchecked}"
 
 
-def test_the_ops_without_a_gradient_are_comparisons_masks_the_rfactor_halves_and_the_backward_ops():
+def test_the_ops_without_a_gradient_are_comparisons_masks_the_rfactor_halves_the_backward_ops_and_routing():
     comparisons = {"gt", "eq", "ne", "lt", "le", "ge"}
     masks = {"bitwise_and", "bitwise_or", "bitwise_xor", "logical_and", "logical_or", "logical_not", "any", "all"}
-    assert {n for n, d in OPS.items() if d.no_grad} == comparisons | masks | {"welford_blocks", "welford_merge",
-                                                                            "attention_blocks", "opaque_grad",
-                                                                            "sdpa_backward"}
+    routing = {"argsort", "histc"}  # positions and counts: piecewise constant
+    assert {n for n, d in OPS.items() if d.no_grad} == comparisons | masks | routing | {
+        "welford_blocks", "welford_merge", "attention_blocks", "opaque_grad", "sdpa_backward"}
 
 
 # ---------------------------------------------------------------------- the program transform

@@ -50,7 +50,7 @@ def test_egglog_forms_derive_the_python_rows_on_models(model):
     assert_same_rows(build_problem(MODELS[model](), mesh_of((2, 4))))
 
 
-FAMILIES = ("pointwise", "views", "reduction", "aten", "grad_ops", "frontend_ops", "scans")
+FAMILIES = ("pointwise", "views", "reduction", "aten", "grad_ops", "frontend_ops", "scans", "experts")
 
 
 def test_every_rule_of_every_family_has_an_egglog_form():

@@ -1,0 +1,146 @@
+"""Expert parallelism (issue 28 item 4): a mixture-of-experts MLP over tokens sorted by expert,
+y = grouped_mm(silu(grouped_mm(x, w1, offsets)), w2, offsets), offsets the cumsum of histc of the expert
+ids, with the experts' weights held split on the expert axis (as expert-parallel training stores them).
+
+No pass of its own: grouped_mm's rules (rewrites/experts.py) offer, beside sharding the weights on f or d
+as a matmul, grouped_mm_experts: each rank computes the rows of its own experts, the others zero, a pending
+sum (exact: each row belongs to one expert). The cost model weighs it against moving the weights (an
+all-to-all of each to split them on f) or gathering them. With few tokens (256) expert parallelism moves
+the activations only (1 + 1 + 0.5 MiB) and needs 36 MiB per device, where sharding on f moves both weights
+(8 MiB each) and needs 50 MiB, and replicating them 99 MiB: under a 38 MiB bound it is the only plan, and
+unbounded the cheapest. With many tokens (4096) the hidden activations outweigh the weights and the
+optimizer moves the weights instead. Replayed at small shapes, the expert-parallel plan simulates to the
+reference (float64; uneven counts, an empty expert, rows past offsets[-1]).
+"""
+import torch
+
+import egraph_did as ed
+from egraph_did.layout import Layout
+from egraph_did.pins import apply_layout
+
+BF16, F64 = torch.bfloat16, torch.float64
+MESH = ed.DeviceMesh.arange(4)
+D, F, E = 1024, 2048, 8
+EXPERT_SHARDED = {"x": "R", "y": "R", "w1": "[S(0)]", "w2": "[S(0)]"}
+
+
+def moe(s, d, f, e, dtype, pins, weights_used=None, mesh=MESH):
+    """y = grouped_mm(silu(grouped_mm(x, w1c)), w2c) at offsets from histc of ids; w1c, w2c: copies of w1 and w2
+    (cast to their own dtype), the weights as the matmuls read them, pinned `weights_used` (layout texts) to
+    force a way of running them."""
+    with ed.FusionDefinition() as fd:
+        x = fd.define_tensor((s, d), dtype, name="x")
+        ids = fd.define_tensor((s,), torch.int64, name="ids")
+        w1 = fd.define_tensor((e, d, f), dtype, name="w1")
+        w2 = fd.define_tensor((e, f, d), dtype, name="w2")
+        used = fd.ops.cast(w1, dtype), fd.ops.cast(w2, dtype)
+        counts = fd.ops.histc(fd.ops.cast(ids, torch.float32), e, 0, e - 1)
+        offsets = fd.ops.cast(fd.ops.cumsum(counts, 0), torch.int64)
+        y = fd.ops.grouped_mm(fd.ops.silu(fd.ops.grouped_mm(x, used[0], offsets)), used[1], offsets)
+        fd.add_output(y, name="y")
+    for name, text in pins.items():
+        apply_layout(fd[name], Layout.parse("[R]" if text == "R" else text), mesh)
+    for tv, text in zip(used, weights_used or ()):
+        apply_layout(tv, Layout.parse("[R]" if text == "R" else text), mesh)
+    return fd
+
+
+def plan_of(s, bound=None, weights_used=None):
+    return ed.optimize(moe(s, D, F, E, BF16, EXPERT_SHARDED, weights_used), MESH,
+                       cost_model=ed.CostModel.h200(memory_limit=bound))
+
+
+def rules_of(plan) -> set[str]:
+    return {r for s in plan.compute_steps for r in s.rules}
+
+
+def collectives(plan) -> list:
+    return [(c.kind, c.tensor, c.bytes) for c in plan.collectives]
+
+
+MIB = 2 ** 20
+BOUND = 38 * MIB
+
+
+def test_few_tokens_run_expert_parallel_under_a_memory_bound_moving_activations_only():
+    plan = plan_of(256, BOUND)
+    assert "grouped_mm_experts" in rules_of(plan) and "grouped_mm_features" not in rules_of(plan), plan.explain()
+    assert plan.loop_domain("cast_0") == "[DIDx{4}, 8/4, 1024, 2048]", plan.explain()  # the weights stay put
+    hidden, act = 256 * F * 2, 256 * D * 2
+    assert collectives(plan) == [("reduce_scatter", "grouped_mm_6", hidden), ("allgather", "silu_7", hidden),
+                                 ("allreduce", "y", act)], plan.explain()
+    assert plan.memory <= BOUND
+
+
+def test_expert_parallelism_beats_sharding_the_weights_on_f_and_replicating_them_on_cost():
+    """The same program with the weights as the matmuls read them pinned split on f (w1 on f, w2 on its
+    contracted f: Megatron's pair, one all-reduce of y) or replicated: each moves the weights, costs more
+    and needs more memory than the 38 MiB bound."""
+    ep = plan_of(256)
+    f_split = plan_of(256, weights_used=("[S(2)]", "[S(1)]"))
+    replicated = plan_of(256, weights_used=("R", "R"))
+    weights = E * D * F * 2
+    assert collectives(f_split) == [("alltoall", "w1", weights // 4), ("alltoall", "w2", weights // 4),
+                                    ("allreduce", "y", 256 * D * 2)]
+    assert collectives(replicated) == [("allgather", "cast_0", weights), ("allgather", "cast_1", weights)]
+    assert ep.predicted_time < f_split.predicted_time < replicated.predicted_time
+    assert ep.memory <= BOUND < f_split.memory < replicated.memory
+    assert round(ep.predicted_time * 1e6, 1) == 95.3 and round(f_split.predicted_time * 1e6, 1) == 124.7
+
+
+def test_many_tokens_move_the_weights_instead():
+    """4096 tokens: the hidden activations (16 MiB) outweigh a rank's weights (8 MiB each): the weights are
+    all-to-all'd to split on f, and y is all-reduced once."""
+    plan = plan_of(4096)
+    weights = E * D * F * 2
+    assert collectives(plan) == [("alltoall", "w1", weights // 4), ("alltoall", "w2", weights // 4),
+                                 ("allreduce", "y", 4096 * D * 2)], plan.explain()
+    assert "grouped_mm_experts" not in rules_of(plan)
+
+
+def test_the_expert_parallel_plan_simulates_to_the_reference_at_small_shapes():
+    """10 tokens, d 4, f 6, 8 experts (2 per rank), ids up to 8: uneven counts, likely empty experts, and
+    the rows of id 8 past offsets[-1]; the plan replayed (like=) at float64."""
+    plan = plan_of(256, BOUND)
+    small = moe(10, 4, 6, E, F64, EXPERT_SHARDED)
+    small_plan = ed.optimize(small, MESH, like=plan)
+    assert collectives(small_plan)[0][:2] == ("reduce_scatter", "grouped_mm_6")
+    g = torch.Generator().manual_seed(28)
+    for trial in range(3):
+        inputs = {"x": torch.randn(10, 4, generator=g, dtype=F64), "ids": torch.randint(0, 9, (10,), generator=g),
+                  "w1": torch.randn(E, 4, 6, generator=g, dtype=F64),
+                  "w2": torch.randn(E, 6, 4, generator=g, dtype=F64)}
+        want = ed.evaluate(small, inputs)["y"]
+        got = ed.simulate(small_plan, inputs)["y"]
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        past = int((inputs["ids"] == 8).sum())
+        assert past == 0 or not want[-past:].any()  # rows from offsets[-1] = 10 - past on: zero
+
+
+MESH2 = ed.DeviceMesh([[0, 1], [2, 3]], axis_names=("dp", "ep"))
+DP_EP = {"x": "[S(0), R]", "y": "[S(0), R]", "w1": "[R, S(0)]", "w2": "[R, S(0)]"}
+
+
+def test_data_and_expert_parallel_on_a_2x2_mesh_computes_each_ranks_rows_of_its_experts():
+    """Tokens split over dp, the experts' weights over ep (mesh 2 x 2): one 'ranged' kernel per grouped_mm
+    on both mesh axes (grouped_mm_rows on dp: the rank's rows, offsets being global rows; grouped_mm_experts
+    on ep: of its experts), every collective on ep, over each dp shard's 256 rows (the hidden pair of 1 MiB,
+    y 0.5 MiB); 8192 tokens move the weights over ep instead. Replayed at 12 tokens, float64, it simulates
+    to the reference."""
+    plan = ed.optimize(moe(512, D, F, E, BF16, DP_EP, mesh=MESH2), MESH2)
+    steps = [st for st in plan.compute_steps if st.op == "grouped_mm"]
+    assert len(steps) == 2 and all(st.flags == (("ranged", (0, 1)),) for st in steps), plan.explain()
+    assert {"grouped_mm_rows", "grouped_mm_experts"} <= rules_of(plan)
+    hidden, act = 256 * F * 2, 256 * D * 2
+    assert sorted((c.kind, c.mesh_axis_name, c.bytes) for c in plan.collectives) == [
+        ("allgather", "ep", hidden), ("allreduce", "ep", act), ("reduce_scatter", "ep", hidden)], plan.explain()
+    big = ed.optimize(moe(8192, D, F, E, BF16, DP_EP, mesh=MESH2), MESH2)
+    assert sorted(c.kind for c in big.collectives if c.tensor in ("w1", "w2")) == ["alltoall", "alltoall"]
+
+    small = moe(12, 8, 8, E, F64, DP_EP, mesh=MESH2)
+    small_plan = ed.optimize(small, MESH2, like=plan)
+    g = torch.Generator().manual_seed(7)
+    inputs = {"x": torch.randn(12, 8, generator=g, dtype=F64), "ids": torch.randint(0, 9, (12,), generator=g),
+              "w1": torch.randn(E, 8, 8, generator=g, dtype=F64), "w2": torch.randn(E, 8, 8, generator=g, dtype=F64)}
+    torch.testing.assert_close(ed.simulate(small_plan, inputs)["y"], ed.evaluate(small, inputs)["y"],
+                               rtol=1e-10, atol=1e-12)
