@@ -540,6 +540,17 @@ LAYOUT_PLANS = 8  # the layouts favoured in turn, most used first (a 2-D mesh ha
 # the graph's nodes (quadratic); on the 8-layer GPT-3 training step (16,301 classes) it found nothing and
 # took optimize from 16.8 to 25.2 s; on the 1-layer step (2,333 classes) it adds 0.05-0.1 s a pass
 RELINK_MAX_CLASSES = 10_000
+# ... unless the graph has few tensors (each in many layouts: attention on a 2x2x2 mesh), whose greedy passes
+# stay cheap (fuzz seed 38 case 7070: 10,812 classes of 22 tensors, 0.06 s a pass; the layout plans' regions
+# took greedy from 36.8% over exact to its optimum, and that incumbent let the exact DP prove it in 2 s where
+# it gave up and the 0/1 program ran out its 60 s)
+RELINK_MAX_TENSORS = 64
+
+
+def _relinks(graph: PhysGraph, order: list[str]) -> bool:
+    """Whether greedy relinks the layout plans' regions on this graph (see RELINK_MAX_CLASSES)."""
+    return len(order) <= RELINK_MAX_CLASSES or \
+        len({graph.ident[c][0] for c in order if c in graph.ident}) <= RELINK_MAX_TENSORS
 
 
 def _layout_plans(graph: PhysGraph, w: _Weighted, surcharge: bool = False) -> list[dict[str, Node]]:
@@ -719,7 +730,7 @@ def _best_of(graph: PhysGraph, order: list[str], penalty: float, improve: bool =
              skeleton: _Skeleton | None = None) -> dict[str, Node] | None:
     """The cheapest of greedy-DAG, amortized greedy and (improve) greedy with shared values bought up
     front, then (improve) polished by local search and, without a memory price on graphs up to
-    RELINK_MAX_CLASSES, by the regions of the layout plans (_relink). skeleton: the graph's, if built already."""
+    RELINK_MAX_CLASSES (or of few tensors: _relinks), by the regions of the layout plans (_relink). skeleton: the graph's, if built already."""
     w = _Weighted.of(graph, order, penalty, skeleton)
     best = _greedy_sets(graph, w)
     found = [c for c in (_chosen(best, w), _amortized(graph, order, penalty, w.skeleton)) if c is not None]
@@ -741,7 +752,7 @@ def _best_of(graph: PhysGraph, order: list[str], penalty: float, improve: bool =
     # none does)
     # Under a memory bound (a price per byte) left out: a region that pays in time may not fit, and the
     # bisection's plans are compared by what fits (measured: fuzz seed 22 case 190, 8% dearer with it)
-    if penalty > 0 or len(order) > RELINK_MAX_CLASSES:
+    if penalty > 0 or not _relinks(graph, order):
         return improved
     # two rounds: the layout plans, then the same with the other layouts' computations surcharged (the
     # first round's plan kept where the second finds nothing: each round ends in a local optimum of its own)
@@ -836,7 +847,7 @@ def _greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None) 
         # then the regions of the other plans (and of the layout plans at the bisection's price) that pay
         # in time and keep the plan within the bound (_relink with memory_limit), and the local search again
         # where one did (fuzz seed 37 case 8214: 24% over exact -> equal)
-        if len(order) <= RELINK_MAX_CLASSES:
+        if _relinks(graph, order):
             others = [unbounded, *starts, *over, *_layout_plans(graph, _Weighted.of(graph, order, hi, skeleton), True)]
             relinked = _relink(graph, chosen, others, 0.0, memory_limit)
             if _total(relinked)[0] < _total(chosen)[0]:

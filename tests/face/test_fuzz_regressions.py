@@ -245,3 +245,37 @@ def test_a_fused_run_beside_a_rank_holding_nothing_runs_each_step_through_torch(
     inputs = {n: torch.randn((3, 1), generator=g) for n in ("x0", "x1", "x2")}
     plan = ed.optimize(fd, mesh)
     _close(ed.simulate(plan, inputs), ed.evaluate(fd, inputs))  # lowered: kernels where every rank holds data
+
+
+def _attention_backward_on_a_2x2x2_mesh():
+    """The attention part of fuzz seed 38 case 7070: sdpa_lse and its backward on a 2x2x2 mesh, k pinned split
+    over all three mesh axes and three of the outputs pinned in other layouts (10,812 classes of 22 tensors)."""
+    mesh = ed.DeviceMesh(torch.arange(8).reshape(2, 2, 2))
+    DIDx, DIDy, DIDz = ed.ParallelType.DIDx, ed.ParallelType.DIDy, ed.ParallelType.DIDz
+    with ed.FusionDefinition() as fd:
+        x2 = fd.define_tensor((2, 4, 6, 5), torch.float64, name="x2")
+        x3 = fd.define_tensor((2, 4, 3, 5), torch.float64, name="x3")
+        x4 = fd.define_tensor((2, 4, 3, 2), torch.float64, name="x4")
+        x5 = fd.define_tensor((2, 4, 6, 2), torch.float64, name="x5")
+        t4, t5 = fd.ops.sdpa_lse(q=x2, k=x3, v=x4, scale=0.5)
+        t6, t7, t8 = fd.ops.sdpa_backward(g=x5, q=x2, k=x3, v=x4, output=t4, lse=t5, scale=0.5)
+        for name, t in (("t6", t6), ("t7", t7), ("t8", t8)):
+            fd.add_output(t, name=name)
+    x3.set_device_mesh(mesh).outer_split(3, 2).parallelize(3, DIDy).outer_split(1, 2).parallelize(1, DIDx) \
+        .outer_split(0, 2).parallelize(0, DIDz)
+    t5.set_device_mesh(mesh).outer_split(0, 2).parallelize(0, DIDx)
+    t6.set_device_mesh(mesh).outer_split(2, 2).parallelize(2, DIDx)
+    t7.set_device_mesh(mesh).outer_split(2, 2).parallelize(2, DIDz).outer_split(0, 2).parallelize(0, DIDy)
+    return fd, mesh
+
+
+def test_greedy_relinks_layout_plans_on_a_large_graph_of_few_tensors():
+    """`exact-hit-time-limit` (seed 38, case 7070; greedy 36.84% over exact): on a graph over RELINK_MAX_CLASSES
+    greedy skipped the layout plans' regions, so it gathered k once, computed the attention split and resharded
+    each output (alltoalls and allgathers, 82 us) where gathering k fully, computing replicated and slicing each
+    output costs 54 us. A graph of few tensors is relinked whatever its classes; greedy's optimum lets the exact
+    DP prove it (it gave up, and the 0/1 program ran out its 60 s)."""
+    fd, mesh = _attention_backward_on_a_2x2x2_mesh()
+    plan = ed.optimize(fd, mesh)
+    assert plan.predicted_time == pytest.approx(54.00628e-6, rel=1e-6)
+    assert [c.kind for c in plan.collectives] == ["allgather"] * 3  # k gathered; each output a local slice
