@@ -385,6 +385,9 @@ def _seeded(graph: PhysGraph, w: _Weighted, best: Best, budget: int) -> dict[str
         if layouts:
             left = max(left, budget // 4)
         paid, best = {}, start
+        first = True  # each search tries its most promising value whatever the budget: on a graph of 10,000
+        # classes and more a value most classes read takes more than all of it (fuzz seed 38 case 164: x1
+        # gathered whole, 9,682 classes recomputed of a budget of 5,637; its plan 30% faster, the exact optimum)
         for round_ in range(3):  # rounds: the best try of a round is the base of the next
             seeds = [d for d in _shared_seeds(graph, w, best, tensors, parents, layouts) if d not in paid]
             if round_ == 0 and layouts:
@@ -395,8 +398,9 @@ def _seeded(graph: PhysGraph, w: _Weighted, best: Best, budget: int) -> dict[str
                 priced = [c for c, n in cone.items() if c not in paid and w.weight[w.index[id(n)]] > 0]
                 affected = _ancestors(priced, parents)
                 left -= len(affected)
-                if left < 0:
+                if left < 0 and not first:
                     break
+                first = False
                 if round_ == 0:
                     tried.add(d)
                 trial_paid = {**paid, **cone}
