@@ -125,7 +125,8 @@ def test_a_fused_run_is_classified_on_every_ranks_local_shapes():
 def test_greedy_falls_back_to_the_exact_extractor_where_its_bisection_misses_a_memory_bound():
     """`greedy-refuses-where-exact-plans` (seed 7: 13 of 10,000 cases; this repro is seed 11, case 4): greedy
     under a memory bound prices memory by one Lagrangian multiplier and can miss a plan that fits, raising
-    MemoryBoundError where the 0/1 program finds one. optimize now asks the exact extractor there (10 s)."""
+    MemoryBoundError where the 0/1 program finds one. optimize now asks the exact extractor there (10 s); since
+    i29x greedy's own polished pass at the highest price (the local search under it) fits here, at exact's cost."""
     mesh = ed.DeviceMesh(torch.arange(4).reshape(2, 1, 2))
     with ed.FusionDefinition() as fd:
         x0 = fd.define_tensor((1, 3), torch.float32, name="x0")
@@ -139,7 +140,8 @@ def test_greedy_falls_back_to_the_exact_extractor_where_its_bisection_misses_a_m
     t2.set_device_mesh(mesh)
     bound = 0.9 * ed.optimize(fd, mesh).memory
     plan = ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=bound))
-    assert plan.method.startswith("exact") and plan.memory <= bound  # greedy found none; exact did
+    best = ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=bound), extractor="exact")
+    assert plan.memory <= bound and plan.predicted_time <= best.predicted_time * (1 + 1e-9)
     x = {"x0": torch.randn(1, 3)}
     _close(ed.simulate(plan, x), ed.evaluate(fd, x))
 
