@@ -276,7 +276,8 @@ def _sum_compare_and_pinned_on_a_3d_mesh():
 
 def _graph_under_a_tight_bound(monkeypatch):
     """(graph, roots, bound) that optimize hands exact for case 33/6050 under 0.3 of the free plan's memory
-    (where greedy finds no plan, optimize's fallback calls exact: captured there)."""
+    (captured where optimize calls exact; greedy's plain passes find no plan within it, its polished one
+    since i29x does)."""
     fd, mesh = _sum_compare_and_pinned_on_a_3d_mesh()
     free = ed.optimize(fd, mesh, ed.CostModel.h200())
     seen = {}
@@ -287,7 +288,7 @@ def _graph_under_a_tight_bound(monkeypatch):
 
     monkeypatch.setattr(sys.modules["egraph_did.optimize"], "exact", grab)
     with pytest.raises(PlanError):
-        ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=0.3 * free.memory))
+        ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=0.3 * free.memory), extractor="exact")
     monkeypatch.undo()
     return seen["args"]
 
@@ -322,6 +323,10 @@ def test_where_the_dp_gives_up_it_hands_over_the_cheapest_plan_within_the_bound_
     assert res is None and _total(found["choice"])[1] <= bound
     # exact starts the 0/1 program from it: a plan within the bound, where greedy has none
     monkeypatch.setattr(extract_dp, "solve", lambda *a, **k: k["found"].update(found) or None)
+
+    def none(*_a, **_k):  # greedy with no plan within the bound, as its plain passes (its polished one has one)
+        raise PlanError("no plan")
+    monkeypatch.setattr(extract, "greedy_dag", none)
     sel = exact(graph, roots, bound, time_limit=5)
     assert sel.stats["exact_incumbent"] == "dp" and sel.memory <= bound
     assert sel.cost <= _total(found["choice"])[0] * (1 + 1e-12)
