@@ -174,8 +174,10 @@ def test_data_parallel_weight_gradients_reduce_scatter_behind_their_gemms():
     assert [c.kind for c in off.collectives] == ["allreduce"] * 2
     assert on.predicted_time < off.predicted_time
     small = data_parallel_backward(16, 8, torch.float64, mesh)
-    plan = ed.optimize(small, mesh, cost_model=SLOW)
-    assert "rs_ring" in rings(plan)
+    # the rings replayed at float64 shapes (planned there under SLOW, the optimum, greedy's and exact's alike,
+    # gathers by an ag_ring instead: 6342.408 us against 6342.412 with an rs_ring)
+    plan = ed.optimize(small, mesh, like=on)
+    assert rings(plan) == ["rs_ring", "rs_ring"]
     g = torch.Generator().manual_seed(2)
     inputs = {t.name: torch.randn(t.shape, generator=g, dtype=torch.float64) for t in small.fusion.inputs}
     got, want = ed.simulate(plan, inputs), ed.evaluate(small, inputs)
