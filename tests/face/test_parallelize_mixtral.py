@@ -33,12 +33,13 @@ LIMIT = 2_400_000
 EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
-def make_mixtral() -> torch.nn.Module:
+def make_mixtral(experts: str = "batched_mm") -> torch.nn.Module:
+    """The tiny Mixtral, its experts run as transformers' `experts` implementation."""
     torch.manual_seed(0)
     cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                      num_local_experts=4, num_experts_per_tok=2, initializer_range=INIT,
-                                     experts_implementation="batched_mm")
+                                     experts_implementation=experts)
     return transformers.MixtralForCausalLM(cfg).eval()
 
 

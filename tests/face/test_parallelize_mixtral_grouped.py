@@ -19,8 +19,9 @@ import egraph_did as ed  # noqa: E402
 
 transformers = pytest.importorskip("transformers", reason="the `models` extra (pip install -e '.[models]')")
 
-from face.test_parallelize_models import INIT, KWARGS, TOL, VOCAB, batches, collectives, train  # noqa: E402
+from face.test_parallelize_models import KWARGS, TOL, batches, collectives, train  # noqa: E402
 from face.test_parallelize import distributed_parameters  # noqa: E402
+from face.test_parallelize_mixtral import make_mixtral  # noqa: E402
 
 # bytes per device of the joint plan: the replicated plan needs about 1 MB here (token rows split, every
 # weight whole); under 800 kB the experts' weights are sharded (on their f axis, as the cost model chose at
@@ -30,18 +31,9 @@ LIMIT = 800_000
 EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
-def make_mixtral() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                     num_local_experts=4, num_experts_per_tok=2, initializer_range=INIT,
-                                     experts_implementation="grouped_mm")
-    return transformers.MixtralForCausalLM(cfg).eval()
-
-
 def work(rank: int) -> dict:
-    module = ed.parallelize(make_mixtral(), ed.DeviceMesh.arange(4), (batches()[0][0],), kwargs=KWARGS,
-                            memory_limit=LIMIT)
+    module = ed.parallelize(make_mixtral("grouped_mm"), ed.DeviceMesh.arange(4), (batches()[0][0],),
+                            kwargs=KWARGS, memory_limit=LIMIT)
     got = train(module)
     got.update(distributed_parameters(module))
     got["collectives"] = (collectives(module.forward_plan), collectives(module.backward_plan()))
@@ -62,7 +54,7 @@ def test_logits_and_three_adamw_steps_equal_the_unsharded_model(ranks, dtype, mo
     if dtype == torch.float64:  # torch's grouped_mm takes no float64: the reference runs transformers' fallback
         from transformers.integrations import moe
         monkeypatch.setattr(moe, "_can_use_grouped_mm", lambda *args: False)
-    reference = make_mixtral().to(dtype)
+    reference = make_mixtral("grouped_mm").to(dtype)
     want = train(reference)
     for got in ranks:
         torch.testing.assert_close(got["logits"].to(dtype), want["logits"], **TOL)
