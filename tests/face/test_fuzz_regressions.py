@@ -360,3 +360,36 @@ def test_greedy_tries_its_most_promising_shared_value_on_a_graph_over_its_seed_b
     t3.set_device_mesh(mesh).outer_split(1, 2).parallelize(1, DIDz).outer_split(2, 2).parallelize(2, DIDy)
     plan = ed.optimize(fd, mesh)
     assert plan.predicted_time <= 46.0033e-6 * 1.001
+
+
+def test_greedy_under_a_bound_ends_where_the_unbounded_plan_costs_nothing():
+    """`timeout in optimize` (seed 39, case 8714): two broadcasts of inputs (views: the unbounded plan costs no
+    time) under 0.9 x its memory on 6 ranks. The ladder of polished prices started at LADDER_START x cost / memory
+    = 0 and multiplying 0 never reached the bisection's price: greedy ran until the fuzzer's 150 s. It starts at
+    LADDER_START of the bisection's price at least; an alarm fails the test instead of hanging it."""
+    import signal
+
+    def hung(*_):
+        raise TimeoutError
+    mesh = ed.DeviceMesh.arange(6)
+    with ed.FusionDefinition() as fd:
+        x0 = fd.define_tensor((2, 3), torch.float64, name="x0")
+        x1 = fd.define_tensor((1, 3), torch.float64, name="x1")
+        fd.add_output(fd.ops.broadcast_in_dim(x=x0, shape=(5, 5, 2, 3), broadcast_dims=(2, 3)), name="t0")
+        fd.add_output(fd.ops.broadcast_in_dim(x=x1, shape=(1, 5, 3), broadcast_dims=(0, 2)), name="t1")
+    x1.set_device_mesh(mesh)
+    free = ed.optimize(fd, mesh)
+    assert free.predicted_time == 0.0
+    bound = ed.CostModel.h200(memory_limit=int(free.memory * 0.9))
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    plan = None
+    try:
+        plan = ed.optimize(fd, mesh, cost_model=bound)
+    except TimeoutError:
+        pass  # asserted below, outside the interrupted frames (pytest cannot render their traceback)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert plan is not None, "greedy under the bound did not end within 60 s"
+    assert plan.memory <= bound.memory_limit
