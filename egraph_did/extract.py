@@ -904,9 +904,10 @@ def _greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None) 
         # settles on is where greedy's plan fits, not where the polished one does: polished passes on a
         # ladder of prices from about nothing up, the first that fits kept (fuzz seed 37 case 7845: at a
         # price that only breaks ties the polished plan fits, 57% faster than the bisection's)
-        # (from LADDER_START of the bisection's price at least: a plan that costs nothing, broadcasts of inputs
-        # under a bound, started the ladder at 0, where each step stayed: fuzz seed 39 case 8714 never ended)
-        price = max(LADDER_START * cost / mem, LADDER_START * hi)
+        # (a plan that costs nothing, broadcasts of inputs under a bound, started the ladder at 0, where each step
+        # stayed: fuzz seed 39 case 8714 never ended; it starts at LADDER_START of the bisection's price. Not
+        # that floor for every plan: the prices below it matter, seed 39 case 2411 went 0% -> 50% over exact)
+        price = LADDER_START * cost / mem if cost > 0 else LADDER_START * hi
         while price < hi:
             trial = _best_of(graph, order, price, skeleton=skeleton)
             wider.update(trial)
