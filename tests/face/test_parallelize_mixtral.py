@@ -58,9 +58,8 @@ def ranks() -> list[dict]:
     return ed.launch(work, nprocs=4, backend="gloo", timeout=300)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_logits_and_three_adamw_steps_equal_the_unsharded_model(ranks, dtype):
-    reference = make_mixtral().to(dtype)
+def assert_trained_like(ranks: list[dict], reference: torch.nn.Module, dtype) -> None:
+    """Every rank's logits, losses and parameters after train() equal the unsharded reference's."""
     want = train(reference)
     for got in ranks:
         torch.testing.assert_close(got["logits"].to(dtype), want["logits"], **TOL)
@@ -68,6 +67,11 @@ def test_logits_and_three_adamw_steps_equal_the_unsharded_model(ranks, dtype):
         assert got["params"].keys() == dict(reference.named_parameters()).keys()
         for n, p in reference.named_parameters():
             torch.testing.assert_close(got["params"][n].to(dtype), p.detach(), **TOL, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_logits_and_three_adamw_steps_equal_the_unsharded_model(ranks, dtype):
+    assert_trained_like(ranks, make_mixtral().to(dtype), dtype)
 
 
 def test_parameters_are_dtensors_and_the_experts_are_sharded_under_the_bound(ranks):

@@ -19,9 +19,9 @@ import egraph_did as ed  # noqa: E402
 
 transformers = pytest.importorskip("transformers", reason="the `models` extra (pip install -e '.[models]')")
 
-from face.test_parallelize_models import KWARGS, TOL, batches, collectives, train  # noqa: E402
+from face.test_parallelize_models import KWARGS, batches, collectives, train  # noqa: E402
 from face.test_parallelize import distributed_parameters  # noqa: E402
-from face.test_parallelize_mixtral import make_mixtral  # noqa: E402
+from face.test_parallelize_mixtral import assert_trained_like, make_mixtral  # noqa: E402
 
 # bytes per device of the joint plan: the replicated plan needs about 1 MB here (token rows split, every
 # weight whole); under 800 kB the experts' weights are sharded (on their f axis, as the cost model chose at
@@ -54,14 +54,7 @@ def test_logits_and_three_adamw_steps_equal_the_unsharded_model(ranks, dtype, mo
     if dtype == torch.float64:  # torch's grouped_mm takes no float64: the reference runs transformers' fallback
         from transformers.integrations import moe
         monkeypatch.setattr(moe, "_can_use_grouped_mm", lambda *args: False)
-    reference = make_mixtral("grouped_mm").to(dtype)
-    want = train(reference)
-    for got in ranks:
-        torch.testing.assert_close(got["logits"].to(dtype), want["logits"], **TOL)
-        torch.testing.assert_close(got["losses"].to(dtype), want["losses"], **TOL)
-        assert got["params"].keys() == dict(reference.named_parameters()).keys()
-        for n, p in reference.named_parameters():
-            torch.testing.assert_close(got["params"][n].to(dtype), p.detach(), **TOL, msg=lambda m: f"{n}: {m}")
+    assert_trained_like(ranks, make_mixtral("grouped_mm").to(dtype), dtype)
 
 
 def test_the_steps_are_fusion_ops_and_the_experts_are_sharded_under_the_bound(ranks):
