@@ -268,6 +268,22 @@ def sibling_facts(work: Fusion, ident: dict[str, str], slot, can_pay=lambda grou
     return [f for per_set in facts for f in per_set]
 
 
+def _literal_key(v) -> tuple:
+    """A literal's place in the order expand names new terms: numbers by value (a slice's bounds keep their
+    order at any shapes, where their text would not: "10" < "8"), lists item by item.
+
+    >>> sorted([[8, 10], [10, 12], None, 2.5, "x"], key=_literal_key)
+    [None, 2.5, [8, 10], [10, 12], 'x']
+    """
+    if v is None or isinstance(v, bool):
+        return (0, str(v))
+    if isinstance(v, (int, float)):
+        return (1, v)
+    if isinstance(v, (list, tuple)):
+        return (2, tuple(_literal_key(x) for x in v))
+    return (3, str(v))
+
+
 def expand(work: Fusion, ops: Ops, rewrites: Iterable[str], mesh=None, cost_model=None, like=None) -> list[Equal]:
     """Add to `work` every term the named rewrites derive from its ops, as new ops (emitted through
     `ops`); returns what each new tensor equals. rewrites: names, or a RewriteSet, whose buckets are the
@@ -330,9 +346,14 @@ def expand(work: Fusion, ops: Ops, rewrites: Iterable[str], mesh=None, cost_mode
     tclass = {name_of[raw.value_to_string(ins[0])]: out for ins, out in rows.get("T", [])
               if raw.value_to_string(ins[0]) in name_of}
     lclass = {raw.value_to_string(ins[0]): out for ins, out in rows.get("Lit", [])}
-    tensor = {}  # class -> a tensor of the program (or a new one) holding it
-    for n, c in tclass.items():
-        tensor.setdefault(c, work.tensors[n])
+    # the new tensors are named in an order the program fixes, never egglog's: its row order follows class ids,
+    # which the shape literals shift, so a replay at other shapes (optimize(like=)) named its rewritten terms
+    # differently from the plan's and kept the wrong strategies (a Llama step: embed_tokens' gradient unreachable)
+    tensor = {}  # class -> a tensor of the program (or a new one) holding it, the program's first in its order
+    rank = {}  # class -> when its tensor came: the program's in program order, then the new ones as made
+    for n in work.tensors:
+        if n in tclass and tclass[n] not in tensor:
+            tensor[tclass[n]], rank[tclass[n]] = work.tensors[n], len(rank)
     literal = {c: lits[text] for text, c in lclass.items() if text in lits}
     by = {ins[0]: raw.value_to_string(ins[1]) for ins, _ in rows.get("Rewrote", [])}
 
@@ -350,6 +371,8 @@ def expand(work: Fusion, ops: Ops, rewrites: Iterable[str], mesh=None, cost_mode
         ready = [p for p in pending if all(c in tensor or c in literal for c in p[1])]
         if not ready:
             break  # what is left reads a class no program tensor holds (the template's junk)
+        ready.sort(key=lambda p: (p[0], tuple((0, rank[c]) if c in tensor else (1, _literal_key(literal[c]))
+                                               for c in p[1])))
         for op, ins, out in ready:
             args = {p: tensor[c] if c in tensor else literal[c] for p, c in zip(OPS[op].signature.parameters, ins)}
             tvs = ops._fusion.emit(op, **args)
@@ -357,7 +380,8 @@ def expand(work: Fusion, ops: Ops, rewrites: Iterable[str], mesh=None, cost_mode
             for i, c in outs.items():
                 tv = tvs if i is None else tvs[i]
                 made.append((c, ins, tensor[c].name if c in tensor else None, tv.name))
-                tensor.setdefault(c, tv)
+                if c not in tensor:
+                    tensor[c], rank[c] = tv, len(rank)
         pending = [p for p in pending if p not in ready]
     rule = {}  # a term that only feeds another new one was made by that one's rewrite
     for out, ins, _, _ in reversed(made):
