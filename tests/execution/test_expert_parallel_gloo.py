@@ -3,7 +3,7 @@ tests/optimizer/test_expert_parallel.py with its weights split on the expert axi
 step, equals the single-device run on every rank. The plans are chosen at 256 tokens in bf16 (each rank
 computes the rows of its own experts: grouped_mm_experts; the weight gradients per expert on the rank that
 holds it: grouped_wgrad_experts) and replayed at small float32 shapes with uneven counts (12 tokens, d and f 8, 8
-experts, ids up to 8: rows past offsets[-1]). One launch runs both."""
+experts, ids up to 8: rows past offsets[-1]). One launch runs both (gloo_replay.replay_and_run)."""
 from __future__ import annotations
 
 import sys
@@ -12,11 +12,10 @@ from pathlib import Path
 import torch
 
 import egraph_did as ed
-from egraph_did.launcher import launch
 from egraph_did.layout import Layout
 from egraph_did.pins import apply_layout
-from egraph_did.plan import Plan
-from egraph_did.runtime import run_plan
+
+from gloo_replay import random_inputs, replay_and_run
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "optimizer"))
 from test_expert_parallel import BF16, BOUND, D, E, EXPERT_SHARDED, F, MESH, moe  # noqa: E402
@@ -38,30 +37,16 @@ def step(s, d, f, dtype):
     return g
 
 
-def run(rank: int, plans: dict, inputs: dict):
-    return {name: run_plan(Plan.from_json(text), inputs[name]) for name, text in plans.items()}
-
-
 def test_expert_parallel_forward_and_training_step_on_four_gloo_ranks_equal_one_device():
-    specs = {"forward": (moe(256, D, F, E, BF16, EXPERT_SHARDED), moe(12, 8, 8, E, F32, EXPERT_SHARDED)),
-             "training_step": (step(256, D, F, BF16), step(12, 8, 8, F32))}
-    plans, inputs, want = {}, {}, {}
-    g = torch.Generator().manual_seed(4)
-    for name, (big, small) in specs.items():
-        chosen = ed.optimize(big, MESH, ed.CostModel.h200(memory_limit=BOUND if name == "forward" else None))
-        plan = ed.optimize(small, MESH, like=chosen)
+    specs = {"forward": (moe(256, D, F, E, BF16, EXPERT_SHARDED), ed.CostModel.h200(memory_limit=BOUND),
+                         moe(12, 8, 8, E, F32, EXPERT_SHARDED)),
+             "training_step": (step(256, D, F, BF16), ed.CostModel.h200(), step(12, 8, 8, F32))}
+
+    def experts_stay(name, plan):
         rules = {r for s in plan.compute_steps for r in s.rules}
         assert "grouped_mm_experts" in rules, plan.explain()
         if name == "training_step":
             assert "grouped_wgrad_experts" in rules, plan.explain()
         assert not any(c.tensor in ("w1", "w2", "grad_w1", "grad_w2") for c in plan.collectives), plan.explain()
-        plans[name] = plan.to_json()
-        inputs[name] = {t.name: (torch.randint(0, E + 1, t.shape, generator=g) if t.dtype == torch.int64
-                                 else torch.randn(t.shape, generator=g, dtype=F32)) for t in small.fusion.inputs}
-        want[name] = ed.evaluate(small, inputs[name])
-    results = launch(run, nprocs=4, backend="gloo", args=(plans, inputs), timeout=180)
-    for rank, got in enumerate(results):
-        for name in plans:
-            for out, ref in want[name].items():
-                torch.testing.assert_close(got[name][out], ref, rtol=1e-5, atol=1e-5,
-                                           msg=lambda m: f"{name}: {out} on rank {rank}: {m}")
+    g = torch.Generator().manual_seed(4)
+    replay_and_run(specs, experts_stay, lambda name, small: random_inputs(small, g, F32, index_high=E + 1))
