@@ -1199,10 +1199,11 @@ def _argsort_op(c, self, dim=-1, descending=False, stable=False):
 
 @maps(aten.histc)
 def _histc(c, self, bins=100, min=0, max=0):
-    """torch.histc with its range given (min < max): fd.ops.histc, a pending sum of counts over shards of x.
-    min == max takes the range from the data: an opaque step."""
+    """torch.histc with its range given (min < max): fd.ops.histc, a pending sum of counts over shards of x
+    (float or integer x: transformers' experts count int ids off the CPU, so a model exported on the meta
+    device has the CPU export's ops). min == max takes the range from the data: an opaque step."""
     x = c._tensor(self)
-    if not (min < max) or x.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+    if not (min < max) or x.dtype == torch.bool:
         return c.unmapped(c.node)
     return c.ops.histc(x, int(bins), min, max)
 

@@ -1881,14 +1881,18 @@ def argsort(x, dim: int = -1, descending: bool = False):
 
 
 def _histc_ref(x, bins, min=0.0, max=0.0):
-    return torch.histc(x, bins=bins, min=min, max=max)
+    if x.dtype.is_floating_point:
+        return torch.histc(x, bins=bins, min=min, max=max)
+    # integers (torch's CUDA kernel takes them, its CPU one does not): counted in float64, exact below 2**53
+    return torch.histc(x.to(torch.float64), bins=bins, min=min, max=max).to(x.dtype)
 
 
 @op("histc", "reduction", _histc_ref,
     no_grad="its output counts elements per bin: piecewise constant, as torch (which has no derivative for it)")
 def histc(x, bins: int, min: float = 0.0, max: float = 0.0):
     """How many elements of x fall in each of `bins` equal bins over [min, max] (an element equal to max in
-    the last bin, elements outside none), as torch.histc: a [bins] tensor of x's float dtype. min < max is
+    the last bin, elements outside none), as torch.histc: a [bins] tensor of x's dtype, float or integer (what
+    transformers' experts give it off the CPU: histc(ids.int(), ...), as torch's CUDA kernel takes). min < max is
     required (torch's defaults, min == max == 0, read the range from the data, which differs per shard). A
     shard of x counts its elements, so x split on any axis gives a pending sum of counts (exact: counts are
     integers). Mixture of experts: tokens per expert, histc(ids.float(), experts, 0, experts - 1).
@@ -1897,7 +1901,8 @@ def histc(x, bins: int, min: float = 0.0, max: float = 0.0):
     [OutSpec(shape=(4,), dtype=torch.float32, axes=('bins4',))]
     """
     x = _need_tensor("histc", "x", x)
-    _need_float("histc", x)
+    if x.dtype == torch.bool:
+        raise DtypeError(f"histc({x.name}): x is bool; cast it to an integer or float dtype to count it")
     if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
         raise ShapeError(f"histc({x.name}): bins must be an int >= 1, got {bins!r}")
     if not (isinstance(min, (int, float)) and isinstance(max, (int, float))) or not min < max:

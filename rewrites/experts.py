@@ -140,9 +140,11 @@ def grouped_wgrad_of_partial(e):
     Case("mesh2x2", (2, 2), {"x": (4, 6)}, lambda o, x: o.histc(x, 5, -1.0, 1.0)),
 ])
 def histc_of_shards(e):
-    """histc(x) = sum_r histc(x[shard r]): each rank counts its elements, a pending sum of counts"""
-    for k in range(e["x"].ndim):
-        yield e.strategy(out=P, x=S(k))
+    """histc(x) = sum_r histc(x[shard r]): each rank counts its elements, a pending sum of counts (of float
+    counts: an integer tensor is never a pending sum, so int counts are taken of whole ids)"""
+    if e.out.dtype.is_floating_point:
+        for k in range(e["x"].ndim):
+            yield e.strategy(out=P, x=S(k))
 
 
 # ---------------------------------------------------------------------- the same identities as egglog rules

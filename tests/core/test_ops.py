@@ -1140,5 +1140,14 @@ def test_histc_needs_its_range():
         histc(x, 4)
     with pytest.raises(ShapeError, match="bins must be an int >= 1"):
         histc(x, 0, 0, 3)
-    with pytest.raises(DtypeError, match="needs a floating-point tensor"):
-        histc(TensorSpec("ids", (6,), torch.int64, ("s",)), 4, 0, 3)
+    with pytest.raises(DtypeError, match="x is bool"):
+        histc(TensorSpec("ids", (6,), torch.bool, ("s",)), 4, 0, 3)
+
+
+def test_histc_counts_integers_in_their_dtype():
+    """transformers' experts count int32 ids off the CPU (torch's CUDA histc takes integers, its CPU one not)."""
+    from egraph_did.ops import OPS, TensorSpec, histc
+    assert histc(TensorSpec("ids", (6,), torch.int32, ("s",)), 4, 0, 3)[0].dtype == torch.int32
+    ids = torch.tensor([0, 3, 3, 1, 4, 2, 3], dtype=torch.int32)
+    got = OPS["histc"].reference(ids, 4, 0, 3)
+    assert got.dtype == torch.int32 and got.tolist() == [1, 1, 1, 3]

@@ -637,6 +637,17 @@ def test_gather_scatter_add_and_index_add_map_onto_fusion_ops_and_differentiate(
         assert_close(grads[f"grad_{inputs[i]}"], leaves[i].grad, F64)
 
 
+def test_mixtral_on_the_meta_device_exports_its_int_expert_counts_as_histc():
+    """Off the CPU, transformers' experts count int32 ids (torch's CUDA histc takes integers): a model built on
+    the meta device (planned at real sizes, nothing allocated) exports them as histc too, no opaque step."""
+    with torch.device("meta"):
+        model = _mixtral("grouped_mm")
+    fd = ed.from_torch(model, (torch.zeros(2, 8, dtype=torch.long, device="meta"),), {"use_cache": False})
+    counts = [e for e in fd.fusion.exprs if e.op.name == "histc"]
+    assert "opaque" not in [e.op.name for e in fd.fusion.exprs] and len(counts) == 2
+    assert all(e.inputs[0].dtype == torch.int32 and e.outputs[0].dtype == torch.int32 for e in counts)
+
+
 def test_mixtral_grouped_experts_export_with_no_opaque_step_and_train_through_fusion_ops():
     """transformers' default experts ("grouped_mm") sort the tokens by expert (argsort), count them (histc),
     take offsets by cumsum, run F.grouped_mm on each expert's rows and un-sort (index_put of arange: an
