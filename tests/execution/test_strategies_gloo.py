@@ -1,24 +1,33 @@
-"""A 2-layer Llama training step on four gloo processes with issue 28's strategies, equal to one device (issue
-28, "Runs"). transformers' LlamaForCausalLM (GQA 4/2 heads, rotary embeddings, RMSNorm, SwiGLU) exported by
-ed.from_torch, its loss and every parameter's gradient in one fusion (ed.grad). The plans are made at real
-shapes, where the strategies pay (bf16, vocab 32000, 2 x 2048 tokens, on the meta device: nothing
-allocated), and replayed at small float64 ones (vocab 70: shards of 18, 18, 18 and 16 classes; 2 x 10
-tokens; head_dim 12) through optimize(like=); the replays run on four gloo ranks and every rank's loss and gradients
+"""2-layer Llama and Mixtral training steps on four gloo processes with issue 28's strategies, equal to one
+device (issue 28, "Runs"). transformers' LlamaForCausalLM (GQA 4/2 heads, rotary embeddings, RMSNorm,
+SwiGLU) and MixtralForCausalLM (the same attention, 8 experts of top-2 routing through argsort, histc and
+grouped_mm) exported by ed.from_torch, the loss and every parameter's gradient in one fusion (ed.grad). The
+plans are made at real shapes, where the strategies pay: Llama in bf16, vocab 32000, 2 x 2048 tokens, on the
+meta device (nothing allocated); Mixtral in float64 on the CPU, hidden 512, experts' width 1024, 64 tokens
+(its export follows the device and dtype, and a replay needs the same ops). They are replayed at small
+float64 shapes through optimize(like=) (vocab 70: shards of 18, 18, 18 and 16 classes; 2 x 10 tokens; head_dim
+12; experts 8, hidden 48, width 96) and run on four gloo ranks in one launch; every rank's loss and gradients
 equal transformers' own float64 forward and backward (rtol 1e-5, atol 1e-6: transformers computes the loss
 in float32, whose sums the plan splits over the vocabulary shards; the largest difference measured is 4.8e-7
-of gradients up to 5.3, and ed.evaluate of the same fusion on one device is 6e-8 from transformers).
+of gradients up to 5.3, and ed.evaluate of the same fusion on one device is 6e-8 from transformers). The
+optimizer's update is not in these plans (ed.parallelize runs torch.optim on the gradients' shards).
 
 - vocab-parallel cross-entropy, pinned (the lm head and its gradient split on the vocabulary, as
   torchtitan's loss_parallel) and chosen (every parameter free: the cost model splits the lm head itself):
-  the logits are never moved, only per-row statistics (a pending max, pending sums, the target's logit
-  masked per rank);
+  no collective moves a tensor of vocab columns, only per-row statistics (a pending max, pending sums, the
+  target's logit masked per rank);
 - flash attention in both: the attention is sdpa_lse forward and sdpa_backward, and no value of the plan
-  is [.., seq, seq].
+  is [.., seq, seq];
+- expert parallelism, pinned (the experts' weights and gradients split on the experts): each rank runs the
+  rows of its own experts (grouped_mm_experts) and their weight gradients (grouped_wgrad_experts), and no
+  [experts, ..] tensor moves.
 
-What a pin does not force here (tests/optimizer has the goldens where each strategy wins on its own): at
-vocab 2048 a lm head pinned split is all-gathered (1 MiB) and the loss runs on whole logits; pinning the
-keys and values of attention split on the sequence (context parallelism) at 16k tokens gathers them (8 MiB
-each) for query-sequence attention, which the cost model prefers to attention_blocks' gathered queries."""
+What neither a pin nor the cost model gives here (tests/optimizer has the goldens where each wins on its
+own; measured at this session's code): at vocab 2048 a lm head pinned split is all-gathered (1 MiB) and the
+loss runs on whole logits; context parallelism: the keys and values of Llama's attention pinned split on
+the sequence at 16k tokens are gathered (8 MiB each) for query-sequence attention, and free, the plan splits
+heads (Ulysses' all-to-alls, with 4 key/value heads) or the queries (GQA); expert parallelism with the
+experts' weights free (their f axis is split instead: tests/face/test_parallelize_mixtral_grouped.py)."""
 from __future__ import annotations
 
 import os
@@ -39,6 +48,10 @@ transformers = pytest.importorskip("transformers", reason="the `models` extra (p
 F64, BF16 = torch.float64, torch.bfloat16
 BIG = dict(vocab=32000, hidden=256, inter=512, batch=2, seq=2048)
 SMALL = dict(vocab=70, hidden=48, inter=96, batch=2, seq=10)
+# Mixtral's plan is made on the CPU in float64: its export follows the device and dtype (on meta, histc counts
+# int ids and cumsum needs no cast; in bf16 the experts' sum is cast back), and a replay needs the same ops
+MOE_BIG = dict(vocab=512, hidden=512, inter=1024, batch=1, seq=64)
+EXPERTS = 8
 LM_HEAD = "lm.lm_head.weight"
 VOCAB_PARALLEL = {"amax_over_sharded_axis", "sum_over_sharded_axis", "take_along_sharded_axis"}
 TOL = dict(rtol=1e-5, atol=1e-6)  # the loss in float32 (transformers' cast): 4.8e-7 at most, measured
@@ -64,20 +77,31 @@ def llama(vocab, hidden, inter, seq, dtype, device) -> Loss:
         return Loss(transformers.LlamaForCausalLM(cfg).to(dtype))
 
 
-def export(vocab, hidden, inter, batch, seq, dtype, device) -> tuple[Loss, ed.FusionDefinition]:
-    module = llama(vocab, hidden, inter, seq, dtype, device)
+def mixtral(vocab, hidden, inter, seq, dtype, device) -> Loss:
+    """Llama's attention, 8 experts of top-2 routing (transformers' grouped experts: argsort, histc, grouped_mm)."""
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(seq, 64),
+                                     num_local_experts=EXPERTS, num_experts_per_tok=2, initializer_range=0.2,
+                                     experts_implementation="grouped_mm")
+    with torch.device(device):
+        return Loss(transformers.MixtralForCausalLM(cfg).to(dtype))
+
+
+def export(make, vocab, hidden, inter, batch, seq, dtype, device) -> tuple[Loss, ed.FusionDefinition]:
+    module = make(vocab, hidden, inter, seq, dtype, device)
     ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
     return module, ed.from_torch(module, (ids, ids + 1))
 
 
-def step(fd, pinned: bool):
-    """The step: loss `out` (whole) and grad_<p> of every parameter; pinned: the lm head and its gradient
-    split on the vocabulary."""
+def step(fd, pinned: tuple[str, ...] = ()):
+    """The step: loss `out` (whole) and grad_<p> of every parameter; each parameter in `pinned` and its
+    gradient split on their first axis."""
     g = ed.grad(fd, "out", list(fd.params))
     g["out"].set_device_mesh(MESH)
-    if pinned:
-        for name in (LM_HEAD, "grad_" + LM_HEAD):
-            apply_layout(g[name], Layout.parse("[S(0)]"), MESH)
+    for name in pinned:
+        for t in (name, "grad_" + name):
+            apply_layout(g[t], Layout.parse("[S(0)]"), MESH)
     return g
 
 
@@ -96,6 +120,15 @@ def reference(module, fd, plan) -> tuple[dict, dict]:
     return inputs, {"out": loss.detach(), **{"grad_" + p: module.get_parameter(p).grad for p in fd.params}}
 
 
+def expert_parallel(plan) -> None:
+    """each rank runs the rows of its own experts and their weight gradients; no expert weight moves"""
+    rules = {r for s in plan.compute_steps for r in s.rules}
+    assert {"grouped_mm_experts", "grouped_wgrad_experts"} <= rules, plan.explain()
+    shapes = {str(c): plan.values[c.src].shape for c in plan.collectives}
+    moved = [c for c, shape in shapes.items() if len(shape) == 3 and shape[0] == EXPERTS]
+    assert not moved, moved
+
+
 def uses_the_strategies(plan, vocab: int, seq: int) -> None:
     """vocab parallel: the lm head split on the vocabulary, the loss by row statistics, no collective on a
     tensor of vocab columns; flash attention: sdpa_lse and sdpa_backward, nothing [.., seq, seq]."""
@@ -109,11 +142,21 @@ def uses_the_strategies(plan, vocab: int, seq: int) -> None:
     assert not square, square
 
 
-def test_a_two_layer_llama_step_with_vocab_parallel_loss_pinned_and_chosen_equals_one_device_on_four_gloo_ranks():
-    (_, big), (module, small) = export(**BIG, dtype=BF16, device="meta"), export(**SMALL, dtype=F64, device="cpu")
+def test_two_layer_llama_and_mixtral_steps_with_the_strategies_pinned_and_chosen_equal_one_device_on_four_gloo_ranks(
+        monkeypatch):
+    from transformers.integrations import moe
+    monkeypatch.setattr(moe, "_can_use_grouped_mm", lambda *args: False)  # transformers' fallback: float64 runs
+    (_, big), (llama_small, small) = (export(llama, **BIG, dtype=BF16, device="meta"),
+                                      export(llama, **SMALL, dtype=F64, device="cpu"))
+    (_, moe_big), (moe_small, small_moe) = (export(mixtral, **MOE_BIG, dtype=F64, device="cpu"),
+                                            export(mixtral, **SMALL, dtype=F64, device="cpu"))
+    experts = tuple(p for p in small_moe.params if ".experts." in p)
     plans, inputs, want = {}, {}, {}
-    for name, pinned in (("pinned", True), ("chosen", False)):
-        plans[name] = replay(step(big, pinned), step(small, pinned))
+    for name, pins in (("vocab parallel pinned", (LM_HEAD,)), ("vocab parallel chosen", ())):
+        plans[name] = replay(step(big, pins), step(small, pins))
         uses_the_strategies(plans[name], SMALL["vocab"], SMALL["seq"])
-        inputs[name], want[name] = reference(module, small, plans[name])
+        inputs[name], want[name] = reference(llama_small, small, plans[name])
+    plans["experts pinned"] = replay(step(moe_big, experts), step(small_moe, experts))
+    expert_parallel(plans["experts pinned"])
+    inputs["experts pinned"], want["experts pinned"] = reference(moe_small, small_moe, plans["experts pinned"])
     assert_ranks_equal(run_on_gloo(plans, inputs), want, **TOL)
