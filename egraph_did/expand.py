@@ -320,6 +320,11 @@ def expand(work: Fusion, ops: Ops, rewrites: Iterable[str], mesh=None, cost_mode
     facts = [f'(ShapeOf (T "{ident[n]}") (Shp {string_term(shape_code(tv))}))' for n, tv in work.tensors.items()]
     if "bucket_pair" in names:
         for a, b in buckets:
+            if a not in work.tensors or b not in work.tensors:  # a replay's pairs are the like plan's
+                raise PlanError(f"optimize(like=plan): the plan sends {a} and {b} in one buffer, but this fusion has "
+                                f"no {a if a not in work.tensors else b}: the plan is of another program (an export "
+                                f"follows the module's dtype and device: a float32 module drops the casts a bf16 "
+                                f"one has); plan the same program at both shapes, or optimize without like=")
             ta, tb = work.tensors[a], work.tensors[b]
             assert ta.dtype == tb.dtype, f"bucket_pair: {a} and {b} differ in dtype"
             na, nb = math.prod(ta.shape), math.prod(tb.shape)

@@ -113,6 +113,14 @@ def test_rewritten_terms_are_named_alike_at_any_shapes():
         torch.testing.assert_close(got[name], want[name], msg=name)
 
 
+def test_a_replay_whose_fusion_lacks_a_bucketed_tensor_says_the_plan_is_of_another_program():
+    """optimize(like=) offers the like plan's bucket pairs; a fusion without one of the tensors (transformers'
+    Llama exported in float32 has no cast where the bf16 plan's names sum_504) was a KeyError."""
+    work, ops = clone_fusion(row_sum(8, 64).fusion)
+    with pytest.raises(PlanError, match="sends x and sum_504 in one buffer.*no sum_504.*another program"):
+        expand(work, ops, RewriteSet(("bucket_pair",), (("x", "sum_504"),)))
+
+
 def test_rewrite_names_are_checked():
     assert check_rewrites(()) == ()
     assert check_rewrites("sum_partials_first") == ("sum_partials_first",)
