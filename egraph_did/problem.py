@@ -446,6 +446,12 @@ def _build(user: Fusion, mesh: DeviceMesh, cost_model: CostModel | None, pins, l
 def _restrict_to(problem: Problem, like) -> None:
     """Keep only the strategies and input layouts another plan of the same fusion used."""
     problem.restricted = True
+    other = next((s for s in like.compute_steps if s.key in problem.exprs and problem.exprs[s.key].op.name != s.op), None)
+    if other is not None:  # by name, its strategies would be kept for another op: a plan with no way through
+        raise PlanError(f"optimize(like=plan): the plan computes {other.key} by {other.op}, this fusion by "
+                        f"{problem.exprs[other.key].op.name}: the plan is of another program (an export follows the "
+                        f"module's dtype and device: a float32 module drops the casts a bf16 one has); plan the same "
+                        f"program at both shapes, or optimize without like=")
     used: dict[str, set] = {}
     for s in like.compute_steps:
         key = s.key

@@ -121,6 +121,23 @@ def test_a_replay_whose_fusion_lacks_a_bucketed_tensor_says_the_plan_is_of_anoth
         expand(work, ops, RewriteSet(("bucket_pair",), (("x", "sum_504"),)))
 
 
+def test_a_replay_of_a_plan_of_another_program_says_so():
+    """optimize(like=) keeps the strategies the plan used, by tensor name: where this fusion computes a name by
+    another op, the replay refused with "no layout is reachable"; now it names the tensor and both ops."""
+    mesh = ed.DeviceMesh.arange(2)
+
+    def fusion(op, rows):
+        with ed.FusionDefinition() as fd:
+            x = fd.define_tensor((rows, 8), name="x")
+            fd.add_output(getattr(fd.ops, op)(fd.ops.sum(x, 1)), name="y")
+        fd["y"].set_device_mesh(mesh)
+        return fd
+    plan = ed.optimize(fusion("relu", 64), mesh)
+    assert ed.optimize(fusion("relu", 4), mesh, like=plan).loop_domain("y")
+    with pytest.raises(PlanError, match="plan computes y by relu, this fusion by exp.*another program"):
+        ed.optimize(fusion("exp", 4), mesh, like=plan)
+
+
 def test_rewrite_names_are_checked():
     assert check_rewrites(()) == ()
     assert check_rewrites("sum_partials_first") == ("sum_partials_first",)
