@@ -1920,16 +1920,52 @@ def _group_rows(offsets: torch.Tensor, rows: int, what: str) -> list[tuple[int, 
     return list(zip(starts, ends))
 
 
+def _one_grouped_call(*ts: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm runs these operands in one call: on the CPU in float32 / bfloat16 / float16
+    (torch's fallback, an mm per group in C++: the same numbers as the Python loop), on a CUDA device of
+    compute capability 9 or later in bfloat16 with rows of 16-byte multiples (its CUTLASS kernel); otherwise
+    the operands run expert by expert (float64 everywhere, older GPUs)."""
+    t = ts[0]
+    if not hasattr(torch, "_grouped_mm") or t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if not all(_aligned(u) for u in ts):
+        return False  # torch's kernels (and its CPU fallback) take 16-byte aligned matrices only
+    if t.device.type == "cpu":
+        return True
+    return t.device.type == "cuda" and t.dtype == torch.bfloat16 and torch.cuda.get_device_capability(t.device) >= (9, 0)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """t's matrices as torch._grouped_mm takes them: one of the last two strides 1, the other and any batch
+    stride a multiple of 16 bytes, the data 16-byte aligned."""
+    *batch, a, b = t.stride()
+    lead = a if b == 1 else b if a == 1 else None
+    return lead is not None and t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in (*batch, lead))
+
+
+def _held_rows(spans, lo: int, hi: int, e_lo: int, e_hi: int) -> list[tuple[int, int]]:
+    """Each of experts e_lo..e_hi's rows within the global rows lo..hi, as local [start, stop): consecutive
+    ranges (the experts' rows are), empty where an expert has none there."""
+    return [(min(max(a, lo), hi) - lo, min(max(b, lo), hi) - lo) for a, b in spans[e_lo:e_hi]]
+
+
 def _grouped_mm_block(x, w, offsets, start=0, total=None, e_lo=0):
     """grouped_mm on one rank's block: x holds the global rows start.. of `total` (None: x is whole), w the
-    experts e_lo.. (offsets global). Rows of other experts, and past offsets[-1], are zero."""
-    lo, hi = start, start + x.shape[0]
+    experts e_lo.. (offsets global). Rows of other experts, and past offsets[-1], are zero. The experts' rows
+    the block holds are one range, run as one torch._grouped_mm where it serves (_one_grouped_call)."""
     out = torch.zeros(x.shape[0], w.shape[2], dtype=x.dtype, device=x.device)
     spans = _group_rows(offsets, x.shape[0] if total is None else total, "grouped_mm")
-    for e in range(e_lo, e_lo + w.shape[0]):
-        a, b = max(spans[e][0], lo), min(spans[e][1], hi)
+    rows = _held_rows(spans, start, start + x.shape[0], e_lo, e_lo + w.shape[0])
+    if not rows or rows[-1][1] <= rows[0][0]:
+        return out
+    first, last = rows[0][0], rows[-1][1]
+    if _one_grouped_call(x[first:last], w):
+        ends = torch.tensor([b - first for _, b in rows], dtype=torch.int32, device=x.device)
+        out[first:last] = torch._grouped_mm(x[first:last], w, offs=ends)
+        return out
+    for e, (a, b) in enumerate(rows):
         if b > a:
-            out[a - lo:b - lo] = x[a - lo:b - lo] @ w[e - e_lo]
+            out[a:b] = x[a:b] @ w[e]
     return out
 
 
@@ -2011,14 +2047,18 @@ def grouped_mm(x, w, offsets):
 def _grouped_wgrad_block(x, g, offsets, start=0, total=None, e_lo=0, e_hi=None):
     """Per expert e_lo..e_hi (None: every one), x[rows]^T g[rows] over the rows of x and g the rank holds
     (the global rows start.. of `total`; None: x and g are whole)."""
-    lo, hi = start, start + x.shape[0]
     e_hi = offsets.shape[0] if e_hi is None else e_hi
-    out = torch.zeros(e_hi - e_lo, x.shape[1], g.shape[1], dtype=x.dtype, device=x.device)
     spans = _group_rows(offsets, x.shape[0] if total is None else total, "grouped_mm_wgrad")
-    for e in range(e_lo, e_hi):
-        a, b = max(spans[e][0], lo), min(spans[e][1], hi)
+    rows = _held_rows(spans, start, start + x.shape[0], e_lo, e_hi)
+    first, last = (rows[0][0], rows[-1][1]) if rows else (0, 0)
+    if last > first and _one_grouped_call(x[first:last].transpose(0, 1), g[first:last]):
+        # one call over the experts' rows: an expert with none gets zeros from it too
+        ends = torch.tensor([b - first for _, b in rows], dtype=torch.int32, device=x.device)
+        return torch._grouped_mm(x[first:last].transpose(0, 1), g[first:last], offs=ends)
+    out = torch.zeros(e_hi - e_lo, x.shape[1], g.shape[1], dtype=x.dtype, device=x.device)
+    for e, (a, b) in enumerate(rows):
         if b > a:
-            out[e - e_lo] = x[a - lo:b - lo].transpose(0, 1) @ g[a - lo:b - lo]
+            out[e] = x[a:b].transpose(0, 1) @ g[a:b]
     return out
 
 
