@@ -507,8 +507,9 @@ class Ring:
     point-to-point sends (no process group but the default one: global ranks). The step's op is matmul
     or linear without bias (`gemm(x, w)` on local tensors); `a` is the row axis of x and y the ring cuts.
 
-    >>> [(r.name, r.flag, r.collective) for r in RINGS.values()]
-    [('allgather_matmul', 'ag_ring', 'allgather'), ('matmul_reduce_scatter', 'rs_ring', 'reduce_scatter')]
+    >>> [(r.name, r.flag, r.collective) for r in RINGS.values()]  # doctest: +NORMALIZE_WHITESPACE
+    [('allgather_matmul', 'ag_ring', 'allgather'), ('matmul_reduce_scatter', 'rs_ring', 'reduce_scatter'),
+     ('ring_attention', 'kv_ring', 'allgather')]
     >>> RINGS["allgather_matmul"].identity
     'allgather_m(x) @ w = cat_i(x_i @ w): rank r multiplies the row block it holds while passing it on'
     """
@@ -524,6 +525,9 @@ RINGS = {r.name: r for r in (
          "allgather_m(x) @ w = cat_i(x_i @ w): rank r multiplies the row block it holds while passing it on"),
     Ring("matmul_reduce_scatter", "rs_ring", "reduce_scatter",
          "reduce_scatter_m(x @ w) = block r of sum_q (x_q @ w_q): an accumulator of each row block passes round the ring"),
+    Ring("ring_attention", "kv_ring", "allgather",
+         "sdpa(q_r, allgather_m(k), allgather_m(v)) = merge_j sdpa_lse(q_r, k_j, v_j): rank r attends to the key "
+         "block it holds while passing it on (k and v in one buffer), merging by the online softmax"),
 )}
 RING_FLAGS = {r.flag: r for r in RINGS.values()}
 
@@ -642,6 +646,111 @@ def ring_kernel(op: str, ring: str) -> Callable:
 RING_FLAGS_OF = {r.name: r.flag for r in RINGS.values()}
 
 
+# ring attention: `block(q, k, v, diagonal, scale) -> (out, lse)` is one block's attention (ops.py's, torch's
+# fused kernels on a GPU; diagonal: the causal mask of the block whose keys are the queries' own positions)
+
+def attention_merge(acc: tuple[torch.Tensor, torch.Tensor], part: tuple[torch.Tensor, torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of attention over two disjoint sets of keys from each set's: the online-softmax merge,
+    exact. lse = log(e^l1 + e^l2); out = o1 e^(l1 - lse) + o2 e^(l2 - lse), in the logsumexp's dtype.
+
+    >>> o, l = attention_merge((torch.ones(1, 2), torch.zeros(1)), (3 * torch.ones(1, 2), torch.zeros(1)))
+    >>> o.tolist(), round(l.item(), 4)  # two keys sets of equal weight: the mean, log 2
+    ([[2.0, 2.0]], 0.6931)
+    """
+    (o1, l1), (o2, l2) = acc, part
+    lse = torch.logaddexp(l1, l2)
+    return (o1.to(lse.dtype) * torch.exp(l1 - lse).unsqueeze(-1)
+            + o2.to(lse.dtype) * torch.exp(l2 - lse).unsqueeze(-1)), lse
+
+
+def _attention_step(block: Callable, q, held, dk: int, src: int, me: int, causal: bool, scale, acc):
+    """One ring step of rank `me` holding key block `src` (k and v side by side in `held`): attend to it
+    and merge; a block entirely above the causal diagonal (src > me: every key after every query) adds
+    nothing and is skipped."""
+    if causal and src > me:
+        return acc
+    part = block(q, held[..., :dk], held[..., dk:], causal and src == me, scale)
+    return part if acc is None else attention_merge(acc, part)
+
+
+def _attention_done(acc, dtype: torch.dtype, with_lse: bool):
+    out = acc[0].to(dtype).contiguous()
+    return (out, acc[1].contiguous()) if with_lse else out
+
+
+def ring_attention_simulate(block: Callable, qs: Sequence[torch.Tensor], ks: Sequence[torch.Tensor],
+                            vs: Sequence[torch.Tensor], causal: bool, scale, with_lse: bool) -> list:
+    """Every member's result of a ring_attention step, given every member's q, k and v blocks on the
+    sequence (mesh order on the ring's axis), in the order the ring merges: what ring_attention_run gives
+    each rank, bit for bit. Member r holds key block (r - s) mod n at step s.
+
+    >>> def block(q, k, v, diagonal, scale):  # attention without scaling or mask, for the example
+    ...     s = q @ k.transpose(-2, -1)
+    ...     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+    >>> qs = ks = [torch.zeros(1, 1, 1, 1)] * 2
+    >>> vs = [torch.ones(1, 1, 1, 1), 3 * torch.ones(1, 1, 1, 1)]
+    >>> [o.item() for o in ring_attention_simulate(block, qs, ks, vs, False, None, False)]  # equal scores: the mean
+    [2.0, 2.0]
+    """
+    n, dk = len(qs), ks[0].shape[-1]
+    helds = [torch.cat([k, v], -1).contiguous() for k, v in zip(ks, vs)]
+    out = []
+    for me in range(n):
+        acc = None
+        for s in range(n):
+            src = (me - s) % n
+            acc = _attention_step(block, qs[me], helds[src], dk, src, me, causal, scale, acc)
+        out.append(_attention_done(acc, qs[me].dtype, with_lse))
+    return out
+
+
+def ring_attention_run(block: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale,
+                       with_lse: bool, members: Sequence[int], me: int, timeout: float | None = None):
+    """This rank's result of a ring_attention step over the global ranks `members` (mesh order; this rank
+    is members[me], holding query block me and key block me): k and v travel as one buffer to the next
+    member while this rank attends to the block it holds (on a GPU, NCCL runs the transfer on its own
+    stream beside the attention kernel); ring_attention_simulate's result.
+
+    Example::
+
+        def work(rank):  # 2 ranks, each holding one query and one key of the sequence
+            q = k = torch.zeros(1, 1, 1, 4); v = torch.full((1, 1, 1, 4), float(rank))
+            return ring_attention_run(ops.ring_attention_block, q, k, v, False, None, False, (0, 1), rank)
+
+        ed.launch(work, nprocs=2)  # both ranks: 0.5 everywhere (equal weights on values 0 and 1)
+    """
+    n, dk = len(members), k.shape[-1]
+    to, frm = members[(me + 1) % n], members[(me - 1) % n]
+    held, acc = torch.cat([k, v], -1).contiguous(), None
+    for s in range(n):
+        nxt = torch.empty_like(held) if s < n - 1 else None
+        reqs = _exchange(held, nxt, to, frm) if nxt is not None else []
+        acc = _attention_step(block, q, held, dk, (me - s) % n, me, causal, scale, acc)
+        for r in reqs:
+            wait(r, timeout, f"ring_attention step {s} over ranks {tuple(members)}")
+        held = nxt
+    return _attention_done(acc, q.dtype, with_lse)
+
+
+def ring_attention_kernel(block: Callable, with_lse: bool) -> Callable:
+    """The local kernel (flag kv_ring) of a ring_attention step of sdpa (with_lse=False) or sdpa_lse: on the
+    mesh axis it applies on, run the ring over this rank's group (run_local's signature). Runs under
+    torch.distributed only: simulate runs every rank of a ring step at once (lowering/collective_matmul.py).
+    """
+    def kernel(args, operands, outputs, ctx, axes):
+        (m,) = axes
+        if not dist.is_initialized():
+            raise PlanError("ring_attention: a ring step communicates; run the plan under torch.distributed "
+                            "(plan.run under ed.launch) or with ed.simulate, which runs every rank at once")
+        members = ctx.mesh.ranks_along(m, ctx.rank)
+        return ring_attention_run(block, args["q"], args["k"], args["v"], bool(args.get("is_causal")),
+                                  args.get("scale"), with_lse, members, members.index(ctx.rank))
+    kernel.__doc__ = RINGS["ring_attention"].identity
+    kernel.__name__ = f"{'sdpa_lse' if with_lse else 'sdpa'}_kv_ring"
+    return kernel
+
+
 # ---------------------------------------------------------------------------- queries
 
 def get(name: str, where: str = "") -> Kind:
@@ -721,5 +830,6 @@ def cancellation(first: str, second: str) -> Cancellation | None:
     return next((c for c in CANCELLATIONS if (c.first, c.second) == (first, second)), None)
 
 
-__all__ = ["RINGS", "RING_FLAGS", "Ring", "gemm", "ring_simulate", "ring_run", "ring_kernel", "KINDS", "Kind", "Move", "AxisGroup", "register", "get", "communicating", "is_local", "connecting",
+__all__ = ["RINGS", "RING_FLAGS", "Ring", "gemm", "ring_simulate", "ring_run", "ring_kernel", "attention_merge",
+           "ring_attention_simulate", "ring_attention_run", "ring_attention_kernel", "KINDS", "Kind", "Move", "AxisGroup", "register", "get", "communicating", "is_local", "connecting",
            "Cancellation", "CANCELLATIONS", "cancellation", "wait", "to_wire", "from_wire", "padded"]

@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .collectives import ring_kernel
+from .collectives import ring_attention_kernel, ring_kernel
 from .errors import DtypeError, PlanError, ShapeError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -1359,6 +1359,19 @@ def _sdpa_query_offset(args, operands, outputs, ctx, axes):
 SDPA_QUERY_OFFSET = LocalKernel("q_offset", _sdpa_query_offset)
 
 
+def ring_attention_block(q, k, v, diagonal: bool, scale=None):
+    """One step of ring attention (collectives.ring_attention_run): (out, lse) of the query block against
+    the key block the rank holds, by sdpa_lse's reference (torch's fused kernels on a GPU). diagonal: the
+    key block at the queries' own positions (equal blocks of a causal sequence), masked causally; the
+    blocks before it are attended whole, those after it skipped by the ring."""
+    return _sdpa_lse_ref(q, k, v, is_causal=diagonal, scale=scale)
+
+
+# ring attention (rewrites/ring_attention.py): q split on the sequence, k and v passed round the ring
+SDPA_RING = LocalKernel("kv_ring", ring_attention_kernel(ring_attention_block, with_lse=False))
+SDPA_LSE_RING = LocalKernel("kv_ring", ring_attention_kernel(ring_attention_block, with_lse=True))
+
+
 def _vjp_sdpa(ops, g, out, q, k, v, is_causal=False, scale=None):
     """sdpa_backward from the logsumexp of a second forward (sdpa_lse); a gradient runs sdpa as sdpa_lse
     instead (differentiated_as), which computes it once"""
@@ -1386,7 +1399,7 @@ def _rfactor_sdpa(ops, blocks, q, k, v, is_causal=False, scale=None):
     return _rfactor_attention(ops, blocks, q, k, v, is_causal, scale, with_lse=False)
 
 
-@op("sdpa", "attention", _sdpa_ref, _decompose_sdpa, flops=_sdpa_flops, local_kernels=(SDPA_QUERY_OFFSET,),
+@op("sdpa", "attention", _sdpa_ref, _decompose_sdpa, flops=_sdpa_flops, local_kernels=(SDPA_QUERY_OFFSET, SDPA_RING),
     rfactor=_rfactor_sdpa, vjp=_vjp_sdpa, differentiated_as="sdpa_lse")
 def sdpa(q, k, v, is_causal: bool = False, scale: float | None = None):
     """Scaled dot-product attention on [batch, heads, seq, head_dim] operands (torch's sdpa)."""
@@ -1496,7 +1509,7 @@ def _sdpa_lse_flops(ins, outs, args) -> float:
     return _sdpa_flops(ins, outs, args) + float(math.prod(outs[1]))
 
 
-@op("sdpa_lse", "attention", _sdpa_lse_ref, flops=_sdpa_lse_flops, local_kernels=(SDPA_LSE_QUERY_OFFSET,),
+@op("sdpa_lse", "attention", _sdpa_lse_ref, flops=_sdpa_lse_flops, local_kernels=(SDPA_LSE_QUERY_OFFSET, SDPA_LSE_RING),
     rfactor=_rfactor_attention, vjp=_vjp_sdpa_lse)
 def sdpa_lse(q, k, v, is_causal: bool = False, scale: float | None = None):
     """sdpa that also gives the logsumexp of each query's scaled scores, [batch, heads, seq_q] (float32 for

@@ -11,8 +11,9 @@ from typing import Mapping
 
 import torch
 
-from egraph_did.collectives import RING_FLAGS, Ring, ring_simulate
+from egraph_did.collectives import RING_FLAGS, Ring, ring_attention_simulate, ring_simulate
 from egraph_did.layout import Layout
+from egraph_did.ops import ring_attention_block
 from egraph_did.plan import ComputeStep, Plan
 
 
@@ -49,6 +50,8 @@ def simulate_ring(plan: Plan, step: ComputeStep, env: Mapping[str, Mapping[int, 
             [2., 2.]])
     """
     ring, m = ring_of(step)
+    if ring.name == "ring_attention":
+        return _simulate_attention_ring(plan, step, env, m)
     xv, wv = step.reads
     a = _layout(plan, xv if ring.name == "allgather_matmul" else step.outputs[0])[m].axis  # the rows it cuts
     out: dict[int, torch.Tensor] = {}
@@ -56,6 +59,23 @@ def simulate_ring(plan: Plan, step: ComputeStep, env: Mapping[str, Mapping[int, 
         ys = ring_simulate(ring.name, step.op, [env[xv][r] for r in group], [env[wv][r] for r in group], a)
         out.update(zip(group, ys))
     return {step.outputs[0]: out}
+
+
+def _simulate_attention_ring(plan: Plan, step: ComputeStep, env, m: int) -> dict[str, dict[int, torch.Tensor]]:
+    """Every rank's outputs of a ring_attention step (sdpa: out; sdpa_lse: out and lse), by
+    collectives.ring_attention_simulate on each group of mesh axis m, with ops.ring_attention_block."""
+    qv, kv, vv = (step.operands[p] for p in ("q", "k", "v"))
+    attrs = {k: v for k, v in step.args if k not in step.tensor_params}
+    with_lse = step.op == "sdpa_lse"
+    outs: list[dict[int, torch.Tensor]] = [{} for _ in step.outputs]
+    for group in plan.mesh.groups(m):
+        res = ring_attention_simulate(ring_attention_block, [env[qv][r] for r in group], [env[kv][r] for r in group],
+                                      [env[vv][r] for r in group], bool(attrs.get("is_causal")), attrs.get("scale"),
+                                      with_lse)
+        for r, got in zip(group, res):
+            for i, t in enumerate(got if with_lse else (got,)):
+                outs[i][r] = t
+    return dict(zip(step.outputs, outs))
 
 
 def _layout(plan: Plan, value: str) -> Layout:
