@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .collectives import ring_attention_kernel, ring_kernel
+from .collectives import ring_attention_backward_kernel, ring_attention_kernel, ring_kernel
 from .errors import DtypeError, PlanError, ShapeError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -1625,6 +1625,18 @@ def _sdpa_backward_causal_offsets(args, operands, outputs, ctx, axes):
 SDPA_BACKWARD_CAUSAL_OFFSETS = LocalKernel("causal_offsets", _sdpa_backward_causal_offsets)
 
 
+def ring_attention_backward_block(g, q, k, v, out, lse, diagonal: bool, scale=None):
+    """One step of ring attention's backward (collectives.ring_attention_backward_run): (dq, dk, dv) of the
+    query block against the key block the rank holds, exact from the rows' whole output and logsumexp, by
+    sdpa_backward's reference (torch's fused backward on a GPU); diagonal: the block at the queries' own
+    positions, masked causally."""
+    return _sdpa_backward_ref(g, q, k, v, out, lse, is_causal=diagonal, scale=scale)
+
+
+# ring attention's backward (rewrites/ring_attention.py): k and v travel with their dk, dv accumulators
+SDPA_BACKWARD_RING = LocalKernel("dkv_ring", ring_attention_backward_kernel(ring_attention_backward_block))
+
+
 def _sdpa_backward_flops(ins, outs, args) -> float:
     """the scores again, then dv, dp, dq and dk: five GEMMs of the forward's size (half under a causal mask)"""
     b, h, sq, d = ins[1]
@@ -1633,7 +1645,7 @@ def _sdpa_backward_flops(ins, outs, args) -> float:
 
 
 @op("sdpa_backward", "attention", _sdpa_backward_ref, flops=_sdpa_backward_flops,
-    local_kernels=(SDPA_BACKWARD_CAUSAL_OFFSETS,),
+    local_kernels=(SDPA_BACKWARD_CAUSAL_OFFSETS, SDPA_BACKWARD_RING),
     no_grad="the backward of attention: a gradient of a gradient (double backward) is not supported")
 def sdpa_backward(g, q, k, v, output, lse, is_causal: bool = False, scale: float | None = None):
     """The gradients (dq, dk, dv) of sdpa from the output's gradient g, the operands, sdpa's output and the

@@ -458,8 +458,8 @@ def _restrict_to(problem: Problem, like) -> None:
             if flag in RING_FLAGS and not any(
                     (t.inputs, t.outputs) == (ins, outs) for t in problem.strategies.get(key, ())):
                 ring = RING_FLAGS[flag].name
-                used[key].add(ring_attention.unringed(ins, outs, axes[0]) if ring == "ring_attention"
-                              else unringed(ring, ins, outs, axes[0]))
+                used[key].add(unringed(ring, ins, outs, axes[0]) if ring not in ring_attention.RULES else
+                              ring_attention.unringed(s.op, tuple(s.operands), ins, outs, axes[0]))
     for key, strats in problem.strategies.items():
         keep = used.get(key, set())
         problem.strategies[key] = [s for s in strats if (s.inputs, s.outputs) in keep]

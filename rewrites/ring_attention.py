@@ -28,81 +28,146 @@ takes the strategy the ring replaced (collective_matmul.unringed).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from egglog import String, eq, i64, ne, var
 from egglog import rule as erule
 
-from egraph_did.layout import Layout, R, S, is_valid
+from egraph_did.layout import P, Layout, R, S, is_valid
 from egraph_did.shards import local_extents
 
 from .collective_matmul import RingsOn
 from .sorts import KERNS, LAYOUTS, SIG, STRAT, Extent, Fits, Placement, Shape
-from .sorts import R as R_, S as S_
+from .sorts import P as P_, R as R_, S as S_
 
-OPS = ("sdpa", "sdpa_lse")  # the ops a ring runs: out, or (out, lse)
-SEQ = 2  # the sequence axis of q, k, v, out and lse
-FLAG = "kv_ring"  # the local kernel (ops.SDPA_RING, ops.SDPA_LSE_RING)
+SEQ = 2  # the sequence axis of q, k, v, g, out, lse and the gradients
+
+
+@dataclass(frozen=True)
+class Form:
+    """What a ring of `op` changes: operands (by parameter) split on the sequence on m as q is, the key
+    operands whole on m before and split after, the outputs' placements on m before and after, the kernels
+    the plain strategy may name on m, and the ring's flag (its local kernel in ops.py)."""
+
+    ring: str
+    seq: tuple[str, ...]
+    keys: tuple[str, ...]
+    outs_before: tuple
+    outs_after: tuple
+    kernels: frozenset
+    flag: str
+
+
+FORMS = {
+    "sdpa": Form("ring_attention", ("q",), ("k", "v"), (S(SEQ),), (S(SEQ),), frozenset({"q_offset"}), "kv_ring"),
+    "sdpa_lse": Form("ring_attention", ("q",), ("k", "v"), (S(SEQ),) * 2, (S(SEQ),) * 2, frozenset({"q_offset"}),
+                     "kv_ring"),
+    "sdpa_backward": Form("ring_attention_backward", ("g", "q", "output", "lse"), ("k", "v"), (S(SEQ), P, P),
+                          (S(SEQ),) * 3, frozenset({"causal_offsets"}), "dkv_ring"),
+}
+OPS = tuple(FORMS)
+FLAG = "kv_ring"  # the forward's local kernel (ops.SDPA_RING, ops.SDPA_LSE_RING); the backward's: dkv_ring
 
 
 def _with(lay: Layout, m: int, p) -> Layout:
     return Layout(tuple(p if i == m else q for i, q in enumerate(lay)))
 
 
-def ring_attention(q, k, ins: tuple[Layout, ...], outs: tuple[Layout, ...], flags, m: int, n: int):
-    """sdpa(q_r, allgather_m(k), allgather_m(v)) = ring: attention of a query block runs from k and v split on the sequence on m
-
-    From a strategy with q (and the outputs) split on the sequence on m and k, v whole there (kernel: none,
-    or the causal query offset), naming no kernel on another mesh axis: the same with k and v split on the
-    sequence on m. Where q's and k's lengths divide by n and no other mesh axis splits the sequence of any
-    operand or output. Returns (k and v's layout) or None.
-    """
-    lq, lk, lv = ins
-    if lq[m] != S(SEQ) or lk[m] != R or lv[m] != R or any(o[m] != S(SEQ) for o in outs):
+def _ring(form: Form, params, sq: int, sk: int, ins, outs, flags, m: int, n: int):
+    """The ring's (inputs, outputs) layouts from a plain strategy's, or None (see ring_attention)."""
+    if any(ins[params.index(p)][m] != S(SEQ) for p in form.seq) or any(ins[params.index(p)][m] != R for p in form.keys):
         return None
-    if not flags[m] <= {"q_offset"} or any(f for i, f in enumerate(flags) if i != m):
+    if tuple(o[m] for o in outs) != form.outs_before:
         return None
-    if q.shape[SEQ] % n or k.shape[SEQ] % n:
+    if not flags[m] <= form.kernels or any(f for i, f in enumerate(flags) if i != m):
+        return None
+    if sq % n or sk % n:
         return None
     if any(p.is_shard and p.axis == SEQ for lay in (*ins, *outs) for i, p in enumerate(lay) if i != m):
         return None
-    return _with(lk, m, S(SEQ)), _with(lv, m, S(SEQ))
+    new_ins = tuple(_with(lay, m, S(SEQ)) if p in form.keys else lay for p, lay in zip(params, ins))
+    return new_ins, tuple(_with(lay, m, p) for lay, p in zip(outs, form.outs_after))
 
 
-def unringed(ins: tuple, outs: tuple, m: int) -> tuple[tuple, tuple]:
-    """The (inputs, outputs) layouts of the plain attention a ring over mesh axis m replaced: k and v whole on m."""
-    return (ins[0], ins[1].replace(m, R), ins[2].replace(m, R)), outs
+def ring_attention(op: str, params, sq: int, sk: int, ins, outs, flags, m: int, n: int):
+    """sdpa(q_r, allgather_m(k), allgather_m(v)) = ring: attention of a query block runs from k and v split on the sequence on m
+
+    From a strategy of sdpa or sdpa_lse with q (and the outputs) split on the sequence on m and k, v whole
+    there (kernel: none, or the causal query offset), naming no kernel on another mesh axis: the same with
+    k and v split on the sequence on m. Where q's (sq) and k's (sk) lengths divide by n and no other mesh
+    axis splits the sequence of any operand or output. params: the tensor operands' parameter names, in
+    the order of ins. Returns the ring's (inputs, outputs) layouts, or None.
+    """
+    return _ring(FORMS[op], params, sq, sk, ins, outs, flags, m, n) if op in ("sdpa", "sdpa_lse") else None
 
 
-def ring_strategy(problem, e, s, m: int, lk: Layout, lv: Layout):
+def ring_attention_backward(op: str, params, sq: int, sk: int, ins, outs, flags, m: int, n: int):
+    """sdpa_backward(g_r, q_r, allgather_m(k), allgather_m(v), ..) then reduce_scatter_m(dk, dv) = ring: each key block travels with its dk, dv accumulator
+
+    From a strategy of sdpa_backward with g, q, output and lse split on the sequence on m, k and v whole
+    there, dq split and dk, dv pending sums on m (sdpa_backward_query_sequence; kernel none or the causal
+    offsets): the same with k, v, dk and dv split on the sequence on m. Where the lengths divide by n and no
+    other mesh axis splits a sequence. Returns the ring's (inputs, outputs) layouts, or None.
+    """
+    return _ring(FORMS[op], params, sq, sk, ins, outs, flags, m, n) if op == "sdpa_backward" else None
+
+
+RULES = {"ring_attention": ring_attention, "ring_attention_backward": ring_attention_backward}
+
+
+def unringed(op: str, params, ins: tuple, outs: tuple, m: int) -> tuple[tuple, tuple]:
+    """The (inputs, outputs) layouts of the plain step a ring over mesh axis m replaced: k and v whole on m
+    (and, for the backward, dk and dv pending sums there).
+
+    >>> from egraph_did.layout import Layout
+    >>> s2 = Layout.from_code("S2")
+    >>> ins, outs = unringed("sdpa", ("q", "k", "v"), (s2, s2, s2), (s2,), 0)
+    >>> [str(lay) for lay in ins], [str(lay) for lay in outs]
+    (['[S(2)]', '[R]', '[R]'], ['[S(2)]'])
+    """
+    form = FORMS[op]
+    return (tuple(lay.replace(m, R) if p in form.keys else lay for p, lay in zip(params, ins)),
+            tuple(lay.replace(m, p) for lay, p in zip(outs, form.outs_before)))
+
+
+def ring_strategy(problem, e, s, m: int, ins: tuple, outs: tuple):
     """The Strategy of the ring on mesh axis m derived from s, priced as the ring runs (CostModel.ring_time):
-    a step's attention is the op's compute at the local query block against one key block, unmasked (the
-    last rank attends to every earlier block whole); causal, the first step is its diagonal block (half);
-    a step's transfer is one block of k and v."""
+    a step's compute is the op's at the local query block against one key block, unmasked (the last rank
+    works on every earlier block whole); causal, the first step is its diagonal block (half); a step's
+    transfer is one block of k and v (the backward's: and its dk|dv accumulator, in the logsumexp's dtype,
+    whose last hop home runs alone)."""
     mesh, cm, n = problem.mesh, problem.cost_model, problem.mesh.shape[m]
-    q, k, v = (t for _, t in e.args if hasattr(t, "logical_domain"))
-    ins = (s.inputs[0], lk, lv)
-    in_shapes = [local_extents(t.shape, lay, mesh) for t, lay in zip((q, k, v), ins)]
-    out_shapes = [local_extents(t.shape, lay, mesh) for t, lay in zip(e.outputs, s.outputs)]
+    form = FORMS[e.op.name]
+    tensors = [(p, t) for p, t in e.args if hasattr(t, "logical_domain")]
+    params = [p for p, _ in tensors]
+    in_shapes = [local_extents(t.shape, lay, mesh) for (_, t), lay in zip(tensors, ins)]
+    out_shapes = [local_extents(t.shape, lay, mesh) for t, lay in zip(e.outputs, outs)]
     args = dict(e.args)
     causal = bool(args.get("is_causal"))
-    in_bytes = sum(math.prod(sh) * t.dtype.itemsize for sh, t in zip(in_shapes, (q, k, v)))
-    # the block's output and logsumexp written, then the merge reads them and the running pair and writes it
+    in_bytes = sum(math.prod(sh) * t.dtype.itemsize for sh, (_, t) in zip(in_shapes, tensors))
+    # a block's outputs written, then the merge (the sum) reads them and the running ones and writes them
     out_bytes = 3 * sum(math.prod(sh) * t.dtype.itemsize for sh, t in zip(out_shapes, e.outputs))
+    dtype = args["q"].dtype
     full = cm.compute_time(e.op.count_flops(in_shapes, out_shapes, {**args, "is_causal": False}),
-                           in_bytes + out_bytes, q.dtype)
+                           in_bytes + out_bytes, dtype)
     diag = cm.compute_time(e.op.count_flops(in_shapes, out_shapes, {**args, "is_causal": True}),
-                           in_bytes + out_bytes, q.dtype) if causal else None
-    block = math.prod(in_shapes[1]) * k.dtype.itemsize + math.prod(in_shapes[2]) * v.dtype.itemsize
-    flags = tuple(frozenset({FLAG}) if i == m else f for i, f in enumerate(s.flags))
-    rules = tuple("ring_attention" if i == m else r for i, r in enumerate(s.rules))
-    time = cm.ring_time(n, full, block, m, mesh.ndim, first=diag)
-    return replace(s, sid=-1, inputs=ins, flags=flags, rules=rules, time=time)
+                           in_bytes + out_bytes, dtype) if causal else None
+    kv = [(in_shapes[params.index(p)], args[p]) for p in form.keys]
+    block = sum(math.prod(sh) * t.dtype.itemsize for sh, t in kv)
+    # the backward (lse among its operands) carries dk|dv accumulators in the logsumexp's dtype
+    acc = sum(math.prod(sh) for sh, _ in kv) * args["lse"].dtype.itemsize if "lse" in params else 0
+    flags = tuple(frozenset({form.flag}) if i == m else f for i, f in enumerate(s.flags))
+    rules = tuple(form.ring if i == m else r for i, r in enumerate(s.rules))
+    time = cm.ring_time(n, full, block + acc, m, mesh.ndim, first=diag)
+    if acc:
+        time += cm.link(m, mesh.ndim).time(1, 1.0, acc)
+    memory = float(sum(math.prod(sh) * t.dtype.itemsize for sh, t in zip(out_shapes, e.outputs)))
+    return replace(s, sid=-1, inputs=ins, outputs=outs, flags=flags, rules=rules, time=time, memory=memory)
 
 
 def add_attention_rings(problem) -> int:
-    """Append to every sdpa's and sdpa_lse's strategies the rings `ring_attention` derives from them (on
-    each mesh axis of two or more ranks, into layouts that fit), priced by ring_strategy; the e-graph
+    """Append to every sdpa's, sdpa_lse's and sdpa_backward's strategies the rings the rules derive from them
+    (on each mesh axis of two or more ranks, into layouts that fit), priced by ring_strategy; the e-graph
     derives the same rows by `egglog_rules`. Returns how many it added.
 
     >>> import egraph_did as ed, torch
@@ -119,53 +184,63 @@ def add_attention_rings(problem) -> int:
         return 0
     mesh, added = problem.mesh, 0
     for key, e in problem.exprs.items():
-        if e.op.name not in OPS:
+        if e.op.name not in FORMS:
             continue
-        q, k, v = (t for _, t in e.args if hasattr(t, "logical_domain"))
+        tensors = [(p, t) for p, t in e.args if hasattr(t, "logical_domain")]
+        params = tuple(p for p, _ in tensors)
+        args = dict(e.args)
+        rule = RULES[FORMS[e.op.name].ring]
         strategies = problem.strategies[key]
         for s in list(strategies):
             for m, n in enumerate(mesh.shape):
                 if n < 2:
                     continue
-                got = ring_attention(q, k, s.inputs, s.outputs, s.flags, m, n)
-                if got and is_valid(got[0], k.shape, mesh) and is_valid(got[1], v.shape, mesh):
+                got = rule(e.op.name, params, args["q"].shape[SEQ], args["k"].shape[SEQ], s.inputs, s.outputs, s.flags, m, n)
+                if got and all(is_valid(lay, t.shape, mesh) for lay, t in zip(got[0] + got[1], [t for _, t in tensors] + list(e.outputs))):
                     strategies.append(replace(ring_strategy(problem, e, s, m, *got), sid=len(strategies)))
                     added += 1
     return added
 
 
 def egglog_rules(shape: tuple[int, ...]):
-    """The rule's egglog form for meshes of this shape: from each whole-mesh strategy (Strat row) of an sdpa
-    or sdpa_lse signature with q and the outputs split on the sequence on mesh axis j, k and v whole there,
-    kernel none or q_offset on j and none elsewhere, the ring's Strat row (kv_ring on j, k and v split on
-    the sequence on j), as ring_attention derives it."""
+    """The rules' egglog form for meshes of this shape: from each whole-mesh strategy (Strat row) of an sdpa,
+    sdpa_lse or sdpa_backward signature in a plain form of FORMS on mesh axis j (kernel none or the form's on
+    j, none elsewhere), the ring's Strat row, as ring_attention and ring_attention_backward derive it."""
     md = len(shape)
     L, K = LAYOUTS[md], KERNS[md]
     sig, op = var("sig", String), var("op", String)
-    so, sl, sq, sk, sv = (var(v, Shape) for v in ("so", "sl", "sq", "sk", "sv"))
     e1, e2 = var("e1", i64), var("e2", i64)
-    po, pl, pq, pk, pv = ([var(f"{c}{i}", Placement) for i in range(md)] for c in ("po", "pl", "pq", "pk", "pv"))
-    for j, n in enumerate(shape):
-        if n < 2:
-            continue
-        at = lambda ps, p: L(*[p if i == j else ps[i] for i in range(md)])  # noqa: E731
-        ring = K(*[FLAG if i == j else "" for i in range(md)])
-        guards = [Extent(sq, SEQ, e1), eq(e1 % n).to(i64(0)), Extent(sk, SEQ, e2), eq(e2 % n).to(i64(0)),
-                  Fits(sk, at(pk, S_(SEQ))), Fits(sv, at(pv, S_(SEQ)))]
-        for kin in ("", "q_offset"):
-            src = K(*[kin if i == j else "" for i in range(md)])
-            # sdpa: out
-            yield erule(RingsOn(1), SIG[(3, 1)](sig, op, so, sq, sk, sv), eq(op).to(String("sdpa")),
-                        STRAT[(3, 1)](sig, src, at(po, S_(SEQ)), at(pq, S_(SEQ)), at(pk, R_()), at(pv, R_())),
-                        *guards, *[ne(p[i]).to(S_(SEQ)) for p in (po, pq, pk, pv) for i in range(md) if i != j]).then(
-                STRAT[(3, 1)](sig, ring, at(po, S_(SEQ)), at(pq, S_(SEQ)), at(pk, S_(SEQ)), at(pv, S_(SEQ))))
-            # sdpa_lse: out, lse
-            yield erule(RingsOn(1), SIG[(3, 2)](sig, op, so, sl, sq, sk, sv), eq(op).to(String("sdpa_lse")),
-                        STRAT[(3, 2)](sig, src, at(po, S_(SEQ)), at(pl, S_(SEQ)), at(pq, S_(SEQ)), at(pk, R_()),
-                                      at(pv, R_())),
-                        *guards, *[ne(p[i]).to(S_(SEQ)) for p in (po, pl, pq, pk, pv) for i in range(md) if i != j]).then(
-                STRAT[(3, 2)](sig, ring, at(po, S_(SEQ)), at(pl, S_(SEQ)), at(pq, S_(SEQ)), at(pk, S_(SEQ)),
-                              at(pv, S_(SEQ))))
+    place = {"S": S_(SEQ), "R": R_(), "P": P_()}
+
+    def code(p) -> str:
+        return "R" if p == R else "P" if p == P else "S"
+
+    for name, form in FORMS.items():
+        n_out = len(form.outs_before)
+        params = {"sdpa": ("q", "k", "v"), "sdpa_lse": ("q", "k", "v"),
+                  "sdpa_backward": ("g", "q", "k", "v", "output", "lse")}[name]
+        shapes = {x: var(f"s_{x}", Shape) for x in (*[f"out{i}" for i in range(n_out)], *params)}
+        ps = {x: [var(f"p_{x}{i}", Placement) for i in range(md)] for x in shapes}
+        for j, n in enumerate(shape):
+            if n < 2:
+                continue
+            at = lambda x, p: L(*[p if i == j else ps[x][i] for i in range(md)])  # noqa: E731
+            ring = K(*[form.flag if i == j else "" for i in range(md)])
+            before = {**{f"out{i}": place[code(p)] for i, p in enumerate(form.outs_before)},
+                      **{p: place["S"] for p in form.seq}, **{p: place["R"] for p in form.keys}}
+            after = {**{f"out{i}": place["S"] for i in range(n_out)}, **{p: place["S"] for p in (*form.seq, *form.keys)}}
+            changed = [x for x in shapes if before[x] is not place["S"]]  # k, v and outputs that become split
+            guards = [Extent(shapes["q"], SEQ, e1), eq(e1 % n).to(i64(0)), Extent(shapes["k"], SEQ, e2),
+                      eq(e2 % n).to(i64(0)), *[Fits(shapes[x], at(x, S_(SEQ))) for x in changed],
+                      *[ne(ps[x][i]).to(S_(SEQ)) for x in shapes for i in range(md) if i != j]]
+            order = list(shapes)  # outputs, then operands: the Sig and Strat rows' order
+            for kin in ("", *sorted(form.kernels)):
+                src = K(*[kin if i == j else "" for i in range(md)])
+                yield erule(RingsOn(1), SIG[(len(params), n_out)](sig, op, *[shapes[x] for x in order]),
+                            eq(op).to(String(name)),
+                            STRAT[(len(params), n_out)](sig, src, *[at(x, before[x]) for x in order]), *guards).then(
+                    STRAT[(len(params), n_out)](sig, ring, *[at(x, after[x]) for x in order]))
 
 
-__all__ = ["FLAG", "OPS", "add_attention_rings", "egglog_rules", "ring_attention", "ring_strategy", "unringed"]
+__all__ = ["FLAG", "FORMS", "Form", "OPS", "RULES", "add_attention_rings", "egglog_rules", "ring_attention",
+           "ring_attention_backward", "ring_strategy", "unringed"]
