@@ -8,6 +8,9 @@ each, the rank attends to the key block it holds while that block (k and v in on
 next rank, and merges the block's (out, logsumexp) into its running one by the online-softmax merge
 (collectives.attention_merge, exact). Under a causal mask a rank's own block is its diagonal (masked),
 earlier blocks are attended whole and later ones skipped: rank r computes r + 1 blocks, the last rank n.
+The backward (ring_attention_backward) is the same ring from sdpa_backward's query-sequence strategy: each
+key block travels with its dk|dv accumulator, every rank adding its part, so dk and dv end split on the
+sequence where the plain step left pending sums to reduce-scatter.
 
 Priced by cost.CostModel.ring_time: per step the longer of one block's attention and one key/value block's
 transfer (latency paid per step), the last block's attention alone; causal: the last rank's steps (the
@@ -20,7 +23,7 @@ what it derives) and `egglog_rules` its egglog form (tests/optimizer/test_ring_a
 equal); both are switched by the same name, "collective_matmul" (the rings; RingsOn). The ring cuts q and
 k/v in n equal blocks: offered where both sequence lengths divide by n and no other mesh axis splits the
 sequence; elsewhere (10 positions on 4 ranks) the plain path stays, and a replay (like=) of a ring plan
-takes the strategy the ring replaced (collective_matmul.unringed).
+takes the strategy the ring replaced (unringed).
 
 >>> ring_attention.__doc__.splitlines()[0]
 'sdpa(q_r, allgather_m(k), allgather_m(v)) = ring: attention of a query block runs from k and v split on the sequence on m'
