@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .collectives import ring_kernel
+from .collectives import ring_attention_backward_kernel, ring_attention_kernel, ring_kernel
 from .errors import DtypeError, PlanError, ShapeError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -1359,6 +1359,19 @@ def _sdpa_query_offset(args, operands, outputs, ctx, axes):
 SDPA_QUERY_OFFSET = LocalKernel("q_offset", _sdpa_query_offset)
 
 
+def ring_attention_block(q, k, v, diagonal: bool, scale=None):
+    """One step of ring attention (collectives.ring_attention_run): (out, lse) of the query block against
+    the key block the rank holds, by sdpa_lse's reference (torch's fused kernels on a GPU). diagonal: the
+    key block at the queries' own positions (equal blocks of a causal sequence), masked causally; the
+    blocks before it are attended whole, those after it skipped by the ring."""
+    return _sdpa_lse_ref(q, k, v, is_causal=diagonal, scale=scale)
+
+
+# ring attention (rewrites/ring_attention.py): q split on the sequence, k and v passed round the ring
+SDPA_RING = LocalKernel("kv_ring", ring_attention_kernel(ring_attention_block, with_lse=False))
+SDPA_LSE_RING = LocalKernel("kv_ring", ring_attention_kernel(ring_attention_block, with_lse=True))
+
+
 def _vjp_sdpa(ops, g, out, q, k, v, is_causal=False, scale=None):
     """sdpa_backward from the logsumexp of a second forward (sdpa_lse); a gradient runs sdpa as sdpa_lse
     instead (differentiated_as), which computes it once"""
@@ -1386,7 +1399,7 @@ def _rfactor_sdpa(ops, blocks, q, k, v, is_causal=False, scale=None):
     return _rfactor_attention(ops, blocks, q, k, v, is_causal, scale, with_lse=False)
 
 
-@op("sdpa", "attention", _sdpa_ref, _decompose_sdpa, flops=_sdpa_flops, local_kernels=(SDPA_QUERY_OFFSET,),
+@op("sdpa", "attention", _sdpa_ref, _decompose_sdpa, flops=_sdpa_flops, local_kernels=(SDPA_QUERY_OFFSET, SDPA_RING),
     rfactor=_rfactor_sdpa, vjp=_vjp_sdpa, differentiated_as="sdpa_lse")
 def sdpa(q, k, v, is_causal: bool = False, scale: float | None = None):
     """Scaled dot-product attention on [batch, heads, seq, head_dim] operands (torch's sdpa)."""
@@ -1496,7 +1509,7 @@ def _sdpa_lse_flops(ins, outs, args) -> float:
     return _sdpa_flops(ins, outs, args) + float(math.prod(outs[1]))
 
 
-@op("sdpa_lse", "attention", _sdpa_lse_ref, flops=_sdpa_lse_flops, local_kernels=(SDPA_LSE_QUERY_OFFSET,),
+@op("sdpa_lse", "attention", _sdpa_lse_ref, flops=_sdpa_lse_flops, local_kernels=(SDPA_LSE_QUERY_OFFSET, SDPA_LSE_RING),
     rfactor=_rfactor_attention, vjp=_vjp_sdpa_lse)
 def sdpa_lse(q, k, v, is_causal: bool = False, scale: float | None = None):
     """sdpa that also gives the logsumexp of each query's scaled scores, [batch, heads, seq_q] (float32 for
@@ -1612,6 +1625,18 @@ def _sdpa_backward_causal_offsets(args, operands, outputs, ctx, axes):
 SDPA_BACKWARD_CAUSAL_OFFSETS = LocalKernel("causal_offsets", _sdpa_backward_causal_offsets)
 
 
+def ring_attention_backward_block(g, q, k, v, out, lse, diagonal: bool, scale=None):
+    """One step of ring attention's backward (collectives.ring_attention_backward_run): (dq, dk, dv) of the
+    query block against the key block the rank holds, exact from the rows' whole output and logsumexp, by
+    sdpa_backward's reference (torch's fused backward on a GPU); diagonal: the block at the queries' own
+    positions, masked causally."""
+    return _sdpa_backward_ref(g, q, k, v, out, lse, is_causal=diagonal, scale=scale)
+
+
+# ring attention's backward (rewrites/ring_attention.py): k and v travel with their dk, dv accumulators
+SDPA_BACKWARD_RING = LocalKernel("dkv_ring", ring_attention_backward_kernel(ring_attention_backward_block))
+
+
 def _sdpa_backward_flops(ins, outs, args) -> float:
     """the scores again, then dv, dp, dq and dk: five GEMMs of the forward's size (half under a causal mask)"""
     b, h, sq, d = ins[1]
@@ -1620,7 +1645,7 @@ def _sdpa_backward_flops(ins, outs, args) -> float:
 
 
 @op("sdpa_backward", "attention", _sdpa_backward_ref, flops=_sdpa_backward_flops,
-    local_kernels=(SDPA_BACKWARD_CAUSAL_OFFSETS,),
+    local_kernels=(SDPA_BACKWARD_CAUSAL_OFFSETS, SDPA_BACKWARD_RING),
     no_grad="the backward of attention: a gradient of a gradient (double backward) is not supported")
 def sdpa_backward(g, q, k, v, output, lse, is_causal: bool = False, scale: float | None = None):
     """The gradients (dq, dk, dv) of sdpa from the output's gradient g, the operands, sdpa's output and the
