@@ -65,6 +65,21 @@ def make_plans() -> None:
                   f"{kinds}, {plan.memory / 2**30:.2f} GiB per device -> {plan_path(ndev, sp)}")
 
 
+def megatron_plan(ndev: int, sp: bool, **shape):
+    """Megatron's TP (TP+SP) layer as a plan: wq, wk, wv, w1 column-parallel, wo, w2 row-parallel, no program
+    rewrite (no collective matmul ring): the per-device work torch runs on Megatron's shards.
+
+    >>> megatron_plan(2, True, batch=1, seq=8, hidden=16, heads=2).collectives[0].kind
+    'allgather'
+    """
+    from egraph_did.layout import Layout, S
+    from egraph_did.pins import apply_layout
+    fd, mesh = gpt_fusion(ndev, sp, **shape)
+    for w, axis in dict(wq=0, wk=0, wv=0, w1=0, wo=1, w2=1).items():
+        apply_layout(fd[w], Layout((S(axis),)), mesh)
+    return ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=MEMORY_PER_LAYER * 8 / ndev), rewrites=())
+
+
 def load_plan(ndev: int, sp: bool):
     with open(plan_path(ndev, sp)) as f:
         return ed.Plan.from_json(f.read())

@@ -48,10 +48,15 @@ import multigpu  # noqa: E402
 SMALL = dict(batch=1, seq=16, hidden=64, heads=8)
 
 
-def smoke_plan(sp: bool):
+def big_plan(sp: bool, megatron: bool):
+    """The 8-way plan at GPT-3 shapes: the optimizer's (bench/plans) or Megatron's (multigpu.megatron_plan)."""
+    return multigpu.megatron_plan(8, sp, **multigpu.GPT3) if megatron else multigpu.load_plan(8, sp)
+
+
+def smoke_plan(sp: bool, megatron: bool = False):
     """The 8-way plan's layouts replayed at tiny float32 shapes (optimize(..., like=plan))."""
     fd, mesh = multigpu.gpt_fusion(8, sp, dtype=torch.float32, **SMALL)
-    return ed.optimize(fd, mesh, like=multigpu.load_plan(8, sp))
+    return ed.optimize(fd, mesh, like=big_plan(sp, megatron))
 
 
 # ---------------------------------------------------------------------------- egraph-did
@@ -256,12 +261,13 @@ def host_by_kind(calls: list[tuple[str, str, float]]) -> dict[str, float]:
 
 # ---------------------------------------------------------------------------- report
 
-def setup(sp: bool, smoke: bool):
+def setup(sp: bool, smoke: bool, megatron: bool = False):
     """(title, segments, {row: fn}, host breakdown fn) for one plan, every row warmed up (kernels
-    compiled, graphs captured) and the egraph-did rows checked against each other bit for bit."""
+    compiled, graphs captured) and the egraph-did rows checked against each other bit for bit.
+    megatron: Megatron's plan pinned (the torch rows' own per-device work) instead of the optimizer's."""
     cuda = torch.cuda.is_available() and not smoke
     device = torch.device("cuda" if cuda else "cpu")
-    plan = smoke_plan(sp) if smoke else multigpu.load_plan(8, sp)
+    plan = smoke_plan(sp, megatron) if smoke else big_plan(sp, megatron)
     shape = SMALL if smoke else multigpu.GPT3
     dtype = torch.float32 if smoke else torch.bfloat16
     g = torch.Generator(device=device).manual_seed(0)
@@ -276,14 +282,16 @@ def setup(sp: bool, smoke: bool):
         if not torch.equal(outs[name], outs["egraph-did run_rank"]):
             raise SystemExit(f"{'TP+SP' if sp else 'TP'}: {name} differs from run_rank's output")
     pred = sum(s.time for s in plan.compute_steps) * 1e3
-    return f"{'TP+SP' if sp else 'TP'} 8-way, rank 0 (predicted compute {pred:.3f} ms)", nseg, runs, breakdown
+    which = "Megatron's plan pinned" if megatron else "the optimizer's plan"
+    return (f"{'TP+SP' if sp else 'TP'} 8-way, {which}, rank 0 (predicted compute {pred:.3f} ms, "
+            f"step {plan.predicted_time * 1e3:.3f} ms on 8 GPUs)"), nseg, runs, breakdown
 
 
 def measure(smoke: bool, iters: int, reps: int) -> list[tuple]:
     """Both plans: host times, then GPU times, then (last: the profiler may slow later launches) kernel
     counts. Returns [(title, segments, [(row, GPU ms, host ms, segments or None, kernels)])]."""
     cuda = torch.cuda.is_available() and not smoke
-    plans = [setup(sp, smoke) for sp in (False, True)]
+    plans = [setup(sp, smoke, megatron) for sp, megatron in ((False, False), (True, False), (True, True))]
     tables = []
     for title, nseg, runs, breakdown in plans:
         host = host_ms_interleaved(runs, max(reps, 5), cuda)
@@ -293,7 +301,7 @@ def measure(smoke: bool, iters: int, reps: int) -> list[tuple]:
             for name, fn in runs.items():
                 rows[name][1] = gpu_ms(fn, iters, reps)
             calls = breakdown()
-            print(f"{title.split(',')[0]}: lean host us by call kind: "
+            print(f"{title.split(', rank 0')[0]}: lean host us by call kind: "
                   + ", ".join(f"{k} {v:.1f}" for k, v in host_by_kind(calls).items()))
             for kind, what, us in calls:
                 print(f"    {us:7.1f} us  {kind:<6} {what[:110]}")

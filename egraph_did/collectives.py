@@ -507,8 +507,9 @@ class Ring:
     point-to-point sends (no process group but the default one: global ranks). The step's op is matmul
     or linear without bias (`gemm(x, w)` on local tensors); `a` is the row axis of x and y the ring cuts.
 
-    >>> [(r.name, r.flag, r.collective) for r in RINGS.values()]
-    [('allgather_matmul', 'ag_ring', 'allgather'), ('matmul_reduce_scatter', 'rs_ring', 'reduce_scatter')]
+    >>> [(r.name, r.flag, r.collective) for r in RINGS.values()]  # doctest: +NORMALIZE_WHITESPACE
+    [('allgather_matmul', 'ag_ring', 'allgather'), ('matmul_reduce_scatter', 'rs_ring', 'reduce_scatter'),
+     ('ring_attention', 'kv_ring', 'allgather'), ('ring_attention_backward', 'dkv_ring', 'reduce_scatter')]
     >>> RINGS["allgather_matmul"].identity
     'allgather_m(x) @ w = cat_i(x_i @ w): rank r multiplies the row block it holds while passing it on'
     """
@@ -524,6 +525,12 @@ RINGS = {r.name: r for r in (
          "allgather_m(x) @ w = cat_i(x_i @ w): rank r multiplies the row block it holds while passing it on"),
     Ring("matmul_reduce_scatter", "rs_ring", "reduce_scatter",
          "reduce_scatter_m(x @ w) = block r of sum_q (x_q @ w_q): an accumulator of each row block passes round the ring"),
+    Ring("ring_attention", "kv_ring", "allgather",
+         "sdpa(q_r, allgather_m(k), allgather_m(v)) = merge_j sdpa_lse(q_r, k_j, v_j): rank r attends to the key "
+         "block it holds while passing it on (k and v in one buffer), merging by the online softmax"),
+    Ring("ring_attention_backward", "dkv_ring", "reduce_scatter",
+         "sdpa_backward(g_r, q_r, allgather_m(k), allgather_m(v), ..) = (sum_j dq_rj, reduce_scatter_m(dk), "
+         "reduce_scatter_m(dv)): each key block travels with its dk, dv accumulator, every rank adding its part"),
 )}
 RING_FLAGS = {r.flag: r for r in RINGS.values()}
 
@@ -642,6 +649,200 @@ def ring_kernel(op: str, ring: str) -> Callable:
 RING_FLAGS_OF = {r.name: r.flag for r in RINGS.values()}
 
 
+# ring attention: `block(q, k, v, diagonal, scale) -> (out, lse)` is one block's attention (ops.py's, torch's
+# fused kernels on a GPU; diagonal: the causal mask of the block whose keys are the queries' own positions)
+
+def attention_merge(acc: tuple[torch.Tensor, torch.Tensor], part: tuple[torch.Tensor, torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of attention over two disjoint sets of keys from each set's: the online-softmax merge,
+    exact. lse = log(e^l1 + e^l2); out = o1 e^(l1 - lse) + o2 e^(l2 - lse), in the logsumexp's dtype.
+
+    >>> o, l = attention_merge((torch.ones(1, 2), torch.zeros(1)), (3 * torch.ones(1, 2), torch.zeros(1)))
+    >>> o.tolist(), round(l.item(), 4)  # two keys sets of equal weight: the mean, log 2
+    ([[2.0, 2.0]], 0.6931)
+    """
+    (o1, l1), (o2, l2) = acc, part
+    lse = torch.logaddexp(l1, l2)
+    return (o1.to(lse.dtype) * torch.exp(l1 - lse).unsqueeze(-1)
+            + o2.to(lse.dtype) * torch.exp(l2 - lse).unsqueeze(-1)), lse
+
+
+def _attention_step(block: Callable, q, held, dk: int, src: int, me: int, causal: bool, scale, acc):
+    """One ring step of rank `me` holding key block `src` (k and v side by side in `held`): attend to it
+    and merge; a block entirely above the causal diagonal (src > me: every key after every query) adds
+    nothing and is skipped."""
+    if causal and src > me:
+        return acc
+    part = block(q, held[..., :dk], held[..., dk:], causal and src == me, scale)
+    return part if acc is None else attention_merge(acc, part)
+
+
+def _attention_done(acc, dtype: torch.dtype, with_lse: bool):
+    out = acc[0].to(dtype).contiguous()
+    return (out, acc[1].contiguous()) if with_lse else out
+
+
+def ring_attention_simulate(block: Callable, qs: Sequence[torch.Tensor], ks: Sequence[torch.Tensor],
+                            vs: Sequence[torch.Tensor], causal: bool, scale, with_lse: bool) -> list:
+    """Every member's result of a ring_attention step, given every member's q, k and v blocks on the
+    sequence (mesh order on the ring's axis), in the order the ring merges: what ring_attention_run gives
+    each rank, bit for bit. Member r holds key block (r - s) mod n at step s.
+
+    >>> def block(q, k, v, diagonal, scale):  # attention without scaling or mask, for the example
+    ...     s = q @ k.transpose(-2, -1)
+    ...     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+    >>> qs = ks = [torch.zeros(1, 1, 1, 1)] * 2
+    >>> vs = [torch.ones(1, 1, 1, 1), 3 * torch.ones(1, 1, 1, 1)]
+    >>> [o.item() for o in ring_attention_simulate(block, qs, ks, vs, False, None, False)]  # equal scores: the mean
+    [2.0, 2.0]
+    """
+    n, dk = len(qs), ks[0].shape[-1]
+    helds = [torch.cat([k, v], -1).contiguous() for k, v in zip(ks, vs)]
+    out = []
+    for me in range(n):
+        acc = None
+        for s in range(n):
+            src = (me - s) % n
+            acc = _attention_step(block, qs[me], helds[src], dk, src, me, causal, scale, acc)
+        out.append(_attention_done(acc, qs[me].dtype, with_lse))
+    return out
+
+
+def ring_attention_run(block: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale,
+                       with_lse: bool, members: Sequence[int], me: int, timeout: float | None = None):
+    """This rank's result of a ring_attention step over the global ranks `members` (mesh order; this rank
+    is members[me], holding query block me and key block me): k and v travel as one buffer to the next
+    member while this rank attends to the block it holds (on a GPU, NCCL runs the transfer on its own
+    stream beside the attention kernel); ring_attention_simulate's result.
+
+    Example::
+
+        def work(rank):  # 2 ranks, each holding one query and one key of the sequence
+            q = k = torch.zeros(1, 1, 1, 4); v = torch.full((1, 1, 1, 4), float(rank))
+            return ring_attention_run(ops.ring_attention_block, q, k, v, False, None, False, (0, 1), rank)
+
+        ed.launch(work, nprocs=2)  # both ranks: 0.5 everywhere (equal weights on values 0 and 1)
+    """
+    n, dk = len(members), k.shape[-1]
+    to, frm = members[(me + 1) % n], members[(me - 1) % n]
+    held, acc = torch.cat([k, v], -1).contiguous(), None
+    for s in range(n):
+        nxt = torch.empty_like(held) if s < n - 1 else None
+        reqs = _exchange(held, nxt, to, frm) if nxt is not None else []
+        acc = _attention_step(block, q, held, dk, (me - s) % n, me, causal, scale, acc)
+        for r in reqs:
+            wait(r, timeout, f"ring_attention step {s} over ranks {tuple(members)}")
+        held = nxt
+    return _attention_done(acc, q.dtype, with_lse)
+
+
+# ring attention's backward: `grad(g, q, k, v, out, lse, diagonal, scale) -> (dq, dk, dv)` is one block's
+# (ops.py's; exact per key block from the rows' whole output and logsumexp)
+
+def _backward_part(grad: Callable, ops_: tuple, held, dk: int, src: int, me: int, causal: bool, scale):
+    """Rank `me`'s part of the gradients of key block `src` (k and v side by side in `held`), in the
+    logsumexp's dtype: (dq part, dk|dv part side by side), or None for a block above the causal diagonal."""
+    if causal and src > me:
+        return None
+    g, q, out, lse = ops_
+    dq, dkp, dvp = grad(g, q, held[..., :dk], held[..., dk:], out, lse, causal and src == me, scale)
+    return dq.to(lse.dtype), torch.cat([dkp, dvp], -1).to(lse.dtype)
+
+
+def ring_attention_backward_simulate(grad: Callable, gs, qs, ks, vs, outs, lses, causal: bool, scale) -> list:
+    """Every member's (dq, dk, dv) of a ring_attention_backward step, given every member's blocks on the
+    sequence (mesh order), summed in the ring's order: what ring_attention_backward_run gives each rank,
+    bit for bit. Key block j starts at member j with its accumulator and visits j + 1, .., j + n - 1, each
+    adding its part; one more hop brings the sums home to member j."""
+    n, dk = len(qs), ks[0].shape[-1]
+    helds = [torch.cat([k, v], -1).contiguous() for k, v in zip(ks, vs)]
+    parts = {(me, s): _backward_part(grad, (gs[me], qs[me], outs[me], lses[me]), helds[(me - s) % n], dk,
+                                     (me - s) % n, me, causal, scale) for me in range(n) for s in range(n)}
+    res = []
+    for me in range(n):
+        dq = None
+        for s in range(n):
+            p = parts[(me, s)]
+            if p is not None:
+                dq = p[0] if dq is None else dq + p[0]
+        acc = None  # key block me: member me + s adds its part at its step s
+        for s in range(n):
+            p = parts[((me + s) % n, s)]
+            if p is not None:
+                acc = p[1] if acc is None else acc + p[1]
+        res.append((dq.to(qs[me].dtype).contiguous(), acc[..., :dk].to(ks[me].dtype).contiguous(),
+                    acc[..., dk:].to(vs[me].dtype).contiguous()))
+    return res
+
+
+def ring_attention_backward_run(grad: Callable, g, q, k, v, out, lse, causal: bool, scale, members: Sequence[int],
+                                me: int, timeout: float | None = None):
+    """This rank's (dq, dk, dv) of a ring_attention_backward step over the global ranks `members`: at step
+    s it holds key block (me - s) mod n, sent on to the next member before its part is computed (the transfer
+    behind the compute), and that block's dk|dv accumulator, received from the previous member while the
+    part is computed, added to, and sent on; after n steps the accumulator of its own block arrives
+    complete. ring_attention_backward_simulate's result."""
+    n, dk = len(members), k.shape[-1]
+    to, frm = members[(me + 1) % n], members[(me - 1) % n]
+    held, dq, acc, acc_reqs, got = torch.cat([k, v], -1).contiguous(), None, None, [], None
+    what = f"ring_attention_backward over ranks {tuple(members)}"
+    for s in range(n):
+        nxt = torch.empty_like(held) if s < n - 1 else None
+        reqs = _exchange(held, nxt, to, frm) if nxt is not None else []
+        p = _backward_part(grad, (g, q, out, lse), held, dk, (me - s) % n, me, causal, scale)
+        for r in acc_reqs:
+            wait(r, timeout, f"{what}: accumulator of step {s - 1}")
+        acc = got  # the members' sum before this one (None at step 0: the block starts here)
+        if p is not None:
+            dq = p[0] if dq is None else dq + p[0]
+            acc = p[1] if acc is None else acc + p[1]
+        if acc is None:  # no member added yet (a causal block above every diagonal so far): zeros travel
+            acc = torch.zeros(held.shape, dtype=lse.dtype, device=held.device)
+        sent, got = acc.contiguous(), torch.empty(held.shape, dtype=lse.dtype, device=held.device)
+        acc_reqs = _exchange(sent, got, to, frm)
+        for r in reqs:
+            wait(r, timeout, f"{what}: key block of step {s}")
+        held = nxt
+    for r in acc_reqs:
+        wait(r, timeout, f"{what}: the last accumulator")
+    return dq.to(q.dtype).contiguous(), got[..., :dk].to(k.dtype).contiguous(), got[..., dk:].to(v.dtype).contiguous()
+
+
+def ring_attention_backward_kernel(grad: Callable) -> Callable:
+    """The local kernel (flag dkv_ring) of a ring_attention_backward step of sdpa_backward: on the mesh axis
+    it applies on, run the ring over this rank's group (run_local's signature), under torch.distributed."""
+    def kernel(args, operands, outputs, ctx, axes):
+        (m,) = axes
+        if not dist.is_initialized():
+            raise PlanError("ring_attention_backward: a ring step communicates; run the plan under "
+                            "torch.distributed (plan.run under ed.launch) or with ed.simulate, which runs every rank at once")
+        members = ctx.mesh.ranks_along(m, ctx.rank)
+        a = args
+        return ring_attention_backward_run(grad, a["g"], a["q"], a["k"], a["v"], a["output"], a["lse"],
+                                           bool(a.get("is_causal")), a.get("scale"), members, members.index(ctx.rank))
+    kernel.__doc__ = RINGS["ring_attention_backward"].identity
+    kernel.__name__ = "sdpa_backward_dkv_ring"
+    return kernel
+
+
+def ring_attention_kernel(block: Callable, with_lse: bool) -> Callable:
+    """The local kernel (flag kv_ring) of a ring_attention step of sdpa (with_lse=False) or sdpa_lse: on the
+    mesh axis it applies on, run the ring over this rank's group (run_local's signature). Runs under
+    torch.distributed only: simulate runs every rank of a ring step at once (lowering/collective_matmul.py).
+    """
+    def kernel(args, operands, outputs, ctx, axes):
+        (m,) = axes
+        if not dist.is_initialized():
+            raise PlanError("ring_attention: a ring step communicates; run the plan under torch.distributed "
+                            "(plan.run under ed.launch) or with ed.simulate, which runs every rank at once")
+        members = ctx.mesh.ranks_along(m, ctx.rank)
+        return ring_attention_run(block, args["q"], args["k"], args["v"], bool(args.get("is_causal")),
+                                  args.get("scale"), with_lse, members, members.index(ctx.rank))
+    kernel.__doc__ = RINGS["ring_attention"].identity
+    kernel.__name__ = f"{'sdpa_lse' if with_lse else 'sdpa'}_kv_ring"
+    return kernel
+
+
 # ---------------------------------------------------------------------------- queries
 
 def get(name: str, where: str = "") -> Kind:
@@ -721,5 +922,7 @@ def cancellation(first: str, second: str) -> Cancellation | None:
     return next((c for c in CANCELLATIONS if (c.first, c.second) == (first, second)), None)
 
 
-__all__ = ["RINGS", "RING_FLAGS", "Ring", "gemm", "ring_simulate", "ring_run", "ring_kernel", "KINDS", "Kind", "Move", "AxisGroup", "register", "get", "communicating", "is_local", "connecting",
+__all__ = ["RINGS", "RING_FLAGS", "Ring", "gemm", "ring_simulate", "ring_run", "ring_kernel", "attention_merge",
+           "ring_attention_simulate", "ring_attention_run", "ring_attention_kernel", "ring_attention_backward_simulate",
+           "ring_attention_backward_run", "ring_attention_backward_kernel", "KINDS", "Kind", "Move", "AxisGroup", "register", "get", "communicating", "is_local", "connecting",
            "Cancellation", "CANCELLATIONS", "cancellation", "wait", "to_wire", "from_wire", "padded"]

@@ -181,21 +181,27 @@ class CostModel:
         """Roofline time of one local kernel, with a launch floor."""
         return self.launch_overhead + max(flops / self.peak(dtype), nbytes / self.hbm_bandwidth)
 
-    def ring_time(self, n: int, compute_chunk: float, chunk_bytes: float, mesh_axis: int, mesh_ndim: int) -> float:
+    def ring_time(self, n: int, compute_chunk: float, chunk_bytes: float, mesh_axis: int, mesh_ndim: int,
+                  first: float | None = None) -> float:
         """Seconds for a collective matmul run as a ring of n steps on a mesh axis (collectives.RINGS):
         n - 1 steps each take the longer of one block's GEMM (compute_chunk, from compute_time) and one
         block's transfer to the neighbour (the axis's link, one phase of chunk_bytes: its latency paid per
         step), and one GEMM runs alone (the first block of a reduce-scatter ring waits on nothing; the last
-        block of an allgather ring arrives with nothing left to hide it behind).
+        block of an allgather ring arrives with nothing left to hide it behind). first: the compute of the
+        first step where it differs (ring attention under a causal mask: the diagonal block, half a block).
 
         >>> cm = CostModel.h200()
         >>> round(cm.ring_time(4, 100e-6, 3.7e6, 0, 1) * 1e6, 1)  # 3 x max(100, 10 + 10) + 100
         400.0
         >>> round(cm.ring_time(4, 5e-6, 3.7e3, 0, 1) * 1e6, 1)  # tiny: 3 x (10 us latency + 0.01) + 5
         35.0
+        >>> round(cm.ring_time(4, 100e-6, 3.7e6, 0, 1, first=50e-6) * 1e6, 1)  # max(50, 20) + 2 x 100 + 100
+        350.0
         """
         step = self.link(mesh_axis, mesh_ndim).time(1, 1.0, chunk_bytes)
-        return (n - 1) * max(compute_chunk, step) + compute_chunk
+        if first is None or n < 2:
+            return (n - 1) * max(compute_chunk, step) + compute_chunk
+        return max(first, step) + (n - 2) * max(compute_chunk, step) + compute_chunk
 
     # -------------------------------------------------------------- JSON
     def to_dict(self) -> dict:

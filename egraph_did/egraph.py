@@ -26,7 +26,7 @@ from collections import defaultdict
 from egglog import EGraph, String, eq, i64, relation, ruleset, union, var
 from egglog import rule as erule
 
-from egraph_did.rewrites import (ALL_RULES, aten, collective_matmul, experts, frontend_ops, grad_ops, pointwise,
+from egraph_did.rewrites import (ALL_RULES, aten, collective_matmul, experts, frontend_ops, grad_ops, pointwise, ring_attention,
                                   reduction, scans, views)
 from egraph_did.rewrites.rules import EGGLOG
 from egraph_did.rewrites.sorts import (AX, KERNS, LAYOUTS, OPS_SORT, PLAN, RUN, SIG, SITE, STRAT, Apart, AttrI, AttrS, AxisMap,
@@ -393,7 +393,8 @@ def _template(shape: tuple[int, ...]):
     the program and physical rulesets: declaring costs about 0.15 s, a problem loaded into a pushed copy
     of it (loaded) pays only for its facts."""
     # the collective matmuls' rings are strategies too: their rules join the program rules (RingsOn switches them)
-    program = ruleset(*program_rules(shape), *collective_matmul.egglog_rules(shape), name=f"program{shape}")
+    program = ruleset(*program_rules(shape), *collective_matmul.egglog_rules(shape), *ring_attention.egglog_rules(shape),
+                      name=f"program{shape}")
     rules = ruleset(*mesh_rules(shape), name=f"mesh{shape}")
     eg = EGraph()
     _declare(eg)

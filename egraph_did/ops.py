@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .collectives import ring_kernel
+from .collectives import ring_attention_backward_kernel, ring_attention_kernel, ring_kernel
 from .errors import DtypeError, PlanError, ShapeError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -1359,6 +1359,19 @@ def _sdpa_query_offset(args, operands, outputs, ctx, axes):
 SDPA_QUERY_OFFSET = LocalKernel("q_offset", _sdpa_query_offset)
 
 
+def ring_attention_block(q, k, v, diagonal: bool, scale=None):
+    """One step of ring attention (collectives.ring_attention_run): (out, lse) of the query block against
+    the key block the rank holds, by sdpa_lse's reference (torch's fused kernels on a GPU). diagonal: the
+    key block at the queries' own positions (equal blocks of a causal sequence), masked causally; the
+    blocks before it are attended whole, those after it skipped by the ring."""
+    return _sdpa_lse_ref(q, k, v, is_causal=diagonal, scale=scale)
+
+
+# ring attention (rewrites/ring_attention.py): q split on the sequence, k and v passed round the ring
+SDPA_RING = LocalKernel("kv_ring", ring_attention_kernel(ring_attention_block, with_lse=False))
+SDPA_LSE_RING = LocalKernel("kv_ring", ring_attention_kernel(ring_attention_block, with_lse=True))
+
+
 def _vjp_sdpa(ops, g, out, q, k, v, is_causal=False, scale=None):
     """sdpa_backward from the logsumexp of a second forward (sdpa_lse); a gradient runs sdpa as sdpa_lse
     instead (differentiated_as), which computes it once"""
@@ -1386,7 +1399,7 @@ def _rfactor_sdpa(ops, blocks, q, k, v, is_causal=False, scale=None):
     return _rfactor_attention(ops, blocks, q, k, v, is_causal, scale, with_lse=False)
 
 
-@op("sdpa", "attention", _sdpa_ref, _decompose_sdpa, flops=_sdpa_flops, local_kernels=(SDPA_QUERY_OFFSET,),
+@op("sdpa", "attention", _sdpa_ref, _decompose_sdpa, flops=_sdpa_flops, local_kernels=(SDPA_QUERY_OFFSET, SDPA_RING),
     rfactor=_rfactor_sdpa, vjp=_vjp_sdpa, differentiated_as="sdpa_lse")
 def sdpa(q, k, v, is_causal: bool = False, scale: float | None = None):
     """Scaled dot-product attention on [batch, heads, seq, head_dim] operands (torch's sdpa)."""
@@ -1496,7 +1509,7 @@ def _sdpa_lse_flops(ins, outs, args) -> float:
     return _sdpa_flops(ins, outs, args) + float(math.prod(outs[1]))
 
 
-@op("sdpa_lse", "attention", _sdpa_lse_ref, flops=_sdpa_lse_flops, local_kernels=(SDPA_LSE_QUERY_OFFSET,),
+@op("sdpa_lse", "attention", _sdpa_lse_ref, flops=_sdpa_lse_flops, local_kernels=(SDPA_LSE_QUERY_OFFSET, SDPA_LSE_RING),
     rfactor=_rfactor_attention, vjp=_vjp_sdpa_lse)
 def sdpa_lse(q, k, v, is_causal: bool = False, scale: float | None = None):
     """sdpa that also gives the logsumexp of each query's scaled scores, [batch, heads, seq_q] (float32 for
@@ -1612,6 +1625,18 @@ def _sdpa_backward_causal_offsets(args, operands, outputs, ctx, axes):
 SDPA_BACKWARD_CAUSAL_OFFSETS = LocalKernel("causal_offsets", _sdpa_backward_causal_offsets)
 
 
+def ring_attention_backward_block(g, q, k, v, out, lse, diagonal: bool, scale=None):
+    """One step of ring attention's backward (collectives.ring_attention_backward_run): (dq, dk, dv) of the
+    query block against the key block the rank holds, exact from the rows' whole output and logsumexp, by
+    sdpa_backward's reference (torch's fused backward on a GPU); diagonal: the block at the queries' own
+    positions, masked causally."""
+    return _sdpa_backward_ref(g, q, k, v, out, lse, is_causal=diagonal, scale=scale)
+
+
+# ring attention's backward (rewrites/ring_attention.py): k and v travel with their dk, dv accumulators
+SDPA_BACKWARD_RING = LocalKernel("dkv_ring", ring_attention_backward_kernel(ring_attention_backward_block))
+
+
 def _sdpa_backward_flops(ins, outs, args) -> float:
     """the scores again, then dv, dp, dq and dk: five GEMMs of the forward's size (half under a causal mask)"""
     b, h, sq, d = ins[1]
@@ -1620,7 +1645,7 @@ def _sdpa_backward_flops(ins, outs, args) -> float:
 
 
 @op("sdpa_backward", "attention", _sdpa_backward_ref, flops=_sdpa_backward_flops,
-    local_kernels=(SDPA_BACKWARD_CAUSAL_OFFSETS,),
+    local_kernels=(SDPA_BACKWARD_CAUSAL_OFFSETS, SDPA_BACKWARD_RING),
     no_grad="the backward of attention: a gradient of a gradient (double backward) is not supported")
 def sdpa_backward(g, q, k, v, output, lse, is_causal: bool = False, scale: float | None = None):
     """The gradients (dq, dk, dv) of sdpa from the output's gradient g, the operands, sdpa's output and the
@@ -1925,16 +1950,52 @@ def _group_rows(offsets: torch.Tensor, rows: int, what: str) -> list[tuple[int, 
     return list(zip(starts, ends))
 
 
+def _one_grouped_call(*ts: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm runs these operands in one call: on the CPU in float32 / bfloat16 / float16
+    (torch's fallback, an mm per group in C++: the same numbers as the Python loop), on a CUDA device of
+    compute capability 9 or later in bfloat16 with rows of 16-byte multiples (its CUTLASS kernel); otherwise
+    the operands run expert by expert (float64 everywhere, older GPUs)."""
+    t = ts[0]
+    if not hasattr(torch, "_grouped_mm") or t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if not all(_aligned(u) for u in ts):
+        return False  # torch's kernels (and its CPU fallback) take 16-byte aligned matrices only
+    if t.device.type == "cpu":
+        return True
+    return t.device.type == "cuda" and t.dtype == torch.bfloat16 and torch.cuda.get_device_capability(t.device) >= (9, 0)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """t's matrices as torch._grouped_mm takes them: one of the last two strides 1, the other and any batch
+    stride a multiple of 16 bytes, the data 16-byte aligned."""
+    *batch, a, b = t.stride()
+    lead = a if b == 1 else b if a == 1 else None
+    return lead is not None and t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in (*batch, lead))
+
+
+def _held_rows(spans, lo: int, hi: int, e_lo: int, e_hi: int) -> list[tuple[int, int]]:
+    """Each of experts e_lo..e_hi's rows within the global rows lo..hi, as local [start, stop): consecutive
+    ranges (the experts' rows are), empty where an expert has none there."""
+    return [(min(max(a, lo), hi) - lo, min(max(b, lo), hi) - lo) for a, b in spans[e_lo:e_hi]]
+
+
 def _grouped_mm_block(x, w, offsets, start=0, total=None, e_lo=0):
     """grouped_mm on one rank's block: x holds the global rows start.. of `total` (None: x is whole), w the
-    experts e_lo.. (offsets global). Rows of other experts, and past offsets[-1], are zero."""
-    lo, hi = start, start + x.shape[0]
+    experts e_lo.. (offsets global). Rows of other experts, and past offsets[-1], are zero. The experts' rows
+    the block holds are one range, run as one torch._grouped_mm where it serves (_one_grouped_call)."""
     out = torch.zeros(x.shape[0], w.shape[2], dtype=x.dtype, device=x.device)
     spans = _group_rows(offsets, x.shape[0] if total is None else total, "grouped_mm")
-    for e in range(e_lo, e_lo + w.shape[0]):
-        a, b = max(spans[e][0], lo), min(spans[e][1], hi)
+    rows = _held_rows(spans, start, start + x.shape[0], e_lo, e_lo + w.shape[0])
+    if not rows or rows[-1][1] <= rows[0][0]:
+        return out
+    first, last = rows[0][0], rows[-1][1]
+    if _one_grouped_call(x[first:last], w):
+        ends = torch.tensor([b - first for _, b in rows], dtype=torch.int32, device=x.device)
+        out[first:last] = torch._grouped_mm(x[first:last], w, offs=ends)
+        return out
+    for e, (a, b) in enumerate(rows):
         if b > a:
-            out[a - lo:b - lo] = x[a - lo:b - lo] @ w[e - e_lo]
+            out[a:b] = x[a:b] @ w[e]
     return out
 
 
@@ -2016,14 +2077,18 @@ def grouped_mm(x, w, offsets):
 def _grouped_wgrad_block(x, g, offsets, start=0, total=None, e_lo=0, e_hi=None):
     """Per expert e_lo..e_hi (None: every one), x[rows]^T g[rows] over the rows of x and g the rank holds
     (the global rows start.. of `total`; None: x and g are whole)."""
-    lo, hi = start, start + x.shape[0]
     e_hi = offsets.shape[0] if e_hi is None else e_hi
-    out = torch.zeros(e_hi - e_lo, x.shape[1], g.shape[1], dtype=x.dtype, device=x.device)
     spans = _group_rows(offsets, x.shape[0] if total is None else total, "grouped_mm_wgrad")
-    for e in range(e_lo, e_hi):
-        a, b = max(spans[e][0], lo), min(spans[e][1], hi)
+    rows = _held_rows(spans, start, start + x.shape[0], e_lo, e_hi)
+    first, last = (rows[0][0], rows[-1][1]) if rows else (0, 0)
+    if last > first and _one_grouped_call(x[first:last].transpose(0, 1), g[first:last]):
+        # one call over the experts' rows: an expert with none gets zeros from it too
+        ends = torch.tensor([b - first for _, b in rows], dtype=torch.int32, device=x.device)
+        return torch._grouped_mm(x[first:last].transpose(0, 1), g[first:last], offs=ends)
+    out = torch.zeros(e_hi - e_lo, x.shape[1], g.shape[1], dtype=x.dtype, device=x.device)
+    for e, (a, b) in enumerate(rows):
         if b > a:
-            out[e - e_lo] = x[a - lo:b - lo].transpose(0, 1) @ g[a - lo:b - lo]
+            out[e] = x[a:b].transpose(0, 1) @ g[a:b]
     return out
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from egraph_did.rewrites import AxisStrategy, Operand, OpView, axis_strategies, collective_matmul
 from egraph_did.rewrites.collective_matmul import add_ring_strategies, unringed
+from egraph_did.rewrites import ring_attention
 
 from .cost import CostModel
 from .errors import PlanError
@@ -438,6 +439,7 @@ def _build(user: Fusion, mesh: DeviceMesh, cost_model: CostModel | None, pins, l
         problem.strategies[key] = expr_strategies(e, mesh, cm, problem, priced, fused[key])
     if collective_matmul.NAME in problem.rewrites:  # rings of GEMMs and their collectives, priced (a replay keeps its own)
         add_ring_strategies(problem)
+        ring_attention.add_attention_rings(problem)  # rings of attention and its key/value all-gather
     if like is not None:
         _restrict_to(problem, like)
     return problem
@@ -461,7 +463,9 @@ def _restrict_to(problem: Problem, like) -> None:
         for flag, axes in s.flags:  # a ring: the plain GEMM it replaced serves where these shapes cannot ring
             if flag in RING_FLAGS and not any(
                     (t.inputs, t.outputs) == (ins, outs) for t in problem.strategies.get(key, ())):
-                used[key].add(unringed(RING_FLAGS[flag].name, ins, outs, axes[0]))
+                ring = RING_FLAGS[flag].name
+                used[key].add(unringed(ring, ins, outs, axes[0]) if ring not in ring_attention.RULES else
+                              ring_attention.unringed(s.op, tuple(s.operands), ins, outs, axes[0]))
     for key, strats in problem.strategies.items():
         keep = used.get(key, set())
         problem.strategies[key] = [s for s in strats if (s.inputs, s.outputs) in keep]

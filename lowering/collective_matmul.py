@@ -11,8 +11,10 @@ from typing import Mapping
 
 import torch
 
-from egraph_did.collectives import RING_FLAGS, Ring, ring_simulate
+from egraph_did.collectives import (RING_FLAGS, Ring, ring_attention_backward_simulate, ring_attention_simulate,
+                                   ring_simulate)
 from egraph_did.layout import Layout
+from egraph_did.ops import ring_attention_backward_block, ring_attention_block
 from egraph_did.plan import ComputeStep, Plan
 
 
@@ -49,6 +51,8 @@ def simulate_ring(plan: Plan, step: ComputeStep, env: Mapping[str, Mapping[int, 
             [2., 2.]])
     """
     ring, m = ring_of(step)
+    if ring.name in ("ring_attention", "ring_attention_backward"):
+        return _simulate_attention_ring(plan, step, env, m)
     xv, wv = step.reads
     a = _layout(plan, xv if ring.name == "allgather_matmul" else step.outputs[0])[m].axis  # the rows it cuts
     out: dict[int, torch.Tensor] = {}
@@ -56,6 +60,27 @@ def simulate_ring(plan: Plan, step: ComputeStep, env: Mapping[str, Mapping[int, 
         ys = ring_simulate(ring.name, step.op, [env[xv][r] for r in group], [env[wv][r] for r in group], a)
         out.update(zip(group, ys))
     return {step.outputs[0]: out}
+
+
+def _simulate_attention_ring(plan: Plan, step: ComputeStep, env, m: int) -> dict[str, dict[int, torch.Tensor]]:
+    """Every rank's outputs of a ring attention step (sdpa: out; sdpa_lse: out and lse; sdpa_backward: dq,
+    dk, dv), by collectives.ring_attention_simulate (ring_attention_backward_simulate) on each group of mesh
+    axis m, with ops.ring_attention_block (ring_attention_backward_block)."""
+    attrs = {k: v for k, v in step.args if k not in step.tensor_params}
+    causal, scale = bool(attrs.get("is_causal")), attrs.get("scale")
+    outs: list[dict[int, torch.Tensor]] = [{} for _ in step.outputs]
+    for group in plan.mesh.groups(m):
+        blocks = {p: [env[v][r] for r in group] for p, v in step.operands.items()}
+        if step.op == "sdpa_backward":
+            res = ring_attention_backward_simulate(ring_attention_backward_block, *(blocks[p] for p in (
+                "g", "q", "k", "v", "output", "lse")), causal, scale)
+        else:
+            res = ring_attention_simulate(ring_attention_block, blocks["q"], blocks["k"], blocks["v"], causal, scale,
+                                          step.op == "sdpa_lse")
+        for r, got in zip(group, res):
+            for i, t in enumerate(got if isinstance(got, tuple) else (got,)):
+                outs[i][r] = t
+    return dict(zip(step.outputs, outs))
 
 
 def _layout(plan: Plan, value: str) -> Layout:

@@ -59,7 +59,8 @@ def test_every_local_kernel_is_named_by_a_rule_on_its_cases():
 
 
 def test_every_ring_kernel_is_named_by_the_collective_matmul_rules():
-    """Each op's ring kernels (ag_ring, rs_ring) are what add_ring_strategies derives for it on a 4-rank mesh."""
+    """Each op's ring kernels (ag_ring, rs_ring; kv_ring, dkv_ring) are what add_ring_strategies
+    (add_attention_rings) derives for it on a 4-rank mesh."""
     import egraph_did as ed
     from egraph_did.problem import build_problem
 
@@ -71,6 +72,15 @@ def test_every_ring_kernel_is_named_by_the_collective_matmul_rules():
             fd.add_output(getattr(fd.ops, op)(x, w), name="y")
         problem = build_problem(fd, ed.DeviceMesh.arange(4), rewrites=["collective_matmul"])
         named |= {(op, f) for s in problem.strategies["y"] for fs in s.flags for f in fs if f in RING_FLAGS}
+    for op in ("sdpa", "sdpa_lse", "sdpa_backward"):
+        with ed.FusionDefinition() as fd:
+            q = fd.define_tensor((1, 2, 8, 4), name="q")
+            out = getattr(fd.ops, "sdpa_lse" if op == "sdpa_lse" else "sdpa")(q, q, q)
+            fd.add_output(fd.ops.sum(out[0] if op == "sdpa_lse" else out), name="y")
+        problem = build_problem(ed.grad(fd, "y", ["q"]) if op == "sdpa_backward" else fd, ed.DeviceMesh.arange(4),
+                                rewrites=["collective_matmul"])
+        key = next(k for k, e in problem.exprs.items() if e.op.name == op)
+        named |= {(op, f) for s in problem.strategies[key] for fs in s.flags for f in fs if f in RING_FLAGS}
     assert named == declared and declared
 
 

@@ -1133,6 +1133,43 @@ def test_grouped_mm_refuses_decreasing_offsets_or_offsets_past_the_rows_naming_t
         ed.evaluate(fd, {**args, "offsets": torch.tensor([2, 2, 5, 9])})
 
 
+def _count_grouped_calls(monkeypatch) -> list:
+    calls, real = [], torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("start, total, e_lo, experts", [(0, None, 0, 4), (3, 12, 0, 4), (4, 12, 1, 2), (8, 12, 2, 2)])
+def test_grouped_mm_blocks_run_as_one_grouped_call_with_the_loops_numbers(monkeypatch, start, total, e_lo, experts):
+    """A rank's block (its rows start.. of total, its experts e_lo..) in float32 with 16-byte rows runs as one
+    torch._grouped_mm over the rows its experts hold, bit for bit the expert-by-expert loop (float64 runs it)."""
+    from egraph_did.ops import _grouped_mm_block, _grouped_wgrad_block
+    offsets = torch.tensor([2, 2, 7, 11])  # expert 1 empty, row 11 past the end
+    rows = 12 - start if total is None else 4
+    x, w, g = (rand(*sh, dtype=torch.float32, seed=k) for k, sh in enumerate([(rows, 8), (experts, 8, 4), (rows, 4)]))
+    calls = _count_grouped_calls(monkeypatch)
+    y = _grouped_mm_block(x, w, offsets, start, total, e_lo)
+    dw = _grouped_wgrad_block(x, g, offsets, start, total, e_lo, e_lo + experts)
+    loop_y = _grouped_mm_block(x.double(), w.double(), offsets, start, total, e_lo)
+    loop_dw = _grouped_wgrad_block(x.double(), g.double(), offsets, start, total, e_lo, e_lo + experts)
+    held = sum(1 for r in range(start, start + rows) for e in range(e_lo, e_lo + experts)
+               if (offsets[e - 1] if e else 0) <= r < offsets[e])
+    assert len(calls) == (2 if held else 0)  # one call each, none where the block holds no row of its experts
+    assert torch.allclose(y.double(), loop_y, atol=1e-6) and torch.allclose(dw.double(), loop_dw, atol=1e-6)
+    outside = [r for r in range(rows) if not any((offsets[e - 1] if e else 0) <= start + r < offsets[e]
+                                                 for e in range(e_lo, e_lo + experts))]
+    assert not y[outside].any()  # rows of other experts and past the end stay zero (torch leaves them unset)
+
+
+def test_grouped_mm_with_unaligned_rows_runs_expert_by_expert(monkeypatch):
+    """Rows of 3 floats (12 bytes) are no 16-byte matrix for torch._grouped_mm: the loop runs them."""
+    from egraph_did.ops import _grouped_mm_block
+    calls = _count_grouped_calls(monkeypatch)
+    x, w = rand(7, 3, dtype=torch.float32), rand(4, 3, 5, dtype=torch.float32, seed=1)
+    offsets = torch.tensor([2, 2, 5, 6])
+    assert torch.allclose(_grouped_mm_block(x, w, offsets), grouped_mm_ref(x, w, offsets)) and not calls
+
+
 def test_histc_needs_its_range():
     from egraph_did.ops import TensorSpec, histc
     x = TensorSpec("ids", (6,), F32, ("s",))
