@@ -1339,11 +1339,25 @@ def _decompose_sdpa(ops, q, k, v, is_causal=False, scale=None):
     return ops.matmul(ops.softmax(s, -1), v)
 
 
+def _causal_pairs(sq: int, sk: int) -> float:
+    """Query-key pairs a causal mask leaves of an sq x sk block of the busiest rank: sq sk - min(sq, sk)^2 / 2.
+    A whole square is half of it; a shard of the queries (or of the keys) beside all the keys (queries) is
+    priced at the last (first) shard, which meets nearly all of them: the ranks wait for it, so the others'
+    lighter shares do not make the step shorter (the even share sq sk / 2 priced 8 ranks' query split at
+    half of what its last rank does, so ring attention, priced at its busiest rank, looked dearer).
+
+    >>> _causal_pairs(8, 8), _causal_pairs(2, 8), _causal_pairs(8, 2)
+    (32.0, 14.0, 14.0)
+    """
+    return sq * sk - min(sq, sk) ** 2 / 2
+
+
 def _sdpa_flops(ins, outs, args) -> float:
-    """q k^T and p v (half of both under a causal mask), and the softmax's few operations per score."""
+    """q k^T and p v (the pairs a causal mask leaves: _causal_pairs), and the softmax's few operations per score."""
     b, h, sq, d = ins[0]
     sk = ins[1][2]
-    return (2.0 if args.get("is_causal") else 4.0) * b * h * sq * sk * d + 4.0 * b * h * sq * sk
+    pairs = _causal_pairs(sq, sk) if args.get("is_causal") else sq * sk
+    return 4.0 * b * h * pairs * d + 4.0 * b * h * sq * sk
 
 
 def _sdpa_query_offset(args, operands, outputs, ctx, axes):
@@ -1638,10 +1652,12 @@ SDPA_BACKWARD_RING = LocalKernel("dkv_ring", ring_attention_backward_kernel(ring
 
 
 def _sdpa_backward_flops(ins, outs, args) -> float:
-    """the scores again, then dv, dp, dq and dk: five GEMMs of the forward's size (half under a causal mask)"""
+    """the scores again, then dv, dp, dq and dk: five GEMMs of the forward's size (the pairs a causal mask
+    leaves: _causal_pairs)"""
     b, h, sq, d = ins[1]
     sk = ins[2][2]
-    return (5.0 if args.get("is_causal") else 10.0) * b * h * sq * sk * d + 6.0 * b * h * sq * sk
+    pairs = _causal_pairs(sq, sk) if args.get("is_causal") else sq * sk
+    return 10.0 * b * h * pairs * d + 6.0 * b * h * sq * sk
 
 
 @op("sdpa_backward", "attention", _sdpa_backward_ref, flops=_sdpa_backward_flops,

@@ -26,9 +26,9 @@ What neither a pin nor the cost model gives here (tests/optimizer has the golden
 own; measured at this session's code): at vocab 2048 a lm head pinned split is all-gathered (1 MiB) and the
 loss runs on whole logits; context parallelism: the keys and values of Llama's attention pinned split on
 the sequence at 16k tokens are gathered (8 MiB each) for query-sequence attention, and free, the plan splits
-heads (Ulysses' all-to-alls, with 4 key/value heads) or the queries (GQA); at 32768 tokens, free or with q, k
-and v pinned split on the sequence, still the queries with k and v gathered, not ring attention (kv_ring:
-causal rings are priced at the last rank's work, tests/optimizer/test_ring_attention.py); expert parallelism with the
+heads (Ulysses' all-to-alls, with 4 key/value heads) or the queries (GQA); at 32768 tokens of one sequence,
+free, the plan splits the 4 heads (7.548 ms predicted; the causal ring wins where k and v stay split on the
+sequence: tests/optimizer/test_ring_attention.py's causal golden); expert parallelism with the
 experts' weights free (their f axis is split instead: tests/face/test_parallelize_mixtral_grouped.py)."""
 from __future__ import annotations
 
