@@ -747,7 +747,7 @@ def _undo(choice: dict[str, Node], refs: dict[str, int], record: tuple) -> None:
 
 
 def _best_of(graph: PhysGraph, order: list[str], penalty: float, improve: bool = True,
-             skeleton: _Skeleton | None = None) -> dict[str, Node] | None:
+             skeleton: _Skeleton | None = None, buy: bool = True) -> dict[str, Node] | None:
     """The cheapest of greedy-DAG, amortized greedy and (improve) greedy with shared values bought up
     front, then (improve) polished by local search and, without a memory price on graphs up to
     RELINK_MAX_CLASSES (or of few tensors: _relinks), by the regions of the layout plans (_relink). skeleton: the graph's, if built already."""
@@ -789,7 +789,7 @@ def _best_of(graph: PhysGraph, order: list[str], penalty: float, improve: bool =
         relinked = _relink(graph, improved, plans, penalty)
         if _dag_weight(relinked, penalty) < _dag_weight(improved, penalty):
             improved = _improve(graph, relinked, fallback, penalty, skeleton=w.skeleton)
-    if polish and len(order) <= BOUGHT_MAX_CLASSES:
+    if buy and polish and len(order) <= BOUGHT_MAX_CLASSES:
         improved = _bought_computations(graph, w, improved, fallback, penalty)
     return _regathered(graph, improved, fallback, penalty, w.skeleton)
 
@@ -889,11 +889,12 @@ LADDER_START = 1e-6
 LADDER_STEP = 4.0
 
 
-def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = None) -> Selection:
+def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = None, buy: bool = True) -> Selection:
     """Bottom-up greedy: each class keeps the cheapest node counting shared descendants once; an
     amortized variant and greedy reruns with one value several tensors read bought up front catch values
     worth sharing that no single consumer buys alone; a local search (switch one class, complete what it
-    needs) polishes the cheapest.
+    needs) polishes the cheapest. `buy=False`: without _bought_computations (the exact DP's quick plans on its
+    priced graphs, which only limit its search).
 
     >>> g = PhysGraph({"w": [Node("Load", (), "w")],
     ...                "w:R": [Node("Coll", ("w",), "allgather", 0, cost=20e-6)],
@@ -904,14 +905,14 @@ def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = 
     (22, 0)
     """
     with gc_paused():
-        return _greedy_dag(graph, roots, memory_limit)
+        return _greedy_dag(graph, roots, memory_limit, buy)
 
 
-def _greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None) -> Selection:
+def _greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None, buy: bool = True) -> Selection:
     """greedy_dag's work (the collector paused around it)."""
     order = _topo_order(graph, roots)
     skeleton = _Skeleton(graph, order)
-    chosen = _best_of(graph, order, 0.0, skeleton=skeleton)
+    chosen = _best_of(graph, order, 0.0, skeleton=skeleton, buy=buy)
     if chosen is None:
         raise PlanError("no plan computes every output from the pinned inputs: a pin cannot be honoured")
     cost, mem = _total(chosen)
@@ -1867,7 +1868,7 @@ def _exact_dp(graph: PhysGraph, roots: list[str], memory_limit: float | None, gr
                            upper=None if greedy is None else greedy.cost, memory_limit=memory_limit,
                            upper_memory=None if greedy is None else greedy.memory,
                            time_limit=min(DP_SHARE * time_limit, DP_MAX_S), found=found,
-                           quick=lambda g, r: greedy_dag(g, r).choice)
+                           quick=lambda g, r: greedy_dag(g, r, buy=False).choice)  # its limits as before _bought_computations
     stats = {"exact_dp_s": time.perf_counter() - t0, **({} if res is None else res.stats)}
     if res is None:
         if greedy is None and found.get("choice") is not None:
