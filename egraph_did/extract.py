@@ -994,7 +994,9 @@ def _dominant_price(graph: PhysGraph, order: list[str]) -> float | None:
     """A price of a byte past which greedy's choices no longer change: every node's memory a whole number of
     bytes, so two sets that differ in memory differ by a byte at least, and at a price above the sum of every
     node's time that byte outweighs any difference in time (sets of equal memory are still ordered by time).
-    Dearer prices only lose the time's digits to rounding. None where some node's memory is not whole."""
+    Dearer prices only lose the time's digits to rounding. (The amortized variant splits a value among its
+    readers, so its memory differences may be fractions of a byte: it is one candidate of each pass, not the
+    pass.) None where some node's memory is not whole."""
     total = 0.0
     for c in order:
         for n in graph.classes[c]:
