@@ -747,7 +747,7 @@ def _undo(choice: dict[str, Node], refs: dict[str, int], record: tuple) -> None:
 
 
 def _best_of(graph: PhysGraph, order: list[str], penalty: float, improve: bool = True,
-             skeleton: _Skeleton | None = None) -> dict[str, Node] | None:
+             skeleton: _Skeleton | None = None, buy: bool = True) -> dict[str, Node] | None:
     """The cheapest of greedy-DAG, amortized greedy and (improve) greedy with shared values bought up
     front, then (improve) polished by local search and, without a memory price on graphs up to
     RELINK_MAX_CLASSES (or of few tensors: _relinks), by the regions of the layout plans (_relink). skeleton: the graph's, if built already."""
@@ -789,7 +789,55 @@ def _best_of(graph: PhysGraph, order: list[str], penalty: float, improve: bool =
         relinked = _relink(graph, improved, plans, penalty)
         if _dag_weight(relinked, penalty) < _dag_weight(improved, penalty):
             improved = _improve(graph, relinked, fallback, penalty, skeleton=w.skeleton)
+    if buy and polish and len(order) <= BOUGHT_MAX_CLASSES:
+        improved = _bought_computations(graph, w, improved, fallback, penalty)
     return _regathered(graph, improved, fallback, penalty, w.skeleton)
+
+
+# _bought_computations only on graphs up to this many classes (of few tensors): a try per multi-output
+# computation the plan does not hold, each a partial greedy pass and a local search (0.4-2.5 s on the fuzz
+# cases of 1,700-2,900 classes of seed 39 it was measured on)
+BOUGHT_MAX_CLASSES = 4_000
+
+
+def _bought_computations(graph: PhysGraph, w: _Weighted, choice: dict[str, Node], fallback: dict[str, Node],
+                         penalty: float) -> dict[str, Node]:
+    """Greedy again with one multi-output computation the plan does not hold (an attention, its backward, or a
+    rewrite's blocks of them) bought up front, each at its cheapest route given the plan (_completions: its
+    inputs taken from the layouts the plan holds, not derived afresh as greedy's own set for it would), then
+    the local search; the cheapest plan kept where one beats `choice`. Its outputs are read by several tensors
+    (the attention backward's three gradients), each of which alone prefers to slice or gather its layout from
+    the plan's computation: only bought together do they drop it (fuzz seed 39 case 590: the backward computed
+    replicated and two gradients sliced to their pinned head split, 54.0 us, where computing it head-split
+    costs 50.0, the exact optimum; cases 495 66.0 -> 60.0 and 7644 66.0 -> 62.0, both exact's)."""
+    sk = w.skeleton
+    _, parents = sk.readers()
+    multi = [d for d in w.order if d not in graph.ident and d not in choice and d in parents
+             and any(n.op == "Apply" for n in graph.classes[d])
+             and any(n.op == "Proj" for p in parents[d] for n in graph.classes[p])]
+    if not multi:
+        return choice
+    near = _completions(sk, choice, penalty)
+    base = _greedy_sets(graph, w)
+    best, weight = choice, _dag_weight(choice, penalty)
+    for d in multi:
+        if d not in near:
+            continue
+        cone, stack = {}, [d]
+        while stack:
+            c = stack.pop()
+            if c not in cone:
+                cone[c] = choice.get(c) or near[c]
+                stack.extend(cone[c].children)
+        priced = [c for c, n in cone.items() if w.weight[w.index[id(n)]] > 0]
+        trial = _greedy_sets(graph, w, cone, base, _ancestors(priced, parents))
+        plan = _chosen(trial, w)
+        if plan is None:
+            continue
+        plan = _improve(graph, plan, {**fallback, **near, **plan}, penalty, skeleton=sk)
+        if _dag_weight(plan, penalty) < weight - 1e-15:
+            best, weight = plan, _dag_weight(plan, penalty)
+    return best
 
 
 def _regathered(graph: PhysGraph, choice: dict[str, Node], fallback: dict[str, Node], penalty: float,
@@ -841,11 +889,12 @@ LADDER_START = 1e-6
 LADDER_STEP = 4.0
 
 
-def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = None) -> Selection:
+def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = None, buy: bool = True) -> Selection:
     """Bottom-up greedy: each class keeps the cheapest node counting shared descendants once; an
     amortized variant and greedy reruns with one value several tensors read bought up front catch values
     worth sharing that no single consumer buys alone; a local search (switch one class, complete what it
-    needs) polishes the cheapest.
+    needs) polishes the cheapest. `buy=False`: without _bought_computations (the exact DP's quick plans on its
+    priced graphs, which only limit its search).
 
     >>> g = PhysGraph({"w": [Node("Load", (), "w")],
     ...                "w:R": [Node("Coll", ("w",), "allgather", 0, cost=20e-6)],
@@ -856,31 +905,40 @@ def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = 
     (22, 0)
     """
     with gc_paused():
-        return _greedy_dag(graph, roots, memory_limit)
+        return _greedy_dag(graph, roots, memory_limit, buy)
 
 
-def _greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None) -> Selection:
+def _greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None, buy: bool = True) -> Selection:
     """greedy_dag's work (the collector paused around it)."""
     order = _topo_order(graph, roots)
     skeleton = _Skeleton(graph, order)
-    chosen = _best_of(graph, order, 0.0, skeleton=skeleton)
+    chosen = _best_of(graph, order, 0.0, skeleton=skeleton, buy=buy)
     if chosen is None:
         raise PlanError("no plan computes every output from the pinned inputs: a pin cannot be honoured")
     cost, mem = _total(chosen)
     if memory_limit is not None and mem > memory_limit:
         lo, hi = 0.0, 1e-12
         best_fit = None
+        top = _dominant_price(graph, order)
         for _ in range(60):  # grow the price of a byte until the plan fits, then bisect (no local search
             trial = _best_of(graph, order, hi, False, skeleton)  # inside the loop: it is the costly part)
             if _total(trial)[1] <= memory_limit:
                 best_fit = trial
                 break
+            if top is not None and hi >= top:  # a dearer byte changes no choice (fuzz seed 39 case 4028:
+                break  # 40 of its 60 passes, 4 of its 15 s, ran past it, up to 1.3e24 s a byte)
             hi *= 4
         if best_fit is None:
             # the local search at that price may fit where the plain passes do not (fuzz seed 38 case 6262: their
             # smallest plan 1,934 B over a bound of 1,858 B, the polished one 1,758 B; the exact extractor's
             # optimum 110 us within it); the bisection and the ladder below then start from it
             polished = _best_of(graph, order, hi, skeleton=skeleton)
+            if _total(polished)[1] > memory_limit:
+                # and the layout plans (left out of _best_of under a price): a region computed in one layout,
+                # which no switch of one class reaches (fuzz seed 39 case 481: greedy's plans computed the
+                # attention twice, in two layouts, one for each output; the replicated layout's plan, polished,
+                # computes it once and fits, 4788 B within 4871 B, where every pass's smallest needed 5796 B)
+                polished = _fitting_layout_plan(graph, order, hi, skeleton, polished, memory_limit) or polished
             if _total(polished)[1] > memory_limit:
                 smallest = min(_total(trial)[1], _total(polished)[1])
                 raise MemoryBoundError(f"no plan fits the memory bound of {size_text(memory_limit)} per device (the "
@@ -930,6 +988,37 @@ def _greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None) 
                 chosen = _improve(graph, relinked, wider, 0.0, memory_limit=memory_limit, skeleton=skeleton)
         cost, mem = _total(chosen)
     return Selection(chosen, cost, mem, "greedy-dag")
+
+
+def _dominant_price(graph: PhysGraph, order: list[str]) -> float | None:
+    """A price of a byte past which greedy's choices no longer change: every node's memory a whole number of
+    bytes, so two sets that differ in memory differ by a byte at least, and at a price above the sum of every
+    node's time that byte outweighs any difference in time (sets of equal memory are still ordered by time).
+    Dearer prices only lose the time's digits to rounding. (The amortized variant splits a value among its
+    readers, so its memory differences may be fractions of a byte: it is one candidate of each pass, not the
+    pass.) None where some node's memory is not whole."""
+    total = 0.0
+    for c in order:
+        for n in graph.classes[c]:
+            if n.memory != int(n.memory):
+                return None
+            total += n.cost
+    return 2 * total + 1e-12
+
+
+def _fitting_layout_plan(graph: PhysGraph, order: list[str], penalty: float, skeleton: _Skeleton,
+                         polished: dict[str, Node], memory_limit: float) -> dict[str, Node] | None:
+    """The lightest plan (time plus `penalty` a byte) within memory_limit among the layout plans at that price
+    (_layout_plans, both rounds), each polished by the local search from `polished` (the polished pass's plan),
+    and `polished` relinked with their regions; None where none fits."""
+    w = _Weighted.of(graph, order, penalty, skeleton)
+    fits = []
+    for surcharge in (False, True):
+        plans = [_improve(graph, p, polished, penalty) for p in _layout_plans(graph, w, surcharge)]
+        for p in (*plans, _relink(graph, polished, plans, penalty)):
+            if _total(p)[1] <= memory_limit:
+                fits.append(p)
+    return min(fits, key=lambda p: _dag_weight(p, penalty), default=None)
 
 
 def _feasible_nodes(graph: PhysGraph, order: list[str]) -> dict[str, list[Node]]:
@@ -1781,7 +1870,7 @@ def _exact_dp(graph: PhysGraph, roots: list[str], memory_limit: float | None, gr
                            upper=None if greedy is None else greedy.cost, memory_limit=memory_limit,
                            upper_memory=None if greedy is None else greedy.memory,
                            time_limit=min(DP_SHARE * time_limit, DP_MAX_S), found=found,
-                           quick=lambda g, r: greedy_dag(g, r).choice)
+                           quick=lambda g, r: greedy_dag(g, r, buy=False).choice)  # its limits as before _bought_computations
     stats = {"exact_dp_s": time.perf_counter() - t0, **({} if res is None else res.stats)}
     if res is None:
         if greedy is None and found.get("choice") is not None:
