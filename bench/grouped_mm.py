@@ -1,6 +1,7 @@
-"""grouped_mm's local kernel on a GPU: one torch._grouped_mm call (what ops._grouped_mm_block runs for bf16 on
-compute capability 9+) against the expert-by-expert loop it ran before, forward and weight gradient, for
-Mixtral-8x7B-shaped experts (d 4096, f 14336, 8 experts, top-2 routing) at a few token counts, skewed routing.
+"""grouped_mm's local kernel on a GPU: one torch._grouped_mm call against the expert-by-expert loop, forward and
+weight gradient, for Mixtral-8x7B-shaped experts (d 4096, f 14336, 8 experts, top-2 routing) at a few token
+counts, skewed routing. What ops runs on a GPU follows it: the weight gradient as one call, the forward as the
+loop (bench/results_grouped_mm_h100.txt).
 
     python bench/grouped_mm.py          # a GPU: triton.testing.do_bench medians, us, and the ratio loop / one call
     python bench/grouped_mm.py --small  # anywhere: tiny float32 shapes, numerics only
@@ -55,7 +56,8 @@ def main() -> None:
         x = torch.randn(rows, d, device=dev, generator=g).to(dt)
         w = (torch.randn(experts, d, f, device=dev, generator=g) / d ** 0.5).to(dt)
         dy = torch.randn(rows, f, device=dev, generator=g).to(dt)
-        pairs = {"forward": (lambda: ops._grouped_mm_block(x, w, offsets), lambda: loop(x, w, offsets)),
+        ends = offsets.to(torch.int32)
+        pairs = {"forward": (lambda: torch._grouped_mm(x, w, offs=ends), lambda: loop(x, w, offsets)),
                  "weight grad": (lambda: ops._grouped_wgrad_block(x, dy, offsets), lambda: loop_wgrad(x, dy, offsets))}
         for name, (one, each) in pairs.items():
             a, b = one().float(), each().float()
