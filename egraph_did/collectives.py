@@ -623,6 +623,16 @@ def ring_run(ring: str, op: str, x: torch.Tensor, w: torch.Tensor, a: int, membe
     raise AssertionError("unreachable: a ring has at least one step")
 
 
+def _ring_group(ring: str, ctx, m: int) -> tuple[list[int], int]:
+    """(the global ranks of this rank's group on mesh axis m, this rank's place in it) for a ring step's local
+    kernel, which communicates: a PlanError outside torch.distributed."""
+    if not dist.is_initialized():
+        raise PlanError(f"{ring}: a ring step communicates; run the plan under torch.distributed "
+                        f"(plan.run under ed.launch) or with ed.simulate, which runs every rank at once")
+    members = ctx.mesh.ranks_along(m, ctx.rank)
+    return members, members.index(ctx.rank)
+
+
 def ring_kernel(op: str, ring: str) -> Callable:
     """The local kernel a ring step of `op` (matmul or linear) names (ops.py lists it beside the op): on
     the mesh axis it applies on, run the ring over this rank's group (run_local's signature). simulate
@@ -636,11 +646,7 @@ def ring_kernel(op: str, ring: str) -> Callable:
         (m,) = axes
         x, w = (args["a"], args["b"]) if op == "matmul" else (args["x"], args["weight"])
         lay = next(iter(operands.values())).layout if ring == "allgather_matmul" else outputs[0].layout
-        if not dist.is_initialized():
-            raise PlanError(f"{ring}: a ring step communicates; run the plan under torch.distributed "
-                            f"(plan.run under ed.launch) or with ed.simulate, which runs every rank at once")
-        members = ctx.mesh.ranks_along(m, ctx.rank)
-        return ring_run(ring, op, x, w, lay[m].axis, members, members.index(ctx.rank))
+        return ring_run(ring, op, x, w, lay[m].axis, *_ring_group(ring, ctx, m))
     kernel.__doc__ = RINGS[ring].identity
     kernel.__name__ = f"{op}_{RING_FLAGS_OF[ring]}"
     return kernel
@@ -813,13 +819,10 @@ def ring_attention_backward_kernel(grad: Callable) -> Callable:
     it applies on, run the ring over this rank's group (run_local's signature), under torch.distributed."""
     def kernel(args, operands, outputs, ctx, axes):
         (m,) = axes
-        if not dist.is_initialized():
-            raise PlanError("ring_attention_backward: a ring step communicates; run the plan under "
-                            "torch.distributed (plan.run under ed.launch) or with ed.simulate, which runs every rank at once")
-        members = ctx.mesh.ranks_along(m, ctx.rank)
         a = args
         return ring_attention_backward_run(grad, a["g"], a["q"], a["k"], a["v"], a["output"], a["lse"],
-                                           bool(a.get("is_causal")), a.get("scale"), members, members.index(ctx.rank))
+                                           bool(a.get("is_causal")), a.get("scale"),
+                                           *_ring_group("ring_attention_backward", ctx, m))
     kernel.__doc__ = RINGS["ring_attention_backward"].identity
     kernel.__name__ = "sdpa_backward_dkv_ring"
     return kernel
@@ -832,12 +835,8 @@ def ring_attention_kernel(block: Callable, with_lse: bool) -> Callable:
     """
     def kernel(args, operands, outputs, ctx, axes):
         (m,) = axes
-        if not dist.is_initialized():
-            raise PlanError("ring_attention: a ring step communicates; run the plan under torch.distributed "
-                            "(plan.run under ed.launch) or with ed.simulate, which runs every rank at once")
-        members = ctx.mesh.ranks_along(m, ctx.rank)
         return ring_attention_run(block, args["q"], args["k"], args["v"], bool(args.get("is_causal")),
-                                  args.get("scale"), with_lse, members, members.index(ctx.rank))
+                                  args.get("scale"), with_lse, *_ring_group("ring_attention", ctx, m))
     kernel.__doc__ = RINGS["ring_attention"].identity
     kernel.__name__ = f"{'sdpa_lse' if with_lse else 'sdpa'}_kv_ring"
     return kernel
