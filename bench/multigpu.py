@@ -34,6 +34,15 @@ GPT3 = dict(batch=1, seq=2048, hidden=12288, heads=96)
 MEMORY_PER_LAYER = 1.0 * 2**30
 
 
+def layer_cost_model(ndev: int) -> ed.CostModel:
+    """The H200 model under the per-layer bound of `ndev` GPUs (the bench plans' and Megatron's plan's).
+
+    >>> layer_cost_model(8).memory_limit == 2**30, layer_cost_model(2).memory_limit == 4 * 2**30
+    (True, True)
+    """
+    return ed.CostModel.h200(memory_limit=MEMORY_PER_LAYER * 8 / ndev)
+
+
 def gpt_fusion(ndev: int, sp: bool, batch, seq, hidden, heads, dtype=torch.bfloat16):
     from egraph_did import models
     from egraph_did.layout import Layout, S
@@ -57,7 +66,7 @@ def make_plans() -> None:
     for ndev in (2, 4, 8):
         for sp in (False, True):
             fd, mesh = gpt_fusion(ndev, sp, **GPT3)
-            plan = ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=MEMORY_PER_LAYER * 8 / ndev))
+            plan = ed.optimize(fd, mesh, layer_cost_model(ndev))
             with open(plan_path(ndev, sp), "w") as f:
                 f.write(plan.to_json())
             kinds = sorted(c.kind for c in plan.collectives)
@@ -77,7 +86,7 @@ def megatron_plan(ndev: int, sp: bool, **shape):
     fd, mesh = gpt_fusion(ndev, sp, **shape)
     for w, axis in dict(wq=0, wk=0, wv=0, w1=0, wo=1, w2=1).items():
         apply_layout(fd[w], Layout((S(axis),)), mesh)
-    return ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=MEMORY_PER_LAYER * 8 / ndev), rewrites=())
+    return ed.optimize(fd, mesh, layer_cost_model(ndev), rewrites=())
 
 
 def load_plan(ndev: int, sp: bool):
