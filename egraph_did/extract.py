@@ -776,16 +776,19 @@ def _best_of(graph: PhysGraph, order: list[str], penalty: float, improve: bool =
         return improved
     # two rounds: the layout plans, then the same with the other layouts' computations surcharged (the
     # first round's plan kept where the second finds nothing: each round ends in a local optimum of its own)
-    # on a graph of few tensors each layout plan is first polished by the local search (from the fallback only,
-    # no completions): a region pays only once the plan no longer computes it twice (fuzz seed 38 case 711:
-    # the attention backward in the layout its free partial outputs are cheapest from, and again split for the
-    # pinned one, whose local search gathers it from the first: 18.6% over exact -> 0.006%). On the GPT-3
-    # training step (hundreds of tensors) it found a plan 1.7% faster at 44% more extraction CPU: left out there
+    # on a graph of few tensors each layout plan is first polished by the local search: a region pays only once
+    # the plan no longer computes it twice (fuzz seed 38 case 711: the attention backward in the layout its free
+    # partial outputs are cheapest from, and again split for the pinned one, whose local search gathers it from
+    # the first: 18.6% over exact -> 0.006%), completing also from the cheapest routes given the layout plan
+    # (seed 39 case 1395: an output moved to the attention backward the plan holds, which no fallback plan
+    # reaches in that layout: 11.6% over exact -> equal; greedy extraction CPU +19-84% on such graphs, seed 39
+    # cases 1380-1410: 333 -> 451 ms over 8 of them, 1395 2.1 -> 3.9 s). On the GPT-3 training step (hundreds
+    # of tensors) it found a plan 1.7% faster at 44% more extraction CPU: left out there
     polish = _few_tensors(graph, order)
     for surcharge in (False, True):
         plans = _layout_plans(graph, w, surcharge)
         if polish:
-            plans = [_improve(graph, p, fallback, penalty) for p in plans]
+            plans = [_improve(graph, p, fallback, penalty, skeleton=w.skeleton) for p in plans]
         relinked = _relink(graph, improved, plans, penalty)
         if _dag_weight(relinked, penalty) < _dag_weight(improved, penalty):
             improved = _improve(graph, relinked, fallback, penalty, skeleton=w.skeleton)

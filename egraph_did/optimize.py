@@ -549,8 +549,10 @@ def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit, cu
         if not classes:  # a partial pinned on a value computed whole: one rank keeps it, the others zeros
             classes = [c for lay in problem.deliverable(name) if (c := partial_from_whole(graph, e, lay, m))]
         if not classes:
+            replay = (f"; at these shapes the like plan's {'; '.join(problem.unreplayed)}: replay it at shapes "
+                      f"its splits leave no rank empty, or optimize without like=") if problem.unreplayed else ""
             raise PlanError(f"{name}: no layout in {[str(x) for x in problem.deliverable(name)]} is reachable "
-                            f"from the pinned inputs; the pin on {name} cannot be honoured")
+                            f"from the pinned inputs; the pin on {name} cannot be honoured{replay}")
         outputs[name] = classes
     tp = time.perf_counter()
     price(graph, problem)

@@ -25,7 +25,7 @@ from .layout import Layout, canonical_layout, is_valid, valid_layouts
 from .physgraph import gc_paused
 from .pins import layout_of
 from .plan import SAVE_OP as SAVED
-from .shards import local_extents
+from .shards import RankContext, local_extents
 from .mesh import DeviceMesh
 from .ops import canonical_dtype, ops_where
 
@@ -88,6 +88,7 @@ class Problem:
     # restricted to another plan's strategies (build_problem(like=)); input_layouts alone cannot say so: a
     # plan may load no input (every output a constant's)
     restricted: bool = False
+    unreplayed: list[str] = field(default_factory=list)  # the restricting plan's steps these shapes cannot run
     rewritten: dict[str, str] = field(default_factory=dict)  # tensor a program rewrite added -> the rewrite
     fused: dict[str, "Fused"] = field(default_factory=dict)  # tensor -> where its op sits in a fused kernel
     register_reads: set = field(default_factory=set)  # tensors some fusible reader takes in registers
@@ -206,6 +207,36 @@ def local_flops(e: Expr, ins: list[tuple[int, ...]], outs: list[tuple[int, ...]]
     16384.0
     """
     return e.op.count_flops(ins, outs, dict(e.args))
+
+
+def _empty_in_empty_out(ins: tuple[Layout, ...], outs: tuple[Layout, ...], operands, outputs, mesh: DeviceMesh) -> bool:
+    """Whether, on every rank that holds an empty shard of an operand or output, every output's shard is empty
+    too and none is pending (a reduction of the axes it keeps: it maps the empty shard to an empty one, as an
+    elementwise op does; torch reduces a non-empty axis of an empty tensor to an empty one). A reduction
+    whose empty rank would still write something (a pending partial of nothing, welford_blocks' block of an
+    empty shard) is not.
+
+    >>> import torch
+    >>> x, y = TensorView("x", (5, 3), torch.float64), TensorView("y", (3,), torch.float64)
+    >>> mesh = DeviceMesh.arange(4)  # 3 columns over 4 ranks: the last rank holds none
+    >>> _empty_in_empty_out((Layout.from_code("S1"),), (Layout.from_code("S0"),), [x], [y], mesh)  # sum over rows
+    True
+    >>> _empty_in_empty_out((Layout.from_code("S1"),), (Layout.from_code("R"),), [x], [y], mesh)
+    False
+    """
+    if any(lay.has_partial for lay in outs):
+        return False
+    tensors = list(operands) + list(outputs)
+    if not all(is_valid(lay, t.shape, mesh, allow_empty=True) for lay, t in zip(ins + outs, tensors)):
+        return False
+    for rank in mesh.ranks:
+        ctx = RankContext(mesh, rank)
+
+        def empty(lay, t):
+            return any(lo >= hi for lo, hi in (ctx.shard_range(n, lay, a) for a, n in enumerate(t.shape)))
+        if any(map(empty, ins, operands)) and not all(map(empty, outs, outputs)):
+            return False
+    return True
 
 
 def _nesting_ok(combo: tuple[AxisStrategy, ...], ins: tuple[Layout, ...]) -> bool:
@@ -341,16 +372,21 @@ def expr_strategies(e: Expr, mesh: DeviceMesh, cm: CostModel, problem: Problem |
     return [Strategy(key, sid, *row) for sid, row in enumerate(rows)]
 
 
-def _priced_rows(e: Expr, mesh: DeviceMesh, cm: CostModel, fused: Fused = Fused()) -> list[tuple]:
-    """(inputs, outputs, flags, rules, time, memory) of each of e's strategies, in strategy id order."""
+def _priced_rows(e: Expr, mesh: DeviceMesh, cm: CostModel, fused: Fused = Fused(),
+                 empty_reductions: bool = False) -> list[tuple]:
+    """(inputs, outputs, flags, rules, time, memory) of each of e's strategies, in strategy id order.
+    empty_reductions: a reduction also takes layouts that leave a rank empty where its kernel computes nothing
+    there (_empty_in_empty_out); a replay's (_restrict_to), not the e-graph's rules."""
     operands = [v for _, v in e.args if isinstance(v, TensorView)]
     in_registers = [k in fused.operands for k, v in e.args if isinstance(v, TensorView)]
     per_axis: list[list[AxisStrategy]] = [axis_strategies(op_view(e, size)) for size in mesh.shape]
     out: list[tuple] = []
+    tensors = operands + list(e.outputs)
     for combo in itertools.product(*per_axis):
         ins = tuple(Layout(tuple(c.inputs[i] for c in combo)) for i in range(len(operands)))
         outs = tuple(Layout(tuple(c.outputs[i] for c in combo)) for i in range(len(e.outputs)))
-        if not all(is_valid(lay, t.shape, mesh, e.op.empty_shards) for lay, t in zip(ins + outs, operands + list(e.outputs))):
+        if not all(is_valid(lay, t.shape, mesh, e.op.empty_shards) for lay, t in zip(ins + outs, tensors)) and not (
+                empty_reductions and e.op.reduces and _empty_in_empty_out(ins, outs, operands, e.outputs, mesh)):
             continue
         if not _nesting_ok(combo, ins):
             continue
@@ -445,6 +481,23 @@ def _build(user: Fusion, mesh: DeviceMesh, cost_model: CostModel | None, pins, l
     return problem
 
 
+def _unreplayed(problem: Problem, key: str, ins: tuple[Layout, ...], outs: tuple[Layout, ...]) -> str:
+    """A like plan's step these shapes give no strategy, and why (optimize's error names it where the replay
+    then reaches no layout of an output)."""
+    e = problem.exprs[key]
+    tensors = [v for _, v in e.args if isinstance(v, TensorView)] + list(e.outputs)
+    layouts = list(ins) + list(outs)
+    step = (f"{', '.join(f'{t.name}:{lay}' for t, lay in zip(e.outputs, outs))} = {e.op.name}("
+            f"{', '.join(f'{t.name}:{lay}' for t, lay in zip(tensors, ins))})")
+    if not all(is_valid(lay, t.shape, problem.mesh, allow_empty=True) for lay, t in zip(layouts, tensors)):
+        return f"{step} does not fit these shapes"
+    empty = next((f"{t.name} {list(t.shape)}" for lay, t in zip(layouts, tensors)
+                  if not is_valid(lay, t.shape, problem.mesh)), None)
+    if empty is None:
+        return f"{step}, which no rule derives at these shapes"
+    return f"{step} leaves a rank with no element of {empty} ({e.op.name} computes only on shards that hold data)"
+
+
 def _restrict_to(problem: Problem, like) -> None:
     """Keep only the strategies and input layouts another plan of the same fusion used."""
     problem.restricted = True
@@ -455,22 +508,38 @@ def _restrict_to(problem: Problem, like) -> None:
                         f"module's dtype and device: a float32 module drops the casts a bf16 one has); plan the same "
                         f"program at both shapes, or optimize without like=")
     used: dict[str, set] = {}
+    serving = []  # each step's key, layouts and the (inputs, outputs) that would replay it
     for s in like.compute_steps:
         key = s.key
         ins = tuple(like.values[v].layout for v in s.operands.values())
         outs = tuple(like.values[o].layout for o in s.outputs)
         used.setdefault(key, set()).add((ins, outs))
+        serving.append((key, ins, outs, {(ins, outs)}))
         for flag, axes in s.flags:  # a ring: the plain GEMM it replaced serves where these shapes cannot ring
             if flag in RING_FLAGS and not any(
                     (t.inputs, t.outputs) == (ins, outs) for t in problem.strategies.get(key, ())):
                 ring = RING_FLAGS[flag].name
-                used[key].add(unringed(ring, ins, outs, axes[0]) if ring not in ring_attention.RULES else
-                              ring_attention.unringed(s.op, tuple(s.operands), ins, outs, axes[0]))
+                plain = (unringed(ring, ins, outs, axes[0]) if ring not in ring_attention.RULES else
+                         ring_attention.unringed(s.op, tuple(s.operands), ins, outs, axes[0]))
+                used[key].add(plain)
+                serving[-1][3].add(plain)
     for key, strats in problem.strategies.items():
         keep = used.get(key, set())
-        problem.strategies[key] = [s for s in strats if (s.inputs, s.outputs) in keep]
-        for i, s in enumerate(problem.strategies[key]):
-            problem.strategies[key][i] = dataclasses.replace(s, sid=i)
+        kept = [s for s in strats if (s.inputs, s.outputs) in keep]
+        missing = keep - {(s.inputs, s.outputs) for s in kept}
+        if missing and problem.exprs[key].op.reduces:
+            # the plan's layouts leave a rank empty at these shapes (4 ranks over a head dim of 3): the problem
+            # gives a reduction no such strategy, but one that keeps the emptied axis computes nothing there,
+            # so the plan's strategy stands (else the replay of a valid plan found no route: 'no layout ...
+            # is reachable', test_plan_replay_at_shapes_that_leave_a_rank_empty)
+            e = problem.exprs[key]
+            kept += [Strategy(key, 0, *row) for row in _priced_rows(e, problem.mesh, problem.cost_model,
+                                                                     problem.fused[key], empty_reductions=True)
+                     if (row[0], row[1]) in missing]
+        problem.strategies[key] = [dataclasses.replace(s, sid=i) for i, s in enumerate(kept)]
+    kept_pairs = {key: {(s.inputs, s.outputs) for s in ss} for key, ss in problem.strategies.items()}
+    problem.unreplayed = [_unreplayed(problem, key, ins, outs) for key, ins, outs, pairs in serving
+                          if key in kept_pairs and not pairs & kept_pairs[key]]
     for name, vals in like.inputs.items():
         problem.input_layouts[name] = [canonical_layout(like.values[v].layout, problem.mesh) for v in vals]
 

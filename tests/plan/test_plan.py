@@ -203,3 +203,45 @@ def test_plan_run_without_a_registered_runner_says_what_to_do(monkeypatch):
 
 def test_importing_egraph_did_registers_the_runtime_as_the_runner():
     assert plan_module._runner is runtime.run_plan
+
+
+def test_plan_replay_at_shapes_that_leave_a_rank_empty():
+    """A plan replayed (like=) at shapes where its layouts leave a rank empty: sum over the rows of x split on
+    its columns, 4096 columns over 4 ranks, then 3 (the last rank holds none). The problem gives a reduction
+    no strategy on a layout that leaves a rank empty, so the replay, restricted to the plan's strategies,
+    found no route ('y: no layout in ['[S(0)]'] is reachable'); a sum that keeps the emptied axis computes
+    nothing there, and the plan's own strategy now replays (the long-context attention step's key blocks did
+    this on a head dim of 3: tests/optimizer/test_context_parallel.py)."""
+    def row_sums(rows, cols, dtype):
+        with ed.FusionDefinition() as fd:
+            x = fd.define_tensor((rows, cols), dtype, name="x")
+            fd.add_output(fd.ops.sum(fd.ops.exp(x), 0), name="y")
+        apply_layout(fd["x"], Layout((S(1),)), MESH)
+        apply_layout(fd["y"], Layout((S(0),)), MESH)
+        return fd
+    plan = ed.optimize(row_sums(64, 4096, torch.float32), MESH)
+    assert not plan.collectives, plan.explain()
+    small = row_sums(5, 3, torch.float64)
+    replayed = ed.optimize(small, MESH, like=plan)
+    assert [(s.op, s.rules) for s in replayed.compute_steps] == [(s.op, s.rules) for s in plan.compute_steps]
+    assert not replayed.collectives, replayed.explain()
+    x = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(ed.simulate(replayed, {"x": x})["y"], ed.evaluate(small, {"x": x})["y"])
+
+
+def test_plan_replay_refuses_a_matmul_on_a_rank_left_empty_by_name():
+    """The same at a matmul: w split on its 4096 columns, then 3. A matmul computes only on shards that hold
+    data, so the replay reaches no layout of y; the refusal names the plan's step and the emptied tensor
+    rather than the unreachable output alone."""
+    def project(cols, dtype):
+        with ed.FusionDefinition() as fd:
+            x = fd.define_tensor((5, 4), dtype, name="x")
+            w = fd.define_tensor((4, cols), dtype, name="w")
+            fd.add_output(fd.ops.matmul(x, w), name="y")
+        apply_layout(fd["w"], Layout((S(1),)), MESH)
+        apply_layout(fd["y"], Layout((S(1),)), MESH)
+        return fd
+    plan = ed.optimize(project(4096, torch.float32), MESH)
+    with pytest.raises(ed.PlanError, match=r"the like plan's y:\[S\(1\)\] = matmul\(x:\[R\], w:\[S\(1\)\]\) leaves a "
+                                           r"rank with no element of w \[4, 3\]"):
+        ed.optimize(project(3, torch.float64), MESH, like=plan)
