@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from egglog import String, eq, i64, ne, var
+from egglog import String, eq, i64, ne, relation, var
 from egglog import rule as erule
 
 from egraph_did.layout import P, Layout, R, S, is_valid
@@ -41,6 +41,7 @@ from egraph_did.shards import local_extents
 
 from .collective_matmul import RingsOn
 from .sorts import KERNS, LAYOUTS, SIG, STRAT, Extent, Fits, Placement, Shape
+from .sorts import Layout as LayoutSort
 from .sorts import P as P_, R as R_, S as S_
 
 SEQ = 2  # the sequence axis of q, k, v, g, out, lse and the gradients
@@ -205,6 +206,16 @@ def add_attention_rings(problem) -> int:
     return added
 
 
+# RingLay(j, role, plain, ring): a layout of a plain attention strategy that splits no sequence off mesh axis j
+# and holds on j what the form's tensor holds there before a ring (role "S": split on the sequence, unchanged;
+# "R": whole, k and v; "P": a pending sum, dk and dv), and the same layout with the sequence split on j. The ring
+# rule reads it per tensor. One rule that took all nine layouts of the backward apart (18 placements, 18 guards)
+# was matched by egglog as if some of its atoms were absent in 3 of 15 fresh processes, on 3000 Strat rows stated
+# beside a 2x1x2 problem's: 7,469,182 ring rows where the others derived 255, the same program; which rows it
+# derives then depends on the process (what fuzz seed 41 case 5807 met on the device: read_back's assertion)
+RingLay = relation("RingLay", i64, String, LayoutSort, LayoutSort, egg_fn="RingLay")
+
+
 def egglog_rules(shape: tuple[int, ...]):
     """The rules' egglog form for meshes of this shape: from each whole-mesh strategy (Strat row) of an sdpa,
     sdpa_lse or sdpa_backward signature in a plain form of FORMS on mesh axis j (kernel none or the form's on
@@ -223,26 +234,35 @@ def egglog_rules(shape: tuple[int, ...]):
         params = {"sdpa": ("q", "k", "v"), "sdpa_lse": ("q", "k", "v"),
                   "sdpa_backward": ("g", "q", "k", "v", "output", "lse")}[name]
         shapes = {x: var(f"s_{x}", Shape) for x in (*[f"out{i}" for i in range(n_out)], *params)}
-        ps = {x: [var(f"p_{x}{i}", Placement) for i in range(md)] for x in shapes}
+        before = {**{f"out{i}": code(p) for i, p in enumerate(form.outs_before)},
+                  **{p: "S" for p in form.seq}, **{p: "R" for p in form.keys}}
+        plain = {x: var(f"l_{x}", LayoutSort) for x in shapes}
+        # k, v and the outputs that become split; the rest (split on the sequence on j already) stay
+        ring = {x: var(f"r_{x}", LayoutSort) if before[x] != "S" else plain[x] for x in shapes}
+        order = list(shapes)  # outputs, then operands: the Sig and Strat rows' order
+        ps = [var(f"p{i}", Placement) for i in range(md)]
         for j, n in enumerate(shape):
             if n < 2:
                 continue
-            at = lambda x, p: L(*[p if i == j else ps[x][i] for i in range(md)])  # noqa: E731
-            ring = K(*[form.flag if i == j else "" for i in range(md)])
-            before = {**{f"out{i}": place[code(p)] for i, p in enumerate(form.outs_before)},
-                      **{p: place["S"] for p in form.seq}, **{p: place["R"] for p in form.keys}}
-            after = {**{f"out{i}": place["S"] for i in range(n_out)}, **{p: place["S"] for p in (*form.seq, *form.keys)}}
-            changed = [x for x in shapes if before[x] is not place["S"]]  # k, v and outputs that become split
-            guards = [Extent(shapes["q"], SEQ, e1), eq(e1 % n).to(i64(0)), Extent(shapes["k"], SEQ, e2),
-                      eq(e2 % n).to(i64(0)), *[Fits(shapes[x], at(x, S_(SEQ))) for x in changed],
-                      *[ne(ps[x][i]).to(S_(SEQ)) for x in shapes for i in range(md) if i != j]]
-            order = list(shapes)  # outputs, then operands: the Sig and Strat rows' order
+            for x in order:  # RingLay of each tensor's layout in this op's plain Strat rows
+                lay = L(*[place[before[x]] if i == j else ps[i] for i in range(md)])
+                for kin in ("", *sorted(form.kernels)):
+                    yield erule(RingsOn(1), SIG[(len(params), n_out)](sig, op, *[shapes[y] for y in order]),
+                                eq(op).to(String(name)),
+                                STRAT[(len(params), n_out)](sig, K(*[kin if i == j else "" for i in range(md)]),
+                                                            *[lay if y == x else plain[y] for y in order]),
+                                *[ne(ps[i]).to(S_(SEQ)) for i in range(md) if i != j]).then(
+                        RingLay(j, before[x], lay, L(*[S_(SEQ) if i == j else ps[i] for i in range(md)])))
+            guards = [*[RingLay(j, before[x], plain[x], ring[x]) for x in order],
+                      Extent(shapes["q"], SEQ, e1), eq(e1 % n).to(i64(0)), Extent(shapes["k"], SEQ, e2),
+                      eq(e2 % n).to(i64(0)), *[Fits(shapes[x], ring[x]) for x in order if before[x] != "S"]]
             for kin in ("", *sorted(form.kernels)):
                 src = K(*[kin if i == j else "" for i in range(md)])
                 yield erule(RingsOn(1), SIG[(len(params), n_out)](sig, op, *[shapes[x] for x in order]),
-                            eq(op).to(String(name)),
-                            STRAT[(len(params), n_out)](sig, src, *[at(x, before[x]) for x in order]), *guards).then(
-                    STRAT[(len(params), n_out)](sig, ring, *[at(x, after[x]) for x in order]))
+                            eq(op).to(String(name)), STRAT[(len(params), n_out)](sig, src, *[plain[x] for x in order]),
+                            *guards).then(
+                    STRAT[(len(params), n_out)](sig, K(*[form.flag if i == j else "" for i in range(md)]),
+                                                *[ring[x] for x in order]))
 
 
 __all__ = ["FLAG", "FORMS", "Form", "OPS", "RULES", "add_attention_rings", "egglog_rules", "ring_attention",

@@ -14,6 +14,7 @@ rule's rings.
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -21,14 +22,15 @@ import torch
 import egraph_did as ed
 from egraph_did.collectives import ring_attention_simulate
 from egraph_did.cost import CostModel, Link
-from egraph_did.egglog_io import frozen_rows
-from egraph_did.egraph import FAMILIES, loaded
+from egraph_did.egglog_io import frozen_rows, run_text
+from egraph_did.egraph import FAMILIES, lay_text, loaded
 from egraph_did.expand import ALL_REWRITES
-from egraph_did.layout import Layout
+from egraph_did.layout import P, R, S, Layout, is_valid
 from egraph_did.ops import ring_attention_block
 from egraph_did.pins import apply_layout
 from egraph_did.problem import build_problem
 from egraph_did.simulate import compute_on_rank
+from rewrites.ring_attention import FORMS, RULES
 
 BF16, F64 = torch.bfloat16, torch.float64
 MESH = ed.DeviceMesh.arange(4)
@@ -168,11 +170,14 @@ def test_a_ring_step_outside_torch_distributed_says_how_to_run_it():
         compute_on_rank(plan, step, env, 0)
 
 
-def egglog_rings(problem) -> set[tuple]:
+def egglog_rings(problem, strat_rows=None) -> set[tuple]:
     """The ring strategies the e-graph's rules derive for attention and its backward, per expr: (key, input
-    codes, output codes, flags), read from the Strat3x1 / Strat3x2 / Strat6x3 rows of each expr's signature."""
+    codes, output codes, flags), read from the Strat3x1 / Strat3x2 / Strat6x3 rows of each expr's signature.
+    strat_rows(sig_of): Strat rows (egglog text) stated beside those the rules join."""
     m = problem.mesh.ndim
     with loaded(problem) as (eg, program, _, _, _, sig_of):
+        if strat_rows is not None:
+            run_text(eg, strat_rows(sig_of))
         eg.run(FAMILIES.saturate() + program.saturate())
         rows, raw = frozen_rows(eg, ["Strat3x1", "Strat3x2", "Strat6x3", "R", "P", "Pmax", "S", f"L{m}", f"K{m}"])
     place = {out: p for name, p in (("R", "R"), ("P", "P"), ("Pmax", "Pmax")) for _, out in rows.get(name, [])}
@@ -299,3 +304,48 @@ def test_the_egglog_rule_derives_exactly_the_python_backward_rings():
     want = python_rings(problem)
     assert {f for *_, fs in want for f in fs} == {"kv_ring", "dkv_ring"}
     assert egglog_rings(problem) == want
+
+
+def test_both_forms_ring_the_same_rows_of_every_plain_kind():
+    """Both forms on plain rows of every kind the strategy join can make, not only this program's: on a 2x1x2
+    mesh (fuzz seed 41 case 5807's, where read_back met a dkv_ring strategy the Python rule does not derive),
+    3000 draws per op of a plain form on one axis and anything on the others, the rows where every layout
+    fits (about 430) stated as Strat rows beside the join's: the egglog form rings exactly the rows the
+    Python rule does."""
+    mesh = ed.DeviceMesh(torch.arange(4).reshape(2, 1, 2))
+    with ed.FusionDefinition() as fd:
+        q, k = (fd.define_tensor((2, 6, 2, 3), F64, name=n) for n in "qk")
+        v, g = (fd.define_tensor((2, 6, 2, 4), F64, name=n) for n in "vg")
+        out, lse = fd.ops.sdpa_lse(q, k, v)
+        for i, t in enumerate((out, lse, *fd.ops.sdpa_backward(g, q, k, v, out, lse))):
+            fd.add_output(t, name=f"o{i}")
+    problem = build_problem(fd, mesh, SLOW, rewrites=["collective_matmul"])
+    rng, rows, want = random.Random(0), [], python_rings(problem)
+    for key, e in problem.exprs.items():
+        if e.op.name not in FORMS:  # (sdpa_lse's decomposition)
+            continue
+        form, args = FORMS[e.op.name], dict(e.args)
+        params = tuple(p for p, t in e.args if hasattr(t, "logical_domain"))
+        tensors = [args[p] for p in params] + list(e.outputs)
+        for _ in range(3000):
+            j = rng.choice((0, 2))
+            kin = rng.choice(("", *form.kernels))
+            on_j = [S(2) if p in form.seq else R for p in params] + list(form.outs_before)
+            lays = tuple(Layout(tuple(p if i == j else rng.choice((R, P, S(0), S(1), S(2), S(3))) if i == 2 - j
+                                      else R if rng.random() < 0.8 else rng.choice((P, S(0), S(3))) for i in range(3)))
+                         for p in on_j)
+            if not all(is_valid(lay, t.shape, mesh) for lay, t in zip(lays, tensors)):
+                continue  # a row the join makes (Strat: every layout fits)
+            ins, outs = lays[:len(params)], lays[len(params):]
+            flags = tuple(frozenset({kin} if i == j and kin else ()) for i in range(3))
+            rows.append((key, ins, outs, flags))
+            for m in (0, 2):  # as add_attention_rings: the rule, then every layout of the ring fits
+                got = RULES[form.ring](e.op.name, params, args["q"].shape[2], args["k"].shape[2], ins, outs, flags, m, 2)
+                if got and all(is_valid(lay, t.shape, mesh) for lay, t in zip(got[0] + got[1], tensors)):
+                    want.add((key, tuple(lay.code() for lay in got[0]), tuple(lay.code() for lay in got[1]),
+                              tuple(form.flag if i == m else "" for i in range(3))))
+
+    def strat_rows(sig_of):
+        return [f'(Strat{len(ins)}x{len(outs)} "{sig_of[key]}" (K3 {" ".join(chr(34) + next(iter(f), "") + chr(34) for f in flags)}) '
+                + " ".join(lay_text(lay) for lay in outs + ins) + ")" for key, ins, outs, flags in rows]
+    assert egglog_rings(problem, strat_rows) == want
