@@ -1973,17 +1973,23 @@ def _exact(graph: PhysGraph, roots: list[str], memory_limit: float | None, time_
         greedy, incumbent = greedy_or_none(), "greedy"
         greedy_s = time.perf_counter() - t2
     greedy_cost = None if greedy is None else greedy.cost
+    # the 0/1 program starts from greedy's plan (or the caller's start) where there is one
+    ilp_start, guided = (None, False) if greedy is None else (greedy.choice, incumbent == "greedy")
     seen = by_dp.pop("_dp_plan", None)
     if seen is not None and (greedy is None or _total(seen)[0] < greedy.cost):
         # a plan the DP saw within the bound: where greedy found none (case 33/6050: greedy none within 0.3 of the
-        # free memory), or a cheaper one (case 41/4050: the dual's 94.0 us, greedy's 134.0)
+        # free memory) also the program's start; where cheaper than greedy's (case 41/4050: the dual's 94.0 us,
+        # greedy's 134.0) the plan returned unless the program finds a cheaper one. Not the program's start there:
+        # on 41/4050 its vector was not feasible in the program (the start was dropped and HiGHS searched from none)
+        if greedy is None:
+            ilp_start = seen
         greedy, incumbent = Selection(seen, *_total(seen), "dp-incumbent"), "dp"
     time_limit = max(time_limit - (time.perf_counter() - t1), 1.0)
     # a start (a training step's, from optimize) was each loop pass's optimum where measured, and the LP-guided
     # greedy plan (0.1-0.2 s) no better than the restricted MIP's: it is then left out
     hinted = len(cuts) if cuts else 0
-    info = _ilp(graph, roots, memory_limit, time_limit, None if greedy is None else greedy.choice,
-                guided=incumbent == "greedy", hints=cuts, usable=usable, upper=upper, prove=prove)
+    info = _ilp(graph, roots, memory_limit, time_limit, ilp_start,
+                guided=guided, hints=cuts, usable=usable, upper=upper, prove=prove)
     if cuts is not None and not cuts:
         # only the first pass's (a training step's free pass: each loop pass differs from it by its own pins
         # alone, and from the other loop by both): pass 3 of one GPT-3 layer's step from pass 1's cuts took
