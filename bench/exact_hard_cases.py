@@ -8,6 +8,7 @@ generated from (seed, index) alone, as bench/fuzz.py does, over the campaign's o
 then `exact` runs on it with --time-limit.
 
     .venv/bin/python bench/exact_hard_cases.py [--cases 290,1147,5441,6658,2446,5417] [--seed 7] [--time-limit 60]
+    .venv/bin/python bench/exact_hard_cases.py --current --seed 41 --cases 4050,4397   (as bench/fuzz.py draws them today)
     .venv/bin/python bench/exact_hard_cases.py --training [--layers 1] [--time-limit 60]
     .venv/bin/python bench/exact_hard_cases.py --loop-proof [--layers 1] [--time-limit 60]
     .venv/bin/python bench/exact_hard_cases.py --blocking-rounds 20 [--layers 1]
@@ -52,10 +53,10 @@ class _Captured(Exception):
     pass
 
 
-def capture(seed: int, index: int, exclude: tuple[str, ...] = CAMPAIGN_EXCLUDES):
+def capture(seed: int, index: int, exclude: tuple[str, ...] = CAMPAIGN_EXCLUDES, edges: bool = False):
     """(graph, roots, memory_limit) that optimize(extractor="exact") hands the exact extractor for fuzz case
-    (seed, index), drawn without the ops in `exclude`; None if the case never reaches it (refused before
-    extraction).
+    (seed, index), drawn without the ops in `exclude` (and with issue 29's edges where `edges`: as bench/fuzz.py
+    draws it today with exclude=()); None if the case never reaches it (refused before extraction).
 
     >>> graph, roots, bound = capture(7, 290)  # doctest: +SKIP
     """
@@ -69,7 +70,7 @@ def capture(seed: int, index: int, exclude: tuple[str, ...] = CAMPAIGN_EXCLUDES)
         raise _Captured()
 
     # edges=False: the seed-7 campaign's cases as drawn then, before issue 29's reshape chains and unread inputs
-    spec = fuzz.generate_case(seed, index, ops=[o for o in fuzz.default_ops() if o not in exclude], edges=False)
+    spec = fuzz.generate_case(seed, index, ops=[o for o in fuzz.default_ops() if o not in exclude], edges=edges)
     spec["extractors"] = ["exact"]
     real, opt.exact = opt.exact, grab
     try:
@@ -81,13 +82,14 @@ def capture(seed: int, index: int, exclude: tuple[str, ...] = CAMPAIGN_EXCLUDES)
     return got.get("args")
 
 
-def run(seed: int, index: int, time_limit: float) -> str:
+def run(seed: int, index: int, time_limit: float, current: bool = False) -> str:
     """One line: the case, the exact extractor's time and method, its cost and greedy's, and its bounds.
+    current: the case as bench/fuzz.py draws it today (every op, issue 29's edges), not as the seed-7 campaign did.
 
     >>> print(run(7, 5417, 60))  # doctest: +SKIP
     """
     from egraph_did.extract import exact
-    args = capture(seed, index)
+    args = capture(seed, index, (), True) if current else capture(seed, index)
     if args is None:
         return f"seed {seed} case {index}: never reaches the exact extractor"
     graph, roots, bound = args
@@ -352,6 +354,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default=",".join(map(str, HARD)))
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--current", action="store_true",
+                    help="the cases as bench/fuzz.py draws them today (every op, issue 29's edges): e.g. --seed 41 --cases 4050,4397")
     ap.add_argument("--training", action="store_true", help="the GPT-3 training step's exact passes instead")
     ap.add_argument("--loop-proof", action="store_true",
                     help="the cheapest loop plan of the training step's first pass, proven, against optimize's")
@@ -371,7 +375,7 @@ def main(argv=None) -> int:
             print(line, flush=True)
         return 0
     for index in (int(c) for c in a.cases.split(",")):
-        print(run(a.seed, index, a.time_limit), flush=True)
+        print(run(a.seed, index, a.time_limit, a.current), flush=True)
     return 0
 
 

@@ -1946,33 +1946,53 @@ def _exact(graph: PhysGraph, roots: list[str], memory_limit: float | None, time_
     parts = _components(graph, roots) if memory_limit is None else []
     if len(parts) > 1:
         return _exact_by_parts(graph, roots, parts, time_limit)
+    def greedy_or_none() -> Selection | None:
+        try:
+            return greedy_dag(graph, roots, memory_limit)
+        except PlanError:
+            return None
     t0 = time.perf_counter()
     if start is not None and (memory_limit is None or start.memory <= memory_limit):
         # in place of greedy's plan, which is not run: on one GPT-3 layer's training step the start was each loop
         # pass's optimum and greedy's plan 2% over (and 0.35 s of a 1.5 s pass)
         greedy, incumbent = start, "start"
+    elif memory_limit is not None:
+        # under a memory bound greedy runs only where the DP gives up (the 0/1 program's start): its ladder of
+        # prices per byte is long (fuzz seed 41 case 4397, 19,700 classes: 20 s CPU of exact's 54, for 118.0 us),
+        # and the DP's Lagrangian dual finds plans within the bound of its own to prune by (there the optimum,
+        # 82.0 us, proven in the same DP time without greedy's cost as with it)
+        greedy, incumbent = None, "deferred"
     else:
-        try:
-            greedy = greedy_dag(graph, roots, memory_limit)
-        except PlanError:
-            greedy = None
-        incumbent = "greedy"
-    greedy_cost = None if greedy is None else greedy.cost
+        greedy, incumbent = greedy_or_none(), "greedy"
     t1 = time.perf_counter()
+    greedy_s = t1 - t0
     usable = _Usable.of(graph, roots, memory_limit)
     by_dp = _exact_dp(graph, roots, memory_limit, greedy, time_limit, usable)
     if isinstance(by_dp, Selection):
-        by_dp.stats.update(greedy_s=t1 - t0, exact_incumbent=incumbent)
+        by_dp.stats.update(greedy_s=greedy_s, exact_incumbent="none" if incumbent == "deferred" else incumbent)
         return by_dp
+    if incumbent == "deferred":
+        t2 = time.perf_counter()
+        greedy, incumbent = greedy_or_none(), "greedy"
+        greedy_s = time.perf_counter() - t2
+    greedy_cost = None if greedy is None else greedy.cost
+    # the 0/1 program starts from greedy's plan (or the caller's start) where there is one
+    ilp_start, guided = (None, False) if greedy is None else (greedy.choice, incumbent == "greedy")
     seen = by_dp.pop("_dp_plan", None)
-    if seen is not None:  # greedy found no plan, the DP one (case 33/6050: greedy none within 0.3 of the free memory)
+    if seen is not None and (greedy is None or _total(seen)[0] < greedy.cost):
+        # a plan the DP saw within the bound: where greedy found none (case 33/6050: greedy none within 0.3 of the
+        # free memory) also the program's start; where cheaper than greedy's (case 41/4050: the dual's 94.0 us,
+        # greedy's 134.0) the plan returned unless the program finds a cheaper one. Not the program's start there:
+        # on 41/4050 its vector was not feasible in the program (the start was dropped and HiGHS searched from none)
+        if greedy is None:
+            ilp_start = seen
         greedy, incumbent = Selection(seen, *_total(seen), "dp-incumbent"), "dp"
     time_limit = max(time_limit - (time.perf_counter() - t1), 1.0)
     # a start (a training step's, from optimize) was each loop pass's optimum where measured, and the LP-guided
     # greedy plan (0.1-0.2 s) no better than the restricted MIP's: it is then left out
     hinted = len(cuts) if cuts else 0
-    info = _ilp(graph, roots, memory_limit, time_limit, None if greedy is None else greedy.choice,
-                guided=incumbent == "greedy", hints=cuts, usable=usable, upper=upper, prove=prove)
+    info = _ilp(graph, roots, memory_limit, time_limit, ilp_start,
+                guided=guided, hints=cuts, usable=usable, upper=upper, prove=prove)
     if cuts is not None and not cuts:
         # only the first pass's (a training step's free pass: each loop pass differs from it by its own pins
         # alone, and from the other loop by both): pass 3 of one GPT-3 layer's step from pass 1's cuts took
@@ -1981,7 +2001,7 @@ def _exact(graph: PhysGraph, roots: list[str], memory_limit: float | None, time_
     stats = {**by_dp, "exact_method": "ilp", "exact_proven": bool(info["proven"] and info["choice"] is not None), "exact_status": info["status"],
              "exact_lp_bound": None if info["lp_bound"] is None else info["lp_bound"] / 1e9,
              "exact_bound": info["bound"], "exact_cuts": info["cuts"], "exact_cut_rounds": info["rounds"],
-             "exact_cut_s": info["cut_s"], "exact_solve_s": info["solve_s"], "greedy_s": t1 - t0,
+             "exact_cut_s": info["cut_s"], "exact_solve_s": info["solve_s"], "greedy_s": greedy_s,
              "greedy_cost": greedy_cost, "exact_incumbent": incumbent, "exact_start_feasible": info.get("start_feasible"),
              "exact_proof": info.get("proof"), "exact_fixed": info.get("fixed", 0), "exact_hinted_cuts": hinted,
              "exact_dual_bound": None if info.get("dual_bound") is None else info["dual_bound"] / 1e9}

@@ -143,26 +143,36 @@ class _Tensor:
     the class all of whose readers are decided."""
 
     def __init__(self, classes: dict[str, list[Node]], members: list[str], bit: dict[str, int],
-                 memory: bool, free: dict[str, Node], canon: set[int], ident: dict):
+                 memory: bool, free: dict[str, Node], canon: set[int], ident: dict, like: "_Tensor | None" = None):
         self.members = members
-        self.mask = 0
-        for c in members:
-            self.mask |= 1 << bit[c]
-        self.cls = {bit[c]: c for c in members}
         self.cache: dict[int, list] = {}
         # each node as (node, own classes it reads, others' classes it reads, cost, memory); a free class
         # (made at no cost from free classes: a loaded input) is never demanded
         self.nodes: dict[int, list] = {}
-        for c in members:
-            es = self.nodes[bit[c]] = []
-            for n in classes[c]:
-                kids = 0
-                for ch in n.children:
-                    if ch not in free:
-                        kids |= 1 << bit[ch]
-                own = kids & self.mask
-                es.append((n, own, kids & ~self.mask, n.cost, n.memory if memory else 0.0,
-                           own if id(n) in canon else 0, n.op == "Keep"))
+        if like is not None:  # the same classes and free ones at other costs: its masks (see _setup's like)
+            self.mask, self.cls, self.own_bits = like.mask, like.cls, like.own_bits
+            for c in members:
+                i = bit[c]
+                self.nodes[i] = [(n, e[1], e[2], n.cost, n.memory if memory else 0.0, e[1] if id(n) in canon else 0, e[6])
+                                 for n, e in zip(classes[c], like.nodes[i])]
+        else:
+            self.mask = 0
+            for c in members:
+                self.mask |= 1 << bit[c]
+            self.cls = {bit[c]: c for c in members}
+            for c in members:
+                es = self.nodes[bit[c]] = []
+                for n in classes[c]:
+                    kids = 0
+                    for ch in n.children:
+                        if ch not in free:
+                            kids |= 1 << bit[ch]
+                    own = kids & self.mask
+                    es.append((n, own, kids & ~self.mask, n.cost, n.memory if memory else 0.0,
+                               own if id(n) in canon else 0, n.op == "Keep"))
+            # each node's own classes read, as positions (the masks are as long as the graph's classes: a
+            # setup of 19,700 classes spent most of its time in their arithmetic)
+            self.own_bits: dict[int, list[tuple]] = {i: [tuple(_bits(e[1])) for e in es] for i, es in self.nodes.items()}
         # a lower bound of each class's cost inside this tensor (its cheapest chain of own nodes), and of
         # each layout's: a class is made by a node other than a Keep in its layout at its level or below,
         # so distinct layouts demanded pay distinct nodes
@@ -171,8 +181,8 @@ class _Tensor:
         first: dict[object, float] = {}
         for c in members:
             i = bit[c]
-            self.lb[i] = min((cost + max((self.lb[j] for j in _bits(own)), default=0.0)
-                              for _, own, _, cost, _, _, _ in self.nodes[i]), default=0.0)
+            self.lb[i] = min((e[3] + max((self.lb[j] for j in own), default=0.0)
+                              for e, own in zip(self.nodes[i], self.own_bits[i])), default=0.0)
             lay = ident[c][1] if c in ident else c
             self.layout[i] = lay
             made = min((e[3] for e in self.nodes[i] if not e[6]), default=float("inf"))
@@ -183,7 +193,7 @@ class _Tensor:
         self.below = lambda ext: 0.0  # a lower bound of what an external demand costs: set by _Lower
         self.bounds: dict[int, float] = {}
         self.columns: dict[int, tuple] = {}  # the Steiner-tree DP's columns by terminal set (_column)
-        self.anc: dict[int, set] = {}  # class -> the classes it can be made from (_ancestors)
+        self.anc: dict[int, set] = {} if like is None else like.anc  # class -> the classes it can be made from (_ancestors)
         # without a memory bound, a tensor whose every node reads at most one own class, and none both its
         # own and others' (Keeps and collectives convert; computations read inputs only), makes its classes
         # as trees each grown from one computation: its options come from a Steiner-tree DP (_forest_options)
@@ -191,12 +201,11 @@ class _Tensor:
         self.sources: dict[int, list] = {}  # class -> its nodes that read no own class
         self.forest = not memory
         for i, es in self.nodes.items():
-            for e in es:
-                own = e[1]
-                if own & (own - 1) or (own and e[2]):
+            for e, own in zip(es, self.own_bits[i]):
+                if len(own) > 1 or (own and e[2]):
                     self.forest = False
                 elif own:
-                    self.up[own.bit_length() - 1].append((e[3], i, e))
+                    self.up[own[0]].append((e[3], i, e))
                 else:
                     self.sources.setdefault(i, []).append(e)
 
@@ -606,7 +615,7 @@ def _unwind(chosen) -> dict[str, Node]:
 def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], order: list[str],
           canon: set[int] = frozenset(), upper: float | None = None, memory_limit: float | None = None, max_states: int = 2_000_000,
           time_limit: float = 30.0, beam: int = 64, max_tensors: int = 120, upper_memory: float | None = None,
-          found: dict | None = None, quick=None) -> DPResult | None:
+          found: dict | None = None, quick=None, like: "_Lower | None" = None) -> DPResult | None:
     """The cheapest plan (within memory_limit) over `classes` (each class's usable nodes, `order` children
     first), proven; None when the DP outgrew `max_states` or `time_limit`, or the graph has more than
     `max_tensors` tensors (a GPT training step's ~370: measured 8 s without a plan; the fuzz cases it proves
@@ -617,7 +626,7 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
     stats["dp_upper_proven"]: the bound's Lagrangian dual proved the caller's plan optimal. `found`: where
     the DP gives up, it gets found["choice"], the cheapest plan (within the bound) it saw, if any, for the
     0/1 program to start from. `quick(graph, roots)`: a fast extractor's choice (extract passes greedy's),
-    whose plan on each priced graph of the memory bound's dual limits that DP.
+    whose plan on each priced graph of the memory bound's dual limits that DP. `like`: see _setup.
 
     >>> from egraph_did.extract import with_roots, _topo_order
     >>> g = PhysGraph({"w": [Node("Load", (), "w")],
@@ -631,7 +640,7 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
     (22, 0, 0)
     """
     t0 = time.perf_counter()
-    setup = _setup(graph, roots, classes, order, canon, memory_limit is not None, max_tensors)
+    setup = _setup(graph, roots, classes, order, canon, memory_limit is not None, max_tensors, like)
     if setup is None:
         return None
     tensors, lower, start, free = setup
@@ -641,7 +650,7 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
     incumbent = None  # the dual's cheapest plan within the bound
     if memory_limit is not None:
         dual = _lagrange(graph, roots, classes, order, canon, upper, upper_memory, memory_limit, clock, beam,
-                         max_tensors, quick)
+                         max_tensors, quick, lower)
         stats.update(dual.stats)
         if dual.proven:
             stats.update(dp_states=clock.used, dp_s=time.perf_counter() - t0)
@@ -653,7 +662,7 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
             # the bounded walk's states pruned by the dual too: what a state still costs is at least its
             # priced bound less the price of the memory it has left (case 33/6050: the dual 7% below the
             # optimum, the cone bound 34%)
-            priced = _setup(graph, roots, _priced(classes, dual.price), order, set(), False, max_tensors)
+            priced = _setup(graph, roots, _priced(classes, dual.price), order, set(), False, max_tensors, lower)
             if priced is not None and priced[2] == start:
                 lagrangian = (dual.price, priced[1], memory_limit)
     # first a beam (the best states of each step only) for a plan near the optimum: its cost is the exact
@@ -733,7 +742,7 @@ class _Dual:
 
 def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], order: list[str], canon: set[int],
               upper: float | None, upper_memory: float | None, memory_limit: float, clock: _Clock, beam: int,
-              max_tensors: int, quick=None) -> _Dual:
+              max_tensors: int, quick=None, like: "_Lower | None" = None) -> _Dual:
     """Bound a memory-bound extraction from below by its Lagrangian dual: for a price p >= 0 per byte, the
     cheapest plan by cost + p x memory (a DP without the bound, so its states keep one cost each and forest
     tensors take the Steiner-tree DP) is a plan x_p, and cost(x_p) + p x (memory(x_p) - bound) is at most
@@ -742,6 +751,7 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
     without a proof). Else prices between one plan over the bound and one within it (Kelley's cutting
     planes on the dual's breakpoints) raise the bound; a plan within the bound that meets it is optimal,
     and `upper` (the caller's plan) is too if the bound reaches it.
+    `like`: the bounded walk's lower bounds, whose setup the priced solves reuse (see _setup).
 
     >>> from egraph_did.extract import with_roots, _topo_order
     >>> g = PhysGraph({"w": [Node("Load", (), "w")],
@@ -782,7 +792,7 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
                 pass
         limit = min((k + price * m for _, k, m in known), default=None)
         res = solve(priced_graph, roots, cls, sub, canon2, limit, None, max(clock.left, 0),
-                    max(clock.deadline - time.perf_counter(), 0.0), beam, max_tensors)
+                    max(clock.deadline - time.perf_counter(), 0.0), beam, max_tensors, like=like)
         if res is None:
             raise _Budget()
         clock.spend(res.stats.get("dp_states", 0))
@@ -849,9 +859,23 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
 
 
 def _setup(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], order: list[str], canon: set[int],
-           memory: bool, max_tensors: int) -> tuple | None:
+           memory: bool, max_tensors: int, like: "_Lower | None" = None) -> tuple | None:
     """(the tensors in walk order, their lower bounds, the start state, the free classes); None where
-    tensors read each other in a cycle or there are more than max_tensors."""
+    tensors read each other in a cycle or there are more than max_tensors. `like`: the lower bounds of a setup of
+    the same `order` whose classes' nodes are these at other costs (the memory bound's priced graphs, _priced):
+    its tensors, walk order and masks are reused where the free classes are the same (a setup of 19,700 classes,
+    fuzz seed 41 case 4397, took 2.5 s of big-integer masks, built five times by the dual and the bounded walk)."""
+    free = free_classes(classes, order, memory)
+    if like is not None and like.structure[-1].keys() == free.keys() and like.structure[4] == order:
+        group, seq, members, inputs, _, old_free = like.structure
+        bit = {c: i for i, c in enumerate(order)}
+        tensors = [_Tensor(classes, members[g], bit, memory, free, canon, graph.ident, t)
+                   for g, t in zip(seq, like.tensors)]
+        for t, old in zip(tensors, like.tensors):
+            t.forced = old.forced
+        lower = _Lower(tensors, seq, inputs, classes, order, free, bit, like)
+        lower.structure = like.structure
+        return tensors, lower, _start(roots, free, bit), free
     group = _group_of(graph, classes, order)
     # many tensors, many independent branches: the frontier's states multiply. Counted before the walk's
     # order is chosen (each tensor is walked once), which took 0.02 s of each exact pass on one GPT-3
@@ -862,16 +886,21 @@ def _setup(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], o
     if walk is None:
         return None
     seq, members, inputs = walk
-    free = free_classes(classes, order, memory)
     bit = {c: i for i, c in enumerate(order)}
     tensors = [_Tensor(classes, members[g], bit, memory, free, canon, graph.ident) for g in seq]
     _forced_closure(tensors, seq, members, classes, group)
     lower = _Lower(tensors, seq, inputs, classes, order, free, bit)
+    lower.structure = (group, seq, members, inputs, order, free)
+    return tensors, lower, _start(roots, free, bit), free
+
+
+def _start(roots: list[str], free: dict[str, Node], bit: dict[str, int]) -> int:
+    """The walk's first state: the roots that are not free."""
     start = 0
     for r in roots:
         if r not in free:
             start |= 1 << bit[r]
-    return tensors, lower, start, free
+    return start
 
 
 def _walk(tensors: list["_Tensor"], lower: _Lower, start: int, upper: float | None, memory_limit: float | None,
@@ -995,24 +1024,31 @@ class _Lower:
     """
 
     def __init__(self, tensors: list["_Tensor"], seq: list[str], inputs: dict[str, set[str]],
-                 classes: dict[str, list[Node]], order: list[str], free: dict[str, Node], bit: dict[str, int]):
+                 classes: dict[str, list[Node]], order: list[str], free: dict[str, Node], bit: dict[str, int],
+                 like: "_Lower | None" = None):
         self.tensors = tensors
-        cone: dict[str, int] = {}
-        for i in reversed(range(len(seq))):  # inputs come later in seq
-            g = seq[i]
-            mask = 0 if all(c in free for c in tensors[i].members) else 1 << i
-            for u in inputs[g]:
-                mask |= cone[u]
-            cone[g] = mask
-        self.cone: dict[int, int] = {}  # class bit -> its tensor's cone
-        self.tensor: dict[int, int] = {}  # class bit -> its tensor's position
-        for i, g in enumerate(seq):
-            for c in tensors[i].members:
-                self.cone[bit[c]] = cone[g]
-                self.tensor[bit[c]] = i
-        # each class's ways: (cost, the classes read that are not free)
-        self.ways: dict[int, list] = {bit[c]: [(n.cost, [bit[ch] for ch in n.children if ch not in free])
-                                               for n in classes[c]] for c in order if c not in free}
+        self.structure: tuple = ()  # what _setup's like reuses: set by _setup
+        if like is not None:  # the same tensors at other costs (see _setup's like)
+            self.cone, self.tensor = like.cone, like.tensor
+            self.ways: dict[int, list] = {i: [(n.cost, kids) for n, (_, kids) in zip(classes[c], like.ways[i])]
+                                          for c in order if c not in free for i in (bit[c],)}
+        else:
+            cone: dict[str, int] = {}
+            for i in reversed(range(len(seq))):  # inputs come later in seq
+                g = seq[i]
+                mask = 0 if all(c in free for c in tensors[i].members) else 1 << i
+                for u in inputs[g]:
+                    mask |= cone[u]
+                cone[g] = mask
+            self.cone: dict[int, int] = {}  # class bit -> its tensor's cone
+            self.tensor: dict[int, int] = {}  # class bit -> its tensor's position
+            for i, g in enumerate(seq):
+                for c in tensors[i].members:
+                    self.cone[bit[c]] = cone[g]
+                    self.tensor[bit[c]] = i
+            # each class's ways: (cost, the classes read that are not free)
+            self.ways: dict[int, list] = {bit[c]: [(n.cost, [bit[ch] for ch in n.children if ch not in free])
+                                                   for n in classes[c]] for c in order if c not in free}
         self.outside: dict[int, dict[int, float]] = {}  # tensors (a union of cones) -> class -> least cost outside
         self.reach: dict[int, float] = {}
         for c in order:

@@ -330,3 +330,53 @@ def test_where_the_dp_gives_up_it_hands_over_the_cheapest_plan_within_the_bound_
     sel = exact(graph, roots, bound, time_limit=5)
     assert sel.stats["exact_incumbent"] == "dp" and sel.memory <= bound
     assert sel.cost <= _total(found["choice"])[0] * (1 + 1e-12)
+
+
+def test_under_a_memory_bound_greedy_runs_only_where_the_dp_gives_up(monkeypatch):
+    """exact under a memory bound runs the DP first, without greedy's plan (greedy's ladder of prices per byte took
+    20 s CPU of exact's 54 on fuzz seed 41 case 4397, where the DP's dual proves the optimum alone); where the DP
+    gives up, greedy's plan is the 0/1 program's start as before."""
+    g = PhysGraph({"x": [Node("Load", (), "x")],
+                   "x:R": [Node("Coll", ("x",), "allgather", 0, cost=10e-6, memory=400.0)],
+                   "y": [Node("Apply", ("x:R",), "y", 0, cost=1e-6), Node("Apply", ("x",), "y", 1, cost=12e-6, memory=50.0)],
+                   "z": [Node("Apply", ("x:R",), "z", 0, cost=1e-6), Node("Apply", ("x",), "z", 1, cost=12e-6, memory=50.0)]})
+    roots = extract.with_roots(g, {"y": ["y"], "z": ["z"]})
+    calls = []
+    real = extract.greedy_dag
+
+    def counted(graph, roots, memory_limit=None, buy=True):
+        calls.append(memory_limit)
+        return real(graph, roots, memory_limit, buy)
+    monkeypatch.setattr(extract, "greedy_dag", counted)
+    bounded = exact(g, roots, memory_limit=200.0)
+    assert (bounded.method, bounded.stats["exact_method"], bounded.stats["exact_incumbent"]) == ("exact", "dp", "none")
+    assert round(bounded.cost * 1e6) == 24 and 200.0 not in calls  # only the dual's quick plans (no bound) ran
+    monkeypatch.setattr(extract_dp, "solve", lambda *a, **k: None)  # the DP gives up
+    fallback = exact(g, roots, memory_limit=200.0)
+    assert (fallback.stats["exact_method"], fallback.stats["exact_incumbent"]) == ("ilp", "greedy") and 200.0 in calls
+    assert fallback.cost == pytest.approx(bounded.cost, rel=1e-12) and fallback.proven
+
+
+def test_a_priced_setup_built_like_the_bounded_one_is_the_one_built_alone(graphs):
+    """The memory bound's priced setups reuse the bounded setup's tensors and masks (_setup like=): the same walk,
+    start, per-tensor bounds and cone bounds as a setup built from the priced classes alone."""
+    checked = 0
+    for case, (graph, roots, bound) in graphs:
+        order, classes = extract._usable(graph, roots, 1.0)  # any bound: the classes a bounded pass keeps
+        if any(r not in classes for r in roots):
+            continue
+        canon = extract._canonical_colls(graph, classes)
+        bounded = extract_dp._setup(graph, roots, classes, order, canon, True, 120)
+        if bounded is None:
+            continue
+        priced = extract_dp._priced(classes, 3e-9)
+        alone = extract_dp._setup(graph, roots, priced, order, set(), False, 120)
+        like = extract_dp._setup(graph, roots, priced, order, set(), False, 120, bounded[1])
+        assert like[2] == alone[2] and like[3].keys() == alone[3].keys(), case
+        for a, b in zip(alone[0], like[0]):
+            assert (a.members, a.mask, a.lb, a.first, a.floor, a.forced, a.forest) == \
+                   (b.members, b.mask, b.lb, b.first, b.floor, b.forced, b.forest), case
+            assert {i: [e[1:] for e in es] for i, es in a.nodes.items()} == {i: [e[1:] for e in es] for i, es in b.nodes.items()}
+        assert like[1](like[2], 0) == alone[1](alone[2], 0) and like[1].reach == alone[1].reach, case
+        checked += 1
+    assert checked >= 4
