@@ -57,7 +57,7 @@ def test_the_backward_in_fused_pieces_equals_its_math(dtype, causal):
         q, k, v, dout, out = (torch.randn(2, 4, s, 64, generator=g, device="cuda").to(dtype)
                               for s in (sq, n, n, sq, sq))
         lse = torch.logsumexp(_attention_scores(q.double(), k.double(), causal, None, offset, key_offset), -1)
-        lse = torch.where(torch.isfinite(lse), lse + 0.5, 0 * lse).to(lse_dtype(dtype))  # other keys' mass too
+        lse = torch.where(torch.isfinite(lse), lse + 0.5, torch.zeros_like(lse)).to(lse_dtype(dtype))  # other keys' mass too; 0 where no key is seen (0 * -inf is nan)
         got = _fused_backward_pieces(dout, q, k, v, out, lse, causal, None, offset, key_offset)
         assert got is not None, f"the fused backward refused {dtype} at {(sq, n, offset, key_offset)}"
         want = _sdpa_backward_math(*(t.double() for t in (dout, q, k, v, out, lse)), causal, None, offset, key_offset)
