@@ -20,11 +20,14 @@ optimizer's update is not in these plans (ed.parallelize runs torch.optim on the
   is [.., seq, seq];
 - expert parallelism, pinned (the experts' weights and gradients split on the experts): each rank runs the
   rows of its own experts (grouped_mm_experts) and their weight gradients (grouped_wgrad_experts), and no
-  [experts, ..] tensor moves.
+  [experts, ..] tensor moves;
+- context parallelism, chosen: with 2 query heads and 1 key/value head (fewer heads than ranks) at 32768
+  tokens of one sequence the cost model runs attention as rings over the sequence, forward and backward
+  (ring attention's kv_ring and dkv_ring), replayed at 16 tokens.
 
 What neither a pin nor the cost model gives here (tests/optimizer has the goldens where each wins on its
 own; measured at this session's code): at vocab 2048 a lm head pinned split is all-gathered (1 MiB) and the
-loss runs on whole logits; context parallelism: the keys and values of Llama's attention pinned split on
+loss runs on whole logits; context parallelism with 4 heads: the keys and values of Llama's attention pinned split on
 the sequence at 16k tokens are gathered (8 MiB each) for query-sequence attention, and free, the plan splits
 heads (Ulysses' all-to-alls, with 4 key/value heads) or the queries (GQA); at 32768 tokens of one sequence,
 free, the plan splits the 4 heads (7.548 ms predicted; the causal ring wins where k and v stay split on the
