@@ -166,6 +166,25 @@ def test_a_replay_of_a_plan_of_another_program_says_so():
         ed.optimize(fusion("exp", 4), mesh, like=plan)
 
 
+def test_a_replay_whose_name_holds_a_term_of_other_rank_says_so():
+    """The same op under the plan's name is not enough: where it is another term (here relu of x [4, 8], the
+    plan's of a row sum [64]), the plan's strategies for it are another term's. As a Llama replay whose
+    rewritten terms were named differently showed, that refused far from the cause (an output unreachable);
+    now it names the tensor and both terms' shapes."""
+    mesh = ed.DeviceMesh.arange(2)
+
+    def fusion(rows, summed):
+        with ed.FusionDefinition() as fd:
+            x = fd.define_tensor((rows, 8), name="x")
+            fd.add_output(fd.ops.relu(fd.ops.sum(x, 1) if summed else x), name="y")
+        fd["y"].set_device_mesh(mesh)
+        return fd
+    plan = ed.optimize(fusion(64, summed=True), mesh)
+    with pytest.raises(PlanError, match=r"plan computes y by relu of shapes \[\[64\], \[64\]\], this fusion by relu of "
+                                        r"\[\[4, 8\], \[4, 8\]\].*named their terms differently"):
+        ed.optimize(fusion(4, summed=False), mesh, like=plan)
+
+
 def test_rewrite_names_are_checked():
     assert check_rewrites(()) == ()
     assert check_rewrites("sum_partials_first") == ("sum_partials_first",)
