@@ -23,7 +23,7 @@ from egraph_did.rewrites.sorts import OPS_SORT, Def, Lit, Out, ShapeOf, Shp, T, 
 from .egglog_io import frozen_rows, held_string, run_text, string_term
 from .errors import PlanError
 from .fusion import Fusion, Ops
-from .ops import OPS
+from .ops import OPS, canonical_dtype
 
 # program rewrites (logical: expand saturates them) and physical ones (egraph.saturate offers their steps)
 PHYSICAL_REWRITES = (collective_matmul.NAME,)
@@ -162,14 +162,15 @@ def sibling_sets(group) -> list[list]:
     return [list(c) for n in range(2, len(group) + 1) for c in itertools.combinations(group, n)]
 
 
-def merge_can_pay(group, mesh, cm, shape_of=lambda tv: tuple(tv.shape)) -> bool:
+def merge_can_pay(group, mesh, cm, shape_of=lambda tv: tuple(tv.shape),
+                  itemsize_of=lambda tv: tv.dtype.itemsize) -> bool:
     """Whether merging the set of siblings `group` can be cheaper on this mesh and cost model at best: what
     it could save (per sibling but one: a GEMM launch, a read of the input, an all-reduce's latency per
     mesh axis) against what it costs at least (stacking the weights, sharded over every rank; a cat's
     launch; slicing each output, likewise sharded). The e-graph gains the merged terms only where they
     can pay (the full-width q, k and v of a GPT-3 layer: their weights' copy alone costs more than the
-    latencies saved). shape_of: a tensor's shape (a replay judges at the shapes of the plan it replays:
-    the same terms).
+    latencies saved). shape_of, itemsize_of: a tensor's shape and element size (a replay judges at the
+    shapes and dtypes of the plan it replays: the same terms).
 
     >>> import egraph_did as ed, torch
     >>> from egraph_did.cost import CostModel
@@ -188,7 +189,7 @@ def merge_can_pay(group, mesh, cm, shape_of=lambda tv: tuple(tv.shape)) -> bool:
     False
     """
     x = group[0].inputs[0]
-    item = x.dtype.itemsize
+    item = itemsize_of(x)
     lead = math.prod(shape_of(x)[:-1])
     weights = sum(math.prod(shape_of(e.inputs[1])) for e in group) * item
     outs = [lead * shape_of(e.outputs[0])[-1] * item for e in group]
@@ -199,10 +200,16 @@ def merge_can_pay(group, mesh, cm, shape_of=lambda tv: tuple(tv.shape)) -> bool:
     return costs < saves
 
 
-def _shapes_in(like):
-    """A tensor's shape in the plan `like` (where it holds one), else its own."""
-    shapes = {v.tensor: tuple(v.shape) for v in like.values.values()} if like is not None else {}
-    return lambda tv: shapes.get(tv.name, tuple(tv.shape))
+def _as_in(like) -> dict:
+    """merge_can_pay's shape_of and itemsize_of at the plan `like`: a tensor's shape and element size there
+    (where it holds one), else its own. Both: a bf16 plan replayed in float64 judged at the plan's shapes but
+    8-byte elements refused the gate/up merge the plan's 2-byte ones paid for, so the replay gained fewer
+    terms, named the later ones differently and kept the plan's strategies for other terms (a Llama step's
+    RMSNorm mean [1, 12, 1] given a sum's [S(2)] of [1, 1, 32768, 128]: embed_tokens' gradient unreachable)."""
+    held = {v.tensor: v for v in like.values.values()} if like is not None else {}
+    return {"shape_of": lambda tv: tuple(held[tv.name].shape) if tv.name in held else tuple(tv.shape),
+            "itemsize_of": lambda tv: canonical_dtype(held[tv.name].dtype).itemsize if tv.name in held
+            else tv.dtype.itemsize}
 
 
 def merge_layout(group) -> dict:
@@ -333,7 +340,7 @@ def expand(work: Fusion, ops: Ops, rewrites: Iterable[str], mesh=None, cost_mode
             facts.append(f'(Bucket (T "{ident[a]}") (T "{ident[b]}") {" ".join(slot(v) for v in literals)})')
     if "merge_siblings" in names:
         can_pay = (lambda g: True) if mesh is None or cost_model is None else \
-            functools.partial(merge_can_pay, mesh=mesh, cm=cost_model, shape_of=_shapes_in(like))
+            functools.partial(merge_can_pay, mesh=mesh, cm=cost_model, **_as_in(like))
         facts += sibling_facts(work, ident, slot, can_pay)
     for e in work.exprs:
         app = f'(op_{e.op.name} {" ".join(slot(v) for _, v in e.args)})'

@@ -498,15 +498,31 @@ def _unreplayed(problem: Problem, key: str, ins: tuple[Layout, ...], outs: tuple
     return f"{step} leaves a rank with no element of {empty} ({e.op.name} computes only on shards that hold data)"
 
 
+def _other_term(e: Expr, step, like) -> str | None:
+    """How the like plan's step differs from this fusion's expr of its name, where it is another term (None
+    where it is the same one at other shapes): its op, or its operands' and outputs' number of axes, which a
+    replay never changes. The op alone let a rewritten term whose name the replay gave another add keep the
+    plan's strategies: the plan's sum of attention outputs [1, 1, 32768, 128] on [S(2)] imposed on RMSNorm's
+    mean + eps [1, 12, 1], refused as unreachable far from the cause."""
+    if e.op.name != step.op:
+        return f"by {step.op}, this fusion by {e.op.name}"
+    ours = [t.shape for _, t in e.args if isinstance(t, TensorView)] + [t.shape for t in e.outputs]
+    theirs = [like.values[v].shape for v in (*step.operands.values(), *step.outputs)]
+    if [len(x) for x in ours] == [len(x) for x in theirs]:
+        return None
+    return (f"by {step.op} of shapes {[list(x) for x in theirs]}, this fusion by {e.op.name} of "
+            f"{[list(x) for x in ours]}")
+
+
 def _restrict_to(problem: Problem, like) -> None:
     """Keep only the strategies and input layouts another plan of the same fusion used."""
     problem.restricted = True
-    other = next((s for s in like.compute_steps if s.key in problem.exprs and problem.exprs[s.key].op.name != s.op), None)
-    if other is not None:  # by name, its strategies would be kept for another op: a plan with no way through
-        raise PlanError(f"optimize(like=plan): the plan computes {other.key} by {other.op}, this fusion by "
-                        f"{problem.exprs[other.key].op.name}: the plan is of another program (an export follows the "
-                        f"module's dtype and device: a float32 module drops the casts a bf16 one has); plan the same "
-                        f"program at both shapes, or optimize without like=")
+    for s in like.compute_steps:  # by name, its strategies would be kept for another term: a plan with no way through
+        if s.key in problem.exprs and (theirs := _other_term(problem.exprs[s.key], s, like)):
+            raise PlanError(f"optimize(like=plan): the plan computes {s.key} {theirs}: the plan is of another program "
+                            f"(an export follows the module's dtype and device: a float32 module drops the casts a "
+                            f"bf16 one has), or the program rewrites named their terms differently at these shapes; "
+                            f"plan the same program at both shapes, or optimize without like=")
     used: dict[str, set] = {}
     serving = []  # each step's key, layouts and the (inputs, outputs) that would replay it
     for s in like.compute_steps:

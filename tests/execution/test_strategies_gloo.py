@@ -20,11 +20,14 @@ optimizer's update is not in these plans (ed.parallelize runs torch.optim on the
   is [.., seq, seq];
 - expert parallelism, pinned (the experts' weights and gradients split on the experts): each rank runs the
   rows of its own experts (grouped_mm_experts) and their weight gradients (grouped_wgrad_experts), and no
-  [experts, ..] tensor moves.
+  [experts, ..] tensor moves;
+- context parallelism, chosen: with 2 query heads and 1 key/value head (fewer heads than ranks) at 32768
+  tokens of one sequence the cost model runs attention as rings over the sequence, forward and backward
+  (ring attention's kv_ring and dkv_ring), replayed at 16 tokens.
 
 What neither a pin nor the cost model gives here (tests/optimizer has the goldens where each wins on its
 own; measured at this session's code): at vocab 2048 a lm head pinned split is all-gathered (1 MiB) and the
-loss runs on whole logits; context parallelism: the keys and values of Llama's attention pinned split on
+loss runs on whole logits; context parallelism with 4 heads: the keys and values of Llama's attention pinned split on
 the sequence at 16k tokens are gathered (8 MiB each) for query-sequence attention, and free, the plan splits
 heads (Ulysses' all-to-alls, with 4 key/value heads) or the queries (GQA); at 32768 tokens of one sequence,
 free, the plan splits the 4 heads (7.548 ms predicted; the causal ring wins where k and v stay split on the
@@ -70,11 +73,11 @@ class Loss(torch.nn.Module):
         return self.lm(ids, labels=labels, use_cache=False).loss
 
 
-def llama(vocab, hidden, inter, seq, dtype, device) -> Loss:
+def llama(vocab, hidden, inter, seq, dtype, device, heads=4, kv_heads=2) -> Loss:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(seq, 64),
-                                   initializer_range=0.2)
+                                   num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                   max_position_embeddings=max(seq, 64), initializer_range=0.2)
     with torch.device(device):
         return Loss(transformers.LlamaForCausalLM(cfg).to(dtype))
 
@@ -90,8 +93,8 @@ def mixtral(vocab, hidden, inter, seq, dtype, device) -> Loss:
         return Loss(transformers.MixtralForCausalLM(cfg).to(dtype))
 
 
-def export(make, vocab, hidden, inter, batch, seq, dtype, device) -> tuple[Loss, ed.FusionDefinition]:
-    module = make(vocab, hidden, inter, seq, dtype, device)
+def export(make, vocab, hidden, inter, batch, seq, dtype, device, **heads) -> tuple[Loss, ed.FusionDefinition]:
+    module = make(vocab, hidden, inter, seq, dtype, device, **heads)
     ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
     return module, ed.from_torch(module, (ids, ids + 1))
 
@@ -107,11 +110,11 @@ def step(fd, pinned: tuple[str, ...] = ()):
     return g
 
 
-def reference(module, fd, plan) -> tuple[dict, dict]:
+def reference(module, fd, plan, batch=SMALL["batch"], seq=SMALL["seq"]) -> tuple[dict, dict]:
     """The step's inputs (the module's weights, constants, random ids and labels) and transformers' float64
     loss and gradients."""
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, SMALL["vocab"], (SMALL["batch"], SMALL["seq"]), generator=gen)
+    ids = torch.randint(0, SMALL["vocab"], (batch, seq), generator=gen)
     labels = torch.randint(0, SMALL["vocab"], ids.shape, generator=gen)
     inputs = {"ids": ids, "labels": labels, **fd.constants}
     inputs.update({p: module.get_parameter(p).detach() for p in fd.params})
@@ -162,3 +165,25 @@ def test_two_layer_llama_and_mixtral_steps_with_the_strategies_pinned_and_chosen
     expert_parallel(plans["experts pinned"])
     inputs["experts pinned"], want["experts pinned"] = reference(moe_small, small_moe, plans["experts pinned"])
     assert_ranks_equal(run_on_gloo(plans, inputs), want, **TOL)
+
+
+def test_llama_with_fewer_heads_than_ranks_at_32k_tokens_chooses_ring_attention_equal_one_device_on_four_gloo_ranks():
+    """Context parallelism chosen, not pinned: Llama with 2 query heads and 1 key/value head on 4 ranks cannot
+    split its heads, so at 32768 tokens of one sequence (bf16, meta) the cost model runs attention as rings
+    over the sequence, forward (kv_ring) and backward (dkv_ring), every parameter free. Replayed on 16 tokens
+    (4 a rank, head_dim 24) it runs on four gloo ranks equal to transformers' float64 step. Not 12 tokens: the
+    rotary embedding's halves of head_dim 24 are [.., 12, 12] there, which the check for attention scores
+    [.., seq, seq] cannot tell apart. The bf16 plan replays in float64 since merge_siblings judges a replay at
+    the plan's dtypes too (tests/rewrites/test_program_rewrites.py)."""
+    heads, seq = dict(heads=2, kv_heads=1), 16
+    _, big = export(llama, **dict(BIG, hidden=256, batch=1, seq=32768), dtype=BF16, device="meta", **heads)
+    small_dims = dict(SMALL, batch=1, seq=seq)
+    module, small = export(llama, **small_dims, dtype=F64, device="cpu", **heads)
+    plan = replay(step(big), step(small))
+    rings = sorted(f for s in plan.compute_steps for f, _ in s.flags if f in ("kv_ring", "dkv_ring"))
+    assert rings == ["dkv_ring", "dkv_ring", "kv_ring", "kv_ring"], plan.explain()  # both layers, both directions
+    square = [v for v in plan.values.values() if tuple(v.shape[-2:]) == (seq, seq)]
+    assert not square, square
+    inputs, want = reference(module, small, plan, batch=1, seq=seq)
+    assert_ranks_equal(run_on_gloo({"context parallel chosen": plan}, {"context parallel chosen": inputs}),
+                       {"context parallel chosen": want}, **TOL)

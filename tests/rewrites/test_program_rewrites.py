@@ -6,6 +6,7 @@ import torch
 
 import egraph_did as ed
 from egraph_did.errors import PlanError
+from egraph_did.cost import CostModel
 from egraph_did.evaluate import evaluate
 from egraph_did.expand import RewriteSet, check_rewrites, expand
 from egraph_did.problem import clone_fusion
@@ -113,6 +114,33 @@ def test_rewritten_terms_are_named_alike_at_any_shapes():
         torch.testing.assert_close(got[name], want[name], msg=name)
 
 
+def test_a_replay_in_another_dtype_merges_the_siblings_the_plan_merged():
+    """merge_siblings offers a set only where merge_can_pay's best case pays, judged at the like plan's shapes
+    and dtypes: SwiGLU's gate and up at 32768 x 256 tokens in bf16 pay, in float64 (4x the bytes against the
+    same launches and latencies) not. A bf16 plan replayed in float64 judged at the plan's shapes but 8-byte
+    elements gained none of the merge's ten terms, so every later rewritten term shifted its name: the Llama
+    step of tests/execution/test_strategies_gloo.py (2 heads, 32768 tokens) replayed the plan's [S(2)] of a
+    sum of attention outputs [1, 1, 32768, 128] on RMSNorm's mean [1, 12, 1] of the same name, and refused."""
+    mesh = ed.DeviceMesh.arange(4)
+
+    def swiglu(tokens, hidden, width, dtype):
+        with ed.FusionDefinition() as fd:
+            x = fd.define_tensor((tokens, hidden), dtype, name="x")
+            gate = fd.ops.linear(x, fd.define_tensor((width, hidden), dtype, name="w_gate"))
+            up = fd.ops.linear(x, fd.define_tensor((width, hidden), dtype, name="w_up"))
+            fd.add_output(fd.ops.mul(fd.ops.silu(gate), up), name="y")
+        return fd
+
+    def terms(fd, like=None):
+        work, ops = clone_fusion(fd.fusion)
+        expand(work, ops, ["merge_siblings"], mesh, CostModel.h200(), like)
+        return [(e.outputs[0].name, e.op.name) for e in work.exprs[len(fd.fusion.exprs):]]
+    big, small = swiglu(32768, 256, 512, torch.bfloat16), swiglu(12, 48, 96, torch.float64)
+    assert terms(swiglu(32768, 256, 512, torch.float64)) == []  # float64 at the plan's shapes: no merge pays
+    assert len(terms(big)) == 10  # the weights' views and stack, one GEMM, its view and two slices' views
+    assert terms(small, like=ed.optimize(big, mesh, rewrites=())) == terms(big)
+
+
 def test_a_replay_whose_fusion_lacks_a_bucketed_tensor_says_the_plan_is_of_another_program():
     """optimize(like=) offers the like plan's bucket pairs; a fusion without one of the tensors (transformers'
     Llama exported in float32 has no cast where the bf16 plan's names sum_504) was a KeyError."""
@@ -136,6 +164,25 @@ def test_a_replay_of_a_plan_of_another_program_says_so():
     assert ed.optimize(fusion("relu", 4), mesh, like=plan).loop_domain("y")
     with pytest.raises(PlanError, match="plan computes y by relu, this fusion by exp.*another program"):
         ed.optimize(fusion("exp", 4), mesh, like=plan)
+
+
+def test_a_replay_whose_name_holds_a_term_of_other_rank_says_so():
+    """The same op under the plan's name is not enough: where it is another term (here relu of x [4, 8], the
+    plan's of a row sum [64]), the plan's strategies for it are another term's. As a Llama replay whose
+    rewritten terms were named differently showed, that refused far from the cause (an output unreachable);
+    now it names the tensor and both terms' shapes."""
+    mesh = ed.DeviceMesh.arange(2)
+
+    def fusion(rows, summed):
+        with ed.FusionDefinition() as fd:
+            x = fd.define_tensor((rows, 8), name="x")
+            fd.add_output(fd.ops.relu(fd.ops.sum(x, 1) if summed else x), name="y")
+        fd["y"].set_device_mesh(mesh)
+        return fd
+    plan = ed.optimize(fusion(64, summed=True), mesh)
+    with pytest.raises(PlanError, match=r"plan computes y by relu of shapes \[\[64\], \[64\]\], this fusion by relu of "
+                                        r"\[\[4, 8\], \[4, 8\]\].*named their terms differently"):
+        ed.optimize(fusion(4, summed=False), mesh, like=plan)
 
 
 def test_rewrite_names_are_checked():
