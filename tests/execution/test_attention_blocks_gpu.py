@@ -61,8 +61,8 @@ def test_the_backward_in_fused_pieces_equals_its_math(dtype, causal):
         got = _fused_backward_pieces(dout, q, k, v, out, lse, causal, None, offset, key_offset)
         assert got is not None, f"the fused backward refused {dtype} at {(sq, n, offset, key_offset)}"
         want = _sdpa_backward_math(*(t.double() for t in (dout, q, k, v, out, lse)), causal, None, offset, key_offset)
-        for a, b in zip(got, want):
-            assert ((a.double() - b).abs().max() / b.abs().max()).item() < BACKWARD_TOL[dtype]
+        for a, b in zip(got, want):  # relative to the reference's scale; exact where no query sees a key (b is 0)
+            assert (a.double() - b).abs().max().item() <= BACKWARD_TOL[dtype] * b.abs().max().item()
 
 
 def test_a_long_causal_backward_allocates_no_probabilities():
