@@ -37,7 +37,6 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 import torch
-import torch.nn.attention
 import torch.nn.functional as F
 
 from .collectives import ring_attention_backward_kernel, ring_attention_kernel, ring_kernel
@@ -1465,7 +1464,7 @@ def _attention_scale(q, scale) -> float:
     return scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
-def _cudnn_attention(q, k, v, is_causal, scale) -> bool:
+def _cudnn_attention(q, k) -> bool:
     """Whether to call cuDNN's fused attention: on Hopper and newer, where F.scaled_dot_product_attention
     (and so torch.compile's graph) runs it for a training step (measured on an H200 at GPT-3's per-rank
     shape: forward 50 vs flash's 105 us, backward 133 vs 236 us), with as many keys as queries (a causal
@@ -1475,18 +1474,19 @@ def _cudnn_attention(q, k, v, is_causal, scale) -> bool:
 
 
 def _fused_forward(q, k, v, is_causal, scale):
-    """(out, lse) from torch's cuDNN (where torch's own dispatch picks it), flash (16-bit, v's head_dim
-    q's) or memory-efficient (float32, or another head_dim of v) kernel on a GPU; None where none takes
-    the operands (float64, the CPU, a head_dim it refuses). sdpa_backward picks the same kernel's backward."""
+    """(out, lse) from torch's cuDNN (16-bit, v's head_dim q's, as many keys as queries, Hopper and newer),
+    flash (16-bit, v's head_dim q's) or memory-efficient (float32, or another head_dim of v) kernel on a GPU;
+    None where none takes the operands (float64, the CPU, a head_dim it refuses). sdpa_backward picks the
+    same kernel's backward."""
     aten = torch.ops.aten
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return None
     try:
-        if q.dtype != torch.float32 and q.shape[-1] == v.shape[-1] and _cudnn_attention(q, k, v, is_causal, scale):
-            out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False,
-                                                                scale=scale)[:2]
-            return out, lse.reshape(q.shape[:3])  # cuDNN's softmax statistics are [b, h, s, 1]
         if q.dtype != torch.float32 and q.shape[-1] == v.shape[-1]:
+            if _cudnn_attention(q, k):
+                out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False,
+                                                                    scale=scale)[:2]
+                return out, lse.reshape(q.shape[:3])  # cuDNN's softmax statistics are [b, h, s, 1]
             out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[:2]
         else:
             out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal,
@@ -1560,12 +1560,12 @@ def _fused_backward(g, q, k, v, out, lse, is_causal, scale):
         return None
     sq, sk = q.shape[2], k.shape[2]
     try:
-        if q.dtype != torch.float32 and q.shape[-1] == v.shape[-1] and _cudnn_attention(q, k, v, is_causal, scale):
-            seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: its seed and offset unread
-            return tuple(aten._scaled_dot_product_cudnn_attention_backward(  # cum_seq None: not a ragged batch
-                g, q, k, v, out, lse.reshape(lse.shape + (1,)), seed, seed, None, None, None, sq, sk, 0.0, is_causal,
-                scale=scale))
         if q.dtype != torch.float32 and q.shape[-1] == v.shape[-1]:
+            if _cudnn_attention(q, k):
+                seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: its seed and offset unread
+                return tuple(aten._scaled_dot_product_cudnn_attention_backward(  # cum_seq None: not a ragged batch
+                    g, q, k, v, out, lse.reshape(lse.shape + (1,)), seed, seed, None, None, None, sq, sk, 0.0,
+                    is_causal, scale=scale))
             return tuple(aten._scaled_dot_product_flash_attention_backward(
                 g, q, k, v, out, lse, None, None, sq, sk, 0.0, is_causal, None, None, scale=scale))
         padded = F.pad(lse, (0, -sq % 32)).contiguous()  # the efficient kernel reads rows in blocks of 32
