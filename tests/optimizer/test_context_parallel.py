@@ -25,9 +25,9 @@ MESH = ed.DeviceMesh.arange(4)
 NO_RINGS = tuple(r for r in ALL_REWRITES if r != "collective_matmul")
 
 
-def attention(b, h, sq, sk, d, dtype, pins, causal=False, lse=False):
+def attention(b, h, sq, sk, d, dtype, pins, causal=False, lse=False, mesh=MESH):
     """out (and lse) = sdpa(q, k, v): q [b, h, sq, d], k and v [b, h, sk, d]; pins: tensor -> layout text
-    ("R": replicated)."""
+    ("R": replicated) on `mesh`."""
     with ed.FusionDefinition() as fd:
         q = fd.define_tensor((b, h, sq, d), dtype, name="q")
         k = fd.define_tensor((b, h, sk, d), dtype, name="k")
@@ -39,7 +39,7 @@ def attention(b, h, sq, sk, d, dtype, pins, causal=False, lse=False):
         else:
             fd.add_output(fd.ops.sdpa(q, k, v, is_causal=causal), name="out")
     for name, text in pins.items():
-        apply_layout(fd[name], Layout.parse("[R]" if text == "R" else text), MESH)
+        apply_layout(fd[name], Layout.parse("[R]" if text == "R" else text), mesh)
     return fd
 
 

@@ -31,6 +31,7 @@ from egraph_did.pins import apply_layout
 from egraph_did.problem import build_problem
 from egraph_did.simulate import compute_on_rank
 from rewrites.ring_attention import FORMS, RULES
+from tests.optimizer.test_context_parallel import attention as pinned_attention
 
 BF16, F64 = torch.bfloat16, torch.float64
 MESH = ed.DeviceMesh.arange(4)
@@ -45,19 +46,8 @@ RING_KERNELS = {"kv_ring", "dkv_ring"}  # the forward's ring and the backward's
 
 def attention(b, h, s, d, dtype, causal=False, lse=False, mesh=MESH, lay=SEQ, sk=None):
     """out (and lse) = sdpa(q, k, v) with q, k, v and the outputs pinned in `lay` (split on the sequence)."""
-    with ed.FusionDefinition() as fd:
-        q = fd.define_tensor((b, h, s, d), dtype, name="q")
-        k = fd.define_tensor((b, h, sk or s, d), dtype, name="k")
-        v = fd.define_tensor((b, h, sk or s, d), dtype, name="v")
-        if lse:
-            out, logsumexp = fd.ops.sdpa_lse(q, k, v, is_causal=causal)
-            fd.add_output(out, name="out")
-            fd.add_output(logsumexp, name="lse")
-        else:
-            fd.add_output(fd.ops.sdpa(q, k, v, is_causal=causal), name="out")
-    for name in ("q", "k", "v", "out", *(("lse",) if lse else ())):
-        apply_layout(fd[name], Layout.parse(lay), mesh)
-    return fd
+    pins = dict.fromkeys(("q", "k", "v", "out", *(("lse",) if lse else ())), lay)
+    return pinned_attention(b, h, s, sk or s, d, dtype, pins, causal=causal, lse=lse, mesh=mesh)
 
 
 def ring_steps(plan) -> list:
