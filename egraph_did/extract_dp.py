@@ -14,8 +14,9 @@ the caller falls back to the 0/1 program.
 
 Inside a tensor: where every node reads at most one class of its own tensor (collectives and Keeps) and
 computations read only inputs, the classes made are trees, each grown from one computation, and the
-options come from a Steiner-tree DP over the demand's subsets (_Tensor._forest_options); otherwise a
-search over the sets of classes still to make (_Tensor._search_options).
+options come from a Steiner-tree DP over the demand's subsets (_Tensor._forest_options; under a memory
+bound with (cost, memory) Pareto fronts in place of costs, _Tensor._forest_fronts); otherwise a search
+over the sets of classes still to make (_Tensor._search_options).
 
 Bounds: a state's lower bound is the larger of a per-tensor one and a cone one (_Lower: a class's least
 cost with everything below it, readings with disjoint cones adding up). The walk's limit comes from a beam,
@@ -194,12 +195,16 @@ class _Tensor:
         self.bounds: dict[int, float] = {}
         self.columns: dict[int, tuple] = {}  # the Steiner-tree DP's columns by terminal set (_column)
         self.anc: dict[int, set] = {} if like is None else like.anc  # class -> the classes it can be made from (_ancestors)
-        # without a memory bound, a tensor whose every node reads at most one own class, and none both its
-        # own and others' (Keeps and collectives convert; computations read inputs only), makes its classes
-        # as trees each grown from one computation: its options come from a Steiner-tree DP (_forest_options)
+        # a tensor whose every node reads at most one own class, and none both its own and others' (Keeps and
+        # collectives convert; computations read inputs only), makes its classes as trees each grown from one
+        # computation: its options come from a Steiner-tree DP (_forest_options; under a memory bound its
+        # bi-objective form, _forest_fronts)
         self.up: dict[int, list] = {i: [] for i in self.nodes}  # class -> [(cost, class reading it, node)]
         self.sources: dict[int, list] = {}  # class -> its nodes that read no own class
-        self.forest = not memory
+        self.memory = memory
+        self.mem_cap = float("inf")  # the memory bound, set by solve: larger entries of _mcolumn are dropped
+        self.mcolumns: dict[int, dict] = {}  # _mcolumn's fronts by terminal set
+        self.forest = True
         for i, es in self.nodes.items():
             for e, own in zip(es, self.own_bits[i]):
                 if len(own) > 1 or (own and e[2]):
@@ -239,7 +244,10 @@ class _Tensor:
 
     def _options(self, demand: int, cap: float, reach: float, merge, clock: _Clock) -> list:
         if self.forest and demand.bit_count() <= FOREST_MAX_DEMAND:
-            opts = self._forest_options(demand, cap, reach, clock)
+            if self.memory:
+                opts = self._forest_fronts(demand, cap, reach, clock)
+            else:
+                opts = self._forest_options(demand, cap, reach, clock)
         else:
             opts = self._search_options(demand, cap, merge, clock)
         below = self.below
@@ -284,7 +292,7 @@ class _Tensor:
                 for u, _ in pairs:
                     held |= 1 << u
                 if held.bit_count() < len(pairs):  # two routes to one class: it is made once
-                    _, _, held, pairs = self._settle(pairs, terms, a)
+                    _, _, held, pairs, _ = self._settle(pairs, terms, a)
                 got = shapes[key] = (held, pairs)
             return got
         found: dict[int, tuple] = {}
@@ -339,7 +347,7 @@ class _Tensor:
                         overlap |= bool(held & h)
                         held |= h
                 if overlap:
-                    k, e2, _, pairs = self._settle([p for x in picked2 for p in shape(x)[1]], terms,
+                    k, e2, _, pairs, _ = self._settle([p for x in picked2 for p in shape(x)[1]], terms,
                                                    (1 << len(terms)) - 1)
                     if k < found.get(e2, inf)[0]:
                         found[e2] = (k, (pairs,))
@@ -438,12 +446,12 @@ class _Tensor:
         return out
 
     def _settle(self, pairs: list, terms: list[int], group: int) -> tuple:
-        """(cost, external demand, classes held, pairs) of the plan that makes the terminals of `group`
+        """(cost, external demand, classes held, pairs, memory) of the plan that makes the terminals of `group`
         by `pairs`, each class by its first pair: trees that reach one class by two routes pay it once."""
         node: dict[int, tuple] = {}
         for v, e in pairs:
             node.setdefault(v, e)
-        cost, ext, held, out = 0.0, 0, 0, []
+        cost, mem, ext, held, out = 0.0, 0.0, 0, 0, []
         stack = [t for j, t in enumerate(terms) if group >> j & 1]
         while stack:
             v = stack.pop()
@@ -452,11 +460,180 @@ class _Tensor:
             held |= 1 << v
             e = node[v]
             cost += e[3]
+            mem += e[4]
             ext |= e[2]
             out.append((v, e))
             if e[1]:
                 stack.append(e[1].bit_length() - 1)
-        return cost, ext, held, out
+        return cost, ext, held, out, mem
+
+    def _mcolumn(self, terms: int) -> dict:
+        """_column under a memory bound: {v: the Pareto front of (cost, memory, how) of the nodes that make
+        the classes in `terms` from class v}, entries over the memory bound dropped; how: (0, entry) v is a
+        term, then the rest by entry; (1, u, node entry, entry) the node of a class u reading v, then from u
+        by entry; (2, entry, entry) a split of the terms, each part from v (cached)."""
+        got = self.mcolumns.get(terms)
+        if got is not None:
+            return got
+        low = terms & -terms
+        others = terms ^ low
+        splits = []
+        sub = (others - 1) & others
+        while others:
+            s = low | sub
+            splits.append((self._mcolumn(s), self._mcolumn(terms ^ s)))
+            if not sub:
+                break
+            sub = (sub - 1) & others
+        near = set().union(*(self._ancestors(t) for t in _bits(terms)))
+        cap = self.mem_cap
+        front: dict[int, list] = {}
+        for v in sorted(near, reverse=True):
+            if terms >> v & 1:
+                rest = terms ^ 1 << v
+                if not rest:
+                    front[v] = [(0.0, 0.0, None)]
+                else:
+                    got_v = self._mcolumn(rest).get(v)
+                    if got_v:
+                        front[v] = [(k, m, (0, x)) for x in got_v for k, m in (x[:2],)]
+                continue
+            cand = []
+            for c, u, e in self.up[v]:
+                fu = front.get(u)
+                if fu:
+                    m0 = e[4]
+                    cand.extend((c + x[0], m0 + x[1], (1, u, e, x)) for x in fu if m0 + x[1] <= cap)
+            for fs, fr in splits:
+                a, b = fs.get(v), fr.get(v)
+                if a and b:
+                    cand.extend((x[0] + y[0], x[1] + y[1], (2, x, y)) for x in a for y in b if x[1] + y[1] <= cap)
+            if cand:
+                front[v] = _pareto(cand)
+        self.mcolumns[terms] = front
+        return front
+
+    @staticmethod
+    def _mtree(entry) -> list:
+        """The (class, node entry) pairs of a _mcolumn entry's tree (its source class's node not included)."""
+        out, stack = [], [entry]
+        while stack:
+            how = stack.pop()[2]
+            if how is None:
+                continue
+            if how[0] == 0:
+                stack.append(how[1])
+            elif how[0] == 1:
+                out.append((how[1], how[2]))
+                stack.append(how[3])
+            else:
+                stack.append(how[1])
+                stack.append(how[2])
+        return out
+
+    def _forest_fronts(self, demand: int, cap: float, reach: float, clock: _Clock) -> list:
+        """_forest_options under a memory bound: each group's trees are the Pareto fronts of (cost, memory)
+        of a bi-objective Steiner-tree DP (_mcolumn) per source, and the options the Pareto-minimal
+        choices of one tree per group (a forest tensor in 726 classes: _search_options spent a minute on
+        one step, fuzz seed 43 case 5663)."""
+        terms = list(_bits(demand))
+        full = (1 << len(terms)) - 1
+        masks = [0] * (full + 1)
+        for a in range(1, full + 1):
+            low = a & -a
+            masks[a] = masks[a ^ low] | 1 << terms[low.bit_length() - 1]
+        mcap = self.mem_cap
+        below = self.below
+        trees: dict[int, list] = {}
+        work = 0
+        for a in range(1, full + 1):
+            col = self._mcolumn(masks[a])
+            by_ext: dict[int, list] = {}
+            for v, es in self.sources.items():
+                fv = col.get(v)
+                if not fv:
+                    continue
+                for e in es:
+                    for x in fv:
+                        k, m = e[3] + x[0], e[4] + x[1]
+                        if k <= cap and m <= mcap:
+                            by_ext.setdefault(e[2], []).append((k, m, (v, e, x)))
+            lst = []
+            for ext, f in by_ext.items():
+                for k, m, how in _pareto(f):
+                    if k + below(ext) <= reach:
+                        lst.append((k, m, ext, how, a))
+            lst.sort(key=lambda t: (t[0], t[1]))
+            trees[a] = lst
+            work += len(lst)
+        shapes: dict[tuple, tuple] = {}
+
+        def shape(tree: tuple) -> tuple:
+            v, e, x = tree[3]
+            key = (v, id(e), id(x))
+            got = shapes.get(key)
+            if got is None:
+                pairs = self._mtree(x) + [(v, e)]
+                held = 0
+                for u, _ in pairs:
+                    held |= 1 << u
+                got = shapes[key] = (held, pairs)
+            return got
+        found: dict[int, list] = {}  # external demand -> [(cost, memory, trees)]
+        inf = float("inf")
+        for groups in _partitions(full):
+            lists = [trees[g] for g in groups]
+            if not all(lists):
+                continue
+            n = len(groups)
+            rest_k, rest_m = [0.0] * (n + 1), [0.0] * (n + 1)
+            for i in reversed(range(n)):
+                rest_k[i] = rest_k[i + 1] + lists[i][0][0]
+                rest_m[i] = rest_m[i + 1] + min(t[1] for t in lists[i])
+            last = n - 1
+
+            def extend(i: int, k0: float, m0: float, ext: int, picked: tuple) -> None:
+                nonlocal work
+                lk, lm = rest_k[i + 1], rest_m[i + 1]
+                for t in lists[i]:
+                    k = k0 + t[0]
+                    if k + lk > cap:
+                        break
+                    m = m0 + t[1]
+                    if m + lm > mcap:
+                        continue
+                    work += 1
+                    e = ext | t[2]
+                    if k + lk + below(e) > reach:
+                        continue
+                    if i < last:
+                        extend(i + 1, k, m, e, picked + (t,))
+                        continue
+                    picked2 = picked + (t,)
+                    held, overlap = 0, False
+                    if last:
+                        for y in picked2:
+                            h = shape(y)[0]
+                            overlap |= bool(held & h)
+                            held |= h
+                    if overlap:
+                        k, e, _, pairs, m = self._settle([p for y in picked2 for p in shape(y)[1]], terms, full)
+                        entry = (k, m, (pairs,))
+                    else:
+                        entry = (k, m, picked2)
+                    f = found.get(e)
+                    if f is None:
+                        found[e] = [entry]
+                    elif not any(g[0] <= entry[0] + _EPS and g[1] <= entry[1] for g in f):
+                        found[e] = _pareto(f + [entry])
+            extend(0, 0.0, 0.0, 0, ())
+            if work > 20000:
+                clock.spend(work)
+                work = 0
+        clock.spend(work)
+        kept = _pareto_ext([(ext, k, m, p) for ext, f in found.items() for k, m, p in f])
+        return [(ext, k, m, _Trees(self.cls, [p if isinstance(p, list) else shape(p)[1] for p in picked]))
+                for ext, k, m, picked in kept]
 
     def _search_options(self, demand: int, cap: float, merge, clock: _Clock) -> list:
         # states (own classes still to make, others' classes demanded) -> front of (cost, memory, chosen),
@@ -644,6 +821,9 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
     if setup is None:
         return None
     tensors, lower, start, free = setup
+    if memory_limit is not None:
+        for t in tensors:
+            t.mem_cap = memory_limit
     clock = _Clock(max_states, time_limit)
     stats = {"dp_tensors": len(tensors)}
     lagrangian = None  # (price, the priced graph's lower bounds, the memory bound)
