@@ -1,7 +1,7 @@
 """Why the cost model does not choose expert parallelism (issue 28 item 4): transformers' MixtralSparseMoeBlock
 at Mixtral 8x7B's sizes (8 experts, top-2, hidden 4096, experts' width 14336; bf16 on the meta device), its
 forward or a training step (the loss mean(y^2) and every parameter's gradient, ed.grad), planned on 4 or 8
-ranks under CostModel.h200 with the tokens x split (as data or sequence parallelism hands them) or whole,
+ranks under CostModel.h200 (and on 2 nodes of 4 GPUs under CostModel.h200_multinode) with the tokens x split (as data or sequence parallelism hands them) or whole,
 with and without a memory bound. Two plans per case: every parameter free, and the experts' weights (and in
 the step their gradients) pinned split on the experts. Per plan: the predicted time, memory per device, the
 layouts chosen for the experts' weights, the grouped rules run and the collectives; for the pinned plan also
@@ -11,6 +11,7 @@ hidden rows stayed on it, as they do in expert-parallel training.
 
     PYTHONPATH=. .venv/bin/python bench/expert_parallel_choice.py                 # the cases below
     PYTHONPATH=. .venv/bin/python bench/expert_parallel_choice.py 4096 4 step split none
+    PYTHONPATH=. .venv/bin/python bench/expert_parallel_choice.py 4096 2x4 forward whole none   # 2 nodes
 
 bench/results_expert_parallel_choice.txt holds a run.
 """
@@ -36,6 +37,8 @@ GIB = 2 ** 30
 # (bounds: 4 GiB per device holds no plan of 16384 tokens with the experts' weights whole, 2.625 GiB)
 CASES = [(t, p, what, x, bound) for what in ("forward", "step") for t in (4096, 16384) for p in (4, 8)
          for x in ("split", "whole") for bound in ((None,) if t == 4096 else (None, 4, 6))]
+# two nodes of 4 GPUs (CostModel.h200_multinode: InfiniBand between the nodes); pinned: the experts over the nodes
+CASES += [(4096, (2, 4), what, x, None) for what in ("forward", "step") for x in ("split", "whole")]
 
 
 class Block(torch.nn.Module):
@@ -64,11 +67,14 @@ def fusion(tokens: int, mesh, step: bool, split: bool, pin: bool):
     fd = ed.from_torch(block, (x,))
     if step:
         fd = ed.grad(fd, "out", list(fd.params))
-    apply_layout(fd["x"], Layout.parse("[S(1)]" if split else "[R]"), mesh)
-    apply_layout(fd["out"], Layout.parse("[R]" if step or not split else "[S(1)]"), mesh)
+    def lay(p):  # p on every mesh axis
+        return Layout(tuple([Layout.parse(f"[{p}]")[0]] * mesh.ndim))
+    apply_layout(fd["x"], lay("S(1)" if split else "R"), mesh)
+    apply_layout(fd["out"], lay("R" if step or not split else "S(1)"), mesh)
+    experts = Layout.parse("[S(0)]" if mesh.ndim == 1 else "[S(0), R]")  # on a 2-D mesh: over the nodes
     for name in WEIGHTS if pin else ():
         for t in (name, "grad_" + name) if step else (name,):
-            apply_layout(fd[t], Layout.parse("[S(0)]"), mesh)
+            apply_layout(fd[t], experts, mesh)
     return fd
 
 
@@ -95,9 +101,14 @@ def describe(tag: str, plan, tokens: int) -> list[str]:
 
 def case(tokens: int, ranks: int, what: str, x: str, bound) -> list[str]:
     """Both plans of one case."""
-    mesh = ed.DeviceMesh.arange(ranks)
-    lines = [f"{tokens} tokens, {ranks} ranks, {what}, x {x}" + (f", under {bound} GiB" if bound else "")]
-    cm = ed.CostModel.h200(memory_limit=bound * GIB if bound else None)
+    if isinstance(ranks, tuple):
+        mesh = ed.DeviceMesh(torch.arange(ranks[0] * ranks[1]).reshape(ranks).tolist(), axis_names=("node", "gpu"))
+        cm = ed.CostModel.h200_multinode(memory_limit=bound * GIB if bound else None)
+    else:
+        mesh = ed.DeviceMesh.arange(ranks)
+        cm = ed.CostModel.h200(memory_limit=bound * GIB if bound else None)
+    where = f"{ranks} ranks" if isinstance(ranks, int) else f"{ranks[0]} nodes x {ranks[1]} GPUs"
+    lines = [f"{tokens} tokens, {where}, {what}, x {x}" + (f", under {bound} GiB" if bound else "")]
     for tag, pin in (("free", False), ("weights pinned on the experts", True)):
         t0 = time.perf_counter()
         try:
@@ -111,7 +122,7 @@ def case(tokens: int, ranks: int, what: str, x: str, bound) -> list[str]:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    cases = CASES if not args else [(int(args[0]), int(args[1]), args[2], args[3],
-                                     None if args[4] == "none" else float(args[4]))]
+    cases = CASES if not args else [(int(args[0]), tuple(map(int, args[1].split("x"))) if "x" in args[1] else int(args[1]),
+                                     args[2], args[3], None if args[4] == "none" else float(args[4]))]
     for c in cases:
         print("\n".join(case(*c)), flush=True)

@@ -15,7 +15,7 @@ the expert rows, the hidden rows were reduce-scattered and all-gathered between 
 at 256 tokens) and at 4096 tokens the weights moved instead. Replayed at small shapes, the expert-parallel
 plan simulates to the reference (float64; uneven counts, an empty expert, rows past offsets[-1]).
 
-Free (tests/optimizer/test_expert_parallel.py's Mixtral-size golden below): across two nodes the cost model
+With the weights free (the last test: Mixtral 8x7B's experts on two nodes of four GPUs) the cost model
 splits the experts over the nodes itself.
 """
 import torch
