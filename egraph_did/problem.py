@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from egraph_did.rewrites import AxisStrategy, Operand, OpView, axis_strategies, collective_matmul
 from egraph_did.rewrites.collective_matmul import add_ring_strategies, unringed
-from egraph_did.rewrites.experts import expert_rows_attrs
+from egraph_did.rewrites.experts import expert_rows_attrs, makes_expert_rows
 from egraph_did.rewrites import ring_attention
 
 from .cost import CostModel
@@ -456,7 +456,7 @@ def _build(user: Fusion, mesh: DeviceMesh, cost_model: CostModel | None, pins, l
         if eq.old is not None:
             problem.equal.append((eq.old, eq.new))
     by_shape: dict[tuple[int, ...], list[Layout]] = {}  # the layouts of a shape, on this mesh
-    rows = any(e.op.name == "grouped_mm" for e in work.exprs)  # expert rows (Pe) exist in such programs only
+    rows = makes_expert_rows(work.exprs)  # expert rows (Pe) exist in programs of grouped matmuls only
     for tv in work.all_tensors():
         shape = tuple(tv.shape)
         if shape not in by_shape:  # a rank may hold nothing: only ops that compute on empty shards take those

@@ -214,6 +214,12 @@ def rows_sorted_by(tv):
     return memo[id(_unsaved(tv))]
 
 
+def makes_expert_rows(exprs) -> bool:
+    """Whether a program may hold expert rows: it runs a grouped matmul (problem.build_problem offers Pe in
+    such programs only)."""
+    return any(e.op.name == "grouped_mm" for e in exprs)
+
+
 def expert_rows_attrs(e) -> tuple:
     """The attribute the expert-row rules read of an expr: ("expert_rows", True) on a grouped_mm whose x
     rows are sorted by its own offsets, and on a product of two tensors whose rows are sorted by the same
