@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import PlanError
-from .layout import P, Layout, Placement, R, S
+from .layout import PE, P, Layout, Placement, R, S
 from .mesh import DeviceMesh
 from .shards import RankContext, local_extents
 
@@ -322,7 +322,7 @@ class ReduceScatter(Kind):
     example = (P, S(0))
 
     def connects(self, src, dst):
-        return src == P and dst.is_shard
+        return src in (P, PE) and dst.is_shard  # expert rows (Pe) are a sum too
 
     def simulate(self, move, parts, rank):
         return _cut(_sum(parts, move.reduce), move, rank)
@@ -475,7 +475,7 @@ class ToPartial(Kind):
     offered = False  # only where a pin asks a partial that no rule makes (optimize.partial_from_whole)
 
     def connects(self, src, dst):
-        return src == R and dst.is_partial
+        return src == R and dst.is_partial and not dst.rows  # rank 0's whole value is no rank's expert rows
 
     def nbytes(self, src_bytes, dst_bytes):
         return 0.0

@@ -28,6 +28,7 @@ from egglog import rule as erule
 
 from egraph_did.rewrites import (ALL_RULES, aten, collective_matmul, experts, frontend_ops, grad_ops, pointwise, ring_attention,
                                   reduction, scans, views)
+from egraph_did.rewrites.experts import expert_rows_attrs
 from egraph_did.rewrites.rules import EGGLOG
 from egraph_did.rewrites.sorts import (AX, KERNS, LAYOUTS, OPS_SORT, PLAN, RUN, SIG, SITE, STRAT, Apart, AttrI, AttrS, AxisMap,
                                        Bcast, Connect, D, Def, Extent, Fits, FitsAny, FitsEmpty, FloatSize, Held, Input, Lit, Load,
@@ -35,11 +36,11 @@ from egraph_did.rewrites.sorts import (AX, KERNS, LAYOUTS, OPS_SORT, PLAN, RUN, 
                                        Reduced, ReshapeBlock, Shape, ShapeOf, Shp, T, Tensor, Valid, attr_text,
                                        shape_code)
 from egraph_did.rewrites.sorts import Kern as KernSort, Layout as LayoutSort
-from egraph_did.rewrites.sorts import P as P_, Pmax as Pmax_, R as R_, S as S_
+from egraph_did.rewrites.sorts import P as P_, Pe as Pe_, Pmax as Pmax_, R as R_, S as S_
 
 from .collectives import RING_FLAGS, connecting
 from .egglog_io import frozen_rows, run_text, string_term
-from .layout import PMAX, Layout, P, R, S, is_valid
+from .layout import PE, PMAX, Layout, P, R, S, is_valid
 from .ops import OPS
 from .physgraph import Node, PhysGraph, gc_paused
 from .problem import Problem, op_view
@@ -96,13 +97,18 @@ def _q(s: str) -> str:
     return string_term(s)  # egglog strings: JSON's quotes become single quotes, a backslash is escaped
 
 
+PLACEMENTS = (("R", R), ("P", P), ("Pmax", PMAX), ("Pe", PE))  # the egglog constructor of each placement but S
+
+
 def pl_text(p) -> str:
     """A placement as an egglog term.
 
-    >>> pl_text(S(1)), pl_text(PMAX)
-    ('(S 1)', '(Pmax)')
+    >>> pl_text(S(1)), pl_text(PMAX), pl_text(PE)
+    ('(S 1)', '(Pmax)', '(Pe)')
     """
-    return f"(S {p.axis})" if p.is_shard else "(R)" if p.kind == "R" else "(P)" if p.reduce == "sum" else "(Pmax)"
+    if p.is_shard:
+        return f"(S {p.axis})"
+    return "(R)" if p.kind == "R" else "(Pe)" if p.rows else "(P)" if p.reduce == "sum" else "(Pmax)"
 
 
 def lay_text(lay: Layout) -> str:
@@ -181,6 +187,7 @@ def _axis_facts(e) -> list[tuple]:
             out.append(("AttrS", name, attr_text(args[name])))
     if "blocks" in args:  # an rfactor's first half (welford_blocks, attention_blocks): one block per rank
         out.append(("AttrI", "blocks", args["blocks"]))
+    out += [("AttrI", name, int(v)) for name, v in expert_rows_attrs(e)]  # rows sorted by the same offsets
     return out
 
 
@@ -288,7 +295,8 @@ def _allowed_plans(problem: Problem, ident: dict[str, str]) -> list[str]:
 
 def _universe(problem: Problem) -> list:
     rank = max((tv.ndim for tv in problem.fusion.tensors.values()), default=0)
-    return [R, P, PMAX] + [S(a) for a in range(rank)]
+    rows = any(PE in lay for ls in problem.layouts.values() for lay in ls)  # programs of grouped matmuls
+    return [R, P, PMAX] + [PE] * rows + [S(a) for a in range(rank)]
 
 
 def _mesh_facts(problem: Problem) -> list[str]:
@@ -462,13 +470,14 @@ def transitions(problem) -> list[tuple[str, str, str, int]]:
     """
     lays = {lay.code(): lay for ls in problem.layouts.values() for lay in ls}
     m = len(next(iter(lays.values())))
-    u = [R, P, PMAX] + sorted({p for lay in lays.values() for p in lay if p.is_shard}, key=lambda p: p.axis)
+    u = [R, P, PMAX] + [PE] * any(PE in lay for lay in lays.values()) + sorted(
+        {p for lay in lays.values() for p in lay if p.is_shard}, key=lambda p: p.axis)
     eg, program, _ = _template((1,) * m)  # Move reads the number of mesh axes alone
     with eg:
         run_text(eg, _placement_facts(u) + [f"(Lay {lay_text(lay)})" for lay in lays.values()])
         eg.run(program.saturate())
-        rows, raw = frozen_rows(eg, ["Move", "R", "P", "Pmax", "S"] + [f"L{k}" for k in LAYOUTS])
-    place = {out: pl for name, pl in (("R", R), ("P", P), ("Pmax", PMAX)) for _, out in rows.get(name, [])}
+        rows, raw = frozen_rows(eg, ["Move", "R", "P", "Pmax", "Pe", "S"] + [f"L{k}" for k in LAYOUTS])
+    place = {out: pl for name, pl in PLACEMENTS for _, out in rows.get(name, [])}
     place.update({out: S(raw.value_to_i64(ins[0])) for ins, out in rows.get("S", [])})
     code = {out: Layout(tuple(place[v] for v in ins)).code() for k in LAYOUTS for ins, out in rows.get(f"L{k}", [])}
     moves = [(code[ins[0]], code[ins[1]], raw.value_to_string(ins[2]), raw.value_to_i64(ins[3])) for ins, _ in rows["Move"]]
@@ -504,7 +513,7 @@ def axis_rows(problem: Problem) -> dict[tuple[str, int], set[tuple]]:
 def _placement_decl(call):
     """A placement term of a frozen e-graph (a CallDecl) as a layout Placement."""
     head = call.callable.ident.name
-    return {"R": R, "P": P, "Pmax": PMAX}.get(head) or S(call.args[0].expr.value)
+    return dict(PLACEMENTS).get(head) or S(call.args[0].expr.value)
 
 
 def _declare(eg: EGraph) -> None:
@@ -523,7 +532,7 @@ def _declare(eg: EGraph) -> None:
                ReshapeBlock(key, v, v, v, v), Bcast(key, v, v, pl), Rank(s, v),
                Extent(s, v, v), FloatSize(s, v), MeshSize(v), OpKind(key, key), Fits(s, lay), FitsEmpty(s, lay), FitsAny(s, lay), Valid(t, lay),
                Connect(pl, pl, key), Apart(pl, pl), NestOK(v, pl, pl), eq(pl).to(R_()), eq(pl).to(P_()),
-               eq(pl).to(Pmax_()), eq(pl).to(S_(v)), eq(t).to(T(key)), eq(dv).to(Load(key, lay)),
+               eq(pl).to(Pmax_()), eq(pl).to(Pe_()), eq(pl).to(S_(v)), eq(t).to(T(key)), eq(dv).to(Load(key, lay)),
                eq(dv).to(Held(t, lay, v))]
     mention += [eq(lay).to(L(*[pl] * m)) for m, L in LAYOUTS.items()]
     mention += [SITE[k](key, key, *[t] * sum(k)) for k in SITE] + [SIG[k](key, key, *[s] * sum(k)) for k in SIG]
@@ -545,7 +554,7 @@ def read_back(eg: EGraph, problem: Problem, name_of: dict[str, str]) -> PhysGrap
     (tensor, layout code, level), its nodes Load, Keep, Coll, Proj and Apply (a Run, mapped onto the
     problem's priced strategy of the same placements and kernels), read from the edges into it."""
     run_rows = [f"RunOf{n}x{o}" if o == 1 else f"Run{n}x{o}" for n, o in RUN]
-    rows, raw = frozen_rows(eg, ["R", "P", "Pmax", "S", "T", "Held", "Load", "KeepOf", "CollOf", "ProjOf"]
+    rows, raw = frozen_rows(eg, ["R", "P", "Pmax", "Pe", "S", "T", "Held", "Load", "KeepOf", "CollOf", "ProjOf"]
                             + [f"L{m}" for m in LAYOUTS] + [f"K{m}" for m in KERNS] + run_rows)
     strs: dict = {}
 
@@ -554,7 +563,7 @@ def read_back(eg: EGraph, problem: Problem, name_of: dict[str, str]) -> PhysGrap
             strs[v] = raw.value_to_string(v)
         return strs[v]
 
-    place = {out: pl for name, pl in (("R", R), ("P", P), ("Pmax", PMAX)) for _, out in rows.get(name, [])}
+    place = {out: pl for name, pl in PLACEMENTS for _, out in rows.get(name, [])}
     place.update({out: S(raw.value_to_i64(ins[0])) for ins, out in rows.get("S", [])})
     lays = {out: Layout(tuple(place[v] for v in ins)).code() for m in LAYOUTS for ins, out in rows.get(f"L{m}", [])}
     kerns = {out: tuple(string(v) for v in ins) for m in KERNS for ins, out in rows.get(f"K{m}", [])}

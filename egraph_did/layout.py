@@ -1,5 +1,7 @@
 """Layouts: per mesh axis, how a tensor sits on it: R (replicated), P (partial sum), Pmax (partial max,
-inside max-reductions only) or S(a) (logical axis a split over that mesh axis, the outer part bound).
+inside max-reductions only), Pe (a partial sum of expert rows: each rank holds the rows of its own experts,
+zeros elsewhere; rewrites/experts.py) or S(a) (logical axis a split over that mesh axis, the outer part
+bound).
 
 A layout is the optimizer's compact name for a family of loop domains; `pins.apply_layout` writes
 the loop domain and `pins.layout_of` reads one back. `str(layout)` is also its JSON form. Which
@@ -18,22 +20,29 @@ from .mesh import DeviceMesh
 
 @dataclass(frozen=True, order=True)
 class Placement:
-    """How a tensor sits on one mesh axis: R (replicated), S(axis) (split), P (partial sum) or Pmax.
+    """How a tensor sits on one mesh axis: R (replicated), S(axis) (split), P (partial sum), Pmax or Pe.
 
-    >>> str(R), str(S(1)), str(P), str(PMAX)
-    ('R', 'S(1)', 'P', 'Pmax')
-    >>> S(1).is_shard, PMAX.is_partial, PMAX.code()
-    (True, True, 'M')
+    Pe is a pending sum whose summands are disjoint rows: rank r holds the rows of tokens sorted by expert
+    that belong to its experts (grouped_mm with its weights split on the experts), zeros in every other
+    row. As a sum it is a P (every collective that reduces a P reduces it); what it adds is that a row-wise
+    op with f(0) = 0 keeps it (rewrites/experts.py), which no P does.
+
+    >>> str(R), str(S(1)), str(P), str(PMAX), str(PE)
+    ('R', 'S(1)', 'P', 'Pmax', 'Pe')
+    >>> S(1).is_shard, PMAX.is_partial, PMAX.code(), PE.is_partial, PE.reduce, PE.code()
+    (True, True, 'M', True, 'sum', 'E')
     """
 
     kind: str  # "R", "S", "P"
     axis: int = -1  # tensor axis for S
     reduce: str = "sum"  # for P: "sum" or "max"
+    rows: bool = False  # for P: a sum of disjoint expert rows (Pe)
 
     def __post_init__(self):
         assert self.kind in ("R", "S", "P"), self.kind
         assert (self.kind == "S") == (self.axis >= 0), self
         assert self.reduce in ("sum", "max"), self
+        assert not self.rows or (self.kind == "P" and self.reduce == "sum"), self
 
     @property
     def is_shard(self) -> bool:
@@ -46,20 +55,21 @@ class Placement:
         return self.kind == "P"
 
     def code(self) -> str:
-        """Compact text for layout codes: 'R', 'P', 'M' (Pmax) or 'S<axis>'."""
-        return {"R": "R", "P": "P" if self.reduce == "sum" else "M"}.get(self.kind) or f"S{self.axis}"
+        """Compact text for layout codes: 'R', 'P', 'M' (Pmax), 'E' (Pe) or 'S<axis>'."""
+        return {"R": "R", "P": "E" if self.rows else "P" if self.reduce == "sum" else "M"}.get(self.kind) or f"S{self.axis}"
 
     def __str__(self) -> str:
         if self.kind == "S":
             return f"S({self.axis})"
         if self.kind == "P":
-            return "P" if self.reduce == "sum" else "Pmax"
+            return "Pe" if self.rows else "P" if self.reduce == "sum" else "Pmax"
         return "R"
 
 
 R = Placement("R")
 P = Placement("P")
 PMAX = Placement("P", reduce="max")
+PE = Placement("P", rows=True)
 
 
 def S(axis: int) -> Placement:
@@ -116,7 +126,7 @@ class Layout:
         """Inverse of code()."""
         out = []
         for c in code.split("."):
-            out.append({"R": R, "P": P, "M": PMAX}.get(c) or S(int(c[1:])))
+            out.append({"R": R, "P": P, "M": PMAX, "E": PE}.get(c) or S(int(c[1:])))
         return cls(tuple(out))
 
     @classmethod
@@ -130,7 +140,7 @@ class Layout:
         text = text.strip() if isinstance(text, str) else text
         try:
             if isinstance(text, str) and text.startswith("[") and text.endswith("]"):
-                names = {"R": R, "P": P, "Pmax": PMAX}
+                names = {"R": R, "P": P, "Pmax": PMAX, "Pe": PE}
                 parts = [t.strip() for t in text[1:-1].split(",")]
                 lay = cls(tuple(names.get(t) or S(int(t[2:-1])) if t.startswith("S(") or t in names else
                                 _bad(text) for t in parts))
@@ -143,7 +153,7 @@ class Layout:
         except (ValueError, KeyError, IndexError, AssertionError):
             pass
         raise ValueError(f"not a layout: {text!r}; write one placement per mesh axis, as '[S(1), R]' (R, "
-                         f"S(tensor axis), P for a pending sum, Pmax for a pending max) or as the code 'S1.R'")
+                         f"S(tensor axis), P for a pending sum, Pmax for a pending max, Pe for expert rows) or as the code 'S1.R'")
 
     def __eq__(self, other) -> bool:
         """Equal to a layout of the same placements, or to either spelling of its text (a plan's value
@@ -184,10 +194,10 @@ def _bad(text):
 
 
 def valid_layouts(shape: Sequence[int], mesh: DeviceMesh, partial: bool = False,
-                  allow_empty: bool = False) -> Iterator[Layout]:
+                  allow_empty: bool = False, rows: bool = False) -> Iterator[Layout]:
     """Every layout of a tensor of `shape`: an axis is sharded only where every rank gets at least one
-    element (uneven shards allowed, empty ones only with allow_empty); partials only when asked; only R
-    on a mesh axis of size 1 (see is_valid).
+    element (uneven shards allowed, empty ones only with allow_empty); partials only when asked (Pe with
+    rows too: expert rows, in programs of grouped matmuls); only R on a mesh axis of size 1 (see is_valid).
 
     >>> [str(lay) for lay in valid_layouts((4, 1), DeviceMesh.arange(2))]  # axis 1 is too short to split
     ['[R]', '[S(0)]']
@@ -198,7 +208,7 @@ def valid_layouts(shape: Sequence[int], mesh: DeviceMesh, partial: bool = False,
     >>> [str(lay) for lay in valid_layouts((4, 1), DeviceMesh.arange(2), allow_empty=True)]  # 1, 0 rows
     ['[R]', '[S(0)]', '[S(1)]']
     """
-    full = [R] + ([P, PMAX] if partial else []) + [S(a) for a in range(len(shape))]
+    full = [R] + ([P, PMAX] if partial else []) + ([PE] if partial and rows else []) + [S(a) for a in range(len(shape))]
     choices = [full if size > 1 else [R] for size in mesh.shape]
     for combo in itertools.product(*choices):
         layout = Layout(tuple(combo))
@@ -278,5 +288,5 @@ def canonical_layout(layout: Layout, mesh: DeviceMesh) -> Layout:
     return Layout(tuple(p if size > 1 else R for p, size in zip(layout, mesh.shape)))
 
 
-__all__ = ["Placement", "Layout", "R", "P", "PMAX", "S", "nested_chunks", "empty_rank",
+__all__ = ["Placement", "Layout", "R", "P", "PMAX", "PE", "S", "nested_chunks", "empty_rank",
            "valid_layouts", "is_valid", "canonical_layout"]

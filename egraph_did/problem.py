@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from egraph_did.rewrites import AxisStrategy, Operand, OpView, axis_strategies, collective_matmul
 from egraph_did.rewrites.collective_matmul import add_ring_strategies, unringed
+from egraph_did.rewrites.experts import expert_rows_attrs, makes_expert_rows
 from egraph_did.rewrites import ring_attention
 
 from .cost import CostModel
@@ -194,7 +195,7 @@ def op_view(e: Expr, d: int) -> OpView:
     ('sum', (8, 64), (('dims', 1), ('keepdim', False)), 4)
     """
     operands = tuple(Operand(k, v.shape, v.dtype) for k, v in e.args if isinstance(v, TensorView))
-    attrs = tuple((k, v) for k, v in e.args if not isinstance(v, TensorView))
+    attrs = tuple((k, v) for k, v in e.args if not isinstance(v, TensorView)) + expert_rows_attrs(e)
     return OpView(e.op.name, operands, attrs, tuple(Operand("out", o.shape, o.dtype) for o in e.outputs), d)
 
 
@@ -262,7 +263,7 @@ def signature(e: Expr) -> tuple:
     (40, 11)
     """
     args = tuple((k, v.shape, v.dtype) if isinstance(v, TensorView) else (k, type(v), repr(v)) for k, v in e.args)
-    return (e.op.name, id(e.op), args, tuple((o.shape, o.dtype) for o in e.outputs))
+    return (e.op.name, id(e.op), args, tuple((o.shape, o.dtype) for o in e.outputs), expert_rows_attrs(e))
 
 
 @dataclass(frozen=True)
@@ -455,10 +456,11 @@ def _build(user: Fusion, mesh: DeviceMesh, cost_model: CostModel | None, pins, l
         if eq.old is not None:
             problem.equal.append((eq.old, eq.new))
     by_shape: dict[tuple[int, ...], list[Layout]] = {}  # the layouts of a shape, on this mesh
+    rows = makes_expert_rows(work.exprs)  # expert rows (Pe) exist in programs of grouped matmuls only
     for tv in work.all_tensors():
         shape = tuple(tv.shape)
         if shape not in by_shape:  # a rank may hold nothing: only ops that compute on empty shards take those
-            by_shape[shape] = list(valid_layouts(shape, mesh, partial=True, allow_empty=True))
+            by_shape[shape] = list(valid_layouts(shape, mesh, partial=True, allow_empty=True, rows=rows))
         problem.layouts[tv.name] = list(by_shape[shape])
     for name, lay in problem.pins.items():
         if not is_valid(lay, work.tensors[name].shape, mesh, allow_empty=True):

@@ -13,6 +13,17 @@ rows, so the rows split give a pending sum and the experts split the output's ex
 
 histc counts a shard's elements, so x split on any axis gives a pending sum of counts (exact: integers).
 
+Expert rows (Pe, a pending sum of disjoint rows): grouped_mm_experts' output holds on each rank the rows of
+its own experts and zeros elsewhere. Beside P it is offered as Pe, which row-wise ops keep where P cannot
+pass: f(Pe) for f(0) = 0 (silu, gelu, relu, neg, tanh, erf, abs, any cast: each row is whole on the one rank
+that holds it), a slice of the columns, a product with a whole operand or with expert rows of the same
+offsets (silu(gate) * up), and grouped_mm of expert rows against the weights split on the experts (the
+'ranged' kernel reads only the rank's experts' rows). So an expert-parallel MLP keeps each rank's rows on
+it from the first grouped matmul to the second, whose output is reduced once. "The same offsets" is a fact
+of the program, not of the shapes the rules see: `expert_rows_attrs` gives the grouped matmul and the
+product an attribute where their operands' rows are sorted by those offsets (a structural pass), which
+the signature carries.
+
 >>> import torch
 >>> from egraph_did.rewrites.rules import Operand, OpView, axis_strategies
 >>> x, w, o = Operand("x", (8, 4), torch.float32), Operand("w", (4, 4, 6), torch.float32), Operand("offsets", (4,), torch.int64)
@@ -25,11 +36,12 @@ from __future__ import annotations
 import torch
 from egglog import rule as erule
 
-from egraph_did.ops import GROUPED_MM_RANGED, GROUPED_WGRAD_RANGED
+from egraph_did.layout import PE
+from egraph_did.ops import GROUPED_MM_RANGED, GROUPED_WGRAD_RANGED, SAVE_OP
 
 from .rules import P, S, Case, egglog_form, family_ruleset, indices, rule
-from .sorts import P as P_, R as R_, S as S_
-from .sorts import Extent, FloatSize, MeshSize, a, ax, d, m, n, site, sx0, sy
+from .sorts import P as P_, Pe as Pe_, R as R_, S as S_
+from .sorts import AttrI, AxisMap, Extent, FloatSize, MeshSize, a, ax, d, m, n, sig, site, sx0, sy
 
 
 def offsets(o, ids, experts: int):
@@ -82,8 +94,10 @@ def grouped_mm_rows(e):
 ])
 def grouped_mm_experts(e):
     """grouped_mm(x, w, offsets) = sum_r (the rows of rank r's experts, times their matrices; other rows 0):
-    expert parallelism, w split on the experts gives a pending sum (each row belongs to one expert)"""
+    expert parallelism, w split on the experts gives a pending sum (each row belongs to one expert), of
+    expert rows (Pe)"""
     yield e.strategy(out=P, w=S(0), local=GROUPED_MM_RANGED)
+    yield e.strategy(out=PE, w=S(0), local=GROUPED_MM_RANGED)
 
 
 @rule("grouped_mm", cases=[
@@ -147,6 +161,146 @@ def histc_of_shards(e):
             yield e.strategy(out=P, x=S(k))
 
 
+# ---------------------------------------------------------------------- expert rows (Pe)
+# unary row-wise ops with f(0) = 0: a row that is zero on a rank stays zero there (cast: any float dtype)
+ZERO_KEEPING = ("silu", "gelu", "relu", "neg", "tanh", "erf", "abs", "cast")
+
+
+def _unsaved(tv):
+    """A training step's saved(t) marker stands for t itself."""
+    while tv is not None and tv.fusion is not None and (e := tv.fusion.producer(tv)) is not None \
+            and e.op.name == SAVE_OP:
+        tv = e.inputs[0]
+    return tv
+
+
+def rows_sorted_by(tv):
+    """The offsets (a TensorView) whose expert order the rows of tv follow, or None: a grouped_mm's output,
+    and row-wise ops of such (pointwise ops of operands with the same rows, where every such operand that
+    follows offsets follows the same ones; a slice of the columns; saved markers).
+
+    >>> import torch, egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     x, w = fd.define_tensor((6, 4), name="x"), fd.define_tensor((2, 4, 8), name="w")
+    ...     o = fd.define_tensor((2,), torch.int64, name="o")
+    ...     h = fd.ops.grouped_mm(x, w, o)
+    ...     y = fd.ops.mul(fd.ops.silu(fd.ops.slice(h, 1, 0, 4)), fd.ops.slice(h, 1, 4, 8))
+    ...     fd.add_output(y, name="y")
+    >>> rows_sorted_by(fd["y"]).name, rows_sorted_by(fd["x"])
+    ('o', None)
+    """
+    memo, todo = {}, [_unsaved(tv)]
+    while todo:
+        t = todo[-1]
+        e = t.fusion.producer(t) if t.fusion is not None else None
+        if e is None or e.op.name == "grouped_mm" or t.ndim == 0:
+            memo[id(t)] = _unsaved(dict(e.args)["offsets"]) if e is not None and t.ndim else None
+            todo.pop()
+            continue
+        if e.op.name == "slice":
+            rows = [e.inputs[0]] if dict(e.args)["dim"] % t.ndim != 0 else []
+        elif e.op.kind == "pointwise":
+            rows = [v for v in e.inputs if v.ndim == t.ndim and v.shape[0] == t.shape[0]]
+        else:
+            rows = []
+        rows = [_unsaved(v) for v in rows]
+        missing = [v for v in rows if id(v) not in memo]
+        if missing:
+            todo += missing
+            continue
+        found = {id(memo[id(v)]): memo[id(v)] for v in rows if memo[id(v)] is not None}
+        memo[id(t)] = next(iter(found.values())) if len(found) == 1 else None
+        todo.pop()
+    return memo[id(_unsaved(tv))]
+
+
+def makes_expert_rows(exprs) -> bool:
+    """Whether a program may hold expert rows: it runs a grouped matmul (problem.build_problem offers Pe in
+    such programs only)."""
+    return any(e.op.name == "grouped_mm" for e in exprs)
+
+
+def expert_rows_attrs(e) -> tuple:
+    """The attribute the expert-row rules read of an expr: ("expert_rows", True) on a grouped_mm whose x
+    rows are sorted by its own offsets, and on a product of two tensors whose rows are sorted by the same
+    offsets; () elsewhere. Part of the expr's signature (problem.signature, problem.op_view, egglog's
+    AttrI): the layers of a model share signatures, and a product of two layers' rows is not local."""
+    if e.op.name == "grouped_mm":
+        args = dict(e.args)
+        by = rows_sorted_by(args["x"])
+        return (("expert_rows", True),) if by is not None and by is _unsaved(args["offsets"]) else ()
+    if e.op.name == "mul" and len(e.inputs) == 2:
+        by = [rows_sorted_by(v) for v in e.inputs]
+        return (("expert_rows", True),) if by[0] is not None and by[0] is by[1] else ()
+    return ()
+
+
+def _swiglu(experts: int):
+    """Mixtral's experts: silu(gate) * up of one grouped matmul's halves, then the second grouped matmul."""
+    def body(o, x, w1, w2, ids):
+        off = offsets(o, ids, experts)
+        h = o.grouped_mm(x, w1, off)
+        f = w1.shape[2] // 2
+        return o.grouped_mm(o.mul(o.silu(o.slice(h, 1, 0, f)), o.slice(h, 1, f, 2 * f)), w2, off)
+    return body
+
+
+SWIGLU = {"x": (9, 4), "w1": (4, 4, 6), "w2": (4, 3, 5), "ids": indices((9,), 5)}
+
+
+@rule(*ZERO_KEEPING, cases=[
+    Case("unary", (2,), MM2, lambda o, x, w, ids: (lambda h: (
+        o.silu(h), o.gelu(h), o.gelu(h, approximate="tanh"), o.relu(h), o.neg(h), o.tanh(h), o.erf(h), o.abs(h),
+        o.cast(h, torch.float32)))(o.grouped_mm(x, w, offsets(o, ids, 4)))),
+    Case("uneven-rows-past-the-end", (3,), MM, lambda o, x, w, ids: o.silu(o.grouped_mm(x, w, offsets(o, ids, 5)))),
+])
+def expert_rows_unary(e):
+    """f(rows of rank r's experts, zeros elsewhere) = f of those rows, zeros elsewhere, for f(0) = 0: expert
+    rows stay on their ranks (float rows: grouped_mm's)"""
+    if e["x"].dtype.is_floating_point:
+        yield e.strategy(out=PE, x=PE)
+
+
+@rule("slice", cases=[
+    Case("columns", (2,), MM2, lambda o, x, w, ids: (lambda h: (o.slice(h, 1, 0, 3), o.slice(h, -1, 2)))(
+        o.grouped_mm(x, w, offsets(o, ids, 4)))),
+])
+def expert_rows_slice(e):
+    """(expert rows)[:, columns] = the rows' columns: a slice of the columns keeps them"""
+    if e.attr("dim") % e.out.ndim != 0:
+        yield e.strategy(out=PE, x=PE)
+
+
+@rule("mul", cases=[
+    Case("swiglu", (2,), SWIGLU, _swiglu(4)),
+    Case("by-whole", (3,), {"x": (8, 4), "w": (5, 4, 6), "s": (8, 1), "ids": indices((8,), 6)},
+         lambda o, x, w, s, ids: (lambda h: (o.mul(h, s), o.mul(s, h), o.mul(h, 2.0)))(
+             o.grouped_mm(x, w, offsets(o, ids, 5)))),
+])
+def expert_rows_product(e):
+    """(expert rows) * b = the rows of the product for a whole b; a * b for a, b expert rows of the same
+    offsets (silu(gate) * up): each rank's rows are whole in both"""
+    params = [o.param for o in e.operands]
+    for q in params:
+        yield e.strategy(out=PE, **{q: PE})
+    if len(params) == 2 and e.attr("expert_rows"):
+        yield e.strategy(out=PE, **{q: PE for q in params})
+
+
+@rule("grouped_mm", cases=[
+    Case("swiglu", (2,), SWIGLU, _swiglu(4)),
+    Case("uneven-rows-past-the-end", (3,), {"x": (9, 4), "w1": (5, 4, 6), "w2": (5, 6, 3), "ids": indices((9,), 6)},
+         lambda o, x, w1, w2, ids: (lambda off: o.grouped_mm(o.relu(o.grouped_mm(x, w1, off)), w2, off))(
+             offsets(o, ids, 5))),
+])
+def grouped_mm_of_expert_rows(e):
+    """grouped_mm(rows of rank r's experts, w[r's experts]) = rank r's rows of the output: x as expert rows
+    of these offsets and w split on the experts give expert rows, or a pending sum"""
+    if e.attr("expert_rows"):
+        yield e.strategy(out=PE, x=PE, w=S(0), local=GROUPED_MM_RANGED)
+        yield e.strategy(out=P, x=PE, w=S(0), local=GROUPED_MM_RANGED)
+
+
 # ---------------------------------------------------------------------- the same identities as egglog rules
 # grouped_mm's operands: x, w, offsets; grouped_mm_wgrad's: x, g, offsets
 
@@ -165,8 +319,9 @@ def _grouped_mm_rows(spec):
 
 @egglog_form(grouped_mm_experts)
 def _grouped_mm_experts(spec):
-    """w split on the experts: each rank its experts' rows, a pending sum (ranged)"""
-    yield erule(site("grouped_mm", 3), MeshSize(d)).then(ax([R_(), S_(0), R_()], [P_()], GROUPED_MM_RANGED))
+    """w split on the experts: each rank its experts' rows, a pending sum or expert rows (ranged)"""
+    yield erule(site("grouped_mm", 3), MeshSize(d)).then(ax([R_(), S_(0), R_()], [P_()], GROUPED_MM_RANGED),
+                                                          ax([R_(), S_(0), R_()], [Pe_()], GROUPED_MM_RANGED))
 
 
 @egglog_form(grouped_mm_of_partial)
@@ -207,6 +362,34 @@ def _grouped_wgrad_of_partial(spec):
 def _histc_of_shards(spec):
     """x split on any axis: a pending sum of counts (float counts)"""
     yield erule(site("histc"), Extent(sx0, a, n), FloatSize(sy, m), MeshSize(d)).then(ax([S_(a)], [P_()]))
+
+
+@egglog_form(expert_rows_unary)
+def _expert_rows_unary(spec):
+    """f(0) = 0, one tensor operand: expert rows stay"""
+    for name in spec.ops:
+        yield erule(site(name), FloatSize(sx0, n), MeshSize(d)).then(ax([Pe_()], [Pe_()]))
+
+
+@egglog_form(expert_rows_slice)
+def _expert_rows_slice(spec):
+    """a slice that keeps axis 0 (the rows) keeps them"""
+    yield erule(site("slice"), AxisMap(sig, 0, 0, 0), MeshSize(d)).then(ax([Pe_()], [Pe_()]))
+
+
+@egglog_form(expert_rows_product)
+def _expert_rows_product(spec):
+    """times a number or a whole operand; times expert rows of the same offsets (the attribute)"""
+    yield erule(site("mul"), MeshSize(d)).then(ax([Pe_()], [Pe_()]))
+    yield erule(site("mul", 2), MeshSize(d)).then(ax([Pe_(), R_()], [Pe_()]), ax([R_(), Pe_()], [Pe_()]))
+    yield erule(site("mul", 2), AttrI(sig, "expert_rows", 1), MeshSize(d)).then(ax([Pe_(), Pe_()], [Pe_()]))
+
+
+@egglog_form(grouped_mm_of_expert_rows)
+def _grouped_mm_of_expert_rows(spec):
+    """x expert rows of these offsets (the attribute), w split on the experts (ranged)"""
+    yield erule(site("grouped_mm", 3), AttrI(sig, "expert_rows", 1), MeshSize(d)).then(
+        ax([Pe_(), S_(0), R_()], [Pe_()], GROUPED_MM_RANGED), ax([Pe_(), S_(0), R_()], [P_()], GROUPED_MM_RANGED))
 
 
 experts = family_ruleset("experts")

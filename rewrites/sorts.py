@@ -14,7 +14,7 @@ shapes..)`, `Param(sig, i, name)`, the op's axis correspondence `AxisMap(sig, op
 
 Physical: D. `Held(t, layout, level)` (unextractable) names the class of every way to hold t in a layout
 after `level` mesh axes of collectives; `Load`, `Keep`, `Coll` and `Run{n}x{o}` (a rank-local op) make
-its members. Placements are R, P, Pmax and S(axis); a layout is L1/L2/L3 of one placement per mesh axis.
+its members. Placements are R, P, Pmax, Pe and S(axis); a layout is L1/L2/L3 of one placement per mesh axis.
 
 Sharding rules derive `Ax{n}x{o}(sig, d, operand placements.., output placements.., kernel, nestable)`:
 on one mesh axis of d devices the op runs locally with these placements (kernel: the rank-local
@@ -50,6 +50,11 @@ def P() -> Placement:
 @function(egg_fn="Pmax")
 def Pmax() -> Placement:
     """A pending max: every rank holds a candidate."""
+
+
+@function(egg_fn="Pe")
+def Pe() -> Placement:
+    """A pending sum of expert rows: every rank holds the rows of its own experts, zeros elsewhere."""
 
 
 @function(egg_fn="S")

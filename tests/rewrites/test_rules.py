@@ -5,7 +5,8 @@ beside the rule: a small fusion on a small mesh each). For every case and every 
 full-mesh strategy the optimizer would offer (egraph_did.problem.build_problem -> problem.strategies)
 whose per-axis rules include the rule under test is run the way a plan runs it: every operand's global
 random value is laid out in the strategy's input layout (shards from the loop domain; a partial as
-random summands per rank whose sum, or max, is the value), egraph_did.local.run_local computes every
+random summands per rank whose sum, or max, is the value; expert rows, Pe, as each rank's rows of its
+experts by the offsets the operand's rows are sorted by, zeros elsewhere), egraph_did.local.run_local computes every
 rank's part with the local kernel the strategy names, and the outputs are assembled back (S: placed by
 the loop domain, P: summed, Pmax: maxed, R: every replica equal) and compared with egraph_did.evaluate
 on float64 inputs.
@@ -24,12 +25,13 @@ from egraph_did import DeviceMesh, FusionDefinition, evaluate
 from egraph_did.cost import CostModel
 from egraph_did.fusion import Fusion
 from egraph_did.ir import TensorView
-from egraph_did.layout import Layout, R
+from egraph_did.layout import PE, Layout, R
 from egraph_did.pins import apply_layout
 from egraph_did.shards import Operand, RankContext
 from egraph_did.local import run_local
 from egraph_did.problem import build_problem, expr_strategies
 from egraph_did.rewrites import ALL_RULES, Case, rule
+from egraph_did.rewrites.experts import rows_sorted_by
 from egraph_did.sharding import local_indices, local_shape, shard_tensor
 
 # float64 inputs; a local kernel differs from the global one only in summation order (partials, local
@@ -74,15 +76,34 @@ def _noise(like: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     return torch.randn(like.shape, generator=g, dtype=F64)
 
 
-def distribute(value: torch.Tensor, layout: Layout, mesh: DeviceMesh, g: torch.Generator) -> dict[int, torch.Tensor]:
+def expert_coords(offsets: torch.Tensor, rows: int, size: int) -> torch.Tensor:
+    """Each row's owner on a mesh axis of `size` ranks that splits the offsets' experts (torch.chunk: as
+    the ranged kernel holds them): the rank of its expert; rows past the last offset on the first rank."""
+    experts = offsets.numel()
+    expert = torch.searchsorted(offsets, torch.arange(rows, dtype=offsets.dtype), right=True)
+    return torch.where(expert < experts, expert // -(-experts // size), torch.zeros_like(expert))
+
+
+def distribute(value: torch.Tensor, layout: Layout, mesh: DeviceMesh, g: torch.Generator,
+               offsets: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
     """Every rank's local tensor of `value` in `layout`. Along partial mesh axes the ranks hold random
     summands that add up to the shard (for a pending max: values <= the shard, one rank per element
-    holding it), so a kernel that mishandles a summand shows."""
+    holding it), so a kernel that mishandles a summand shows. Expert rows (Pe): each rank the rows of its
+    experts by `offsets` (expert_coords), zeros elsewhere."""
     tv = view(value.shape, value.dtype, without_partials(layout), mesh)
     base = {r: shard_tensor(value, tv, r) for r in mesh.ranks}
     pax = [m for m, p in enumerate(layout) if p.is_partial]
     if not pax:
         return base
+    if any(layout[m].rows for m in pax):
+        assert len(pax) == 1 and offsets is not None, f"expert rows of {layout}: one partial mesh axis, the offsets"
+        m = pax[0]
+        owner = expert_coords(offsets, value.shape[0], mesh.shape[m])
+        out = {}
+        for r in mesh.ranks:
+            mine = owner[torch.from_numpy(local_indices(tv, r)[0])] == mesh.coords(r)[m]
+            out[r] = torch.where(mine.reshape([-1] + [1] * (value.ndim - 1)), base[r], torch.zeros_like(base[r]))
+        return out
     kinds = {layout[m].reduce for m in pax}
     assert len(kinds) == 1, f"layout {layout} mixes a pending sum and a pending max"
     rax = [m for m, p in enumerate(layout) if p.kind == "R"]
@@ -196,10 +217,15 @@ def user_strategies(c: Case):
     return fd, problem, mesh, pairs
 
 
-def check_strategy(e, s, env, mesh: DeviceMesh, g: torch.Generator) -> None:
-    """Run expr e under strategy s on every rank and compare the assembled outputs with the reference."""
+def check_strategy(e, s, env, mesh: DeviceMesh, g: torch.Generator) -> bool:
+    """Run expr e under strategy s on every rank and compare the assembled outputs with the reference
+    (False: not run)."""
     tensor_args = [(k, v) for k, v in e.args if isinstance(v, TensorView)]
-    local = {k: distribute(env[v.name], lay, mesh, g) for (k, v), lay in zip(tensor_args, s.inputs)}
+    by = {k: rows_sorted_by(v) if PE in lay else None for (k, v), lay in zip(tensor_args, s.inputs)}
+    if any(PE in lay and by[k] is None for (k, _), lay in zip(tensor_args, s.inputs)):
+        return False  # expert rows of rows no offsets sort: no grouped_mm makes them, no rank owns a row
+    local = {k: distribute(env[v.name], lay, mesh, g, env[by[k].name] if by[k] is not None else None)
+             for (k, v), lay in zip(tensor_args, s.inputs)}
     operands = {k: Operand(v.shape, lay) for (k, v), lay in zip(tensor_args, s.inputs)}
     outputs = [Operand(o.shape, lay) for o, lay in zip(e.outputs, s.outputs)]
     flags = flag_axes(s)
@@ -217,6 +243,7 @@ def check_strategy(e, s, env, mesh: DeviceMesh, g: torch.Generator) -> None:
         torch.testing.assert_close(got, want, rtol=TOL, atol=TOL, msg=lambda m: (
             f"{e} under {[str(x) for x in s.inputs]} -> {[str(x) for x in s.outputs]} "
             f"(rules {s.rules}, flags {flags}) on mesh {mesh.shape}:\n{m}"))
+    return True
 
 
 def _params():
@@ -237,8 +264,7 @@ def test_rule_identity_holds_on_random_data(rule_name, c):
     checked = 0
     for e, s in pairs:
         if rule_name in s.rules:
-            check_strategy(e, s, env, mesh, g)
-            checked += 1
+            checked += check_strategy(e, s, env, mesh, g)
     assert checked, f"case {c.name} offers no strategy by rule {rule_name}"
 
 
