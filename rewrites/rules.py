@@ -86,8 +86,9 @@ class OpView:
 
         >>> from egraph_did.ops import MEAN_GLOBAL_COUNT
         >>> e = OpView("mean", (Operand("x", (4, 8)),), (("dims", 1),), (Operand("out", (4,)),), d=2)
-        >>> e.strategy(out=P, x=S(1), local=MEAN_GLOBAL_COUNT).inputs
-        (Placement(kind='S', axis=1, reduce='sum'),)
+        >>> s = e.strategy(out=P, x=S(1), local=MEAN_GLOBAL_COUNT)
+        >>> [str(p) for p in s.inputs], [str(p) for p in s.outputs], s.local.name
+        (['S(1)'], ['P'], 'global_count')
         """
         unknown = set(inputs) - {o.param for o in self.operands}
         assert not unknown, f"{self.op}: no operand(s) {unknown}"
