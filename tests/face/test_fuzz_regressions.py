@@ -11,6 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import egraph_did as ed  # noqa: E402
+from egraph_did.errors import MemoryBoundError  # noqa: E402
 
 
 def _close(got, ref):
@@ -485,3 +486,23 @@ def test_greedy_buys_the_attention_backward_in_the_layout_its_gradients_are_pinn
     g = torch.Generator().manual_seed(0)
     x = {f"x{i}": torch.randn((5, 2, 1, 2), generator=g, dtype=torch.float64) for i in (3, 4, 5, 6)}
     _close(ed.simulate(plan, x), ed.evaluate(fd, x))
+
+
+def test_exact_refuses_a_bound_no_plan_fits_from_the_relaxation_without_the_0_1_program():
+    """`timeout in optimize` at stage optimize-exact (seed 44, case 8976, on the device; `worker-died` here): an
+    sdpa_lse on a 2x2x2 mesh with lse pinned [R, S(0), S(1)] under a bound of half the unbounded plan's
+    324 B. Greedy refuses (its smallest plan needs 252 B); the exact program's relaxation is infeasible, but
+    the MIP ran anyway and HiGHS's presolve went past its time limit, growing to 18 GB. The relaxation's
+    infeasibility is the proof: refused in ~20 s."""
+    mesh = ed.DeviceMesh(torch.arange(8).reshape(2, 2, 2))
+    DIDx, DIDy = ed.ParallelType.DIDx, ed.ParallelType.DIDy
+    with ed.FusionDefinition() as fd:
+        x0 = fd.define_tensor((6, 2, 6, 2), torch.float32, name="x0")
+        x1 = fd.define_tensor((6, 2, 1, 2), torch.float32, name="x1")
+        x2 = fd.define_tensor((6, 2, 1, 1), torch.float32, name="x2")
+        t0, t1 = fd.ops.sdpa_lse(q=x0, k=x1, v=x2)
+        fd.add_output(t0, name="t0")
+        fd.add_output(t1, name="t1")
+    t1.set_device_mesh(mesh).outer_split(1, 2).parallelize(1, DIDx).outer_split(0, 2).parallelize(0, DIDy)
+    with pytest.raises(MemoryBoundError, match="infeasible"):
+        ed.optimize(fd, mesh, cost_model=ed.CostModel.h200(memory_limit=162.0), extractor="exact", time_limit=60)
