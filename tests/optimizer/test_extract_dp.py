@@ -102,29 +102,35 @@ def _read_classes(tensors) -> int:
     return read
 
 
+def _forest_demands(index: int, memory: bool):
+    """The two widest forest tensors of seed 7's case `index` (set up with or without memory), each with demands of
+    1-3 classes its readers read: (tensor, demand bits)."""
+    graph, roots, bound = capture(7, index)
+    order, classes = extract._usable(graph, roots, bound)
+    tensors, _, _, _ = extract_dp._setup(graph, roots, classes, order, extract._canonical_colls(graph, classes),
+                                        memory=memory, max_tensors=120)
+    read = _read_classes(tensors)
+    widest = sorted((t for t in tensors if t.forest and t.mask & read), key=lambda t: -len(t.members))[:2]
+    assert widest and len(widest[0].members) > 150
+    for t in widest:
+        cands = list(extract_dp._bits(read & t.mask))
+        for k in (1, 2, 3):
+            for start in (0, len(cands) // 3):
+                yield t, sum(1 << b for b in cands[start:start + k])
+
+
 @pytest.mark.parametrize("index", [5441, 6658])
 def test_a_forest_tensors_steiner_options_are_the_searchs(index):
     """The options of a tensor made of trees (its classes in 52-85 layouts), by the Steiner-tree DP over the
     demand's subsets, are the search's over sets of classes still to make: the same external demands at
     the same costs, for demands of 1-3 classes its readers read."""
-    graph, roots, bound = capture(7, index)
-    order, classes = extract._usable(graph, roots, bound)
-    tensors, _, _, _ = extract_dp._setup(graph, roots, classes, order, extract._canonical_colls(graph, classes),
-                                        memory=False, max_tensors=120)
-    read = _read_classes(tensors)
-    widest = sorted((t for t in tensors if t.forest and t.mask & read), key=lambda t: -len(t.members))[:2]
-    assert widest and len(widest[0].members) > 150
     compared = 0
-    for t in widest:
-        cands = list(extract_dp._bits(read & t.mask))
-        for k in (1, 2, 3):
-            for start in (0, len(cands) // 3):
-                demand = sum(1 << b for b in cands[start:start + k])
-                clock = extract_dp._Clock(10**9, 60)
-                steiner = t._forest_options(demand, 24e-6, float("inf"), clock)
-                search = t._search_options(demand, 24e-6, extract_dp._merge_min, clock)
-                assert {o[0]: pytest.approx(o[1], abs=1e-15) for o in steiner} == {o[0]: o[1] for o in search}
-                compared += len(search)
+    for t, demand in _forest_demands(index, memory=False):
+        clock = extract_dp._Clock(10**9, 60)
+        steiner = t._forest_options(demand, 24e-6, float("inf"), clock)
+        search = t._search_options(demand, 24e-6, extract_dp._merge_min, clock)
+        assert {o[0]: pytest.approx(o[1], abs=1e-15) for o in steiner} == {o[0]: o[1] for o in search}
+        compared += len(search)
     assert compared > 50
 
 
@@ -134,27 +140,16 @@ def test_under_a_memory_bound_a_forest_tensors_fronts_are_the_searchs(index):
     (cost, memory) Pareto fronts per source): the same external demands at the same costs and memory as the
     search over sets of classes still to make (or an option of a smaller demand beats it, whichever of two
     equal ones each keeps), for demands of 1-3 classes its readers read."""
-    graph, roots, bound = capture(7, index)
-    order, classes = extract._usable(graph, roots, bound)
-    tensors, _, _, _ = extract_dp._setup(graph, roots, classes, order, extract._canonical_colls(graph, classes),
-                                        memory=True, max_tensors=120)
-    read = _read_classes(tensors)
-    widest = sorted((t for t in tensors if t.forest and t.mask & read), key=lambda t: -len(t.members))[:2]
-    assert widest and len(widest[0].members) > 150
     compared = 0
-    for t in widest:
-        cands = list(extract_dp._bits(read & t.mask))
-        for k in (1, 2, 3):
-            for start in (0, len(cands) // 3):
-                demand = sum(1 << b for b in cands[start:start + k])
-                clock = extract_dp._Clock(10**9, 60)
-                fronts = t._forest_fronts(demand, 40e-6, float("inf"), clock)
-                search = t._search_options(demand, 40e-6, extract_dp._merge, clock)
-                a, b = ({(o[0], round(o[1] * 1e12), o[2]) for o in opts} for opts in (fronts, search))
-                for mine, theirs in ((a, b), (b, a)):  # each matched, or beaten by a smaller demand (ties kept either way)
-                    for x in mine - theirs:
-                        assert any(y[0] & ~x[0] == 0 and y[1] <= x[1] and y[2] <= x[2] for y in theirs), x[1:]
-                compared += len(search)
+    for t, demand in _forest_demands(index, memory=True):
+        clock = extract_dp._Clock(10**9, 60)
+        fronts = t._forest_fronts(demand, 40e-6, float("inf"), clock)
+        search = t._search_options(demand, 40e-6, extract_dp._merge, clock)
+        a, b = ({(o[0], round(o[1] * 1e12), o[2]) for o in opts} for opts in (fronts, search))
+        for mine, theirs in ((a, b), (b, a)):  # each matched, or beaten by a smaller demand (ties kept either way)
+            for x in mine - theirs:
+                assert any(y[0] & ~x[0] == 0 and y[1] <= x[1] and y[2] <= x[2] for y in theirs), x[1:]
+        compared += len(search)
     assert compared > 20
 
 
