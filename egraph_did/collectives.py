@@ -842,6 +842,98 @@ def ring_attention_kernel(block: Callable, with_lse: bool) -> Callable:
     return kernel
 
 
+# ---------------------------------------------------------------------------- expert exchanges (uneven all-to-alls)
+
+@dataclass(frozen=True)
+class Exchange:
+    """Token dispatch or combine of expert parallelism, fused with the grouped matmul beside it (as a ring is
+    with its GEMM; rewrites/experts.py offers it, cost.CostModel.exchange_time prices it): rows sorted by
+    expert move on one mesh axis between ceil-sized row blocks (S(0)) and the rows of each rank's experts
+    (offsets[e_lo - 1]:offsets[e_hi - 1], its expert span) by one all-to-all whose split sizes come from the
+    offsets at run time: uneven, any of them 0. The counts live inside the step only, so every tensor of the
+    plan keeps a static shape (the dispatch's output is expert rows, Pe: the rank's span in a whole-size
+    buffer, zeros elsewhere; the combine's a row block). `flag` is the local kernel name a grouped_mm step
+    carries (ops.py); `src`/`dst` say which partition the rows leave and reach.
+
+    >>> [(x.name, x.flag) for x in EXCHANGES.values()]
+    [('expert_dispatch', 'ep_dispatch'), ('expert_combine', 'ep_combine')]
+    """
+
+    name: str
+    flag: str
+    src: str  # "blocks" (S(0)) or "spans" (the experts' rows)
+    dst: str
+    identity: str
+
+
+EXCHANGES = {x.name: x for x in (
+    Exchange("expert_dispatch", "ep_dispatch", "blocks", "spans",
+             "grouped_mm(x, w_e, offsets) from x split on its rows: rank r sends each expert rank q the rows of its "
+             "block that q's experts own, q runs them (counts from the offsets, uneven)"),
+    Exchange("expert_combine", "ep_combine", "spans", "blocks",
+             "grouped_mm(x, w_e, offsets) split on its rows: rank q runs its experts' rows and sends each row to the "
+             "rank whose block holds it (counts from the offsets, uneven)"),
+)}
+EXCHANGE_FLAGS = {x.flag: x for x in EXCHANGES.values()}
+
+
+def overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
+    """How many rows the ranges [a0, a1) and [b0, b1) share.
+
+    >>> overlap((0, 3), (2, 9)), overlap((0, 3), (5, 9))
+    (1, 0)
+    """
+    return max(0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def exchange_simulate(held: Sequence[torch.Tensor], src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]
+                      ) -> list[torch.Tensor]:
+    """What each member receives: member i holds the global rows src[i] (in order), member j gets the rows of
+    dst[j] that some member holds, in row order (both partitions are consecutive ranges in member order, so
+    the pieces concatenate in sender order).
+
+    >>> held = [torch.tensor([0., 1., 2.]), torch.tensor([3., 4.])]  # row blocks of 5 rows
+    >>> exchange_simulate(held, [(0, 3), (3, 5)], [(0, 1), (1, 4)])  # expert spans: 1 row, then 3 (row 4 past the end)
+    [tensor([0.]), tensor([1., 2., 3.])]
+    """
+    return [torch.cat([h[max(a, lo) - a: max(a, min(b, hi)) - a] for h, (a, b) in zip(held, src)])
+            for lo, hi in dst]
+
+
+def exchange_run(t: torch.Tensor, src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]],
+                 members: Sequence[int], me: int, timeout: float | None = None) -> torch.Tensor:
+    """This rank's exchange_simulate result over torch.distributed: one all_to_all_single of the default
+    process group with input and output split sizes from the ranges (0 to and from every rank outside
+    `members`, which runs its own group's exchange in the same call: every rank runs the step). gloo and NCCL
+    both take uneven splits; the sizes are host integers (on a GPU the offsets are read to the host first,
+    as torchtitan's and Megatron's token dispatchers read their counts)."""
+    world = dist.get_world_size()
+    ins, outs = [0] * world, [0] * world
+    for j, q in enumerate(members):
+        ins[q] = overlap(src[me], dst[j])
+        outs[q] = overlap(src[j], dst[me])
+    a = src[me][0]
+    order = sorted(range(len(members)), key=lambda j: members[j])  # the backend orders pieces by global rank
+    send = torch.cat([t[max(a, dst[j][0]) - a: max(a, dst[j][0]) - a + ins[members[j]]] for j in order]).contiguous()
+    recv = t.new_empty((sum(outs),) + tuple(t.shape[1:]))
+    work = dist.all_to_all_single(recv, send, output_split_sizes=outs, input_split_sizes=ins, async_op=True)
+    wait(work, timeout, f"expert exchange over ranks {tuple(members)}")
+    pieces, at = {}, 0
+    for q in sorted(members):
+        pieces[q], at = recv[at: at + outs[q]], at + outs[q]
+    return torch.cat([pieces[q] for q in members]).contiguous()
+
+
+def exchange_bytes(rows: int, width: int, itemsize: int, n: int) -> float:
+    """The bytes a rank holds to exchange under balanced routing (as grouped_mm's flops assume it): its block
+    of ceil(rows / n) rows, of which (n - 1) / n leave (the all-to-all's factor).
+
+    >>> exchange_bytes(8192, 4096, 2, 4) / 2 ** 20
+    16.0
+    """
+    return -(-rows // n) * width * itemsize
+
+
 # ---------------------------------------------------------------------------- queries
 
 def get(name: str, where: str = "") -> Kind:
@@ -921,7 +1013,8 @@ def cancellation(first: str, second: str) -> Cancellation | None:
     return next((c for c in CANCELLATIONS if (c.first, c.second) == (first, second)), None)
 
 
-__all__ = ["RINGS", "RING_FLAGS", "Ring", "gemm", "ring_simulate", "ring_run", "ring_kernel", "attention_merge",
+__all__ = ["EXCHANGES", "EXCHANGE_FLAGS", "Exchange", "overlap", "exchange_simulate", "exchange_run",
+           "exchange_bytes", "RINGS", "RING_FLAGS", "Ring", "gemm", "ring_simulate", "ring_run", "ring_kernel", "attention_merge",
            "ring_attention_simulate", "ring_attention_run", "ring_attention_kernel", "ring_attention_backward_simulate",
            "ring_attention_backward_run", "ring_attention_backward_kernel", "KINDS", "Kind", "Move", "AxisGroup", "register", "get", "communicating", "is_local", "connecting",
            "Cancellation", "CANCELLATIONS", "cancellation", "wait", "to_wire", "from_wire", "padded"]

@@ -181,6 +181,16 @@ class CostModel:
         """Roofline time of one local kernel, with a launch floor."""
         return self.launch_overhead + max(flops / self.peak(dtype), nbytes / self.hbm_bandwidth)
 
+    def exchange_time(self, nbytes: float, group_size: int, mesh_axis: int, mesh_ndim: int) -> float:
+        """Seconds for an expert exchange on a mesh axis (collectives.EXCHANGES: token dispatch or combine, one
+        all-to-all of uneven pieces), priced as an alltoall of `nbytes`, a rank's share of the rows under
+        balanced routing (collectives.exchange_bytes); a skewed routing sends more from the busiest rank.
+
+        >>> round(CostModel.h200().exchange_time(16 * 2 ** 20, 4, 0, 1) * 1e6, 1)
+        44.0
+        """
+        return self.collective_time("alltoall", nbytes, group_size, mesh_axis, mesh_ndim)
+
     def ring_time(self, n: int, compute_chunk: float, chunk_bytes: float, mesh_axis: int, mesh_ndim: int,
                   first: float | None = None) -> float:
         """Seconds for a collective matmul run as a ring of n steps on a mesh axis (collectives.RINGS):

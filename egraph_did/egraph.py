@@ -32,7 +32,7 @@ from egraph_did.rewrites.experts import expert_rows_attrs
 from egraph_did.rewrites.rules import EGGLOG
 from egraph_did.rewrites.sorts import (AX, KERNS, LAYOUTS, OPS_SORT, PLAN, RUN, SIG, SITE, STRAT, Apart, AttrI, AttrS, AxisMap,
                                        Bcast, Connect, D, Def, Extent, Fits, FitsAny, FitsEmpty, FloatSize, Held, Input, Lit, Load,
-                                       LoadIn, MeshSize, NestOK, NoPartial, OpKind, Out, Param, Placement, Rank,
+                                       LoadIn, KernOK, MeshSize, NestOK, NoPartial, OpKind, Out, Param, Placement, Rank,
                                        Reduced, ReshapeBlock, Shape, ShapeOf, Shp, T, Tensor, Valid, attr_text,
                                        shape_code)
 from egraph_did.rewrites.sorts import Kern as KernSort, Layout as LayoutSort
@@ -311,6 +311,8 @@ def _placement_facts(u: list) -> list[str]:
     out += [f"(NestOK 0 {pl_text(a)} {pl_text(b)})" for a, b in apart]
     out += [f"(NestOK 1 {pl_text(a)} {pl_text(b)})" for a in u for b in u]
     out += [f"(NoPartial {pl_text(a)})" for a in u if not a.is_partial]
+    names = [""] + sorted({k.name for op in OPS.values() for k in op.local_kernels})
+    out += [f"(KernOK {_q(a)} {_q(b)})" for a in names for b in names if a == b or not a or not b]
     return out
 
 
@@ -350,6 +352,7 @@ def program_rules(shape: tuple[int, ...]):
         query = [SIG[(n, o)](sig, op, *sy, *sx)]
         query += [AX[(n, o)](sig, shape[k], *pin[k], *pout[k], kern[k], nst[k]) for k in range(m)]
         query += [NestOK(nst[k], pin[k][i], pin[j][i]) for k in range(m) for i in range(n) for j in range(m) if j != k]
+        query += [KernOK(kern[k], kern[j]) for k in range(m) for j in range(k + 1, m)]
         for tag, fits in (("full_shards", Fits), ("empty_shards", FitsAny)):  # OpDef.empty_shards
             shards = [OpKind(op, tag)] + [fits(x, li) for x, li in zip(sx, lin)] + [fits(y, lo) for y, lo in zip(sy, lout)]
             yield erule(*query, *shards).then(STRAT[(n, o)](sig, K(*kern), *lout, *lin))
@@ -531,7 +534,7 @@ def _declare(eg: EGraph) -> None:
     mention = [Open(v), Def(t, t), Input(t, key), LoadIn(t, key, lay), NoPartial(pl), AxisMap(key, v, v, v), Reduced(key, v), AttrS(key, key, key), AttrI(key, key, v), Param(key, v, key),
                ReshapeBlock(key, v, v, v, v), Bcast(key, v, v, pl), Rank(s, v),
                Extent(s, v, v), FloatSize(s, v), MeshSize(v), OpKind(key, key), Fits(s, lay), FitsEmpty(s, lay), FitsAny(s, lay), Valid(t, lay),
-               Connect(pl, pl, key), Apart(pl, pl), NestOK(v, pl, pl), eq(pl).to(R_()), eq(pl).to(P_()),
+               Connect(pl, pl, key), Apart(pl, pl), NestOK(v, pl, pl), KernOK(key, key), eq(pl).to(R_()), eq(pl).to(P_()),
                eq(pl).to(Pmax_()), eq(pl).to(Pe_()), eq(pl).to(S_(v)), eq(t).to(T(key)), eq(dv).to(Load(key, lay)),
                eq(dv).to(Held(t, lay, v))]
     mention += [eq(lay).to(L(*[pl] * m)) for m, L in LAYOUTS.items()]

@@ -39,8 +39,10 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .collectives import ring_attention_backward_kernel, ring_attention_kernel, ring_kernel
+from .collectives import (EXCHANGES, exchange_run, exchange_simulate, ring_attention_backward_kernel,
+                          ring_attention_kernel, ring_kernel)
 from .errors import DtypeError, PlanError, ShapeError
+from .shards import RankContext
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INT_DTYPES = (torch.int64, torch.int32)
@@ -2053,6 +2055,112 @@ def _grouped_mm_ranged(args, operands, outputs, ctx, axes):
 GROUPED_MM_RANGED = LocalKernel("ranged", _grouped_mm_ranged)
 
 
+# expert exchanges (collectives.EXCHANGES): grouped_mm with the token dispatch before it or the combine after it,
+# one uneven all-to-all on one mesh axis. A step runs it as before -> exchange -> after; simulate runs every rank
+# of a group at once (exchange_all_ranks), torch.distributed rank by rank (the kernel)
+
+def _exchange_ranges(operands, outputs, offsets, mesh, rank: int, m: int, flag: str):
+    """(members, me, row blocks, expert spans, this rank's first expert) on mesh axis m through `rank`: the
+    rows' ceil-sized blocks (x's split, or the output's) and each member's experts' rows from the offsets; a
+    PlanError where another mesh axis splits the rows or the experts (the exchange moves rows on m alone; the
+    rules offer it nestable=False and a step runs one local kernel, so no plan of the optimizer's does)."""
+    x, w, y = operands["x"], operands["w"], outputs[0]
+    for name, o in (("x", x), ("w", w), ("out", y)):
+        if any(k != m for k in o.layout.sharding_axes(0)) or any(p.rows for k, p in enumerate(o.layout) if k != m):
+            raise PlanError(f"grouped_mm {flag}: {name} is laid out {o.layout}; the exchange on mesh axis {m} needs the "
+                            f"rows and the experts whole on every other mesh axis (a split of the features or a "
+                            f"pending sum there is fine)")
+    rows, experts = x.shape[0], w.shape[0]
+    blocked = x if x.layout[m].is_shard else y
+    members = mesh.ranks_along(m, rank)
+    spans = _group_rows(offsets, rows, "grouped_mm")
+    end = spans[-1][1] if spans else 0
+    blocks, ranges, firsts = [], [], []
+    for q in members:
+        ctx = RankContext(mesh, q)
+        blocks.append(ctx.shard_range(rows, blocked.layout, 0))
+        e_lo, e_hi = ctx.shard_range(experts, w.layout, 0)
+        ranges.append((spans[e_lo][0], spans[e_hi - 1][1]) if e_hi > e_lo else (end, end))
+        firsts.append(e_lo)
+    me = members.index(rank)
+    return members, me, blocks, ranges, firsts[me]
+
+
+def _dispatch_before(args, rng):
+    return args["x"]
+
+
+def _dispatch_after(got, args, rng, rows):
+    """grouped_mm of the rows received (the rank's expert span), placed in a whole-size buffer: expert rows."""
+    _, me, _, spans, e_lo = rng
+    lo, hi = spans[me]
+    out = torch.zeros(rows, args["w"].shape[2], dtype=got.dtype, device=got.device)
+    out[lo:hi] = _grouped_mm_block(got, args["w"], args["offsets"], lo, rows, e_lo)
+    return out
+
+
+def _combine_before(args, rng):
+    """grouped_mm of the rank's expert span of x (x whole or expert rows), compact."""
+    _, me, _, spans, e_lo = rng
+    lo, hi = spans[me]
+    return _grouped_mm_block(args["x"][lo:hi], args["w"], args["offsets"], lo, args["x"].shape[0], e_lo)
+
+
+def _combine_after(got, args, rng, rows):
+    """The rows received placed in the rank's block; rows past offsets[-1] (no expert's) zero."""
+    _, me, blocks, _, _ = rng
+    lo, hi = blocks[me]
+    out = torch.zeros(hi - lo, got.shape[1], dtype=got.dtype, device=got.device)
+    out[: got.shape[0]] = got
+    return out
+
+
+_EXCHANGE_STEPS = {"ep_dispatch": (_dispatch_before, _dispatch_after), "ep_combine": (_combine_before, _combine_after)}
+
+
+def _exchange_parts(flag: str, rng):
+    """(before, after, src ranges, dst ranges) of the exchange `flag`."""
+    before, after = _EXCHANGE_STEPS[flag]
+    _, _, blocks, spans, _ = rng
+    return before, after, *((blocks, spans) if flag == "ep_dispatch" else (spans, blocks))
+
+
+def exchange_all_ranks(flag: str, args_by_rank, operands, outputs, mesh, m: int) -> dict:
+    """Every rank's output of a grouped_mm step under the exchange `flag` on mesh axis m, in one process
+    (simulate's, and the rule tests'): per group, each member's part before the exchange, the exchange
+    (collectives.exchange_simulate), each member's part after: what the kernel gives each rank under
+    torch.distributed."""
+    out = {}
+    for group in mesh.groups(m):
+        rngs = {r: _exchange_ranges(operands, outputs, args_by_rank[r]["offsets"], mesh, r, m, flag) for r in group}
+        before, after, src, dst = _exchange_parts(flag, rngs[group[0]])
+        got = exchange_simulate([before(args_by_rank[r], rngs[r]) for r in group], src, dst)
+        for r, g in zip(group, got):
+            out[r] = after(g, args_by_rank[r], rngs[r], operands["x"].shape[0])
+    return out
+
+
+def _exchange_kernel(flag: str):
+    def kernel(args, operands, outputs, ctx, axes):
+        if len(axes) != 1:
+            raise PlanError(f"grouped_mm {flag}: the exchange runs on one mesh axis, the step names {list(axes)}")
+        if not torch.distributed.is_initialized():
+            raise PlanError(f"grouped_mm {flag}: the step communicates; run the plan under torch.distributed "
+                            f"(plan.run under ed.launch) or with ed.simulate, which runs every rank at once")
+        (m,) = axes
+        rng = _exchange_ranges(operands, outputs, args["offsets"], ctx.mesh, ctx.rank, m, flag)
+        before, after, src, dst = _exchange_parts(flag, rng)
+        got = exchange_run(before(args, rng), src, dst, rng[0], rng[1])
+        return after(got, args, rng, operands["x"].shape[0])
+    kernel.__doc__ = next(x.identity for x in EXCHANGES.values() if x.flag == flag)
+    kernel.__name__ = f"grouped_mm_{flag}"
+    return kernel
+
+
+GROUPED_MM_DISPATCH = LocalKernel("ep_dispatch", _exchange_kernel("ep_dispatch"))
+GROUPED_MM_COMBINE = LocalKernel("ep_combine", _exchange_kernel("ep_combine"))
+
+
 def _grouped_flops(ins, outs, args) -> float:
     """2 rows x d x f, each row meeting one expert's matrix, times the share of the experts the rank holds
     (w's or the output's experts against the offsets' count): under expert parallelism a rank computes the
@@ -2080,7 +2188,7 @@ def _vjp_grouped_mm(ops, g, out, x, w, offsets):
 
 
 @op("grouped_mm", "matmul", lambda x, w, offsets: _grouped_mm_block(x, w, offsets), flops=_grouped_flops,
-    local_kernels=(GROUPED_MM_RANGED,), vjp=_vjp_grouped_mm)
+    local_kernels=(GROUPED_MM_RANGED, GROUPED_MM_DISPATCH, GROUPED_MM_COMBINE), vjp=_vjp_grouped_mm)
 def grouped_mm(x, w, offsets):
     """A matmul per expert over row ranges: out[offsets[e-1]:offsets[e]] = x[offsets[e-1]:offsets[e]] @ w[e]
     (offsets[-1] read as 0), rows past offsets[-1] zero; x [rows, d] sorted by expert, w [experts, d, f],

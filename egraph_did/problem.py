@@ -21,7 +21,7 @@ from .errors import PlanError
 from .expand import expand
 from .fusion import Expr, Fusion, Ops, as_fusion, replay
 from .ir import TensorView
-from .collectives import RING_FLAGS
+from .collectives import EXCHANGE_FLAGS, RING_FLAGS, exchange_bytes
 from .layout import Layout, canonical_layout, is_valid, valid_layouts
 from .physgraph import gc_paused
 from .pins import layout_of
@@ -373,6 +373,20 @@ def expr_strategies(e: Expr, mesh: DeviceMesh, cm: CostModel, problem: Problem |
     return [Strategy(key, sid, *row) for sid, row in enumerate(rows)]
 
 
+def _exchange_time(e: Expr, combo, mesh: DeviceMesh, cm: CostModel) -> float:
+    """The all-to-all inside a step whose kernel is an expert exchange (collectives.EXCHANGES) on a mesh axis:
+    the rows the dispatch receives (x's) or the combine sends (the output's), a rank's balanced share."""
+    t = 0.0
+    for m, c in enumerate(combo):
+        for flag in c.flags:
+            if flag in EXCHANGE_FLAGS:
+                rows = e.outputs[0] if EXCHANGE_FLAGS[flag].src == "spans" else dict(e.args)["x"]
+                nbytes = exchange_bytes(rows.shape[0], rows.shape[1], rows.dtype.itemsize, mesh.shape[m])
+                t += (cm.exchange_time(nbytes, mesh.shape[m], m, mesh.ndim) if hasattr(cm, "exchange_time") else
+                      cm.collective_time("alltoall", nbytes, mesh.shape[m], m, mesh.ndim))
+    return t
+
+
 def _priced_rows(e: Expr, mesh: DeviceMesh, cm: CostModel, fused: Fused = Fused(),
                  empty_reductions: bool = False) -> list[tuple]:
     """(inputs, outputs, flags, rules, time, memory) of each of e's strategies, in strategy id order.
@@ -389,8 +403,8 @@ def _priced_rows(e: Expr, mesh: DeviceMesh, cm: CostModel, fused: Fused = Fused(
         if not all(is_valid(lay, t.shape, mesh, e.op.empty_shards) for lay, t in zip(ins + outs, tensors)) and not (
                 empty_reductions and e.op.reduces and _empty_in_empty_out(ins, outs, operands, e.outputs, mesh)):
             continue
-        if not _nesting_ok(combo, ins):
-            continue
+        if not _nesting_ok(combo, ins) or len({c.local.name for c in combo if c.local}) > 1:
+            continue  # a step runs one local kernel (local.run_local): two kernels' identities never combine
         in_shapes = [local_extents(t.shape, lay, mesh) for t, lay in zip(operands, ins)]
         out_shapes = [local_extents(t.shape, lay, mesh) for t, lay in zip(e.outputs, outs)]
         in_bytes = sum(math.prod(s) * t.dtype.itemsize for s, t in zip(in_shapes, operands))
@@ -407,7 +421,12 @@ def _priced_rows(e: Expr, mesh: DeviceMesh, cm: CostModel, fused: Fused = Fused(
             time, mem = 0.0, 0.0
         else:
             dtype = operands[0].dtype if operands and operands[0].dtype.is_floating_point else e.outputs[0].dtype
-            time = cm.compute_time(local_flops(e, in_shapes, out_shapes), moved, dtype) - cm.launch_overhead + launch
+            flop_shapes = in_shapes
+            if any(EXCHANGE_FLAGS[f].src == "blocks" for c in combo for f in c.flags if f in EXCHANGE_FLAGS):
+                # a dispatch computes the rows it receives, its experts' share of every rank's block: x whole
+                flop_shapes = [tuple(operands[0].shape)] + list(in_shapes[1:])
+            time = cm.compute_time(local_flops(e, flop_shapes, out_shapes), moved, dtype) - cm.launch_overhead + launch
+            time += _exchange_time(e, combo, mesh, cm)
             mem = float(out_bytes)
         out.append((ins, outs, tuple(c.flags for c in combo), tuple(c.rule for c in combo), time, mem))
     return out

@@ -10,6 +10,7 @@ import torch
 from . import collectives
 from .errors import PlanError, ShapeError
 from .lowering.collective_matmul import ring_of, simulate_ring
+from .lowering.communication import exchange_of, simulate_exchange
 from .lowering.compute import check_step_indices, compute_on_rank, source_tensor  # noqa: F401  (public here too)
 from .lowering.segment import lowered_plan, run_fused
 from .plan import Collective, Plan
@@ -93,6 +94,9 @@ def simulate(plan: Plan, inputs: Mapping[str, torch.Tensor], lowered: bool = Tru
             if ring_of(seg.steps[0]):  # a collective matmul: every rank of its ring at once
                 env.update(simulate_ring(plan, seg.steps[0], env))
                 continue
+            if exchange_of(seg.steps[0]):  # an expert exchange: every rank of its all-to-all at once
+                env.update(simulate_exchange(plan, seg.steps[0], env))
+                continue
             for r in mesh.ranks:
                 local = {v: env[v][r] for v in env if r in env[v]}
                 for step in seg.steps:
@@ -108,6 +112,9 @@ def simulate(plan: Plan, inputs: Mapping[str, torch.Tensor], lowered: bool = Tru
                 continue
             if ring_of(step):
                 env.update(simulate_ring(plan, step, env))
+                continue
+            if exchange_of(step):
+                env.update(simulate_exchange(plan, step, env))
                 continue
             for r in mesh.ranks:
                 outs = compute_on_rank(plan, step, {v: env[v][r] for v in env if r in env[v]}, r)

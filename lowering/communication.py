@@ -20,7 +20,9 @@ from egraph_did import collectives
 from egraph_did.collectives import AxisGroup, from_wire, padded, to_wire, wait
 from egraph_did.errors import PlanError, ShapeError
 from egraph_did.mesh import DeviceMesh
-from egraph_did.plan import Collective, Plan
+from egraph_did.ops import exchange_all_ranks
+from egraph_did.plan import Collective, ComputeStep, Plan
+from egraph_did.shards import Operand
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -179,5 +181,36 @@ def check_shard(plan: Plan, c: Collective, local: torch.Tensor, rank: int) -> No
                          f"{tuple(local.shape)}, but {c.src}'s layout gives it {want}")
 
 
+# ---------------------------------------------------------------------------- expert exchanges
+
+def exchange_of(step) -> tuple[str, int] | None:
+    """(the expert exchange a grouped_mm step runs, its mesh axis), or None: a step whose flag names one of
+    collectives.EXCHANGES (token dispatch or combine, an all-to-all of uneven counts inside the step). Under
+    torch.distributed its local kernel runs it rank by rank (ops.GROUPED_MM_DISPATCH / _COMBINE, calling
+    collectives.exchange_run: one all_to_all_single with input and output split sizes, gloo or NCCL);
+    simulate runs every rank at once (simulate_exchange).
+
+    >>> from egraph_did.plan import ComputeStep
+    >>> step = ComputeStep("grouped_mm", (("x", "x:S0"), ("w", "w:S0"), ("offsets", "o:R")), ("x", "w", "offsets"),
+    ...                    ("y:Pe",), (("ep_dispatch", (0,)),), ("expert_dispatch",), 1e-3)
+    >>> exchange_of(step)
+    ('ep_dispatch', 0)
+    """
+    if not isinstance(step, ComputeStep):
+        return None
+    return next(((f, axes[0]) for f, axes in step.flags if f in collectives.EXCHANGE_FLAGS), None)
+
+
+def simulate_exchange(plan: Plan, step, env) -> dict[str, dict[int, torch.Tensor]]:
+    """Every rank's output of an expert-exchange step, given every rank's operands (simulate's env: value ->
+    rank -> tensor): ops.exchange_all_ranks, each group of the mesh axis exchanged by
+    collectives.exchange_simulate, what the kernel gives each rank under torch.distributed."""
+    flag, m = exchange_of(step)
+    operands = {k: Operand(plan.values[v].shape, plan.values[v].layout) for k, v in step.operands.items()}
+    outputs = [Operand(plan.values[o].shape, plan.values[o].layout) for o in step.writes]
+    args = {r: step.bind(lambda v, r=r: env[v][r]) for r in plan.mesh.ranks}
+    return {step.writes[0]: exchange_all_ranks(flag, args, operands, outputs, plan.mesh, m)}
+
+
 __all__ = ["AxisGroup", "axis_group", "ensure_groups", "check_world", "world_key", "gather_to_all",
-           "run_collective", "check_shard"]
+           "run_collective", "check_shard", "exchange_of", "simulate_exchange"]

@@ -37,7 +37,7 @@ import torch
 from egglog import rule as erule
 
 from egraph_did.layout import PE
-from egraph_did.ops import GROUPED_MM_RANGED, GROUPED_WGRAD_RANGED, SAVE_OP
+from egraph_did.ops import GROUPED_MM_COMBINE, GROUPED_MM_DISPATCH, GROUPED_MM_RANGED, GROUPED_WGRAD_RANGED, SAVE_OP
 
 from .rules import P, S, Case, egglog_form, family_ruleset, indices, rule
 from .sorts import P as P_, Pe as Pe_, R as R_, S as S_
@@ -301,6 +301,35 @@ def grouped_mm_of_expert_rows(e):
         yield e.strategy(out=P, x=PE, w=S(0), local=GROUPED_MM_RANGED)
 
 
+# ---------------------------------------------------------------------- token dispatch and combine (uneven all-to-alls)
+# the exchange moves rows on its mesh axis alone (nestable=False: no other mesh axis splits the rows or the experts)
+MM4 = {"x": (10, 3), "w": (7, 3, 2), "ids": indices((10,), 8)}  # 4 ranks of 7 experts (2, 2, 2, 1), rows 3, 3, 3, 1; ids 7 past the end
+
+
+@rule("grouped_mm", nestable=False, cases=[
+    Case("uneven-rows-past-the-end", (3,), MM, _mm(5)),
+    Case("four-ranks-uneven", (4,), MM4, _mm(7)),
+    Case("swiglu", (2,), SWIGLU, _swiglu(4)),
+])
+def expert_dispatch(e):
+    """grouped_mm(x, w, offsets) from x split on its rows = expert rows: rank r sends each rank q the rows of its
+    block that q's experts own (an all-to-all of counts read from the offsets), q runs them"""
+    yield e.strategy(out=PE, x=S(0), w=S(0), local=GROUPED_MM_DISPATCH)
+
+
+@rule("grouped_mm", nestable=False, cases=[
+    Case("uneven-rows-past-the-end", (3,), MM, _mm(5)),
+    Case("four-ranks-uneven", (4,), MM4, _mm(7)),
+    Case("swiglu", (2,), SWIGLU, _swiglu(4)),
+])
+def expert_combine(e):
+    """grouped_mm(x, w, offsets)[block r] = the rows every rank q computed of its experts that fall in block r:
+    x whole (or expert rows of these offsets), w split on the experts, out split on the rows by an all-to-all"""
+    yield e.strategy(out=S(0), w=S(0), local=GROUPED_MM_COMBINE)
+    if e.attr("expert_rows"):
+        yield e.strategy(out=S(0), x=PE, w=S(0), local=GROUPED_MM_COMBINE)
+
+
 # ---------------------------------------------------------------------- the same identities as egglog rules
 # grouped_mm's operands: x, w, offsets; grouped_mm_wgrad's: x, g, offsets
 
@@ -391,5 +420,21 @@ def _grouped_mm_of_expert_rows(spec):
     yield erule(site("grouped_mm", 3), AttrI(sig, "expert_rows", 1), MeshSize(d)).then(
         ax([Pe_(), S_(0), R_()], [Pe_()], GROUPED_MM_RANGED), ax([Pe_(), S_(0), R_()], [P_()], GROUPED_MM_RANGED))
 
+
+
+@egglog_form(expert_dispatch)
+def _expert_dispatch(spec):
+    """x split on the rows, w on the experts: expert rows (the dispatch's all-to-all)"""
+    yield erule(site("grouped_mm", 3), MeshSize(d)).then(
+        ax([S_(0), S_(0), R_()], [Pe_()], GROUPED_MM_DISPATCH, nestable=False))
+
+
+@egglog_form(expert_combine)
+def _expert_combine(spec):
+    """x whole or expert rows of these offsets (the attribute), w split on the experts: out split on the rows"""
+    yield erule(site("grouped_mm", 3), MeshSize(d)).then(
+        ax([R_(), S_(0), R_()], [S_(0)], GROUPED_MM_COMBINE, nestable=False))
+    yield erule(site("grouped_mm", 3), AttrI(sig, "expert_rows", 1), MeshSize(d)).then(
+        ax([Pe_(), S_(0), R_()], [S_(0)], GROUPED_MM_COMBINE, nestable=False))
 
 experts = family_ruleset("experts")

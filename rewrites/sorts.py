@@ -158,6 +158,8 @@ ReshapeBlock = relation("ReshapeBlock", String, i64, i64, i64, i64, egg_fn="Resh
 NoPartial = relation("NoPartial", Placement, egg_fn="NoPartial")  # R or a split: no pending reduction
 Apart = relation("Apart", Placement, Placement, egg_fn="Apart")  # not the same split
 NestOK = relation("NestOK", i64, Placement, Placement, egg_fn="NestOK")  # nestable flag, p, q
+# two mesh axes' local kernels that one step runs (local.run_local runs one): equal, or either the reference ""
+KernOK = relation("KernOK", String, String, egg_fn="KernOK")
 Connect = relation("Connect", Placement, Placement, String, egg_fn="Connect")  # src, dst, collective kind
 
 # (tensor operands, outputs) of the op applications the e-graph holds: up to 4 operands and 2 outputs, and

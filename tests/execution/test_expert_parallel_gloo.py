@@ -18,7 +18,7 @@ from egraph_did.pins import apply_layout
 from gloo_replay import random_inputs, replay_and_run
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "optimizer"))
-from test_expert_parallel import BF16, BOUND, D, E, EXPERT_SHARDED, F, MESH, moe  # noqa: E402
+from test_expert_parallel import BF16, BOUND, D, E, EP_TOKENS, EXPERT_SHARDED, F, MESH, mixtral_experts, moe  # noqa: E402
 
 F32 = torch.float32
 
@@ -50,3 +50,21 @@ def test_expert_parallel_forward_and_training_step_on_four_gloo_ranks_equal_one_
         assert not any(c.tensor in ("w1", "w2", "grad_w1", "grad_w2") for c in plan.collectives), plan.explain()
     g = torch.Generator().manual_seed(4)
     replay_and_run(specs, experts_stay, lambda name, small: random_inputs(small, g, F32, index_high=E + 1))
+
+
+def test_token_dispatch_and_combine_as_uneven_all_to_alls_on_four_gloo_ranks_equal_one_device():
+    """Mixtral's experts with the rows split over 4 ranks and the experts' weights on their ranks
+    (test_expert_parallel's EP_TOKENS): the plan chosen at Mixtral 8x7B's sizes (expert_dispatch and
+    expert_combine: one all_to_all_single each, split sizes read from the offsets on every rank) replayed on
+    10 rows, float64 (d 8, f 6, 8 experts, ids up to 8: uneven counts, likely empty experts, rows past
+    offsets[-1], row blocks 3, 3, 3, 1), equals the single-device reference on every rank to 1e-12."""
+    big = mixtral_experts(8192, 4096, 14336, E, BF16, EP_TOKENS, MESH)
+
+    def exchanges(name, plan):
+        assert [s.flags for s in plan.compute_steps if s.op == "grouped_mm"] == [
+            (("ep_dispatch", (0,)),), (("ep_combine", (0,)),)], plan.explain()
+        assert plan.collectives == [], plan.explain()
+    g = torch.Generator().manual_seed(28)
+    replay_and_run({"experts": (big, ed.CostModel.h200(), mixtral_experts(10, 8, 6, E, torch.float64, EP_TOKENS, MESH))},
+                   exchanges, lambda name, small: random_inputs(small, g, torch.float64, index_high=E + 1),
+                   rtol=1e-12, atol=1e-12)

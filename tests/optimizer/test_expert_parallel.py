@@ -5,14 +5,17 @@ ids, with the experts' weights held split on the expert axis (as expert-parallel
 No pass of its own: grouped_mm's rules (rewrites/experts.py) offer, beside sharding the weights on f or d
 as a matmul, grouped_mm_experts: each rank computes the rows of its own experts, the others zero, as expert
 rows (Pe: a pending sum of disjoint rows), which silu keeps on their ranks (expert_rows_unary) and the second
-grouped matmul reads (grouped_mm_of_expert_rows): the hidden rows never move, y is all-reduced once. The
-cost model weighs it against moving the weights (an all-to-all of each to split them on f) or gathering
-them. With 256 tokens expert parallelism moves y alone (0.5 MiB, 71.4 us predicted) and needs 35.5 MiB per
-device, where sharding on f moves both weights (8 MiB each, 124.7 us) and needs 50 MiB, and replicating
-them 99 MiB (217.4 us): under a 38 MiB bound it is the only plan, and unbounded the cheapest. With 4096
-tokens it still wins (one all-reduce of y, 122.1 us against 166.7 us for the weights moved to f); before
-the expert rows, the hidden rows were reduce-scattered and all-gathered between the grouped matmuls (95.3 us
-at 256 tokens) and at 4096 tokens the weights moved instead. Replayed at small shapes, the expert-parallel
+grouped matmul reads, running its experts' rows and sending each row to the rank whose block of y holds it
+(expert_combine: an all-to-all of counts read from the offsets, inside the step): the hidden rows never
+move, y's rows are combined then all-gathered (before the combine y was all-reduced: a reduce-scatter of the
+whole zero-padded buffer, where the combine sends a rank's share of the rows). The cost model weighs it
+against moving the weights (an all-to-all of each to split them on f) or gathering them. With 256 tokens
+expert parallelism moves y alone (0.5 MiB gathered, 70.5 us predicted; 71.4 us with the all-reduce) and
+needs 35.1 MiB per device, where sharding on f moves both weights (8 MiB each, 124.5 us) and needs 51 MiB,
+and replicating them 99 MiB (217.4 us): under a 38 MiB bound it is the only plan, and unbounded the
+cheapest. With 4096 tokens it still wins (107.9 us; 122.1 us with the all-reduce; 161.9 us for the weights
+moved to f); before the expert rows, the hidden rows were reduce-scattered and all-gathered between the
+grouped matmuls (95.3 us at 256 tokens) and at 4096 tokens the weights moved instead. Replayed at small shapes, the expert-parallel
 plan simulates to the reference (float64; uneven counts, an empty expert, rows past offsets[-1]).
 
 With the weights free (the last test: Mixtral 8x7B's experts on two nodes of four GPUs) the cost model
@@ -70,11 +73,11 @@ BOUND = 38 * MIB
 
 def test_few_tokens_run_expert_parallel_under_a_memory_bound_moving_y_only():
     plan = plan_of(256, BOUND)
-    assert {"grouped_mm_experts", "expert_rows_unary", "grouped_mm_of_expert_rows"} <= rules_of(plan), plan.explain()
+    assert {"grouped_mm_experts", "expert_rows_unary", "expert_combine"} <= rules_of(plan), plan.explain()
     assert "grouped_mm_features" not in rules_of(plan), plan.explain()
     assert plan.loop_domain("cast_0") == "[DIDx{4}, 8/4, 1024, 2048]", plan.explain()  # the weights stay put
     assert str(plan.layout_of("silu_7")) == "[Pe]", plan.explain()  # the hidden rows stay on their ranks
-    assert collectives(plan) == [("allreduce", "y", 256 * D * 2)], plan.explain()
+    assert collectives(plan) == [("allgather", "y", 256 * D * 2)], plan.explain()
     assert plan.memory <= BOUND
 
 
@@ -86,23 +89,24 @@ def test_expert_parallelism_beats_sharding_the_weights_on_f_and_replicating_them
     f_split = plan_of(256, weights_used=("[S(2)]", "[S(1)]"))
     replicated = plan_of(256, weights_used=("R", "R"))
     weights = E * D * F * 2
-    assert collectives(ep) == [("allreduce", "y", 256 * D * 2)], ep.explain()
-    assert collectives(f_split) == [("alltoall", "cast_0", weights // 4), ("alltoall", "cast_1", weights // 4),
-                                    ("allreduce", "y", 256 * D * 2)]
+    assert collectives(ep) == [("allgather", "y", 256 * D * 2)], ep.explain()
+    assert sorted(collectives(f_split)) == [("allgather", "y", 256 * D * 2), ("alltoall", "cast_0", weights // 4),
+                                            ("alltoall", "cast_1", weights // 4)]
     assert collectives(replicated) == [("allgather", "cast_0", weights), ("allgather", "cast_1", weights)]
     assert ep.predicted_time < f_split.predicted_time < replicated.predicted_time
     assert ep.memory <= BOUND < f_split.memory < replicated.memory
-    assert round(ep.predicted_time * 1e6, 1) == 71.4 and round(f_split.predicted_time * 1e6, 1) == 124.7
+    assert round(ep.predicted_time * 1e6, 1) == 70.5 and round(f_split.predicted_time * 1e6, 1) == 124.5
 
 
 def test_many_tokens_keep_the_weights_on_their_experts_as_the_hidden_rows_stay():
     """4096 tokens: the hidden rows (16 MiB) outweigh a rank's weights (8 MiB each), but expert rows never
-    move them: y is all-reduced once (122.1 us), where moving the weights to split them on f costs 166.7 us."""
+    move them: y is combined (expert_combine) and gathered once (107.9 us), where moving the weights to split
+    them on f costs 161.9 us."""
     plan = plan_of(4096)
-    assert collectives(plan) == [("allreduce", "y", 4096 * D * 2)], plan.explain()
-    assert "grouped_mm_of_expert_rows" in rules_of(plan) and "grouped_mm_features" not in rules_of(plan)
+    assert collectives(plan) == [("allgather", "y", 4096 * D * 2)], plan.explain()
+    assert "expert_combine" in rules_of(plan) and "grouped_mm_features" not in rules_of(plan)
     f_split = plan_of(4096, weights_used=("[S(2)]", "[S(1)]"))
-    assert round(plan.predicted_time * 1e6, 1) == 122.1 and round(f_split.predicted_time * 1e6, 1) == 166.7
+    assert round(plan.predicted_time * 1e6, 1) == 107.9 and round(f_split.predicted_time * 1e6, 1) == 161.9
 
 
 def test_the_expert_parallel_plan_simulates_to_the_reference_at_small_shapes():
@@ -111,7 +115,7 @@ def test_the_expert_parallel_plan_simulates_to_the_reference_at_small_shapes():
     plan = plan_of(256, BOUND)
     small = moe(10, 4, 6, E, F64, EXPERT_SHARDED)
     small_plan = ed.optimize(small, MESH, like=plan)
-    assert collectives(small_plan) == [("allreduce", "y", 10 * 4 * 8)] and str(small_plan.layout_of("silu_7")) == "[Pe]"
+    assert collectives(small_plan) == [("allgather", "y", 10 * 4 * 8)] and str(small_plan.layout_of("silu_7")) == "[Pe]"
     g = torch.Generator().manual_seed(28)
     for trial in range(3):
         inputs = {"x": torch.randn(10, 4, generator=g, dtype=F64), "ids": torch.randint(0, 9, (10,), generator=g),
@@ -158,11 +162,15 @@ NODES = ed.DeviceMesh([[0, 1, 2, 3], [4, 5, 6, 7]], axis_names=("node", "gpu"))
 WHOLE = {"x": "[R, R]", "y": "[R, R]"}
 
 
-def mixtral_experts(rows, d, f, e, dtype, pins):
+def mixtral_experts(rows, d, f, e, dtype, pins, mesh=NODES, x_used=None):
     """Mixtral's experts: gate and up in one weight, y = grouped_mm(silu(gate) * up, w2) over rows sorted by
-    expert (transformers' grouped_mm experts), on NODES."""
+    expert (transformers' grouped_mm experts), on `mesh`; x_used: a layout text pinning a copy of x that the
+    first grouped matmul reads (to force a way of dispatching)."""
     with ed.FusionDefinition() as fd:
         x = fd.define_tensor((rows, d), dtype, name="x")
+        if x_used is not None:
+            x = fd.ops.cast(x, dtype)
+            apply_layout(x, Layout.parse(x_used), mesh)
         ids = fd.define_tensor((rows,), torch.int64, name="ids")
         w1 = fd.define_tensor((e, d, 2 * f), dtype, name="w1")
         w2 = fd.define_tensor((e, f, d), dtype, name="w2")
@@ -172,7 +180,7 @@ def mixtral_experts(rows, d, f, e, dtype, pins):
         hidden = fd.ops.mul(fd.ops.silu(fd.ops.slice(h, 1, 0, f)), fd.ops.slice(h, 1, f, 2 * f))
         fd.add_output(fd.ops.grouped_mm(hidden, w2, offsets), name="y")
     for name, text in pins.items():
-        apply_layout(fd[name], Layout.parse(text), NODES)
+        apply_layout(fd[name], Layout.parse(text), mesh)
     return fd
 
 
@@ -206,3 +214,42 @@ def test_across_two_nodes_the_cost_model_splits_mixtrals_experts_over_the_nodes_
                   "w1": torch.randn(E, 8, 12, generator=g, dtype=F64), "w2": torch.randn(E, 6, 8, generator=g, dtype=F64)}
         torch.testing.assert_close(ed.simulate(small_plan, inputs)["y"], ed.evaluate(small, inputs)["y"],
                                    rtol=1e-10, atol=1e-12)
+
+
+EP_TOKENS = {"x": "[S(0)]", "y": "[S(0)]", "w1": "[S(0)]", "w2": "[S(0)]"}
+
+
+def test_tokens_split_over_the_experts_ranks_are_dispatched_and_combined_by_uneven_all_to_alls():
+    """Mixtral 8x7B's experts on 4 GPUs (CostModel.h200, bf16, 4096 tokens of top-2 routing: 8192 rows, hidden
+    4096, width 14336), the rows split over the ranks (x and y [S(0)], as data or sequence parallelism hands
+    them) and the experts' weights held on their ranks (w1, w2 [S(0)], as expert-parallel training stores
+    them). The plan dispatches (expert_dispatch: each rank sends every expert's rank the rows of its block
+    that expert owns, an all-to-all of counts read from the offsets at run time, inside the first grouped
+    matmul's step) and combines (expert_combine: each rank runs its experts' rows and sends each to the rank
+    whose block of y holds it): no collective of the plan's own, 1692.4 us predicted (the two all-to-alls
+    16 + 16 MiB a rank, 44.0 us each). Gathering x instead (x as the matmuls read it pinned whole: an
+    allgather of 64 MiB, then grouped_mm_experts) costs 1806.5 us, Megatron's pair (w1 split on f, w2 on its
+    contracted f, pinned) 1894.3 us; before the exchanges (main at aa37c6d) this pinned program gathered x
+    and reduce-scattered y's zero-padded rows (64 + 64 MiB): 1896.5 us. Replayed on 10 rows (float64, 4
+    ranks, uneven counts, rows past offsets[-1]) it simulates to the reference."""
+    cm = ed.CostModel.h200()
+    plan = ed.optimize(mixtral_experts(8192, 4096, 14336, E, BF16, EP_TOKENS, MESH), MESH, cm)
+    assert {"expert_dispatch", "expert_combine", "expert_rows_product"} <= rules_of(plan), plan.explain()
+    assert plan.collectives == [], plan.explain()
+    assert [s.flags for s in plan.compute_steps if s.op == "grouped_mm"] == [
+        (("ep_dispatch", (0,)),), (("ep_combine", (0,)),)], plan.explain()
+    assert str(plan.layout_of("mul_8")) == "[Pe]", plan.explain()  # the hidden rows stay on their experts' ranks
+    gathered = ed.optimize(mixtral_experts(8192, 4096, 14336, E, BF16, EP_TOKENS, MESH, x_used="[R]"), MESH, cm)
+    assert [(c.kind, c.tensor) for c in gathered.collectives] == [("allgather", "cast_0")], gathered.explain()
+    tp = ed.optimize(mixtral_experts(8192, 4096, 14336, E, BF16, dict(EP_TOKENS, w1="[S(2)]", w2="[S(1)]"), MESH), MESH, cm)
+    assert [round(p.predicted_time * 1e6, 1) for p in (plan, gathered, tp)] == [1692.4, 1806.5, 1894.3]
+
+    small = mixtral_experts(10, 8, 6, E, F64, EP_TOKENS, MESH)
+    small_plan = ed.optimize(small, MESH, like=plan)
+    assert small_plan.collectives == [] and "expert_dispatch" in rules_of(small_plan)
+    g = torch.Generator().manual_seed(28)
+    for trial in range(4):
+        inputs = {"x": torch.randn(10, 8, generator=g, dtype=F64), "ids": torch.randint(0, 9, (10,), generator=g),
+                  "w1": torch.randn(E, 8, 12, generator=g, dtype=F64), "w2": torch.randn(E, 6, 8, generator=g, dtype=F64)}
+        torch.testing.assert_close(ed.simulate(small_plan, inputs)["y"], ed.evaluate(small, inputs)["y"],
+                                   rtol=1e-12, atol=1e-12)

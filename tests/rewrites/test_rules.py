@@ -28,7 +28,9 @@ from egraph_did.ir import TensorView
 from egraph_did.layout import PE, Layout, R
 from egraph_did.pins import apply_layout
 from egraph_did.shards import Operand, RankContext
+from egraph_did.collectives import EXCHANGE_FLAGS
 from egraph_did.local import run_local
+from egraph_did.ops import exchange_all_ranks
 from egraph_did.problem import build_problem, expr_strategies
 from egraph_did.rewrites import ALL_RULES, Case, rule
 from egraph_did.rewrites.experts import rows_sorted_by
@@ -230,7 +232,12 @@ def check_strategy(e, s, env, mesh: DeviceMesh, g: torch.Generator) -> bool:
     outputs = [Operand(o.shape, lay) for o, lay in zip(e.outputs, s.outputs)]
     flags = flag_axes(s)
     results: list[dict[int, torch.Tensor]] = [{} for _ in e.outputs]
-    for r in mesh.ranks:
+    exchange = [f for f in flags if f in EXCHANGE_FLAGS]
+    if exchange:  # an expert exchange communicates: every rank of its mesh axis at once, as simulate runs it
+        (m,) = flags[exchange[0]]
+        args = {r: {k: local[k][r] if isinstance(v, TensorView) else v for k, v in e.args} for r in mesh.ranks}
+        results[0] = exchange_all_ranks(exchange[0], args, operands, outputs, mesh, m)
+    for r in mesh.ranks if not exchange else ():
         args = {k: local[k][r] if isinstance(v, TensorView) else v for k, v in e.args}
         outs = run_local(e.op.name, args, operands, outputs, flags, RankContext(mesh, r))
         assert len(outs) == len(e.outputs)
