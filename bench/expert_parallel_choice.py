@@ -26,6 +26,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # torch.export imports Triton, w
 import torch  # noqa: E402
 
 import egraph_did as ed  # noqa: E402
+from egraph_did.collectives import EXCHANGE_FLAGS, exchange_bytes  # noqa: E402
 from egraph_did.errors import EgraphDidError  # noqa: E402
 from egraph_did.layout import Layout  # noqa: E402
 from egraph_did.pins import apply_layout  # noqa: E402
@@ -84,6 +85,21 @@ def hidden_rows(plan, tokens: int) -> list:
             if tuple(plan.values[c.src].shape) in ((tokens * TOP_K, WIDTH), (tokens * TOP_K, 2 * WIDTH))]
 
 
+def exchanges(plan) -> list[tuple]:
+    """(flag, step, bytes, seconds) of each grouped_mm step that dispatches or combines by an all-to-all inside
+    it (collectives.EXCHANGES), as the cost model prices it (a rank's share of the rows, balanced routing)."""
+    out = []
+    for s in plan.compute_steps:
+        for flag, (m, *_) in s.flags:
+            if flag in EXCHANGE_FLAGS:
+                rows = plan.values[s.outputs[0] if EXCHANGE_FLAGS[flag].src == "spans" else s.operands["x"]]
+                n = plan.mesh.shape[m]
+                itemsize = getattr(torch, str(rows.dtype).replace("torch.", "")).itemsize  # a plan's dtype is text
+                b = exchange_bytes(rows.shape[0], rows.shape[1], itemsize, n)
+                out.append((flag, s.key, b, plan.cost_model.exchange_time(b, n, m, plan.mesh.ndim)))
+    return out
+
+
 def describe(tag: str, plan, tokens: int) -> list[str]:
     """A plan's lines: time, memory, the experts' layouts and rules, collectives (MiB)."""
     lay = ", ".join(f"{n.split('.')[-1]} {plan.layout_of(n)}" for n in WEIGHTS)
@@ -91,6 +107,10 @@ def describe(tag: str, plan, tokens: int) -> list[str]:
     coll = ", ".join(f"{c.kind} {c.tensor} {c.bytes / 2 ** 20:g}" for c in plan.collectives)
     out = [f"  {tag}: {plan.predicted_time * 1e6:.1f} us, {plan.memory / GIB:.2f} GiB; experts {lay}; {' '.join(rules)}",
            f"    collectives (MiB): {coll}"]
+    ex = exchanges(plan)
+    if ex:
+        out.append("    exchanges (MiB a rank, balanced): " + ", ".join(f"{f} {k} {b / 2 ** 20:g} ({t * 1e6:.1f} us)"
+                                                                   for f, k, b, t in ex))
     rows = hidden_rows(plan, tokens)
     if rows:
         t = sum(c.time for c in rows)

@@ -1,7 +1,8 @@
 """Expert parallelism on four gloo processes (issue 28 item 4): the mixture-of-experts MLP of
 tests/optimizer/test_expert_parallel.py with its weights split on the expert axis, forward and training
 step, equals the single-device run on every rank. The plans are chosen at 256 tokens in bf16 (each rank
-computes the rows of its own experts: grouped_mm_experts; the weight gradients per expert on the rank that
+computes the rows of its own experts: grouped_mm_experts, or expert_combine, which then sends each row to the
+rank whose block holds it by an all-to-all of uneven counts; the weight gradients per expert on the rank that
 holds it: grouped_wgrad_experts) and replayed at small float32 shapes with uneven counts (12 tokens, d and f 8, 8
 experts, ids up to 8: rows past offsets[-1]). One launch runs both (gloo_replay.replay_and_run)."""
 from __future__ import annotations
@@ -44,7 +45,7 @@ def test_expert_parallel_forward_and_training_step_on_four_gloo_ranks_equal_one_
 
     def experts_stay(name, plan):
         rules = {r for s in plan.compute_steps for r in s.rules}
-        assert "grouped_mm_experts" in rules, plan.explain()
+        assert rules & {"grouped_mm_experts", "expert_combine"}, plan.explain()  # each rank its experts' rows
         if name == "training_step":
             assert "grouped_wgrad_experts" in rules, plan.explain()
         assert not any(c.tensor in ("w1", "w2", "grad_w1", "grad_w2") for c in plan.collectives), plan.explain()
