@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 import egraph_did as ed
+from egraph_did.collectives import exchange_run, exchange_simulate
+from egraph_did.launcher import launch
 from egraph_did.layout import Layout
 from egraph_did.pins import apply_layout
 
@@ -69,3 +71,41 @@ def test_token_dispatch_and_combine_as_uneven_all_to_alls_on_four_gloo_ranks_equ
     replay_and_run({"experts": (big, ed.CostModel.h200(), mixtral_experts(10, 8, 6, E, torch.float64, EP_TOKENS, MESH))},
                    exchanges, lambda name, small: random_inputs(small, g, torch.float64, index_high=E + 1),
                    rtol=1e-12, atol=1e-12)
+
+
+# two groups of two ranks each, in mesh order unlike the global ranks' (as on mesh axis 0 of [[2, 0], [3, 1]])
+GROUPS = ((2, 0), (3, 1))
+EXCHANGE_CASES = {  # name: (row blocks, expert spans) of 7 rows: dispatch goes blocks -> spans, combine back
+    "uneven": (((0, 4), (4, 7)), ((0, 1), (1, 6))),  # row 6 past offsets[-1]
+    "all-to-one": (((0, 4), (4, 7)), ((0, 7), (7, 7))),  # every row to the first member, none to the second
+    "none": (((0, 4), (4, 7)), ((0, 0), (0, 0))),  # every expert empty: nothing moves, every rank still calls
+}
+
+
+def exchange_all(rank: int, tables: dict) -> dict:
+    group = next(g for g in GROUPS if rank in g)
+    me = group.index(rank)
+    out = {}
+    for name, (blocks, spans) in EXCHANGE_CASES.items():
+        t = tables[group][name]
+        for way, (src, dst) in (("dispatch", (blocks, spans)), ("combine", (spans, blocks))):
+            held = t[src[me][0]: src[me][1]]
+            out[name, way] = exchange_run(held, src, dst, group, me, timeout=60)
+    return out
+
+
+def test_the_exchange_on_gloo_equals_simulate_for_groups_of_one_mesh_axis_in_shuffled_rank_order():
+    """collectives.exchange_run (one all_to_all_single of the default group, 0 to and from ranks outside the
+    group) gives each rank collectives.exchange_simulate's result: two groups exchanging at once, members in
+    mesh order unlike global rank order, uneven counts, everything to one rank, nothing at all (float64,
+    bit for bit: rows are moved, not summed)."""
+    g = torch.Generator().manual_seed(5)
+    tables = {grp: {name: torch.randn(7, 3, generator=g, dtype=torch.float64) for name in EXCHANGE_CASES} for grp in GROUPS}
+    results = launch(exchange_all, nprocs=4, backend="gloo", args=(tables,), timeout=120)
+    for grp in GROUPS:
+        for name, (blocks, spans) in EXCHANGE_CASES.items():
+            t = tables[grp][name]
+            for way, (src, dst) in (("dispatch", (blocks, spans)), ("combine", (spans, blocks))):
+                want = exchange_simulate([t[a:b] for a, b in src], src, dst)
+                for me, rank in enumerate(grp):
+                    assert torch.equal(results[rank][name, way], want[me]), (grp, name, way, rank)
