@@ -24,6 +24,13 @@ of the program, not of the shapes the rules see: `expert_rows_attrs` gives the g
 product an attribute where their operands' rows are sorted by those offsets (a structural pass), which
 the signature carries.
 
+Token dispatch and combine (collectives.EXCHANGES): a grouped matmul whose step moves rows by one all-to-all
+of counts read from the offsets at run time. expert_dispatch takes x split on its rows in blocks to expert
+rows (each rank receives its experts' rows from every block and runs them); expert_combine takes x whole or
+expert rows to the output split on its rows (each rank runs its experts' rows and sends each to the rank
+whose block holds it), in place of reducing whole zero-padded buffers. Offered on one mesh axis alone
+(nestable=False; a step runs one local kernel).
+
 >>> import torch
 >>> from egraph_did.rewrites.rules import Operand, OpView, axis_strategies
 >>> x, w, o = Operand("x", (8, 4), torch.float32), Operand("w", (4, 4, 6), torch.float32), Operand("offsets", (4,), torch.int64)
