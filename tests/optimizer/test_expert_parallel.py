@@ -71,6 +71,17 @@ MIB = 2 ** 20
 BOUND = 38 * MIB
 
 
+def expert_inputs(g, rows, d, f1, f2):
+    """Float64 inputs of an experts fusion drawn from g: x [rows, d], ids in 0..E (id E routes a row past
+    offsets[-1]), w1 [E, d, f1], w2 [E, f2, d].
+
+    >>> sorted((k, tuple(v.shape)) for k, v in expert_inputs(torch.Generator(), 3, 4, 6, 5).items())
+    [('ids', (3,)), ('w1', (8, 4, 6)), ('w2', (8, 5, 4)), ('x', (3, 4))]
+    """
+    return {"x": torch.randn(rows, d, generator=g, dtype=F64), "ids": torch.randint(0, E + 1, (rows,), generator=g),
+            "w1": torch.randn(E, d, f1, generator=g, dtype=F64), "w2": torch.randn(E, f2, d, generator=g, dtype=F64)}
+
+
 def test_few_tokens_run_expert_parallel_under_a_memory_bound_moving_y_only():
     plan = plan_of(256, BOUND)
     assert {"grouped_mm_experts", "expert_rows_unary", "expert_combine"} <= rules_of(plan), plan.explain()
@@ -118,9 +129,7 @@ def test_the_expert_parallel_plan_simulates_to_the_reference_at_small_shapes():
     assert collectives(small_plan) == [("allgather", "y", 10 * 4 * 8)] and str(small_plan.layout_of("silu_7")) == "[Pe]"
     g = torch.Generator().manual_seed(28)
     for trial in range(3):
-        inputs = {"x": torch.randn(10, 4, generator=g, dtype=F64), "ids": torch.randint(0, 9, (10,), generator=g),
-                  "w1": torch.randn(E, 4, 6, generator=g, dtype=F64),
-                  "w2": torch.randn(E, 6, 4, generator=g, dtype=F64)}
+        inputs = expert_inputs(g, 10, 4, 6, 6)
         want = ed.evaluate(small, inputs)["y"]
         got = ed.simulate(small_plan, inputs)["y"]
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
@@ -152,8 +161,7 @@ def test_data_and_expert_parallel_on_a_2x2_mesh_computes_each_ranks_rows_of_its_
     small = moe(12, 8, 8, E, F64, DP_EP, mesh=MESH2)
     small_plan = ed.optimize(small, MESH2, like=plan)
     g = torch.Generator().manual_seed(7)
-    inputs = {"x": torch.randn(12, 8, generator=g, dtype=F64), "ids": torch.randint(0, 9, (12,), generator=g),
-              "w1": torch.randn(E, 8, 8, generator=g, dtype=F64), "w2": torch.randn(E, 8, 8, generator=g, dtype=F64)}
+    inputs = expert_inputs(g, 12, 8, 8, 8)
     torch.testing.assert_close(ed.simulate(small_plan, inputs)["y"], ed.evaluate(small, inputs)["y"],
                                rtol=1e-10, atol=1e-12)
 
@@ -210,8 +218,7 @@ def test_across_two_nodes_the_cost_model_splits_mixtrals_experts_over_the_nodes_
     assert [(c.kind, c.mesh_axis_name) for c in small_plan.collectives] == [("allreduce", "node"), ("allgather", "gpu")]
     g = torch.Generator().manual_seed(4)
     for trial in range(3):
-        inputs = {"x": torch.randn(12, 8, generator=g, dtype=F64), "ids": torch.randint(0, 9, (12,), generator=g),
-                  "w1": torch.randn(E, 8, 12, generator=g, dtype=F64), "w2": torch.randn(E, 6, 8, generator=g, dtype=F64)}
+        inputs = expert_inputs(g, 12, 8, 12, 6)
         torch.testing.assert_close(ed.simulate(small_plan, inputs)["y"], ed.evaluate(small, inputs)["y"],
                                    rtol=1e-10, atol=1e-12)
 
@@ -249,7 +256,6 @@ def test_tokens_split_over_the_experts_ranks_are_dispatched_and_combined_by_unev
     assert small_plan.collectives == [] and "expert_dispatch" in rules_of(small_plan)
     g = torch.Generator().manual_seed(28)
     for trial in range(4):
-        inputs = {"x": torch.randn(10, 8, generator=g, dtype=F64), "ids": torch.randint(0, 9, (10,), generator=g),
-                  "w1": torch.randn(E, 8, 12, generator=g, dtype=F64), "w2": torch.randn(E, 6, 8, generator=g, dtype=F64)}
+        inputs = expert_inputs(g, 10, 8, 12, 6)
         torch.testing.assert_close(ed.simulate(small_plan, inputs)["y"], ed.evaluate(small, inputs)["y"],
                                    rtol=1e-12, atol=1e-12)
