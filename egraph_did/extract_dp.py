@@ -1209,6 +1209,13 @@ def _for_state(opts: list, rest: int):
     >>> [o[0] for o in _for_state(opts, 0b01)]  # the first adds nothing: the rest cost more
     [1]
     """
+    if not any(o[0] & rest for o in opts):  # then what each adds is its demand: _pareto_ext dropped those
+        return opts
+    return list(_undominated_here(opts, rest))
+
+
+def _undominated_here(opts: list, rest: int):
+    """_for_state's filter."""
     seen: dict[int, float] = {}  # what an option taken adds -> the least memory it took
     for o in opts:
         add, m = o[0] & ~rest, o[2]
@@ -1357,9 +1364,10 @@ class _Lower:
         bits = [(self.reach[i], i) for i in bits]
         if len(bits) < 2:
             return self._ordered(i for _, i in bits)
-        by_reach = self._ordered(i for _, i in sorted(bits, reverse=True))
+        by_reach = [i for _, i in sorted(bits, reverse=True)]
         tensor = self.tensor
-        return max(by_reach, self._ordered(i for _, i in sorted(bits, key=lambda e: (-tensor[e[1]], -e[0]))))
+        deep = [i for _, i in sorted(bits, key=lambda e: (-tensor[e[1]], -e[0]))]
+        return self._ordered(by_reach) if deep == by_reach else max(self._ordered(by_reach), self._ordered(deep))
 
     def _ordered(self, bits) -> float:
         """What classes cost at least together, in this order: each adds what it costs outside the cones of
