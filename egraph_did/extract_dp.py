@@ -41,7 +41,9 @@ _EPS = 1e-15
 # the largest demand a forest tensor's options take by the Steiner-tree DP (its partitions: Bell(k), 52 for 5)
 FOREST_MAX_DEMAND = 4
 BEAM_ROUNDS = 4  # beams, each under the last one's cost, before the exact walk
-PROBE_GAP = 0.1  # probes below the best plan known while the lower bound is further than this below it
+# probes below the best plan known while the lower bound is further than this below it (0.1 left case 43/8836's
+# walk under 104.0 us after a probe at 95.0: 19 s CPU, where a probe at 101.3 finds the optimum, 100.0 us, in 8 s)
+PROBE_GAP = 0.05
 PROBE_AT = 0.7  # where a probe sits between the bound and the best plan (0.5: 5441 1.0 s CPU, 0.7: 0.75 s; 6658 same)
 
 
@@ -668,6 +670,63 @@ class _Tensor:
         return _pareto_ext([(ext, k, m, ch) for ext, front in done.items() for k, m, ch in front])
 
 
+class _Bag:
+    """Tensors walked as one step whose options join: readers of the same inputs, none reading another, that
+    the walk's order puts one after the other. Walked one at a time, the first's options multiply every
+    state before the second's collapse them (case 44/8330: t5 and t4, both read by the root alone and both
+    reading only the sdpa_backward tuple: 5,044 states times t5's ~97 options made 489,268 states, then 5,044
+    again after t4, 29 s of a probe); joined, the product of their options is taken once per demand and
+    reduced (_pareto_ext) before any state meets it. The walk passes the members after the first with no
+    demand left (the bag took it), so positions, and the bounds by position, stay as they were."""
+
+    def __init__(self, parts: list["_Tensor"]):
+        self.parts = parts
+        self.mask = 0
+        for t in parts:
+            self.mask |= t.mask
+        self.cache: dict[int, tuple] = {}
+
+    def options(self, demand: int, cap: float, reach: float, merge, clock: _Clock) -> list:
+        """As _Tensor.options, over the members' demands together (cached the same way)."""
+        got = self.cache.get(demand)
+        if got is None or got[0] < cap or got[1] < reach:
+            got = self.cache[demand] = (cap, reach, self._options(demand, cap, reach, merge, clock))
+        opts = got[2]
+        if got[0] > cap or got[1] > reach:
+            opts = [o for o in opts if o[1] <= cap and o[4] <= reach]
+        return opts
+
+    def _options(self, demand: int, cap: float, reach: float, merge, clock: _Clock) -> list:
+        joint = [(0, 0.0, 0.0, ())]
+        below = self.parts[0].below
+        for t in self.parts:
+            d = demand & t.mask
+            if not d:
+                continue
+            opts = t.options(d, cap, reach, merge, clock)
+            clock.spend(len(joint) * len(opts))
+            joint = _pareto_ext([(e0 | e, k0 + k, m0 + m, (c0, c)) for e0, k0, m0, c0 in joint
+                                 for e, k, m, c, _ in opts if k0 + k <= cap and k0 + k + below(e0 | e) <= reach])
+        return [o + (o[1] + below(o[0]),) for o in joint]
+
+
+def _bagged(tensors: list["_Tensor"], lower: "_Lower") -> list:
+    """The walk's steps: `tensors`, where a run of consecutive ones read the same inputs (each after the first
+    only inputs the first reads) and none reads another, the first replaced by a _Bag of the run."""
+    _, seq, _, inputs, _, _ = lower.structure
+    steps = list(tensors)
+    i = 0
+    while i < len(seq):
+        j = i + 1
+        while (j < len(seq) and inputs[seq[j]] and inputs[seq[j]] <= inputs[seq[i]]
+               and not any(seq[k] in inputs[seq[j]] or seq[j] in inputs[seq[k]] for k in range(i, j))):
+            j += 1
+        if j > i + 1:
+            steps[i] = _Bag(tensors[i:j])
+        i = j
+    return steps
+
+
 def _partitions(full: int):
     """The partitions of the bits of `full` into groups (bitmasks), the fewest groups first.
 
@@ -824,6 +883,7 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
     if memory_limit is not None:
         for t in tensors:
             t.mem_cap = memory_limit
+    steps = _bagged(tensors, lower)
     clock = _Clock(max_states, time_limit)
     stats = {"dp_tensors": len(tensors)}
     lagrangian = None  # (price, the priced graph's lower bounds, the memory bound)
@@ -851,7 +911,7 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
     try:
         lim, got = upper, []
         for _ in range(BEAM_ROUNDS if beam else 0):
-            walked = _walk(tensors, lower, start, lim, memory_limit, clock, beam=beam, lagrangian=lagrangian)
+            walked = _walk(steps, lower, start, lim, memory_limit, clock, beam=beam, lagrangian=lagrangian)
             if not walked or (got and min(e[0] for e in walked) >= lim):
                 break
             got, lim = walked, min(e[0] for e in walked)
@@ -861,16 +921,18 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
         # limit (case 5441 before the cone bound's sums, CPU: 0.7 s under 76 us, 2.1 s under 87, 7.1 s under 98)
         low, probes, proven = max(lower(start, 0), stats.get("dp_dual_bound", 0.0)), 0, False
         while lim is not None and lim - low > PROBE_GAP * lim:
+            # the first at the bound itself: where the bound is the optimum (case 44/8330: 24.0006 us, the
+            # beam's plan 28.0006), only states on its tight paths are walked; elsewhere the fewest of any probe
+            probe = low if not probes else low + (lim - low) * PROBE_AT
             probes += 1
-            probe = low + (lim - low) * PROBE_AT
-            walked = _walk(tensors, lower, start, probe, memory_limit, clock, lagrangian=lagrangian)
+            walked = _walk(steps, lower, start, probe, memory_limit, clock, lagrangian=lagrangian)
             if walked:
                 got, proven = walked, True
                 break
             low = probe
         stats["dp_probes"] = probes
         if not proven:
-            got = _walk(tensors, lower, start, lim, memory_limit, clock, lagrangian=lagrangian) or got
+            got = _walk(steps, lower, start, lim, memory_limit, clock, lagrangian=lagrangian) or got
     except _Budget:
         if found is not None:  # what it saw stays useful: the 0/1 program's first incumbent
             if got:
@@ -1105,7 +1167,7 @@ def _walk(tensors: list["_Tensor"], lower: _Lower, start: int, upper: float | No
             # what the rest still needs bounds what this tensor may spend
             reach = limit - front[0][0]
             cap = reach - lower(rest, step + 1)
-            for ext, k, m, ch, _ in tensor.options(demand, cap, reach, merge, clock):
+            for ext, k, m, ch, _ in _for_state(tensor.options(demand, cap, reach, merge, clock), rest):
                 new = [(k0 + k, m0 + m, (c0, ch)) for k0, m0, c0 in front
                        if k0 + k <= limit and m0 + m <= mem_cap]
                 if new:
@@ -1131,6 +1193,49 @@ def _walk(tensors: list["_Tensor"], lower: _Lower, start: int, upper: float | No
             raise _Budget()
         clock.spend(len(states))
     return states.get(0, [])
+
+
+def _for_state(opts: list, rest: int):
+    """The options (cheapest first) worth taking in a state that demands `rest` besides: one is skipped where an
+    earlier one (no dearer) adds to the state a subset of what it adds, at no more memory, since the state
+    it leads to then demands a subset for no more (_undominated would drop it after the step). Two readers
+    of one tensor, each with a fixed demand (case 44/8330: t5 and t4, both read by the root alone, each
+    with ~97 options on the sdpa_backward tuple): the second's options in each of the first's 5,044 states made
+    489,268 states, 5,044 of them undominated; most of its options read a tuple class the state holds already.
+
+    >>> opts = [(0b01, 1.0, 0.0), (0b10, 2.0, 0.0), (0b11, 3.0, 0.0)]  # demands on another tensor, cheapest first
+    >>> [o[0] for o in _for_state(opts, 0b10)]  # 0b11 adds what 0b01 adds, for more
+    [1, 2]
+    >>> [o[0] for o in _for_state(opts, 0b01)]  # the first adds nothing: the rest cost more
+    [1]
+    """
+    if not any(o[0] & rest for o in opts):  # then what each adds is its demand: _pareto_ext dropped those
+        return opts
+    return list(_undominated_here(opts, rest))
+
+
+def _undominated_here(opts: list, rest: int):
+    """_for_state's filter."""
+    seen: dict[int, float] = {}  # what an option taken adds -> the least memory it took
+    for o in opts:
+        add, m = o[0] & ~rest, o[2]
+        if add.bit_count() <= SUBSET_BITS:
+            sub = add
+            while True:
+                got = seen.get(sub)
+                if got is not None and got <= m:
+                    break
+                if not sub:
+                    sub = -1
+                    break
+                sub = (sub - 1) & add
+            if sub >= 0:
+                continue
+        elif any(e & ~add == 0 and v <= m for e, v in seen.items()):
+            continue
+        if seen.get(add, float("inf")) > m:
+            seen[add] = m
+        yield o
 
 
 # the most classes a state's subsets are enumerated over when looking for one that dominates it (2^10 lookups)
@@ -1248,13 +1353,30 @@ class _Lower:
         return got
 
     def _chain(self, bits) -> float:
-        """What classes cost at least together: the largest reach first, each adding what it costs outside
-        the cones of those before it."""
+        """What classes cost at least together: each, in some order, adds what it costs outside the cones
+        of those before it (any order is a bound: what a class adds lies outside every earlier cone, so no
+        node counts twice). The larger of two orders: the largest reach first, and the deepest tensor first
+        (the walk's inputs come later, so by position last first), where cones nest: a class then adds its
+        own layers on top of what it reads. Case 43/8836 (an attention backward's tanh_8, the tuple of
+        sdpa_backward and sdpa_lse_1 demanded at once, each the cone of the one before): the largest reach
+        first counts tanh_8's cheapest cone and adds nothing for the tuple classes it holds, 42-56 us where
+        the deepest first counts each tensor's part, 62-76 us (the states' costs to go: over 50-74)."""
+        bits = [(self.reach[i], i) for i in bits]
+        if len(bits) < 2:
+            return self._ordered(i for _, i in bits)
+        by_reach = [i for _, i in sorted(bits, reverse=True)]
+        tensor = self.tensor
+        deep = [i for _, i in sorted(bits, key=lambda e: (-tensor[e[1]], -e[0]))]
+        return self._ordered(by_reach) if deep == by_reach else max(self._ordered(by_reach), self._ordered(deep))
+
+    def _ordered(self, bits) -> float:
+        """What classes cost at least together, in this order: each adds what it costs outside the cones of
+        those before it."""
         total, held = 0.0, 0
-        for r, i in sorted(((self.reach[i], i) for i in bits), reverse=True):
+        for i in bits:
             cone = self.cone[i]
             if cone & ~held:  # else its tensor and all it reads are inside the cones before it
-                total += r if not cone & held else self._outside(i, held)
+                total += self.reach[i] if not cone & held else self._outside(i, held)
                 held |= cone
         return total
 
