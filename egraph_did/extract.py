@@ -105,6 +105,14 @@ class _Skeleton:
                 es.append((n, i, kids, kids[0] if len(kids) == 1 else None))
                 i += 1
         self._readers = None
+        self._shares = None
+
+    def shares(self) -> dict[str, int]:
+        """For each class some node reads: how many tensors read it (at least 1), the share _amortized splits its
+        cost by."""
+        if self._shares is None:
+            self._shares = {c: max(len(ts), 1) for c, ts in self.readers()[0].items()}
+        return self._shares
 
     def readers(self) -> tuple[dict[str, set], dict[str, dict]]:
         """For each class: the tensors whose nodes read it, and the classes that do (a dict for a stable
@@ -278,37 +286,52 @@ def _chosen(best: Best, w: _Weighted, cls: str = ROOT) -> dict[str, Node] | None
     return {c: best[c][2] for c in w.order if c in reached}
 
 
-def _amortized(graph: PhysGraph, order: list[str], penalty: float, skeleton: _Skeleton | None = None
-               ) -> dict[str, Node] | None:
+def _amortized(graph: PhysGraph, order: list[str], penalty: float, skeleton: _Skeleton | None = None,
+               weight: list[float] | None = None) -> dict[str, Node] | None:
     """Tree-cost greedy where a class's cost is split among the logical consumers that may read it: a value
     several consumers share looks cheaper to each (the case plain greedy-DAG misses: b and c each
-    alone prefer their own copy, together they prefer one shared a)."""
+    alone prefer their own copy, together they prefer one shared a). `weight`: the skeleton's nodes'
+    cost + penalty * memory, where the caller has them (_Weighted.weight: the same floats)."""
     sk = skeleton if skeleton is not None else _Skeleton(graph, order)
-    tensors, _ = sk.readers()
-    share = {c: max(len(ts), 1) for c, ts in tensors.items()}  # classes no node reads are never a child
-    best: dict[str, tuple[float, Node]] = {}
+    if weight is None:
+        weight = [n.cost + penalty * n.memory for n in sk.nodes]
+    share = sk.shares()
+    part: dict[str, float] = {}  # class -> its pick's cost over its share (what each reader adds)
+    picks: dict[str, Node] = {}
+    get = part.get
     for c in order:
-        pick = None
-        for n in graph.classes[c]:
-            total = 0  # the sum of the children's shares, in the children's order (as sum() added them)
-            for ch in n.children:
-                b = best.get(ch)
-                if b is None:
-                    break
-                total += b[0] / share[ch]
+        pick, bound = None, 0.0
+        for n, i, _, _ in sk.entries[c]:
+            ch = n.children
+            if len(ch) == 1:  # a collective, a Keep: (its weight) + (0 + the child's part), the same float
+                t = get(ch[0])
+                if t is None:
+                    continue
+                cost = weight[i] + t
             else:
-                cost = n.cost + penalty * n.memory + total
-                if pick is None or cost < pick[0] - 1e-15:
-                    pick = (cost, n)
+                total = 0  # the sum of the children's shares, in the children's order (as sum() added them)
+                for x in ch:
+                    t = get(x)
+                    if t is None:
+                        total = None
+                        break
+                    total += t
+                if total is None:
+                    continue
+                cost = weight[i] + total
+            if pick is None or cost < bound:
+                pick, bound = n, cost - 1e-15
+                kept = cost
         if pick is not None:
-            best[c] = pick
-    if ROOT not in best:
+            picks[c] = pick
+            part[c] = kept / share.get(c, 1)
+    if ROOT not in picks:
         return None
     chosen, stack = {}, [ROOT]
     while stack:
         c = stack.pop()
         if c not in chosen:
-            chosen[c] = best[c][1]
+            chosen[c] = picks[c]
             stack.extend(chosen[c].children)
     return chosen
 
@@ -795,7 +818,7 @@ def _best_of(graph: PhysGraph, order: list[str], penalty: float, improve: bool =
     RELINK_MAX_CLASSES (or of few tensors: _relinks), by the regions of the layout plans (_relink). skeleton: the graph's, if built already."""
     w = _Weighted.of(graph, order, penalty, skeleton)
     best = _greedy_sets(graph, w)
-    found = [c for c in (_chosen(best, w), _amortized(graph, order, penalty, w.skeleton)) if c is not None]
+    found = [c for c in (_chosen(best, w), _amortized(graph, order, penalty, w.skeleton, w.weight)) if c is not None]
     if not found:
         return None
     if improve:
