@@ -107,6 +107,8 @@ class _Skeleton:
         self._readers = None
         self._shares = None
         self._cost_memory = None
+        self.reads: dict[str, tuple] = {}  # _shared_seeds' view of each class's readers (_reads)
+        self._last_weights: tuple[float | None, list[float]] = (None, [])
 
     def weights(self, penalty: float) -> list[float]:
         """Each node's cost + penalty * memory, by node number: numpy's float64 multiply and add, each rounded
@@ -114,8 +116,10 @@ class _Skeleton:
         if self._cost_memory is None:
             self._cost_memory = (np.array([float(n.cost) for n in self.nodes], dtype=np.float64),
                                  np.array([float(n.memory) for n in self.nodes], dtype=np.float64))
-        cost, memory = self._cost_memory
-        return (cost + penalty * memory).tolist()
+        if self._last_weights[0] != penalty:  # the local search asks again at one price
+            cost, memory = self._cost_memory
+            self._last_weights = (penalty, (cost + penalty * memory).tolist())
+        return self._last_weights[1]
 
     def shares(self) -> dict[str, int]:
         """For each class some node reads: how many tensors read it (at least 1), the share _amortized splits its
@@ -403,39 +407,56 @@ def _shared_seeds(graph: PhysGraph, w: _Weighted, best: Best, tensors: dict[str,
             if k is not None:
                 pays[k] = min(pays.get(k, float("inf")), best[c][0])
     scored = []
+    reads = w.skeleton.reads if w.skeleton is not None else {}
+    weight = w.weight
     for d, ts in tensors.items():
         if d not in best:
             continue
-        own = tensor(d)
-        if layouts:
-            if len(held.get(own, ())) < 2:
-                continue
-            # a reader of d's own tensor is a value of its own; readers of another tensor are one consumer's
-            # alternatives
-            key = {p: p if tensor(p) == own else tensor(p) for p in parents[d]}
-            if len(set(key.values())) < 2:
-                continue
-        elif len(ts) < 2:
+        if not layouts and len(ts) < 2:
             continue
-        else:
-            key = {p: tensor(p) for p in parents[d]}
+        r = reads.get(d)
+        if r is None:
+            r = reads[d] = _reads(graph, d, parents[d], tensor, w.index)
+        apart, readers = r
+        if layouts and (len(held.get(tensor(d), ())) < 2 or not apart):
+            continue
         saving: dict[str, float] = {}
         planned: dict[str, float] = {}  # the same, each reader's saving capped at what the plan pays
-        for p in parents[d]:
+        for p, t_plain, t_own, lay, tp, nodes in readers:
             if p not in best:
                 continue
-            t = key[p]
-            paid = pays.get(ident[p][:2]) if p in ident else None
-            paid = min(best[p][0], paid if paid is not None else pays.get(tensor(p), best[p][0]))
-            for n in graph.classes[p]:
-                if d in n.children and all(ch in best for ch in n.children):
-                    alt = w.weight[w.index[id(n)]] + sum(best[ch][0] for ch in set(n.children) if ch != d)
-                    saving[t] = max(saving.get(t, 0.0), best[p][0] - alt)
+            t = t_own if layouts else t_plain
+            bp = best[p][0]
+            paid = pays.get(lay) if lay is not None else None
+            paid = min(bp, paid if paid is not None else pays.get(tp, bp))
+            for i, kids, others in nodes:
+                if all(ch in best for ch in kids):
+                    alt = weight[i] + sum(best[ch][0] for ch in others)
+                    saving[t] = max(saving.get(t, 0.0), bp - alt)
                     planned[t] = max(planned.get(t, 0.0), paid - alt)
         if sum(saving.values()) - best[d][0] > 0 or not layouts:
             scored.append((sum(planned.values()) - best[d][0], d))
     scored.sort(key=lambda sd: -sd[0])  # stable: ties keep topological order, so runs are reproducible
     return [d for _, d in scored]
+
+
+def _reads(graph: PhysGraph, d: str, parents: dict, tensor, index: dict[int, int]) -> tuple[bool, list]:
+    """What _shared_seeds reads of the graph about d, whatever the price (kept in the skeleton): whether d's readers
+    name two keys with layouts (a reader of d's own tensor is a value of its own; readers of another tensor are one
+    consumer's alternatives), and for each reader p (in `parents` order): p, its key without and with layouts,
+    its (tensor, layout) and tensor (what the plan pays for it), and its nodes that read d: (number, distinct
+    children, the others in the order set() gives them, as the sum over them always took them)."""
+    own = tensor(d)
+    ident = graph.ident
+    readers, keys = [], set()
+    for p in parents:
+        tp = tensor(p)
+        t_own = p if tp == own else tp
+        keys.add(t_own)
+        nodes = [(index[id(n)], tuple(set(n.children)), tuple(ch for ch in set(n.children) if ch != d))
+                 for n in graph.classes[p] if d in n.children]
+        readers.append((p, tp, t_own, ident[p][:2] if p in ident else None, tp, nodes))
+    return len(keys) >= 2, readers
 
 
 def _ancestors(classes, parents: dict[str, dict]) -> set[str]:
@@ -552,26 +573,37 @@ def _completions(sk: _Skeleton, choice: dict[str, Node], penalty: float) -> dict
     local search newly needs is completed from these: a route through values the plan already holds (the
     output t2 taken in the layout whose input the plan already transposes, fuzz seed 21 case 225), not
     the route another whole plan took."""
-    cheapest: dict[str, tuple[float, Node]] = {}
+    weight = sk.weights(penalty)  # each node's cost + penalty * memory (the same floats as per node)
+    cheapest: dict[str, float] = {}
+    node: dict[str, Node] = {}
+    get = cheapest.get
     for c in sk.order:
         n = choice.get(c)
         if n is not None:
-            cheapest[c] = (0.0, n)
+            cheapest[c], node[c] = 0.0, n
             continue
-        pick = None
-        for n, _, kids, _ in sk.entries[c]:
-            cost = n.cost + penalty * n.memory
-            for ch in kids:
-                b = cheapest.get(ch)
+        pick, bound = None, 0.0
+        for n, i, kids, one in sk.entries[c]:
+            if one is not None:
+                b = get(one)
                 if b is None:
-                    break
-                cost += b[0]
+                    continue
+                cost = weight[i] + b
             else:
-                if pick is None or cost < pick[0] - 1e-15:
-                    pick = (cost, n)
+                cost = weight[i]
+                for ch in kids:
+                    b = get(ch)
+                    if b is None:
+                        cost = None
+                        break
+                    cost += b
+                if cost is None:
+                    continue
+            if pick is None or cost < bound:
+                pick, bound, kept = n, cost - 1e-15, cost
         if pick is not None:
-            cheapest[c] = pick
-    return {c: n for c, (_, n) in cheapest.items()}
+            cheapest[c], node[c] = kept, pick
+    return node
 
 
 def _improve(graph: PhysGraph, choice: dict[str, Node], fallback: dict[str, Node], penalty: float,
