@@ -224,12 +224,22 @@ def _greedy_sets(graph: PhysGraph, w: _Weighted, paid: dict[str, Node] | None = 
                 else:
                     # start from the costliest child's set as a whole; walk only what the others add to it,
                     # so a residual chain (each set holding the previous one) stays linear
-                    kids = sorted(kids, key=lambda ch: best[ch][0], reverse=True)
-                    mask, cost = _mask(best, kids[0]), weight[i] + best[kids[0]][0]
+                    if len(kids) == 2:  # as sorted(reverse=True) orders two (stable: equal costs keep their order)
+                        if best[kids[1]][0] > best[kids[0]][0]:
+                            kids = [kids[1], kids[0]]
+                    else:
+                        kids = sorted(kids, key=lambda ch: best[ch][0], reverse=True)
+                    mask = best[kids[0]][1]
+                    if not isinstance(mask, int):
+                        mask = _mask(best, kids[0])
+                    cost = weight[i] + best[kids[0]][0]
                     if real[i]:
                         mask |= 1 << bit
                     for ch in kids[1:]:
-                        new = _mask(best, ch) & ~mask
+                        new = best[ch][1]
+                        if not isinstance(new, int):
+                            new = _mask(best, ch)
+                        new &= ~mask
                         mask |= new
                         if new.bit_count() > BITS_BY_BYTES:
                             for b in _wide_bits(new):
@@ -414,11 +424,13 @@ def _shared_seeds(graph: PhysGraph, w: _Weighted, best: Best, tensors: dict[str,
             continue
         if not layouts and len(ts) < 2:
             continue
+        if layouts and len(held.get(tensor(d), ())) < 2:
+            continue
         r = reads.get(d)
         if r is None:
             r = reads[d] = _reads(graph, d, parents[d], tensor, w.index)
         apart, readers = r
-        if layouts and (len(held.get(tensor(d), ())) < 2 or not apart):
+        if layouts and not apart:
             continue
         saving: dict[str, float] = {}
         planned: dict[str, float] = {}  # the same, each reader's saving capped at what the plan pays
