@@ -95,14 +95,38 @@ class _Skeleton:
         self.nodes = [n for c in order for n in graph.classes[c]]
         self.index = {id(n): i for i, n in enumerate(self.nodes)}  # id(node) -> its number (its weight's index)
         self.position = {c: k for k, c in enumerate(order)}  # class -> its bit in a set
-        self.entries: dict[str, list[tuple[Node, int, list[str]]]] = {}  # class -> (node, number, distinct children)
+        # class -> (node, number, distinct children, the only one where it has one)
+        self.entries: dict[str, list[tuple[Node, int, list[str], str | None]]] = {}
         i = 0
         for c in order:
             es = self.entries[c] = []
             for n in graph.classes[c]:
-                es.append((n, i, list(set(n.children))))
+                kids = list(set(n.children))
+                es.append((n, i, kids, kids[0] if len(kids) == 1 else None))
                 i += 1
         self._readers = None
+        self._shares = None
+        self._cost_memory = None
+        self.reads: dict[str, tuple] = {}  # _shared_seeds' view of each class's readers (_reads)
+        self._last_weights: tuple[float | None, list[float]] = (None, [])
+
+    def weights(self, penalty: float) -> list[float]:
+        """Each node's cost + penalty * memory, by node number: numpy's float64 multiply and add, each rounded
+        as Python's are (the same floats as the expression per node, without a Python loop over the nodes)."""
+        if self._cost_memory is None:
+            self._cost_memory = (np.array([float(n.cost) for n in self.nodes], dtype=np.float64),
+                                 np.array([float(n.memory) for n in self.nodes], dtype=np.float64))
+        if self._last_weights[0] != penalty:  # the local search asks again at one price
+            cost, memory = self._cost_memory
+            self._last_weights = (penalty, (cost + penalty * memory).tolist())
+        return self._last_weights[1]
+
+    def shares(self) -> dict[str, int]:
+        """For each class some node reads: how many tensors read it (at least 1), the share _amortized splits its
+        cost by."""
+        if self._shares is None:
+            self._shares = {c: max(len(ts), 1) for c, ts in self.readers()[0].items()}
+        return self._shares
 
     def readers(self) -> tuple[dict[str, set], dict[str, dict]]:
         """For each class: the tensors whose nodes read it, and the classes that do (a dict for a stable
@@ -137,7 +161,7 @@ class _Weighted:
     def of(cls, graph: PhysGraph, order: list[str], penalty: float, skeleton: _Skeleton | None = None
            ) -> "_Weighted":
         sk = skeleton if skeleton is not None else _Skeleton(graph, order)
-        return cls(order, sk.index, [n.cost + penalty * n.memory for n in sk.nodes], sk)
+        return cls(order, sk.index, sk.weights(penalty), sk)
 
 
 Best = dict[str, tuple[float, int, Node]]  # class -> (cost of its set, its set as a bitset of classes, its node)
@@ -152,9 +176,13 @@ def _greedy_sets(graph: PhysGraph, w: _Weighted, paid: dict[str, Node] | None = 
     class's position in the order), each bit weighing its class's pick: C bits a set where a bitset over
     nodes took N (a 2x4 mesh's Llama window has ~7 nodes a class; its sets over nodes filled 24 GB). A
     one-child node's set (a collective, a Keep: most of a 2-D mesh's graph) is its bit over its child's set,
-    made only where a set of several children reads it (_mask): its cost alone decides the class's pick."""
+    made only where a set of several children reads it (_mask): its cost alone decides the class's pick.
+    A class whose pick weighs nothing (a Keep, a Proj, a view; at price 0 a free node) has no bit: its
+    weight adds 0.0 to a sum, which changes no float, so the sets' sums are the same without it (on a 2x2
+    mesh's Qwen2 training step 63% of the picks, and the bits walked per pass 199k -> 55k); its bit is
+    the real weight's (`w.weight`), not `paid`'s zero, so _paid_cost still sees a bought class that costs."""
     sk = w.skeleton if w.skeleton is not None else _Skeleton(graph, w.order)
-    weight = w.weight
+    weight = real = w.weight
     if paid:
         weight = list(weight)
         for n in paid.values():
@@ -164,34 +192,54 @@ def _greedy_sets(graph: PhysGraph, w: _Weighted, paid: dict[str, Node] | None = 
     picked = [0.0] * len(w.order)  # by class bit: the weight of the class's pick
     for c, (_, _, n) in best.items():
         picked[position[c]] = weight[index[id(n)]]
-    entries = sk.entries
+    entries, get = sk.entries, best.get
     for c in w.order:
-        if affected is not None and c not in affected:
-            continue
-        best.pop(c, None)
-        pick = None
+        if affected is not None:
+            if c not in affected:
+                continue
+            best.pop(c, None)
+        pick = None  # (cost, node, its number, its set or None: a one-child node's, made only when kept)
+        bound = 0.0  # pick's cost less the tie margin: a later node replaces it only below this
         bit = position[c]
         if paid and c in paid:
             n = paid[c]
             es = [e for e in entries[c] if e[0] is n]
         else:
             es = entries[c]
-        for n, i, kids in es:
+        for n, i, kids, one in es:
+            if one is not None:  # a collective, a Keep: its cost decides; its set is made if kept
+                b = get(one)
+                if b is None:
+                    continue
+                cost = weight[i] + b[0]
+                if pick is None or cost < bound:
+                    pick, bound = (cost, n, i, None), cost - 1e-15
+                continue
             for ch in kids:
                 if ch not in best:
                     break
             else:
                 if not kids:
-                    mask, cost = 1 << bit, weight[i]
-                elif len(kids) == 1:
-                    mask, cost = (bit, kids[0]), weight[i] + best[kids[0]][0]  # the set made where it is read
+                    mask, cost = (1 << bit) if real[i] else 0, weight[i]
                 else:
                     # start from the costliest child's set as a whole; walk only what the others add to it,
                     # so a residual chain (each set holding the previous one) stays linear
-                    kids = sorted(kids, key=lambda ch: best[ch][0], reverse=True)
-                    mask, cost = (1 << bit) | _mask(best, kids[0]), weight[i] + best[kids[0]][0]
+                    if len(kids) == 2:  # as sorted(reverse=True) orders two (stable: equal costs keep their order)
+                        if best[kids[1]][0] > best[kids[0]][0]:
+                            kids = [kids[1], kids[0]]
+                    else:
+                        kids = sorted(kids, key=lambda ch: best[ch][0], reverse=True)
+                    mask = best[kids[0]][1]
+                    if not isinstance(mask, int):
+                        mask = _mask(best, kids[0])
+                    cost = weight[i] + best[kids[0]][0]
+                    if real[i]:
+                        mask |= 1 << bit
                     for ch in kids[1:]:
-                        new = _mask(best, ch) & ~mask
+                        new = best[ch][1]
+                        if not isinstance(new, int):
+                            new = _mask(best, ch)
+                        new &= ~mask
                         mask |= new
                         if new.bit_count() > BITS_BY_BYTES:
                             for b in _wide_bits(new):
@@ -201,11 +249,14 @@ def _greedy_sets(graph: PhysGraph, w: _Weighted, paid: dict[str, Node] | None = 
                             low = new & -new
                             cost += picked[low.bit_length() - 1]
                             new ^= low
-                if pick is None or cost < pick[0] - 1e-15:
-                    pick = (cost, mask, n, i)
+                if pick is None or cost < bound:
+                    pick, bound = (cost, n, i, mask), cost - 1e-15
         if pick is not None:
-            best[c] = pick[:3]
-            picked[bit] = weight[pick[3]]
+            cost, n, i, mask = pick
+            if mask is None:  # the set made where it is read (bit -1: none of its own)
+                mask = (bit if real[i] else -1, n.children[0])
+            best[c] = (cost, mask, n)
+            picked[bit] = weight[i]
     return best
 
 
@@ -239,7 +290,8 @@ def _mask(best: Best, c: str) -> int:
         m = best[c][1]
     for c in reversed(chain):
         cost, (bit, _), n = best[c]
-        m = (1 << bit) | m
+        if bit >= 0:
+            m = (1 << bit) | m
         best[c] = (cost, m, n)
     return m
 
@@ -255,40 +307,57 @@ def _chosen(best: Best, w: _Weighted, cls: str = ROOT) -> dict[str, Node] | None
         if c not in reached:
             reached.add(c)
             stack.extend(best[c][2].children)
+    if w.skeleton is not None:  # in the order's order, without a walk over every class
+        return {c: best[c][2] for c in sorted(reached, key=w.skeleton.position.__getitem__)}
     return {c: best[c][2] for c in w.order if c in reached}
 
 
-def _amortized(graph: PhysGraph, order: list[str], penalty: float, skeleton: _Skeleton | None = None
-               ) -> dict[str, Node] | None:
+def _amortized(graph: PhysGraph, order: list[str], penalty: float, skeleton: _Skeleton | None = None,
+               weight: list[float] | None = None) -> dict[str, Node] | None:
     """Tree-cost greedy where a class's cost is split among the logical consumers that may read it: a value
     several consumers share looks cheaper to each (the case plain greedy-DAG misses: b and c each
-    alone prefer their own copy, together they prefer one shared a)."""
+    alone prefer their own copy, together they prefer one shared a). `weight`: the skeleton's nodes'
+    cost + penalty * memory, where the caller has them (_Weighted.weight: the same floats)."""
     sk = skeleton if skeleton is not None else _Skeleton(graph, order)
-    tensors, _ = sk.readers()
-    share = {c: max(len(ts), 1) for c, ts in tensors.items()}  # classes no node reads are never a child
-    best: dict[str, tuple[float, Node]] = {}
+    if weight is None:
+        weight = [n.cost + penalty * n.memory for n in sk.nodes]
+    share = sk.shares()
+    part: dict[str, float] = {}  # class -> its pick's cost over its share (what each reader adds)
+    picks: dict[str, Node] = {}
+    get = part.get
     for c in order:
-        pick = None
-        for n in graph.classes[c]:
-            total = 0  # the sum of the children's shares, in the children's order (as sum() added them)
-            for ch in n.children:
-                b = best.get(ch)
-                if b is None:
-                    break
-                total += b[0] / share[ch]
+        pick, bound = None, 0.0
+        for n, i, _, _ in sk.entries[c]:
+            ch = n.children
+            if len(ch) == 1:  # a collective, a Keep: (its weight) + (0 + the child's part), the same float
+                t = get(ch[0])
+                if t is None:
+                    continue
+                cost = weight[i] + t
             else:
-                cost = n.cost + penalty * n.memory + total
-                if pick is None or cost < pick[0] - 1e-15:
-                    pick = (cost, n)
+                total = 0  # the sum of the children's shares, in the children's order (as sum() added them)
+                for x in ch:
+                    t = get(x)
+                    if t is None:
+                        total = None
+                        break
+                    total += t
+                if total is None:
+                    continue
+                cost = weight[i] + total
+            if pick is None or cost < bound:
+                pick, bound = n, cost - 1e-15
+                kept = cost
         if pick is not None:
-            best[c] = pick
-    if ROOT not in best:
+            picks[c] = pick
+            part[c] = kept / share.get(c, 1)
+    if ROOT not in picks:
         return None
     chosen, stack = {}, [ROOT]
     while stack:
         c = stack.pop()
         if c not in chosen:
-            chosen[c] = best[c][1]
+            chosen[c] = picks[c]
             stack.extend(chosen[c].children)
     return chosen
 
@@ -348,34 +417,34 @@ def _shared_seeds(graph: PhysGraph, w: _Weighted, best: Best, tensors: dict[str,
             if k is not None:
                 pays[k] = min(pays.get(k, float("inf")), best[c][0])
     scored = []
+    reads = w.skeleton.reads if w.skeleton is not None else {}
+    weight = w.weight
     for d, ts in tensors.items():
         if d not in best:
             continue
-        own = tensor(d)
-        if layouts:
-            if len(held.get(own, ())) < 2:
-                continue
-            # a reader of d's own tensor is a value of its own; readers of another tensor are one consumer's
-            # alternatives
-            key = {p: p if tensor(p) == own else tensor(p) for p in parents[d]}
-            if len(set(key.values())) < 2:
-                continue
-        elif len(ts) < 2:
+        if not layouts and len(ts) < 2:
             continue
-        else:
-            key = {p: tensor(p) for p in parents[d]}
+        if layouts and len(held.get(tensor(d), ())) < 2:
+            continue
+        r = reads.get(d)
+        if r is None:
+            r = reads[d] = _reads(graph, d, parents[d], tensor, w.index)
+        apart, readers = r
+        if layouts and not apart:
+            continue
         saving: dict[str, float] = {}
         planned: dict[str, float] = {}  # the same, each reader's saving capped at what the plan pays
-        for p in parents[d]:
+        for p, t_plain, t_own, lay, tp, nodes in readers:
             if p not in best:
                 continue
-            t = key[p]
-            paid = pays.get(ident[p][:2]) if p in ident else None
-            paid = min(best[p][0], paid if paid is not None else pays.get(tensor(p), best[p][0]))
-            for n in graph.classes[p]:
-                if d in n.children and all(ch in best for ch in n.children):
-                    alt = w.weight[w.index[id(n)]] + sum(best[ch][0] for ch in set(n.children) if ch != d)
-                    saving[t] = max(saving.get(t, 0.0), best[p][0] - alt)
+            t = t_own if layouts else t_plain
+            bp = best[p][0]
+            paid = pays.get(lay) if lay is not None else None
+            paid = min(bp, paid if paid is not None else pays.get(tp, bp))
+            for i, kids, others in nodes:
+                if all(ch in best for ch in kids):
+                    alt = weight[i] + sum(best[ch][0] for ch in others)
+                    saving[t] = max(saving.get(t, 0.0), bp - alt)
                     planned[t] = max(planned.get(t, 0.0), paid - alt)
         if sum(saving.values()) - best[d][0] > 0 or not layouts:
             scored.append((sum(planned.values()) - best[d][0], d))
@@ -383,13 +452,35 @@ def _shared_seeds(graph: PhysGraph, w: _Weighted, best: Best, tensors: dict[str,
     return [d for _, d in scored]
 
 
+def _reads(graph: PhysGraph, d: str, parents: dict, tensor, index: dict[int, int]) -> tuple[bool, list]:
+    """What _shared_seeds reads of the graph about d, whatever the price (kept in the skeleton): whether d's readers
+    name two keys with layouts (a reader of d's own tensor is a value of its own; readers of another tensor are one
+    consumer's alternatives), and for each reader p (in `parents` order): p, its key without and with layouts,
+    its (tensor, layout) and tensor (what the plan pays for it), and its nodes that read d: (number, distinct
+    children, the others in the order set() gives them, as the sum over them always took them)."""
+    own = tensor(d)
+    ident = graph.ident
+    readers, keys = [], set()
+    for p in parents:
+        tp = tensor(p)
+        t_own = p if tp == own else tp
+        keys.add(t_own)
+        nodes = [(index[id(n)], tuple(set(n.children)), tuple(ch for ch in set(n.children) if ch != d))
+                 for n in graph.classes[p] if d in n.children]
+        readers.append((p, tp, t_own, ident[p][:2] if p in ident else None, tp, nodes))
+    return len(keys) >= 2, readers
+
+
 def _ancestors(classes, parents: dict[str, dict]) -> set[str]:
-    seen, stack = set(), list(classes)
+    """`classes` and every class that reads one of them, directly or not."""
+    seen = set(classes)
+    stack = list(seen)
+    get = parents.get
     while stack:
-        c = stack.pop()
-        if c not in seen:
-            seen.add(c)
-            stack.extend(parents.get(c, ()))
+        for p in get(stack.pop(), ()):
+            if p not in seen:
+                seen.add(p)
+                stack.append(p)
     return seen
 
 
@@ -494,26 +585,37 @@ def _completions(sk: _Skeleton, choice: dict[str, Node], penalty: float) -> dict
     local search newly needs is completed from these: a route through values the plan already holds (the
     output t2 taken in the layout whose input the plan already transposes, fuzz seed 21 case 225), not
     the route another whole plan took."""
-    cheapest: dict[str, tuple[float, Node]] = {}
+    weight = sk.weights(penalty)  # each node's cost + penalty * memory (the same floats as per node)
+    cheapest: dict[str, float] = {}
+    node: dict[str, Node] = {}
+    get = cheapest.get
     for c in sk.order:
         n = choice.get(c)
         if n is not None:
-            cheapest[c] = (0.0, n)
+            cheapest[c], node[c] = 0.0, n
             continue
-        pick = None
-        for n, _, kids in sk.entries[c]:
-            cost = n.cost + penalty * n.memory
-            for ch in kids:
-                b = cheapest.get(ch)
+        pick, bound = None, 0.0
+        for n, i, kids, one in sk.entries[c]:
+            if one is not None:
+                b = get(one)
                 if b is None:
-                    break
-                cost += b[0]
+                    continue
+                cost = weight[i] + b
             else:
-                if pick is None or cost < pick[0] - 1e-15:
-                    pick = (cost, n)
+                cost = weight[i]
+                for ch in kids:
+                    b = get(ch)
+                    if b is None:
+                        cost = None
+                        break
+                    cost += b
+                if cost is None:
+                    continue
+            if pick is None or cost < bound:
+                pick, bound, kept = n, cost - 1e-15, cost
         if pick is not None:
-            cheapest[c] = pick
-    return {c: n for c, (_, n) in cheapest.items()}
+            cheapest[c], node[c] = kept, pick
+    return node
 
 
 def _improve(graph: PhysGraph, choice: dict[str, Node], fallback: dict[str, Node], penalty: float,
@@ -618,19 +720,19 @@ def _layout_plans(graph: PhysGraph, w: _Weighted, surcharge: bool = False) -> li
     # surcharge: the other layouts' computations dearer by the cheapest collective: a factor on a price of about
     # nothing (an elementwise op) favours nothing, so a chain of them stayed where its input was gathered
     # and each output was sliced back (fuzz seed 37 case 2238: 22% over exact -> equal)
-    extra = min((w.weight[i] for c in w.order for n, i, _ in sk.entries[c] if n.op == "Coll" and w.weight[i] > 0),
+    extra = min((w.weight[i] for c in w.order for n, i, _, _ in sk.entries[c] if n.op == "Coll" and w.weight[i] > 0),
                 default=0.0) if surcharge else 0.0
     plans = []
     for lay in sorted(levels, key=lambda k: -len(levels[k]))[:LAYOUT_PLANS]:
         weight = list(w.weight)
         for c in levels[lay]:
-            for n, i, _ in sk.entries[c]:
+            for n, i, _, _ in sk.entries[c]:
                 if n.op == "Apply":
                     weight[i] *= LAYOUT_BIAS
         for other, cs in levels.items():
             if extra and other != lay:
                 for c in cs:
-                    for n, i, _ in sk.entries[c]:
+                    for n, i, _, _ in sk.entries[c]:
                         if n.op == "Apply":
                             weight[i] += extra
         biased = _Weighted(w.order, w.index, weight, sk)
@@ -775,7 +877,7 @@ def _best_of(graph: PhysGraph, order: list[str], penalty: float, improve: bool =
     RELINK_MAX_CLASSES (or of few tensors: _relinks), by the regions of the layout plans (_relink). skeleton: the graph's, if built already."""
     w = _Weighted.of(graph, order, penalty, skeleton)
     best = _greedy_sets(graph, w)
-    found = [c for c in (_chosen(best, w), _amortized(graph, order, penalty, w.skeleton)) if c is not None]
+    found = [c for c in (_chosen(best, w), _amortized(graph, order, penalty, w.skeleton, w.weight)) if c is not None]
     if not found:
         return None
     if improve:
