@@ -139,7 +139,25 @@ def _groups(group: dict[str, str], classes: dict[str, list[Node]], order: list[s
     return out, members, inputs
 
 
-class _Tensor:
+class _Cached:
+    """A walk step's options by demand, cached: `_options` computes them, `options` keeps the list made under
+    the highest caps asked so far and filters it for lower ones (a _Tensor's, or a _Bag's joined)."""
+
+    def options(self, demand: int, cap: float, reach: float, merge, clock: _Clock) -> list:
+        """[(external demand, cost, memory, chosen nodes, cost plus the demand's reach)] Pareto-minimal,
+        cheapest first, costing at most `cap` and, with what their external demand costs at least below
+        (`self.below`, the cone bound), at most `reach` (cached: a later call with caps no higher filters
+        the cached list)."""
+        got = self.cache.get(demand)
+        if got is None or got[0] < cap or got[1] < reach:
+            got = self.cache[demand] = (cap, reach, self._options(demand, cap, reach, merge, clock))
+        opts = got[2]
+        if got[0] > cap or got[1] > reach:
+            opts = [o for o in opts if o[1] <= cap and o[4] <= reach]
+        return opts
+
+
+class _Tensor(_Cached):
     """One tensor's classes and its options: for a demand (a bitmask of its classes), every Pareto-minimal
     way to make it, as (what it demands of other tensors as a bitmask, cost, memory, the nodes it chose).
     Bit i is the class at position i of the extraction's topological order, so a demand's highest bit is
@@ -230,19 +248,6 @@ class _Tensor:
             chain = max(chain, self.lb[i])
             layouts[self.layout[i]] = self.first[i]
         return max(chain, sum(layouts.values())) if len(layouts) > 1 else chain
-
-    def options(self, demand: int, cap: float, reach: float, merge, clock: _Clock) -> list:
-        """[(external demand, cost, memory, chosen nodes, cost plus the demand's reach)] Pareto-minimal,
-        cheapest first, costing at most `cap` and, with what their external demand costs at least below
-        (`self.below`, the cone bound), at most `reach` (cached: a later call with caps no higher filters
-        the cached list)."""
-        got = self.cache.get(demand)
-        if got is None or got[0] < cap or got[1] < reach:
-            got = self.cache[demand] = (cap, reach, self._options(demand, cap, reach, merge, clock))
-        opts = got[2]
-        if got[0] > cap or got[1] > reach:
-            opts = [o for o in opts if o[1] <= cap and o[4] <= reach]
-        return opts
 
     def _options(self, demand: int, cap: float, reach: float, merge, clock: _Clock) -> list:
         if self.forest and demand.bit_count() <= FOREST_MAX_DEMAND:
@@ -670,7 +675,7 @@ class _Tensor:
         return _pareto_ext([(ext, k, m, ch) for ext, front in done.items() for k, m, ch in front])
 
 
-class _Bag:
+class _Bag(_Cached):
     """Tensors walked as one step whose options join: readers of the same inputs, none reading another, that
     the walk's order puts one after the other. Walked one at a time, the first's options multiply every
     state before the second's collapse them (case 44/8330: t5 and t4, both read by the root alone and both
@@ -685,16 +690,6 @@ class _Bag:
         for t in parts:
             self.mask |= t.mask
         self.cache: dict[int, tuple] = {}
-
-    def options(self, demand: int, cap: float, reach: float, merge, clock: _Clock) -> list:
-        """As _Tensor.options, over the members' demands together (cached the same way)."""
-        got = self.cache.get(demand)
-        if got is None or got[0] < cap or got[1] < reach:
-            got = self.cache[demand] = (cap, reach, self._options(demand, cap, reach, merge, clock))
-        opts = got[2]
-        if got[0] > cap or got[1] > reach:
-            opts = [o for o in opts if o[1] <= cap and o[4] <= reach]
-        return opts
 
     def _options(self, demand: int, cap: float, reach: float, merge, clock: _Clock) -> list:
         joint = [(0, 0.0, 0.0, ())]
