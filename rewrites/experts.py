@@ -311,24 +311,18 @@ def grouped_mm_of_expert_rows(e):
 # ---------------------------------------------------------------------- token dispatch and combine (uneven all-to-alls)
 # the exchange moves rows on its mesh axis alone (nestable=False: no other mesh axis splits the rows or the experts)
 MM4 = {"x": (10, 3), "w": (7, 3, 2), "ids": indices((10,), 8)}  # 4 ranks of 7 experts (2, 2, 2, 1), rows 3, 3, 3, 1; ids 7 past the end
+EXCHANGE_CASES = [Case("uneven-rows-past-the-end", (3,), MM, _mm(5)), Case("four-ranks-uneven", (4,), MM4, _mm(7)),
+                  Case("swiglu", (2,), SWIGLU, _swiglu(4))]
 
 
-@rule("grouped_mm", nestable=False, cases=[
-    Case("uneven-rows-past-the-end", (3,), MM, _mm(5)),
-    Case("four-ranks-uneven", (4,), MM4, _mm(7)),
-    Case("swiglu", (2,), SWIGLU, _swiglu(4)),
-])
+@rule("grouped_mm", nestable=False, cases=EXCHANGE_CASES)
 def expert_dispatch(e):
     """grouped_mm(x, w, offsets) from x split on its rows = expert rows: rank r sends each rank q the rows of its
     block that q's experts own (an all-to-all of counts read from the offsets), q runs them"""
     yield e.strategy(out=PE, x=S(0), w=S(0), local=GROUPED_MM_DISPATCH)
 
 
-@rule("grouped_mm", nestable=False, cases=[
-    Case("uneven-rows-past-the-end", (3,), MM, _mm(5)),
-    Case("four-ranks-uneven", (4,), MM4, _mm(7)),
-    Case("swiglu", (2,), SWIGLU, _swiglu(4)),
-])
+@rule("grouped_mm", nestable=False, cases=EXCHANGE_CASES)
 def expert_combine(e):
     """grouped_mm(x, w, offsets)[block r] = the rows every rank q computed of its experts that fall in block r:
     x whole (or expert rows of these offsets), w split on the experts, out split on the rows by an all-to-all"""
@@ -426,7 +420,6 @@ def _grouped_mm_of_expert_rows(spec):
     """x expert rows of these offsets (the attribute), w split on the experts (ranged)"""
     yield erule(site("grouped_mm", 3), AttrI(sig, "expert_rows", 1), MeshSize(d)).then(
         ax([Pe_(), S_(0), R_()], [Pe_()], GROUPED_MM_RANGED), ax([Pe_(), S_(0), R_()], [P_()], GROUPED_MM_RANGED))
-
 
 
 @egglog_form(expert_dispatch)
