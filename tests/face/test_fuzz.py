@@ -268,6 +268,7 @@ def test_the_minimizer_shrinks_the_mesh_extents_and_pins():
 
 # ------------------------------------------------------------------------------ the CI slice
 
+@pytest.mark.serial  # exact gets 10 s a case and a case 120 s
 def test_seeded_slice_passes():
     """CI_CASES cases of seed CI_SEED over the families correct today (see the module docstring); any
     failure prints its class and a minimized repro."""

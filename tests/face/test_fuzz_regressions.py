@@ -488,6 +488,7 @@ def test_greedy_buys_the_attention_backward_in_the_layout_its_gradients_are_pinn
     _close(ed.simulate(plan, x), ed.evaluate(fd, x))
 
 
+@pytest.mark.serial  # refused inside exact's 60 s limit (~20 s alone)
 def test_exact_refuses_a_bound_no_plan_fits_from_the_relaxation_without_the_0_1_program():
     """`timeout in optimize` at stage optimize-exact (seed 44, case 8976, on the device; `worker-died` here): an
     sdpa_lse on a 2x2x2 mesh with lse pinned [R, S(0), S(1)] under a bound of half the unbounded plan's

@@ -20,6 +20,7 @@ from egraph_did.extract import _total, exact, greedy_dag  # noqa: E402
 from egraph_did.physgraph import Node, PhysGraph  # noqa: E402
 
 DIDx, DIDy, DIDz = ed.ParallelType.DIDx, ed.ParallelType.DIDy, ed.ParallelType.DIDz
+pytestmark = pytest.mark.serial  # the DP must prove these inside its share of exact's time limit
 
 # fuzz cases (seed 3) small enough for the 0/1 program to prove in a second or two each
 SMALL = [(3, i) for i in range(12)]

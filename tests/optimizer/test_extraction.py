@@ -213,6 +213,7 @@ def test_exact_timing_out_without_a_plan_returns_greedys_plan_not_infeasible(mon
     assert sel.stats["exact_from"] == "greedy" and "timed out" in sel.stats["exact_note"]
 
 
+@pytest.mark.serial  # the 0/1 program must prove it inside 30 s
 def test_exact_finds_a_plan_0_1_percent_under_a_memory_bound_that_greedy_fits():
     """Regression: with the memory row in GiB HiGHS declared this bound infeasible (and, without greedy's
     cost as a bound, returned a plan 29% worse than greedy's as optimal)."""
