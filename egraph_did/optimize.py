@@ -66,28 +66,39 @@ def _price(graph: PhysGraph, problem: Problem) -> None:
         if b is None:
             b = held[(t, code)] = problem.nbytes(t, layout(code))
         return b
+    ident = graph.ident
     for cls, nodes in graph.classes.items():
+        where = ident.get(cls)  # (tensor, layout, level); None for a multi-output run's tuple or a root
         for n in nodes:
             if n.op == "Apply":
                 s = strategies[(n.key, n.sid)]
                 n.cost, n.memory = s.time, s.memory
             elif n.op == "Load":
-                t, lay, _ = graph.ident[cls]
+                t, lay, _ = where
                 n.memory = nbytes(t, lay)
             elif n.op == "Coll":
-                t, dst, _ = graph.ident[cls]
-                src = graph.ident[n.children[0]][1]
+                t, dst, _ = where
+                src = ident[n.children[0]][1]
                 key = (n.key, n.sid, t, src, dst)
                 cost = moved.get(key)
                 if cost is None:
-                    cost = moved[key] = collective_cost(problem, n.key, n.sid, t, layout(src), layout(dst))[0]
+                    # the bytes held before and after from this pass's table (problem.nbytes of the same layouts)
+                    cost = moved[key] = collective_cost(problem, n.key, n.sid, t, layout(src), layout(dst),
+                                                        nbytes(t, src), nbytes(t, dst))[0]
                 n.cost = cost
                 n.memory = nbytes(t, dst)
     model = step_memory(problem)
     if model is not None:
         for cls, nodes in graph.classes.items():
+            where = ident.get(cls)
+            # _held of a node that computes nothing (Load, Keep, Coll, Proj): its bytes where its class's tensor
+            # counts, asked once per class
+            whole = where is None or model.counts(where[0])
             for n in nodes:
-                n.memory = _held(graph, problem, model, cls, n)
+                if n.op == "Apply":
+                    n.memory = _held(graph, problem, model, cls, n)
+                elif not whole:
+                    n.memory = 0.0
 
 
 def step_memory(problem: Problem) -> StepMemory | None:
@@ -113,8 +124,8 @@ def _held(graph: PhysGraph, problem: Problem, model: StepMemory, cls: str, n: No
     return problem.nbytes(t, Layout.from_code(lay)) if e.op.name == SAVE_OP else n.memory
 
 
-def collective_cost(problem: Problem, kind: str, axis: int, tensor: str, src: Layout, dst: Layout
-                    ) -> tuple[float, float]:
+def collective_cost(problem: Problem, kind: str, axis: int, tensor: str, src: Layout, dst: Layout,
+                    src_bytes: float | None = None, dst_bytes: float | None = None) -> tuple[float, float]:
     """(seconds, bytes moved) for one collective: its registry entry says which bytes it moves (of what a
     rank holds before and after) and the cost model prices them; a local one (a slice) is a copy kernel.
 
@@ -126,15 +137,17 @@ def collective_cost(problem: Problem, kind: str, axis: int, tensor: str, src: La
     """
     cm, mesh = problem.cost_model, problem.mesh
     entry = collectives.get(kind, f"optimize: {tensor}")
-    held = problem.nbytes(tensor, dst)
+    # src_bytes, dst_bytes: problem.nbytes of src and dst where the caller holds them (pricing a graph)
+    held = problem.nbytes(tensor, dst) if dst_bytes is None else dst_bytes
+    before = problem.nbytes(tensor, src) if src_bytes is None else src_bytes
     # a collective between two ops the lowering would fuse breaks their kernel: the producer writes what it
     # would have kept in registers, and the reader reads it back (the fused prices counted neither)
     fused = problem.fused.get(tensor)
-    broken = ((problem.nbytes(tensor, src) if fused is not None and fused.output else 0.0)
+    broken = ((before if fused is not None and fused.output else 0.0)
               + (held if tensor in problem.register_reads else 0.0)) / cm.hbm_bandwidth
     if not entry.communicates:  # read and write what the rank keeps
         return cm.compute_time(0.0, 2 * held, problem.tensor(tensor).dtype) + broken, 0.0
-    nbytes = entry.nbytes(problem.nbytes(tensor, src), held)
+    nbytes = entry.nbytes(before, held)
     return cm.collective_time(kind, nbytes, mesh.shape[axis], axis, mesh.ndim) + broken, nbytes
 
 
