@@ -31,6 +31,20 @@ expert rows to the output split on its rows (each rank runs its experts' rows an
 whose block holds it), in place of reducing whole zero-padded buffers. Offered on one mesh axis alone
 (nestable=False; a step runs one local kernel).
 
+The training step (expert parallelism as Megatron's and torchtitan's token dispatchers run it: the experts'
+weights and their gradients never move). The backward's grouped matmuls are the same dispatch (y's gradient
+into expert rows) and combine (grad_x); the weight gradients take expert_dispatch_wgrad: one operand of
+grouped_mm_wgrad expert rows (the saved hidden rows, or the hidden rows' gradient), the other split on its
+rows (y's gradient, or x), dispatched by one all-to-all to the rank of its experts, which multiplies the
+rows of its span only. Between them the hidden rows' gradient stays expert rows: every op of the backward
+of silu(gate) * up is zero where its operands are (a rank's rows of other experts hold zeros in every
+operand, so they hold zeros in the result; no rule claims an op whose f(0) != 0): products, sums and
+differences of rows sorted by the same offsets (expert_rows_sum), the slices' zero fill (zeros_like is
+cast(gt(t, t)): expert_rows_compare, expert_rows_mask), the cat of the halves (expert_rows_cat), saved
+markers. silu's own derivative is not (sigmoid(0) = 1/2): on a grouped matmul's rows ed.grad writes its
+vjp as 0.5 g + g t + 0.25 g x - g x t^2 with t = 0.5 tanh(x / 2) (ops._silu_grad_zero_keeping), every
+term zero where x and g are.
+
 >>> import torch
 >>> from egraph_did.rewrites.rules import Operand, OpView, axis_strategies
 >>> x, w, o = Operand("x", (8, 4), torch.float32), Operand("w", (4, 4, 6), torch.float32), Operand("offsets", (4,), torch.int64)
