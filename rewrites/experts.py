@@ -36,8 +36,7 @@ weights and their gradients never move). The backward's grouped matmuls are the 
 into expert rows) and combine (grad_x); the weight gradients take expert_dispatch_wgrad: one operand of
 grouped_mm_wgrad expert rows (the saved hidden rows, or the hidden rows' gradient), the other split on its
 rows (y's gradient, or x), dispatched by one all-to-all to the rank of its experts, which multiplies the
-rows of its span only; with the other operand whole, grouped_wgrad_of_expert_rows needs no exchange (each
-rank reads its experts' rows of both). Between them the hidden rows' gradient stays expert rows: every op of the backward
+rows of its span only. Between them the hidden rows' gradient stays expert rows: every op of the backward
 of silu(gate) * up is zero where its operands are (a rank's rows of other experts hold zeros in every
 operand, so they hold zeros in the result; no rule claims an op whose f(0) != 0): products, sums and
 differences of rows sorted by the same offsets (expert_rows_sum), the slices' zero fill (zeros_like is
