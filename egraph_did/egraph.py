@@ -321,8 +321,8 @@ def program_rules(shape: tuple[int, ...]):
     op's term (Def), the inputs' loads, which layouts each tensor may take (Valid), which collective moves a
     layout to another over one mesh axis (Move, the registry's Connect where shards still nest outer mesh axis first), and each arity's join
     of the per-axis relation Ax over the mesh axes: a signature's whole-mesh strategies (Strat), where every
-    layout fits its shape and a non-nestable row (nestable 0) shares no split tensor axis, of an operand or an
-    output, with another mesh axis."""
+    layout fits its shape and a non-nestable row (nestable 0) shares no split tensor axis with another mesh
+    axis."""
     m = len(shape)
     L, K = LAYOUTS[m], KERNS[m]
     t, t2, s, lay = var("t", Tensor), var("t2", Tensor), var("s", Shape), var("lay", LayoutSort)
@@ -352,7 +352,6 @@ def program_rules(shape: tuple[int, ...]):
         query = [SIG[(n, o)](sig, op, *sy, *sx)]
         query += [AX[(n, o)](sig, shape[k], *pin[k], *pout[k], kern[k], nst[k]) for k in range(m)]
         query += [NestOK(nst[k], pin[k][i], pin[j][i]) for k in range(m) for i in range(n) for j in range(m) if j != k]
-        query += [NestOK(nst[k], pout[k][i], pout[j][i]) for k in range(m) for i in range(o) for j in range(m) if j != k]
         query += [KernOK(kern[k], kern[j]) for k in range(m) for j in range(k + 1, m)]
         for tag, fits in (("full_shards", Fits), ("empty_shards", FitsAny)):  # OpDef.empty_shards
             shards = [OpKind(op, tag)] + [fits(x, li) for x, li in zip(sx, lin)] + [fits(y, lo) for y, lo in zip(sy, lout)]

@@ -240,14 +240,13 @@ def _empty_in_empty_out(ins: tuple[Layout, ...], outs: tuple[Layout, ...], opera
     return True
 
 
-def _nesting_ok(combo: tuple[AxisStrategy, ...], ins: tuple[Layout, ...], outs: tuple[Layout, ...] = ()) -> bool:
+def _nesting_ok(combo: tuple[AxisStrategy, ...], ins: tuple[Layout, ...]) -> bool:
     """Rules are stated per mesh axis; a rule that reasons about the whole extent of its split
-    (nestable=False) does not hold where another mesh axis splits the same tensor axis, of an operand or
-    of an output (an expert exchange's experts split on two mesh axes): each mesh axis's rule saw a
-    different piece."""
+    (nestable=False) does not hold where another mesh axis splits the same tensor axis: each mesh
+    axis's rule saw a different piece."""
     for s in combo:
         if not s.nestable:
-            for lay, p in [*zip(ins, s.inputs), *zip(outs, s.outputs)]:
+            for lay, p in zip(ins, s.inputs):
                 if p.is_shard and len(lay.sharding_axes(p.axis)) > 1:
                     return False
     return True
@@ -407,7 +406,7 @@ def _priced_rows(e: Expr, mesh: DeviceMesh, cm: CostModel, fused: Fused = Fused(
         if not all(is_valid(lay, t.shape, mesh, e.op.empty_shards) for lay, t in zip(ins + outs, tensors)) and not (
                 empty_reductions and e.op.reduces and _empty_in_empty_out(ins, outs, operands, e.outputs, mesh)):
             continue
-        if not _nesting_ok(combo, ins, outs) or len({c.local.name for c in combo if c.local}) > 1:
+        if not _nesting_ok(combo, ins) or len({c.local.name for c in combo if c.local}) > 1:
             continue  # a step runs one local kernel (local.run_local): two kernels' identities never combine
         in_shapes = [local_extents(t.shape, lay, mesh) for t, lay in zip(operands, ins)]
         out_shapes = [local_extents(t.shape, lay, mesh) for t, lay in zip(e.outputs, outs)]

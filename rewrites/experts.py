@@ -425,30 +425,6 @@ def _wgrad_of_rows(experts: int, which: str):
     return body
 
 
-WGRAD_OF_ROWS = [
-    Case("x-rows-uneven-past-the-end", (3,), {"x": (9, 4), "w": (5, 4, 6), "g": (9, 3), "ids": indices((9,), 6)},
-         _wgrad_of_rows(5, "x")),
-    Case("g-rows-four-ranks", (4,), {"x": (8, 4), "w": (4, 4, 6), "g": (8, 3), "ids": indices((8,), 5)},
-         _wgrad_of_rows(4, "g")),
-    Case("both-rows", (2,), {"x": (8, 4), "w": (4, 4, 6), "g": (8, 3), "ids": indices((8,), 5)},
-         lambda o, x, w, g, ids: (lambda off: o.grouped_mm_wgrad(o.grouped_mm(x, w, off), o.silu(o.grouped_mm(x, w, off)),
-                                                                off))(offsets(o, ids, 4))),
-]
-
-
-@rule("grouped_mm_wgrad", nestable=False, cases=WGRAD_OF_ROWS)  # the experts split on the expert rows' mesh axis alone
-def grouped_wgrad_of_expert_rows(e):
-    """out[rank r's experts] = x_e^T g_e over their rows: x or g (or both) expert rows of these offsets, the
-    other whole; each rank reads only its experts' rows, which expert rows hold whole (ranged)"""
-    x_rows, g_rows = e.attr("expert_rows"), e.attr("expert_rows_g")
-    if x_rows:
-        yield e.strategy(out=S(0), x=PE, local=GROUPED_WGRAD_RANGED)
-    if g_rows:
-        yield e.strategy(out=S(0), g=PE, local=GROUPED_WGRAD_RANGED)
-    if x_rows and g_rows:
-        yield e.strategy(out=S(0), x=PE, g=PE, local=GROUPED_WGRAD_RANGED)
-
-
 WGRAD_EXCHANGE_CASES = [
     Case("x-rows-uneven-past-the-end", (3,), {"x": (9, 4), "w": (5, 4, 6), "g": (9, 3), "ids": indices((9,), 6)},
          _wgrad_of_rows(5, "x")),
@@ -605,17 +581,6 @@ def _expert_rows_cat(spec):
     """expert rows of the same offsets (the attribute) joined on a column axis (axis 0 kept)"""
     yield erule(site("cat", 2), AxisMap(sig, 0, 0, 0), AttrI(sig, "expert_rows", 1), MeshSize(d)).then(
         ax([Pe_(), Pe_()], [Pe_()]))
-
-
-@egglog_form(grouped_wgrad_of_expert_rows)
-def _grouped_wgrad_of_expert_rows(spec):
-    """x expert rows (the attribute), g expert rows ("expert_rows_g") or both: out split on the experts (ranged)"""
-    rows = erule(site("grouped_mm_wgrad", 3), AttrI(sig, "expert_rows", 1), MeshSize(d))
-    rows_g = erule(site("grouped_mm_wgrad", 3), AttrI(sig, "expert_rows_g", 1), MeshSize(d))
-    yield rows.then(ax([Pe_(), R_(), R_()], [S_(0)], GROUPED_WGRAD_RANGED, nestable=False))
-    yield rows_g.then(ax([R_(), Pe_(), R_()], [S_(0)], GROUPED_WGRAD_RANGED, nestable=False))
-    yield erule(site("grouped_mm_wgrad", 3), AttrI(sig, "expert_rows", 1), AttrI(sig, "expert_rows_g", 1),
-                MeshSize(d)).then(ax([Pe_(), Pe_(), R_()], [S_(0)], GROUPED_WGRAD_RANGED, nestable=False))
 
 
 @egglog_form(expert_dispatch_wgrad)

@@ -3,7 +3,7 @@ tests/optimizer/test_expert_parallel.py with its weights split on the expert axi
 step, equals the single-device run on every rank. The plans are chosen at 256 tokens in bf16 (each rank
 computes the rows of its own experts: grouped_mm_experts, or expert_combine, which then sends each row to the
 rank whose block holds it by an all-to-all of uneven counts; the weight gradients per expert on the rank that
-holds it: grouped_wgrad_experts, or grouped_wgrad_of_expert_rows from its expert rows) and replayed at small float32 shapes with uneven counts (12 tokens, d and f 8, 8
+holds it: grouped_wgrad_experts, or expert_dispatch_wgrad from the rows dispatched to it) and replayed at small float32 shapes with uneven counts (12 tokens, d and f 8, 8
 experts, ids up to 8: rows past offsets[-1]). One launch runs both (gloo_replay.replay_and_run)."""
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ def test_expert_parallel_forward_and_training_step_on_four_gloo_ranks_equal_one_
     def experts_stay(name, plan):
         rules = {r for s in plan.compute_steps for r in s.rules}
         assert rules & {"grouped_mm_experts", "expert_combine"}, plan.explain()  # each rank its experts' rows
-        if name == "training_step":  # each rank its experts' gradients from its expert rows and x whole
-            assert rules & {"grouped_wgrad_experts", "grouped_wgrad_of_expert_rows"}, plan.explain()
+        if name == "training_step":  # the hidden rows' gradient is expert rows: x's rows dispatched to it
+            assert rules & {"grouped_wgrad_experts", "expert_dispatch_wgrad"}, plan.explain()
         assert not any(c.tensor in ("w1", "w2", "grad_w1", "grad_w2") for c in plan.collectives), plan.explain()
     g = torch.Generator().manual_seed(4)
     replay_and_run(specs, experts_stay, lambda name, small: random_inputs(small, g, F32, index_high=E + 1))
