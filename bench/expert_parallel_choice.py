@@ -92,7 +92,9 @@ def exchanges(plan) -> list[tuple]:
     for s in plan.compute_steps:
         for flag, (m, *_) in s.flags:
             if flag in EXCHANGE_FLAGS:
-                rows = plan.values[s.outputs[0] if EXCHANGE_FLAGS[flag].src == "spans" else s.operands["x"]]
+                # the dispatch moves the operand split on its rows: grouped_mm's x, grouped_mm_wgrad's x or g
+                split = [v for k, v in s.operands.items() if k in ("x", "g") and plan.values[v].layout[m].is_shard]
+                rows = plan.values[s.outputs[0] if EXCHANGE_FLAGS[flag].src == "spans" else split[0]]
                 n = plan.mesh.shape[m]
                 itemsize = getattr(torch, str(rows.dtype).replace("torch.", "")).itemsize  # a plan's dtype is text
                 b = exchange_bytes(rows.shape[0], rows.shape[1], itemsize, n)

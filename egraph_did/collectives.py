@@ -856,7 +856,7 @@ class Exchange:
     carries (ops.py); `src`/`dst` say which partition the rows leave and reach.
 
     >>> [(x.name, x.flag) for x in EXCHANGES.values()]
-    [('expert_dispatch', 'ep_dispatch'), ('expert_combine', 'ep_combine')]
+    [('expert_dispatch', 'ep_dispatch'), ('expert_combine', 'ep_combine'), ('expert_dispatch_wgrad', 'ep_wgrad')]
     """
 
     name: str
@@ -873,6 +873,10 @@ EXCHANGES = {x.name: x for x in (
     Exchange("expert_combine", "ep_combine", "spans", "blocks",
              "grouped_mm(x, w_e, offsets) split on its rows: rank q runs its experts' rows and sends each row to the "
              "rank whose block holds it (counts from the offsets, uneven)"),
+    Exchange("expert_dispatch_wgrad", "ep_wgrad", "blocks", "spans",
+             "grouped_mm_wgrad(x, g, offsets)[experts of rank q] from one operand split on its rows and the other as "
+             "expert rows: rank r sends q the rows of its block that q's experts own, q multiplies them with its own "
+             "rows of the other (counts from the offsets, uneven)"),
 )}
 EXCHANGE_FLAGS = {x.flag: x for x in EXCHANGES.values()}
 

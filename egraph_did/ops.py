@@ -721,8 +721,48 @@ def gelu(x, approximate: str = "none"):
 
 
 def _vjp_silu(ops, g, out, x):
+    """g s (1 + x (1 - s)), s = sigmoid(x); of rows a grouped matmul made (mixture of experts), the same as
+    terms each zero where x and g are: expert rows (Pe) stay expert rows through it (rewrites/experts.py)"""
+    if _grouped_rows(x):
+        return {"x": _silu_grad_zero_keeping(ops, g, x)}
     s = ops.sigmoid(x)  # s (1 + x (1 - s))
     return {"x": ops.mul(g, ops.mul(s, ops.add(ops.mul(x, ops.sub(1.0, s)), 1.0)))}
+
+
+def _silu_grad_zero_keeping(ops, g, x):
+    """g silu'(x) = g (0.5 + t) + g x (0.25 - t^2) for t = sigmoid(x) - 0.5 = 0.5 tanh(x / 2), written as
+    0.5 g + g t + 0.25 g x - (g x) t t: every term a product of g, x, t (tanh(0) = 0) and numbers, so a row
+    where x and g are zero (a rank's rows of other experts in expert rows) is zero in every tensor of it.
+
+    >>> import egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     x, g = fd.define_tensor((5,), torch.float64, name="x"), fd.define_tensor((5,), torch.float64, name="g")
+    ...     fd.add_output(_silu_grad_zero_keeping(fd.ops, g, x), name="dx")
+    >>> xv, gv = torch.linspace(-4, 4, 5, dtype=torch.float64).requires_grad_(), torch.rand(5, dtype=torch.float64)
+    >>> torch.nn.functional.silu(xv).backward(gv)
+    >>> torch.allclose(ed.evaluate(fd, {"x": xv.detach(), "g": gv})["dx"], xv.grad, rtol=1e-14, atol=1e-15)
+    True
+    """
+    t = ops.mul(ops.tanh(ops.mul(x, 0.5)), 0.5)
+    gx = ops.mul(g, x)
+    return ops.sub(ops.add(ops.add(ops.mul(g, 0.5), ops.mul(g, t)), ops.mul(gx, 0.25)), ops.mul(gx, ops.mul(t, t)))
+
+
+def _grouped_rows(tv, depth: int = 8) -> bool:
+    """Whether tv's rows are a grouped matmul's output, through row-wise ops (pointwise, slices, saved
+    markers) of at most `depth` steps: the rows of a mixture of experts' hidden layer."""
+    for _ in range(depth):
+        e = tv.fusion.producer(tv) if getattr(tv, "fusion", None) is not None else None
+        if e is None or tv.ndim != 2:
+            return False
+        if e.op.name == "grouped_mm":
+            return True
+        if not (e.op.kind == "pointwise" or e.op.name in ("slice", SAVE_OP)):
+            return False
+        tv = next((v for v in e.inputs if v.ndim == 2 and v.shape[0] == tv.shape[0]), None)
+        if tv is None:
+            return False
+    return False
 
 
 @op("silu", "pointwise", lambda x: F.silu(x), lambda ops, x: ops.mul(x, ops.sigmoid(x)), arity=1, fuses=True,
@@ -2060,30 +2100,36 @@ GROUPED_MM_RANGED = LocalKernel("ranged", _grouped_mm_ranged)
 # of a group at once (exchange_all_ranks), torch.distributed rank by rank (the kernel)
 
 def _exchange_ranges(operands, outputs, offsets, mesh, rank: int, m: int, flag: str):
-    """(members, me, row blocks, expert spans, this rank's first expert) on mesh axis m through `rank`: the
-    rows' ceil-sized blocks (x's split, or the output's) and each member's experts' rows from the offsets; a
-    PlanError where another mesh axis splits the rows or the experts (the exchange moves rows on m alone; the
-    rules offer it nestable=False and a step runs one local kernel, so no plan of the optimizer's does)."""
-    x, w, y = operands["x"], operands["w"], outputs[0]
-    for name, o in (("x", x), ("w", w), ("out", y)):
+    """(members, me, row blocks, expert spans, this rank's first expert, the operand moved or None, the end of
+    this rank's experts) on mesh
+    axis m through `rank`: the rows' ceil-sized blocks (the split operand's, or the output's) and each
+    member's experts' rows from the offsets; a PlanError where another mesh axis splits the rows or the
+    experts (the exchange moves rows on m alone; the rules offer it nestable=False and a step runs one local
+    kernel, so no plan of the optimizer's does). The experts are w's (grouped_mm) or the output's
+    (grouped_mm_wgrad, whose dispatch moves x or g: the operand split on its rows)."""
+    x, y = operands["x"], outputs[0]
+    w = operands["w"] if "w" in operands else y
+    laid = [(k, o) for k, o in operands.items() if k != "offsets"] + [("out", y)]
+    for name, o in laid:
         if any(k != m for k in o.layout.sharding_axes(0)) or any(p.rows for k, p in enumerate(o.layout) if k != m):
-            raise PlanError(f"grouped_mm {flag}: {name} is laid out {o.layout}; the exchange on mesh axis {m} needs the "
+            raise PlanError(f"{flag}: {name} is laid out {o.layout}; the exchange on mesh axis {m} needs the "
                             f"rows and the experts whole on every other mesh axis (a split of the features or a "
                             f"pending sum there is fine)")
     rows, experts = x.shape[0], w.shape[0]
-    blocked = x if x.layout[m].is_shard else y
+    moved = next((k for k in ("x", "g") if k in operands and operands[k].layout[m].is_shard), None)
+    blocked = operands[moved] if moved is not None else y
     members = mesh.ranks_along(m, rank)
-    spans = _group_rows(offsets, rows, "grouped_mm")
+    spans = _group_rows(offsets, rows, flag)
     end = spans[-1][1] if spans else 0
-    blocks, ranges, firsts = [], [], []
+    blocks, ranges, held = [], [], []
     for q in members:
         ctx = RankContext(mesh, q)
         blocks.append(ctx.shard_range(rows, blocked.layout, 0))
         e_lo, e_hi = ctx.shard_range(experts, w.layout, 0)
         ranges.append((spans[e_lo][0], spans[e_hi - 1][1]) if e_hi > e_lo else (end, end))
-        firsts.append(e_lo)
+        held.append((e_lo, e_hi))
     me = members.index(rank)
-    return members, me, blocks, ranges, firsts[me]
+    return members, me, blocks, ranges, held[me][0], moved, held[me][1]
 
 
 def _dispatch_before(args, rng):
@@ -2092,7 +2138,7 @@ def _dispatch_before(args, rng):
 
 def _dispatch_after(got, args, rng, rows):
     """grouped_mm of the rows received (the rank's expert span), placed in a whole-size buffer: expert rows."""
-    _, me, _, spans, e_lo = rng
+    _, me, _, spans, e_lo, _, _ = rng
     lo, hi = spans[me]
     out = torch.zeros(rows, args["w"].shape[2], dtype=got.dtype, device=got.device)
     out[lo:hi] = _grouped_mm_block(got, args["w"], args["offsets"], lo, rows, e_lo)
@@ -2101,28 +2147,45 @@ def _dispatch_after(got, args, rng, rows):
 
 def _combine_before(args, rng):
     """grouped_mm of the rank's expert span of x (x whole or expert rows), compact."""
-    _, me, _, spans, e_lo = rng
+    _, me, _, spans, e_lo, _, _ = rng
     lo, hi = spans[me]
     return _grouped_mm_block(args["x"][lo:hi], args["w"], args["offsets"], lo, args["x"].shape[0], e_lo)
 
 
 def _combine_after(got, args, rng, rows):
     """The rows received placed in the rank's block; rows past offsets[-1] (no expert's) zero."""
-    _, me, blocks, _, _ = rng
+    _, me, blocks, _, _, _, _ = rng
     lo, hi = blocks[me]
     out = torch.zeros(hi - lo, got.shape[1], dtype=got.dtype, device=got.device)
     out[: got.shape[0]] = got
     return out
 
 
-_EXCHANGE_STEPS = {"ep_dispatch": (_dispatch_before, _dispatch_after), "ep_combine": (_combine_before, _combine_after)}
+def _wgrad_dispatch_before(args, rng):
+    """The rank's block of the operand split on its rows (x or g)."""
+    return args[rng[5]]
+
+
+def _wgrad_dispatch_after(got, args, rng, rows):
+    """x_e^T g_e for the rank's experts over their rows only (its expert span): the rows received of the
+    operand moved beside the same rows of the other one, expert rows (Pe: its rows outside the span, zero,
+    are never read). A rank without experts computes nothing: its output shard is empty."""
+    _, me, _, spans, e_lo, moved, e_hi = rng
+    lo, hi = spans[me]
+    other = "g" if moved == "x" else "x"
+    span = {moved: got, other: args[other][lo:hi]}
+    return _grouped_wgrad_block(span["x"], span["g"], args["offsets"], lo, rows, e_lo, e_hi)
+
+
+_EXCHANGE_STEPS = {"ep_dispatch": (_dispatch_before, _dispatch_after), "ep_combine": (_combine_before, _combine_after),
+                   "ep_wgrad": (_wgrad_dispatch_before, _wgrad_dispatch_after)}
 
 
 def _exchange_parts(flag: str, rng):
     """(before, after, src ranges, dst ranges) of the exchange `flag`."""
     before, after = _EXCHANGE_STEPS[flag]
-    _, _, blocks, spans, _ = rng
-    return before, after, *((blocks, spans) if flag == "ep_dispatch" else (spans, blocks))
+    _, _, blocks, spans, _, _, _ = rng
+    return before, after, *((spans, blocks) if flag == "ep_combine" else (blocks, spans))
 
 
 def exchange_all_ranks(flag: str, args_by_rank, operands, outputs, mesh, m: int) -> dict:
@@ -2153,12 +2216,13 @@ def _exchange_kernel(flag: str):
         got = exchange_run(before(args, rng), src, dst, rng[0], rng[1])
         return after(got, args, rng, operands["x"].shape[0])
     kernel.__doc__ = next(x.identity for x in EXCHANGES.values() if x.flag == flag)
-    kernel.__name__ = f"grouped_mm_{flag}"
+    kernel.__name__ = f"grouped_mm_wgrad_{flag}" if flag == "ep_wgrad" else f"grouped_mm_{flag}"
     return kernel
 
 
 GROUPED_MM_DISPATCH = LocalKernel("ep_dispatch", _exchange_kernel("ep_dispatch"))
 GROUPED_MM_COMBINE = LocalKernel("ep_combine", _exchange_kernel("ep_combine"))
+GROUPED_WGRAD_DISPATCH = LocalKernel("ep_wgrad", _exchange_kernel("ep_wgrad"))
 
 
 def _grouped_flops(ins, outs, args) -> float:
@@ -2255,7 +2319,7 @@ def _vjp_grouped_wgrad(ops, gw, out, x, g, offsets):
 
 @op("grouped_mm_wgrad", "matmul",
     lambda x, g, offsets: _grouped_wgrad_block(x, g, offsets), flops=_grouped_flops,
-    local_kernels=(GROUPED_WGRAD_RANGED,), vjp=_vjp_grouped_wgrad)
+    local_kernels=(GROUPED_WGRAD_RANGED, GROUPED_WGRAD_DISPATCH), vjp=_vjp_grouped_wgrad)
 def grouped_mm_wgrad(x, g, offsets):
     """The weight gradient of grouped_mm: out[e] = x[rows of e]^T @ g[rows of e], [experts, d, f] from x
     [rows, d], g [rows, f] and offsets [experts] (as grouped_mm's); an expert with no rows gets zeros.

@@ -380,7 +380,10 @@ def _exchange_time(e: Expr, combo, mesh: DeviceMesh, cm: CostModel) -> float:
     for m, c in enumerate(combo):
         for flag in c.flags:
             if flag in EXCHANGE_FLAGS:
-                rows = e.outputs[0] if EXCHANGE_FLAGS[flag].src == "spans" else dict(e.args)["x"]
+                # the dispatch moves the operand split on its rows (grouped_mm's x; grouped_mm_wgrad's x or g)
+                ts = [v for _, v in e.args if isinstance(v, TensorView)]
+                rows = e.outputs[0] if EXCHANGE_FLAGS[flag].src == "spans" else next(
+                    v for v, p in zip(ts, c.inputs) if p.is_shard)
                 nbytes = exchange_bytes(rows.shape[0], rows.shape[1], rows.dtype.itemsize, mesh.shape[m])
                 t += (cm.exchange_time(nbytes, mesh.shape[m], m, mesh.ndim) if hasattr(cm, "exchange_time") else
                       cm.collective_time("alltoall", nbytes, mesh.shape[m], m, mesh.ndim))

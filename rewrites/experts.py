@@ -31,6 +31,20 @@ expert rows to the output split on its rows (each rank runs its experts' rows an
 whose block holds it), in place of reducing whole zero-padded buffers. Offered on one mesh axis alone
 (nestable=False; a step runs one local kernel).
 
+The training step (expert parallelism as Megatron's and torchtitan's token dispatchers run it: the experts'
+weights and their gradients never move). The backward's grouped matmuls are the same dispatch (y's gradient
+into expert rows) and combine (grad_x); the weight gradients take expert_dispatch_wgrad: one operand of
+grouped_mm_wgrad expert rows (the saved hidden rows, or the hidden rows' gradient), the other split on its
+rows (y's gradient, or x), dispatched by one all-to-all to the rank of its experts, which multiplies the
+rows of its span only. Between them the hidden rows' gradient stays expert rows: every op of the backward
+of silu(gate) * up is zero where its operands are (a rank's rows of other experts hold zeros in every
+operand, so they hold zeros in the result; no rule claims an op whose f(0) != 0): products, sums and
+differences of rows sorted by the same offsets (expert_rows_sum), the slices' zero fill (zeros_like is
+cast(gt(t, t)): expert_rows_compare, expert_rows_mask), the cat of the halves (expert_rows_cat), saved
+markers. silu's own derivative is not (sigmoid(0) = 1/2): on a grouped matmul's rows ed.grad writes its
+vjp as 0.5 g + g t + 0.25 g x - g x t^2 with t = 0.5 tanh(x / 2) (ops._silu_grad_zero_keeping), every
+term zero where x and g are.
+
 >>> import torch
 >>> from egraph_did.rewrites.rules import Operand, OpView, axis_strategies
 >>> x, w, o = Operand("x", (8, 4), torch.float32), Operand("w", (4, 4, 6), torch.float32), Operand("offsets", (4,), torch.int64)
@@ -44,7 +58,8 @@ import torch
 from egglog import rule as erule
 
 from egraph_did.layout import PE
-from egraph_did.ops import GROUPED_MM_COMBINE, GROUPED_MM_DISPATCH, GROUPED_MM_RANGED, GROUPED_WGRAD_RANGED, SAVE_OP
+from egraph_did.ops import (GROUPED_MM_COMBINE, GROUPED_MM_DISPATCH, GROUPED_MM_RANGED, GROUPED_WGRAD_DISPATCH,
+                            GROUPED_WGRAD_RANGED, SAVE_OP, _silu_grad_zero_keeping, zeros_like)
 
 from .rules import P, S, Case, egglog_form, family_ruleset, indices, rule
 from .sorts import P as P_, Pe as Pe_, R as R_, S as S_
@@ -170,7 +185,8 @@ def histc_of_shards(e):
 
 # ---------------------------------------------------------------------- expert rows (Pe)
 # unary row-wise ops with f(0) = 0: a row that is zero on a rank stays zero there (cast: any float dtype)
-ZERO_KEEPING = ("silu", "gelu", "relu", "neg", "tanh", "erf", "abs", "cast")
+# and a training step's saved(t) marker (t itself: the forward's expert rows kept for the backward)
+ZERO_KEEPING = ("silu", "gelu", "relu", "neg", "tanh", "erf", "abs", "cast", SAVE_OP)
 
 
 def _unsaved(tv):
@@ -184,7 +200,7 @@ def _unsaved(tv):
 def rows_sorted_by(tv):
     """The offsets (a TensorView) whose expert order the rows of tv follow, or None: a grouped_mm's output,
     and row-wise ops of such (pointwise ops of operands with the same rows, where every such operand that
-    follows offsets follows the same ones; a slice of the columns; saved markers).
+    follows offsets follows the same ones; a slice or a cat of the columns; saved markers).
 
     >>> import torch, egraph_did as ed
     >>> with ed.FusionDefinition() as fd:
@@ -206,6 +222,8 @@ def rows_sorted_by(tv):
             continue
         if e.op.name == "slice":
             rows = [e.inputs[0]] if dict(e.args)["dim"] % t.ndim != 0 else []
+        elif e.op.name == "cat":
+            rows = list(e.inputs) if dict(e.args)["dim"] % t.ndim != 0 else []
         elif e.op.kind == "pointwise":
             rows = [v for v in e.inputs if v.ndim == t.ndim and v.shape[0] == t.shape[0]]
         else:
@@ -229,17 +247,30 @@ def makes_expert_rows(exprs) -> bool:
 
 def expert_rows_attrs(e) -> tuple:
     """The attribute the expert-row rules read of an expr: ("expert_rows", True) on a grouped_mm whose x
-    rows are sorted by its own offsets, and on a product of two tensors whose rows are sorted by the same
-    offsets; () elsewhere. Part of the expr's signature (problem.signature, problem.op_view, egglog's
+    rows are sorted by its own offsets, on a product, sum, difference, comparison or cat (SAME_ROWS) of two
+    tensors whose rows are sorted by the same offsets, on a cast of a bool mask of such rows, and on a
+    grouped_mm_wgrad whose x rows are sorted by its own offsets (("expert_rows_g", True): its g rows); ()
+    elsewhere. Part of the expr's signature (problem.signature, problem.op_view, egglog's
     AttrI): the layers of a model share signatures, and a product of two layers' rows is not local."""
     if e.op.name == "grouped_mm":
         args = dict(e.args)
         by = rows_sorted_by(args["x"])
         return (("expert_rows", True),) if by is not None and by is _unsaved(args["offsets"]) else ()
-    if e.op.name == "mul" and len(e.inputs) == 2:
+    if e.op.name in SAME_ROWS and len(e.inputs) == 2:
         by = [rows_sorted_by(v) for v in e.inputs]
         return (("expert_rows", True),) if by[0] is not None and by[0] is by[1] else ()
+    if e.op.name == "cast" and e.inputs[0].dtype == torch.bool:
+        return (("expert_rows", True),) if rows_sorted_by(e.inputs[0]) is not None else ()
+    if e.op.name == "grouped_mm_wgrad":
+        args = dict(e.args)
+        off = _unsaved(args["offsets"])
+        return tuple((name, True) for name, v in (("expert_rows", args["x"]), ("expert_rows_g", args["g"]))
+                     if rows_sorted_by(v) is not None and rows_sorted_by(v) is off)
     return ()
+
+
+# binary ops of two operands whose rows, sorted by the same offsets, the expert-row rules read whole on each rank
+SAME_ROWS = ("mul", "add", "sub", "gt", "lt", "ne", "cat")
 
 
 def _swiglu(experts: int):
@@ -258,7 +289,7 @@ SWIGLU = {"x": (9, 4), "w1": (4, 4, 6), "w2": (4, 3, 5), "ids": indices((9,), 5)
 @rule(*ZERO_KEEPING, cases=[
     Case("unary", (2,), MM2, lambda o, x, w, ids: (lambda h: (
         o.silu(h), o.gelu(h), o.gelu(h, approximate="tanh"), o.relu(h), o.neg(h), o.tanh(h), o.erf(h), o.abs(h),
-        o.cast(h, torch.float32)))(o.grouped_mm(x, w, offsets(o, ids, 4)))),
+        o.cast(h, torch.float32), o.saved(h)))(o.grouped_mm(x, w, offsets(o, ids, 4)))),
     Case("uneven-rows-past-the-end", (3,), MM, lambda o, x, w, ids: o.silu(o.grouped_mm(x, w, offsets(o, ids, 5)))),
 ])
 def expert_rows_unary(e):
@@ -308,6 +339,59 @@ def grouped_mm_of_expert_rows(e):
         yield e.strategy(out=P, x=PE, w=S(0), local=GROUPED_MM_RANGED)
 
 
+def _silu_backward(experts: int):
+    """The backward of Mixtral's experts' silu(gate) * up as ed.grad writes it for rows of a grouped matmul:
+    g_gate = g silu'(gate) (ops._silu_grad_zero_keeping: sums and products of g, gate and tanh(gate / 2)),
+    g_up = g silu(gate), joined as cat(g_gate, 0) + cat(0, g_up) (the slices' gradients: zeros_like is
+    cast(gt(t, t)))."""
+    def body(o, x, w1, w2, ids):
+        off = offsets(o, ids, experts)
+        h = o.grouped_mm(x, w1, off)
+        f = w1.shape[2] // 2
+        gate, up = o.slice(h, 1, 0, f), o.slice(h, 1, f, 2 * f)
+        g = o.grouped_mm(x, w2, off)  # the hidden rows' gradient: rows sorted by the same offsets
+        g_gate, g_up = _silu_grad_zero_keeping(o, o.mul(g, up), gate), o.mul(g, o.silu(gate))
+        return o.add(o.cat(g_gate, zeros_like(o, up), 1), o.cat(zeros_like(o, gate), g_up, 1)), o.lt(gate, up), o.ne(gate, up)
+    return body
+
+
+SILU_BACKWARD = [Case("silu-backward", (2,), {"x": (8, 4), "w1": (4, 4, 6), "w2": (4, 4, 3), "ids": indices((8,), 5)},
+                      _silu_backward(4)),
+                 Case("silu-backward-uneven", (3,), {"x": (9, 3), "w1": (5, 3, 4), "w2": (5, 3, 2), "ids": indices((9,), 6)},
+                      _silu_backward(5))]
+
+
+@rule("add", "sub", cases=SILU_BACKWARD)
+def expert_rows_sum(e):
+    """a + b, a - b for a, b expert rows of the same offsets = expert rows: each rank's rows are whole in
+    both, its other rows 0 +- 0"""
+    if e.attr("expert_rows") and len(e.operands) == 2:
+        yield e.strategy(out=PE, **{o.param: PE for o in e.operands})
+
+
+@rule("gt", "lt", "ne", cases=SILU_BACKWARD)
+def expert_rows_compare(e):
+    """a > b, a < b, a != b for a, b expert rows of the same offsets = expert rows of a mask: each rank's
+    rows are whole in both, its other rows compare 0 with 0, false (zeros_like(t) is cast(gt(t, t)))"""
+    if e.attr("expert_rows") and len(e.operands) == 2:
+        yield e.strategy(out=PE, **{o.param: PE for o in e.operands})
+
+
+@rule("cast", cases=SILU_BACKWARD)
+def expert_rows_mask(e):
+    """cast(mask of expert rows) = expert rows: false is 0 in every dtype"""
+    if e["x"].dtype == torch.bool and e.attr("expert_rows"):
+        yield e.strategy(out=PE, x=PE)
+
+
+@rule("cat", cases=SILU_BACKWARD)
+def expert_rows_cat(e):
+    """cat(a, b, columns) for a, b expert rows of the same offsets = expert rows: each rank's rows are whole
+    in both, its other rows zero in both"""
+    if e.attr("expert_rows") and e.attr("dim") % e.out.ndim != 0:
+        yield e.strategy(out=PE, a=PE, b=PE)
+
+
 # ---------------------------------------------------------------------- token dispatch and combine (uneven all-to-alls)
 # the exchange moves rows on its mesh axis alone (nestable=False: no other mesh axis splits the rows or the experts)
 MM4 = {"x": (10, 3), "w": (7, 3, 2), "ids": indices((10,), 8)}  # 4 ranks of 7 experts (2, 2, 2, 1), rows 3, 3, 3, 1; ids 7 past the end
@@ -329,6 +413,40 @@ def expert_combine(e):
     yield e.strategy(out=S(0), w=S(0), local=GROUPED_MM_COMBINE)
     if e.attr("expert_rows"):
         yield e.strategy(out=S(0), x=PE, w=S(0), local=GROUPED_MM_COMBINE)
+
+
+def _wgrad_of_rows(experts: int, which: str):
+    """grouped_mm_wgrad(h, g) (which="x": x expert rows of a grouped matmul, g the rows' gradient, as the
+    second matmul's weight gradient) or grouped_mm_wgrad(x, h) (which="g": the first matmul's)."""
+    def body(o, x, w, g, ids):
+        off = offsets(o, ids, experts)
+        h = o.silu(o.grouped_mm(x, w, off))
+        return o.grouped_mm_wgrad(h, g, off) if which == "x" else o.grouped_mm_wgrad(x, h, off)
+    return body
+
+
+WGRAD_EXCHANGE_CASES = [
+    Case("x-rows-uneven-past-the-end", (3,), {"x": (9, 4), "w": (5, 4, 6), "g": (9, 3), "ids": indices((9,), 6)},
+         _wgrad_of_rows(5, "x")),
+    Case("g-rows-uneven-past-the-end", (3,), {"x": (9, 4), "w": (5, 4, 6), "g": (9, 3), "ids": indices((9,), 6)},
+         _wgrad_of_rows(5, "g")),
+    Case("four-ranks-x-rows", (4,), {"x": (10, 3), "w": (7, 3, 2), "g": (10, 5), "ids": indices((10,), 8)},
+         _wgrad_of_rows(7, "x")),
+    Case("four-ranks-g-rows", (4,), {"x": (10, 3), "w": (7, 3, 2), "g": (10, 5), "ids": indices((10,), 8)},
+         _wgrad_of_rows(7, "g")),
+]
+
+
+@rule("grouped_mm_wgrad", nestable=False, cases=WGRAD_EXCHANGE_CASES)
+def expert_dispatch_wgrad(e):
+    """grouped_mm_wgrad(x, g, offsets)[rank q's experts] = sum over q's rows of x_e^T g_e: one operand split on
+    its rows in blocks, the other expert rows of these offsets; each rank sends q the rows of its block that
+    q's experts own (an all-to-all of counts from the offsets), q multiplies them with its rows of the other
+    (expert parallelism's weight gradient: the weights' gradients stay on their experts' ranks)"""
+    if e.attr("expert_rows"):
+        yield e.strategy(out=S(0), x=PE, g=S(0), local=GROUPED_WGRAD_DISPATCH)
+    if e.attr("expert_rows_g"):
+        yield e.strategy(out=S(0), x=S(0), g=PE, local=GROUPED_WGRAD_DISPATCH)
 
 
 # ---------------------------------------------------------------------- the same identities as egglog rules
@@ -436,5 +554,42 @@ def _expert_combine(spec):
         ax([R_(), S_(0), R_()], [S_(0)], GROUPED_MM_COMBINE, nestable=False))
     yield erule(site("grouped_mm", 3), AttrI(sig, "expert_rows", 1), MeshSize(d)).then(
         ax([Pe_(), S_(0), R_()], [S_(0)], GROUPED_MM_COMBINE, nestable=False))
+
+
+@egglog_form(expert_rows_sum)
+def _expert_rows_sum(spec):
+    """expert rows of the same offsets (the attribute) added or subtracted"""
+    for name in spec.ops:
+        yield erule(site(name, 2), AttrI(sig, "expert_rows", 1), MeshSize(d)).then(ax([Pe_(), Pe_()], [Pe_()]))
+
+
+@egglog_form(expert_rows_compare)
+def _expert_rows_compare(spec):
+    """expert rows of the same offsets (the attribute) compared: a mask of expert rows"""
+    for name in spec.ops:
+        yield erule(site(name, 2), AttrI(sig, "expert_rows", 1), MeshSize(d)).then(ax([Pe_(), Pe_()], [Pe_()]))
+
+
+@egglog_form(expert_rows_mask)
+def _expert_rows_mask(spec):
+    """a cast of a mask of expert rows (the attribute: a bool operand)"""
+    yield erule(site("cast"), AttrI(sig, "expert_rows", 1), MeshSize(d)).then(ax([Pe_()], [Pe_()]))
+
+
+@egglog_form(expert_rows_cat)
+def _expert_rows_cat(spec):
+    """expert rows of the same offsets (the attribute) joined on a column axis (axis 0 kept)"""
+    yield erule(site("cat", 2), AxisMap(sig, 0, 0, 0), AttrI(sig, "expert_rows", 1), MeshSize(d)).then(
+        ax([Pe_(), Pe_()], [Pe_()]))
+
+
+@egglog_form(expert_dispatch_wgrad)
+def _expert_dispatch_wgrad(spec):
+    """x expert rows (the attribute) and g split on the rows, or x split and g expert rows ("expert_rows_g"):
+    out split on the experts (the dispatch's all-to-all)"""
+    yield erule(site("grouped_mm_wgrad", 3), AttrI(sig, "expert_rows", 1), MeshSize(d)).then(
+        ax([Pe_(), S_(0), R_()], [S_(0)], GROUPED_WGRAD_DISPATCH, nestable=False))
+    yield erule(site("grouped_mm_wgrad", 3), AttrI(sig, "expert_rows_g", 1), MeshSize(d)).then(
+        ax([S_(0), Pe_(), R_()], [S_(0)], GROUPED_WGRAD_DISPATCH, nestable=False))
 
 experts = family_ruleset("experts")

@@ -3,7 +3,7 @@ tests/optimizer/test_expert_parallel.py with its weights split on the expert axi
 step, equals the single-device run on every rank. The plans are chosen at 256 tokens in bf16 (each rank
 computes the rows of its own experts: grouped_mm_experts, or expert_combine, which then sends each row to the
 rank whose block holds it by an all-to-all of uneven counts; the weight gradients per expert on the rank that
-holds it: grouped_wgrad_experts) and replayed at small float32 shapes with uneven counts (12 tokens, d and f 8, 8
+holds it: grouped_wgrad_experts, or expert_dispatch_wgrad from the rows dispatched to it) and replayed at small float32 shapes with uneven counts (12 tokens, d and f 8, 8
 experts, ids up to 8: rows past offsets[-1]). One launch runs both (gloo_replay.replay_and_run)."""
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from egraph_did.pins import apply_layout
 from gloo_replay import random_inputs, replay_and_run
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "optimizer"))
-from test_expert_parallel import BF16, BOUND, D, E, EP_TOKENS, EXPERT_SHARDED, F, MESH, mixtral_experts, moe  # noqa: E402
+from test_expert_parallel import (BF16, BOUND, D, E, EP_TOKENS, EXPERT_SHARDED, F, MESH, WEIGHTS_AND_GRADIENTS,  # noqa: E402
+                                  mixtral_experts, mixtral_step, moe, torch_step)
 
 F32 = torch.float32
 
@@ -48,8 +49,8 @@ def test_expert_parallel_forward_and_training_step_on_four_gloo_ranks_equal_one_
     def experts_stay(name, plan):
         rules = {r for s in plan.compute_steps for r in s.rules}
         assert rules & {"grouped_mm_experts", "expert_combine"}, plan.explain()  # each rank its experts' rows
-        if name == "training_step":
-            assert "grouped_wgrad_experts" in rules, plan.explain()
+        if name == "training_step":  # the hidden rows' gradient is expert rows: x's rows dispatched to it
+            assert rules & {"grouped_wgrad_experts", "expert_dispatch_wgrad"}, plan.explain()
         assert not any(c.tensor in ("w1", "w2", "grad_w1", "grad_w2") for c in plan.collectives), plan.explain()
     g = torch.Generator().manual_seed(4)
     replay_and_run(specs, experts_stay, lambda name, small: random_inputs(small, g, F32, index_high=E + 1))
@@ -71,6 +72,33 @@ def test_token_dispatch_and_combine_as_uneven_all_to_alls_on_four_gloo_ranks_equ
     replay_and_run({"experts": (big, ed.CostModel.h200(), mixtral_experts(10, 8, 6, E, torch.float64, EP_TOKENS, MESH))},
                    exchanges, lambda name, small: random_inputs(small, g, torch.float64, index_high=E + 1),
                    rtol=1e-12, atol=1e-12)
+
+
+def test_the_expert_parallel_training_step_on_four_gloo_ranks_equals_one_device_and_autograd():
+    """Mixtral's experts' training step with the rows split over 4 ranks and the weights and their gradients
+    on their experts (test_expert_parallel's mixtral_step): the plan chosen at Mixtral 8x7B's sizes (tokens
+    dispatched and combined forward and backward, the weight gradients from rows dispatched to their
+    experts' ranks: six uneven all_to_all_singles inside the grouped steps, the loss's all-reduce the only
+    collective) replayed on 10 rows, float64 (d 8, f 6, 8 experts, ids up to 8: uneven counts, likely empty
+    experts, rows past offsets[-1]), equals on every rank the single-device reference, y, the loss, grad_x,
+    grad_w1 and grad_w2, to 1e-10; the reference equals torch's autograd of the same step."""
+    big = mixtral_step(8192, 4096, 14336, BF16)
+
+    def expert_parallel(name, plan):
+        assert [s.flags[0][0] for s in plan.compute_steps if s.op.startswith("grouped_mm")] == [
+            "ep_dispatch", "ep_combine", "ep_dispatch", "ep_combine", "ep_wgrad", "ep_wgrad"], plan.explain()
+        assert [c.tensor for c in plan.collectives] == ["loss"], plan.explain()
+        assert all(str(plan.layout_of(n)) == "[S(0)]" for n in WEIGHTS_AND_GRADIENTS)
+    g = torch.Generator().manual_seed(6)
+
+    def inputs_of(name, small):
+        inputs = random_inputs(small, g, torch.float64, index_high=E + 1)
+        want, ref = ed.evaluate(small, inputs), torch_step(inputs, 6)
+        for k, v in ref.items():
+            torch.testing.assert_close(want[k], v, rtol=1e-10, atol=1e-10)
+        return inputs
+    replay_and_run({"step": (big, ed.CostModel.h200(), mixtral_step(10, 8, 6, torch.float64))}, expert_parallel,
+                   inputs_of, rtol=1e-10, atol=1e-10)
 
 
 # two groups of two ranks each, in mesh order unlike the global ranks' (as on mesh axis 0 of [[2, 0], [3, 1]])

@@ -21,9 +21,12 @@ plan simulates to the reference (float64; uneven counts, an empty expert, rows p
 With the weights free (the last test: Mixtral 8x7B's experts on two nodes of four GPUs) the cost model
 splits the experts over the nodes itself.
 """
+import dataclasses
+
 import torch
 
 import egraph_did as ed
+from egraph_did.cost import Link
 from egraph_did.layout import Layout
 from egraph_did.pins import apply_layout
 
@@ -259,3 +262,97 @@ def test_tokens_split_over_the_experts_ranks_are_dispatched_and_combined_by_unev
         inputs = expert_inputs(g, 10, 8, 12, 6)
         torch.testing.assert_close(ed.simulate(small_plan, inputs)["y"], ed.evaluate(small, inputs)["y"],
                                    rtol=1e-12, atol=1e-12)
+
+
+def mixtral_step(rows, d, f, dtype, pin_weights=True, mesh=MESH):
+    """The training step of mixtral_experts with the rows split over the ranks (x, c and grad_x [S(0)]):
+    loss = sum(y * c), the gradients of x, w1 and w2; pin_weights: the weights and their gradients held
+    split on the experts ([S(0)], as expert-parallel training stores them), else free."""
+    fd = mixtral_experts(rows, d, f, E, dtype, {"x": "[S(0)]"}, mesh)
+    c = fd.define_tensor((rows, d), dtype, name="c")
+    fd.add_output(fd.ops.sum(fd.ops.mul(fd["y"], c)), name="loss")
+    g = ed.grad(fd, loss="loss", wrt=["x", "w1", "w2"])
+    pins = {"x": "[S(0)]", "c": "[S(0)]", "grad_x": "[S(0)]", "loss": "[R]"}
+    pins.update({n: "[S(0)]" for n in ("w1", "w2", "grad_w1", "grad_w2")} if pin_weights else {})
+    for name, text in pins.items():
+        apply_layout(g[name], Layout.parse(text), mesh)
+    return g
+
+
+def torch_step(inputs: dict, f: int) -> dict:
+    """The single-device torch reference of mixtral_step (autograd, float64): rows sorted by expert, each
+    expert's rows times its matrices, rows past the last offset zero."""
+    x, w1, w2 = (inputs[k].clone().requires_grad_() for k in ("x", "w1", "w2"))
+    ends = torch.cumsum(torch.histc(inputs["ids"].float(), E, 0, E - 1), 0).long().tolist()
+
+    def grouped(a, w):
+        return torch.cat([a[lo:hi] @ w[e] for e, (lo, hi) in enumerate(zip([0] + ends[:-1], ends))]
+                         + [a.new_zeros(a.shape[0] - ends[-1], w.shape[2])])
+    h = grouped(x, w1)
+    y = grouped(torch.nn.functional.silu(h[:, :f]) * h[:, f:], w2)
+    loss = (y * inputs["c"]).sum()
+    loss.backward()
+    return {"y": y.detach(), "loss": loss.detach(), "grad_x": x.grad, "grad_w1": w1.grad, "grad_w2": w2.grad}
+
+
+WEIGHTS_AND_GRADIENTS = ("w1", "w2", "grad_w1", "grad_w2")
+
+
+def test_the_expert_parallel_training_step_never_moves_the_weights_or_their_gradients():
+    """Mixtral 8x7B's experts on 4 GPUs (CostModel.h200, bf16, 8192 rows, hidden 4096, width 14336), the rows
+    split over the ranks and the weights and their gradients pinned on their experts ([S(0)]): the training
+    step is expert parallelism as Megatron's and torchtitan's token dispatchers run it. Forward: x dispatched
+    (expert_dispatch), the hidden rows expert rows (Pe), y combined (expert_combine). Backward: y's gradient
+    dispatched (expert_dispatch) into expert rows that stay expert rows through silu(gate) * up's backward
+    (products, sums and masks of rows sorted by the same offsets: expert_rows_sum, _compare, _mask, _cat;
+    silu's vjp in zero-keeping terms), grad_x combined (expert_combine), each weight gradient computed on
+    its experts' rank from the rows dispatched to it (expert_dispatch_wgrad: grad_w2 from y's gradient, grad_w1
+    from x, one uneven all-to-all each). The plan's one collective is the loss's all-reduce: no weight, no
+    weight gradient and no hidden row moves; 6313.4 us predicted. Before (main at 1df0c13) the same pinned
+    step gathered x, the hidden rows, y's gradient and the hidden rows' gradient (5 collectives, 784 MiB),
+    6481.1 us. The hidden rows as whole-size expert rows cost memory (2752 MiB a device, 1976 before) and
+    their pointwise kernels run over every row (not only the rank's). Replayed on 10 rows (float64, 4 ranks,
+    uneven counts, rows past offsets[-1]) it simulates to the reference and to torch's autograd."""
+    plan = ed.optimize(mixtral_step(8192, 4096, 14336, BF16), MESH, ed.CostModel.h200())
+    assert {"expert_dispatch", "expert_combine", "expert_dispatch_wgrad", "expert_rows_sum", "expert_rows_cat",
+            "expert_rows_mask", "expert_rows_compare"} <= rules_of(plan), plan.explain()
+    assert collectives(plan) == [("allreduce", "loss", 2)], plan.explain()
+    assert [(s.writes[0].split(":")[0], s.flags) for s in plan.compute_steps if s.op.startswith("grouped_mm")] == [
+        ("grouped_mm_4", (("ep_dispatch", (0,)),)), ("y", (("ep_combine", (0,)),)),
+        ("grouped_mm_19", (("ep_dispatch", (0,)),)), ("grad_x", (("ep_combine", (0,)),)),
+        ("grad_w1", (("ep_wgrad", (0,)),)), ("grad_w2", (("ep_wgrad", (0,)),))], plan.explain()
+    assert all(str(plan.layout_of(n)) == "[S(0)]" for n in WEIGHTS_AND_GRADIENTS)
+    assert str(plan.layout_of("add_47")) == str(plan.layout_of("mul_8")) == "[Pe]", plan.explain()
+    assert round(plan.predicted_time * 1e6, 1) == 6313.4
+
+    small = mixtral_step(10, 8, 6, F64)
+    small_plan = ed.optimize(small, MESH, like=plan)
+    assert collectives(small_plan) == [("allreduce", "loss", 8)] and "expert_dispatch_wgrad" in rules_of(small_plan)
+    g = torch.Generator().manual_seed(28)
+    for trial in range(4):
+        inputs = expert_inputs(g, 10, 8, 12, 6)
+        inputs["c"] = torch.randn(10, 8, generator=g, dtype=F64)
+        got, want, ref = ed.simulate(small_plan, inputs), ed.evaluate(small, inputs), torch_step(inputs, 6)
+        for name in ("y", "loss", "grad_x", "grad_w1", "grad_w2"):
+            torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(got[name], ref[name], rtol=1e-10, atol=1e-10)
+
+
+def test_over_infiniband_the_free_training_step_chooses_expert_parallelism_itself():
+    """The same step with the weights and their gradients free, on 4 ranks one per node (InfiniBand: 45 GB/s,
+    as CostModel.h200_multinode's node axis): the plan splits w1 and w2 on the experts itself and runs the
+    expert-parallel step of the test above, no collective but the loss's: 7867.1 us. Before the backward's
+    exchanges (main at 1df0c13) the free step replicated the weights and moved the rows between the grouped
+    matmuls (x and y's gradient gathered, the hidden rows and their gradient all-to-all'd): 10560.0 us; the
+    pinned one gathered the hidden rows, 21931.9 us. On NVLink (CostModel.h200) the free step still shards the
+    weights on the features (5220.5 us against 6313.4 us for expert parallelism): there the expert rows'
+    whole-size pointwise kernels of the backward cost more than moving the rows."""
+    ib = dataclasses.replace(ed.CostModel.h200(), name="h200-infiniband", links=(Link("infiniband", 20e-6, 45e9),))
+    free = ed.optimize(mixtral_step(8192, 4096, 14336, BF16, pin_weights=False), MESH, ib)
+    assert all(str(free.layout_of(n)) == "[S(0)]" for n in WEIGHTS_AND_GRADIENTS), free.explain()
+    assert {"expert_dispatch", "expert_combine", "expert_dispatch_wgrad"} <= rules_of(free), free.explain()
+    assert collectives(free) == [("allreduce", "loss", 2)], free.explain()
+    pinned = ed.optimize(mixtral_step(8192, 4096, 14336, BF16), MESH, ib)
+    assert [round(p.predicted_time * 1e6, 1) for p in (free, pinned)] == [7867.1, 7867.1]
+    nvlink = ed.optimize(mixtral_step(8192, 4096, 14336, BF16, pin_weights=False), MESH, ed.CostModel.h200())
+    assert "expert_dispatch_wgrad" not in rules_of(nvlink) and round(nvlink.predicted_time * 1e6, 1) == 5220.5
