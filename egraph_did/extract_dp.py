@@ -802,9 +802,28 @@ def _pareto_ext(opts: list) -> list:
     opts.sort(key=lambda o: (o[1], o[2], o[0].bit_count()))
     kept: list = []
     if any(o[2] for o in opts):
+        # every option kept before o costs no more (the sort): it dominates o where its demand is a subset of
+        # o's at no more memory. By the least memory kept per demand, over o's demand's subsets where they are
+        # fewer than the options kept (a bag's joined options on case 41/4050: 3 million pairs compared)
+        least: dict[int, float] = {}
         for o in opts:
-            if not any(k[0] & ~o[0] == 0 and _dominates((k[1], k[2]), (o[1], o[2])) for k in kept):
+            ext, m = o[0], o[2]
+            if 1 << ext.bit_count() < len(least):
+                sub, dominated = ext, False
+                while True:
+                    got = least.get(sub)
+                    if got is not None and got <= m:
+                        dominated = True
+                        break
+                    if not sub:
+                        break
+                    sub = (sub - 1) & ext
+            else:
+                dominated = any(e & ~ext == 0 and v <= m for e, v in least.items())
+            if not dominated:
                 kept.append(o)
+                if least.get(ext, float("inf")) > m:
+                    least[ext] = m
         return kept
     # no memory: an option is dominated by any kept before it (no dearer) whose demand is a subset of its
     # own, found by walking its demand's subsets where they are few; costs within _EPS are one cost (sums
