@@ -26,7 +26,8 @@ found the optimum).
 Memory bounds: first the bound's Lagrangian dual (_lagrange: the DP without the bound on cost + price x
 memory, a few prices), which often proves the optimum (a plan within the bound that meets the dual's lower
 bound) at the unbounded DP's speed; else a state keeps its (cost, memory) Pareto front, so the bound is
-honoured exactly.
+honoured exactly, and its entries are pruned by the dual's priced bound and by a lower bound of the memory
+the state still needs (_by_memory).
 """
 from __future__ import annotations
 
