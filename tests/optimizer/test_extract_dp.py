@@ -20,7 +20,6 @@ from egraph_did.extract import _total, exact, greedy_dag  # noqa: E402
 from egraph_did.physgraph import Node, PhysGraph  # noqa: E402
 
 DIDx, DIDy, DIDz = ed.ParallelType.DIDx, ed.ParallelType.DIDy, ed.ParallelType.DIDz
-pytestmark = pytest.mark.serial  # the DP must prove these inside its share of exact's time limit
 
 # fuzz cases (seed 3) small enough for the 0/1 program to prove in a second or two each
 SMALL = [(3, i) for i in range(12)]
@@ -38,6 +37,7 @@ def graphs():
     return list(_graphs())
 
 
+@pytest.mark.serial  # exact must prove it inside its time limit
 def test_the_dp_and_the_0_1_program_prove_the_same_optimum_on_fuzz_cases(graphs):
     compared = 0
     for case, (graph, roots, bound) in graphs:
@@ -90,6 +90,7 @@ DRAWN = {7: {}, 41: dict(exclude=(), edges=True), 44: dict(exclude=(), edges=Tru
 # without today's ops and edges; 41's and 44's with
 
 
+@pytest.mark.serial  # exact must prove it inside its time limit
 @pytest.mark.parametrize("seed, index, ilp_us", HARD)
 def test_the_dp_proves_the_campaigns_hard_cases_in_seconds(seed, index, ilp_us):
     graph, roots, bound = capture(seed, index, **DRAWN[seed])
@@ -224,6 +225,7 @@ def _three_readers_of_a_pinned_abs():
     return fd, mesh
 
 
+@pytest.mark.serial  # exact must prove it inside its time limit
 def test_the_dp_proves_a_3d_fusion_whose_readers_multiply_a_tensors_demands(monkeypatch):
     fd, mesh = _three_readers_of_a_pinned_abs()
     optimize_module = sys.modules["egraph_did.optimize"]
@@ -267,6 +269,7 @@ def _sdpa_chain_pinned_on_a_3d_mesh():
     return fd, mesh
 
 
+@pytest.mark.serial  # exact must prove it inside its time limit
 def test_a_memory_bound_met_at_the_unbounded_optimums_cost_is_proven_by_the_lagrangian_dual():
     """Under a bound of the unbounded greedy plan's memory, that plan costs what the unbounded optimum costs:
     the unbounded DP's optimum (the dual at price 0) is a lower bound it meets, so a plan within the bound at
