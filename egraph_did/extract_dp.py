@@ -1042,11 +1042,14 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
     twin_of: dict[int, Node] = {}  # the priced graph's nodes -> the real ones
     known: list[tuple] = [] if upper is None else [(None, upper, memory_limit if upper_memory is None else upper_memory)]
 
-    def priced(price: float) -> tuple | None:
+    def priced(price: float, crossing: bool = False) -> tuple | None:
         """(the cheapest plan by cost + price x memory as (its nodes, cost, memory), a lower bound of that
         least value), or None where there is no plan. `quick`'s plan on the priced graph (greedy's) and the
         plans known already limit the DP; where it finds none cheaper, the cheapest of them is returned with its value
-        as the bound."""
+        as the bound. `crossing`: the price where two known plans' lines cross, whose value limits the DP
+        already: no `quick` plan then (a limit only prunes, so the DP's answer is the same without it: the
+        cheapest plan under the limit, or the known plan that set it; case 45/9356: 1.5-2 s a greedy plan,
+        one above the crossing's value, one 4% under it)."""
         # at price 0 memory is free: a class with a derivation costing nothing keeps only it, as without a
         # bound (extract._fix_free), and the classes only other derivations read drop out (case 33/6050)
         fixed = free_classes(classes, order, memory=False) if price == 0.0 else {}
@@ -1061,7 +1064,7 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
         cls = {c: cls[c] for c in sub}
         priced_graph = PhysGraph(cls, graph.ident, graph.index)
         canon2 = {i for i, n in twin_of.items() if id(n) in canon}
-        if quick is not None:
+        if quick is not None and not crossing:
             try:
                 known.append(back(quick(priced_graph, roots)))
             except EgraphDidError:  # no plan by it: the DP says whether there is one
@@ -1104,7 +1107,7 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
             price = (under[1] - over[1]) / max(over[2] - under[2], 1e-30)
         stats["dp_dual_solves"] += 1
         try:
-            got = priced(price)
+            got = priced(price, crossing=under is not None)
         except _Budget:
             stats["dp_dual"] = "gave up"
             break
