@@ -105,8 +105,9 @@ def test_the_dp_proves_a_memory_bounded_attention_backward_by_the_memory_its_sta
     at 75.97 us; the walks under probes between keep every state whose cost fits, and the one under 92.38 us
     passed max_width (42,465 states after a bag at step 8) and gave up. A state's memory plus a lower bound of
     what the rest holds (extract_dp._by_memory) drops those with no completion within the bound (34,364 states
-    there): the DP proves 94.0027 us. The DP alone as exact runs it, ~45 s CPU on this 2-core machine (its
-    limit here lifted above exact's 30 s wall share, which a loaded machine does not give it)."""
+    there): the DP proves 94.0027 us. The DP alone as exact runs it, ~45 s CPU on this 2-core machine, 33-36 s
+    since the PROBE_GAP rules (its limit here lifted above exact's 45 s wall share under a memory bound, which a
+    loaded machine may not give it)."""
     graph, roots, bound = capture(41, 4050, **DRAWN[41])
     order, classes, canon = extract._Usable.of(graph, roots, bound)
     res = extract_dp.solve(graph, roots, classes, order, canon, memory_limit=bound, time_limit=600,
@@ -122,9 +123,10 @@ def test_exact_proves_a_memory_bounded_attention_backward_by_the_dp_within_its_t
     """Fuzz seed 45 case 9356 as bench/fuzz.py draws it (2x2x2 mesh, attention backward, a 4,216 B bound), the one
     failure of issue 29's 10,000-case campaign: exact(time_limit=60) returned 110.0025 us unproven (the 0/1 program's
     LP bound 53%). The bound's dual (five priced solves) bounds the optimum at 108.41 us with a plan of 110.0025 within
-    it; the bounded walk under that plan proves it. The DP alone took 36-42 s CPU (a greedy plan at each of the
-    dual's prices, a beam that could lower its limit at most 1.5%), over exact's 30 s wall share; now ~31 s CPU
-    (no greedy plan at a crossing price, no beam within PROBE_GAP of the bound), inside the memory-bound share (45 s)."""
+    it; the bounded walk under that plan proves it. The DP alone took 33-42 s CPU (a greedy plan at each of the
+    dual's prices, a beam that could lower its limit at most 1.5%), over exact's 30 s wall share; now 28-31 s CPU
+    (no greedy plan at a crossing price, no beam within PROBE_GAP of the bound), inside the memory-bound share (45 s).
+    ~35 s CPU with its capture."""
     graph, roots, bound = capture(45, 9356, **DRAWN[45])
     sel = exact(graph, roots, bound, time_limit=60)
     assert sel.proven and sel.method == "exact" and sel.stats["exact_method"] == "dp"
