@@ -42,7 +42,7 @@ from .collectives import RING_FLAGS, connecting
 from .egglog_io import frozen_rows, run_text, string_term
 from .layout import PE, PMAX, Layout, P, R, S, is_valid
 from .ops import OPS
-from .physgraph import Node, PhysGraph, gc_paused
+from .physgraph import Node, PhysGraph, gc_paused, post_order
 from .problem import Problem, op_view
 
 Lay = relation("Lay", LayoutSort, egg_fn="Lay")  # a layout some tensor may be held in
@@ -691,19 +691,7 @@ def _reachable(graph: PhysGraph) -> PhysGraph:
                         reads[t].add(ident[k][0])
                     else:  # a tuple class (Proj): its runs' operands
                         reads[t].update(ident[k2][0] for n2 in classes.get(k, ()) for k2 in n2.children if k2 in ident)
-    order, placed = [], set()
-    for t in of_tensor:  # depth first, operands before readers; a tensor met again while open is left where it is
-        stack = [(t, False)]
-        while stack:
-            u, done = stack.pop()
-            if done:
-                order.append(u)
-                continue
-            if u in placed:
-                continue
-            placed.add(u)
-            stack.append((u, True))
-            stack.extend((v, False) for v in reads[u] if v not in placed)
+    order = post_order(of_tensor, reads.__getitem__)  # operands before readers
     made: set = set()
     tried: set = set()
 

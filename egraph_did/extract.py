@@ -16,7 +16,7 @@ import numpy as np
 
 from . import extract_dp
 from .cost import size_text
-from .physgraph import Node, PhysGraph, gc_paused
+from .physgraph import Node, PhysGraph, gc_paused, post_order
 from .errors import MemoryBoundError, PlanError
 
 ROOT = "__root__"
@@ -41,23 +41,9 @@ class Selection:
 
 
 def _topo_order(graph: PhysGraph, roots: list[str]) -> list[str]:
-    """Classes reachable from roots, children before parents (iterative DFS; the graph is acyclic)."""
-    order, state = [], {}
-    for r in roots:
-        stack = [(r, False)]
-        while stack:
-            c, done = stack.pop()
-            if done:
-                state[c] = 2
-                order.append(c)
-                continue
-            if state.get(c):
-                continue
-            state[c] = 1
-            stack.append((c, True))
-            for n in graph.classes[c]:
-                stack.extend([(ch, False) for ch in n.children if not state.get(ch)])  # the same pushes, in order
-    return order
+    """Classes reachable from roots, children before parents (the graph is acyclic)."""
+    classes = graph.classes
+    return post_order(roots, lambda c: [ch for n in classes[c] for ch in n.children])
 
 
 def with_roots(graph: PhysGraph, outputs: dict[str, list[str]]) -> list[str]:

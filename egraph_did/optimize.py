@@ -15,7 +15,7 @@ from .egraph import saturate
 from .errors import MemoryBoundError, PlanError
 from .expand import RewriteSet, check_rewrites
 from .explain import whys
-from .physgraph import Node, PhysGraph, gc_paused
+from .physgraph import Node, PhysGraph, gc_paused, post_order
 from .fusion import as_fusion
 from .extract import ROOT, Selection, _topo_order, exact, greedy_dag, with_roots
 from .layout import Layout, R
@@ -978,21 +978,7 @@ def _compute_step(problem: Problem, n: Node, outs: list[str], value_of) -> Compu
 
 def _order(graph: PhysGraph, choice) -> list[str]:
     """Chosen classes, producers first."""
-    out, seen = [], set()
-    stack = [(ROOT, False)]
-    while stack:
-        c, done = stack.pop()
-        if done:
-            out.append(c)
-            continue
-        if c in seen:
-            continue
-        seen.add(c)
-        stack.append((c, True))
-        for ch in reversed(choice[c].children):
-            if ch not in seen:
-                stack.append((ch, False))
-    return out
+    return post_order([ROOT], lambda c: reversed(choice[c].children))
 
 
 def _explain_why(steps, values, outputs, problem: Problem) -> list:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 
@@ -28,6 +29,31 @@ def gc_paused():
     finally:
         if was:
             gc.enable()
+
+
+def post_order(roots: Iterable[Hashable], pushes: Callable[[Hashable], Iterable[Hashable]]) -> list:
+    """Every vertex reachable from roots, each after the vertices it reaches (depth first, iterative: graphs of
+    a hundred thousand classes nest deeper than Python's recursion). A vertex's successors are pushed in the
+    order `pushes(v)` gives, so the last of them is visited first; in a cycle, a vertex met again while open
+    is left where it is.
+
+    >>> post_order(["y"], {"y": ["a", "b"], "a": ["x"], "b": ["x"], "x": []}.__getitem__)
+    ['x', 'b', 'a', 'y']
+    """
+    order, seen = [], set()
+    for r in roots:
+        stack = [(r, False)]
+        while stack:
+            v, done = stack.pop()
+            if done:
+                order.append(v)
+                continue
+            if v in seen:
+                continue
+            seen.add(v)
+            stack.append((v, True))
+            stack.extend([(w, False) for w in pushes(v) if w not in seen])
+    return order
 
 
 @dataclass
