@@ -643,6 +643,16 @@ class _Gen:
                                       ["dim", d - a.ndim if self.rng.random() < 0.3 else d]],
                               bound=max(a.bound, b.bound)))
 
+    def g_silu_backward(self):
+        """silu's gradient silu_backward(dy, x): dy of x's shape, an existing tensor or a fresh one"""
+        x = self.pick()
+        if x is None:
+            return False
+        dy = self.pick(pred=lambda t: t.shape == x.shape, new_ok=False) or self.new_input(x.shape)
+        dy = self.tame(dy, 100)
+        return bool(self.emit("silu_backward", [["dy", _tensor_arg(dy.name)], ["x", _tensor_arg(x.name)]],
+                              bound=dy.bound * 1.1))
+
     def g_where(self):
         a = self.pick()
         if a is None:
@@ -881,7 +891,7 @@ def default_ops() -> list[str]:
 
 # Ops added after seeds were fixed: drawn from a stream of their own (generate_case), so that a case that
 # draws none of them is the case the seed gave before they existed
-LATE_OPS = ("attention_blocks", "argsort", "histc", "grouped_mm", "grouped_mm_wgrad")
+LATE_OPS = ("attention_blocks", "argsort", "histc", "grouped_mm", "grouped_mm_wgrad", "silu_backward")
 P_LATE = 0.15
 
 

@@ -720,6 +720,11 @@ for _aten, _op in (("neg", "neg"), ("exp", "exp"), ("log", "log"), ("tanh", "tan
     maps(getattr(aten, _aten))(_unary(_op))
 
 
+@maps(aten.silu_backward)
+def _silu_backward(c, grad_output, self):
+    return c.ops.silu_backward(c._tensor(grad_output), c._tensor(self))
+
+
 @maps(aten.gelu)
 def _gelu(c, self, approximate="none"):
     return c.ops.gelu(c._tensor(self), approximate=approximate)

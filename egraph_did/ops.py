@@ -721,48 +721,9 @@ def gelu(x, approximate: str = "none"):
 
 
 def _vjp_silu(ops, g, out, x):
-    """g s (1 + x (1 - s)), s = sigmoid(x); of rows a grouped matmul made (mixture of experts), the same as
-    terms each zero where x and g are: expert rows (Pe) stay expert rows through it (rewrites/experts.py)"""
-    if _grouped_rows(x):
-        return {"x": _silu_grad_zero_keeping(ops, g, x)}
-    s = ops.sigmoid(x)  # s (1 + x (1 - s))
-    return {"x": ops.mul(g, ops.mul(s, ops.add(ops.mul(x, ops.sub(1.0, s)), 1.0)))}
-
-
-def _silu_grad_zero_keeping(ops, g, x):
-    """g silu'(x) = g (0.5 + t) + g x (0.25 - t^2) for t = sigmoid(x) - 0.5 = 0.5 tanh(x / 2), written as
-    0.5 g + g t + 0.25 g x - (g x) t t: every term a product of g, x, t (tanh(0) = 0) and numbers, so a row
-    where x and g are zero (a rank's rows of other experts in expert rows) is zero in every tensor of it.
-
-    >>> import egraph_did as ed
-    >>> with ed.FusionDefinition() as fd:
-    ...     x, g = fd.define_tensor((5,), torch.float64, name="x"), fd.define_tensor((5,), torch.float64, name="g")
-    ...     fd.add_output(_silu_grad_zero_keeping(fd.ops, g, x), name="dx")
-    >>> xv, gv = torch.linspace(-4, 4, 5, dtype=torch.float64).requires_grad_(), torch.rand(5, dtype=torch.float64)
-    >>> torch.nn.functional.silu(xv).backward(gv)
-    >>> torch.allclose(ed.evaluate(fd, {"x": xv.detach(), "g": gv})["dx"], xv.grad, rtol=1e-14, atol=1e-15)
-    True
-    """
-    t = ops.mul(ops.tanh(ops.mul(x, 0.5)), 0.5)
-    gx = ops.mul(g, x)
-    return ops.sub(ops.add(ops.add(ops.mul(g, 0.5), ops.mul(g, t)), ops.mul(gx, 0.25)), ops.mul(gx, ops.mul(t, t)))
-
-
-def _grouped_rows(tv, depth: int = 8) -> bool:
-    """Whether tv's rows are a grouped matmul's output, through row-wise ops (pointwise, slices, saved
-    markers) of at most `depth` steps: the rows of a mixture of experts' hidden layer."""
-    for _ in range(depth):
-        e = tv.fusion.producer(tv) if getattr(tv, "fusion", None) is not None else None
-        if e is None or tv.ndim != 2:
-            return False
-        if e.op.name == "grouped_mm":
-            return True
-        if not (e.op.kind == "pointwise" or e.op.name in ("slice", SAVE_OP)):
-            return False
-        tv = next((v for v in e.inputs if v.ndim == 2 and v.shape[0] == tv.shape[0]), None)
-        if tv is None:
-            return False
-    return False
+    """g silu'(x) as one op, silu_backward(g, x): zero where g is, so expert rows (Pe) stay expert rows
+    through it (rewrites/experts.py: expert_rows_sum)"""
+    return {"x": ops.silu_backward(g, x)}
 
 
 @op("silu", "pointwise", lambda x: F.silu(x), lambda ops, x: ops.mul(x, ops.sigmoid(x)), arity=1, fuses=True,
@@ -772,6 +733,39 @@ def silu(x):
     x = _need_tensor("silu", "x", x)
     _need_float("silu", x)
     return [OutSpec(x.shape, x.dtype, x.axes)]
+
+
+def _vjp_silu_backward(ops, g, out, dy, x):
+    """d/d dy = silu'(x); d/dx = dy silu''(x) = dy s (1 - s) (2 + x (1 - 2 s)), s = sigmoid(x): a double backward"""
+    s = ops.sigmoid(x)
+    d2 = ops.mul(ops.mul(s, ops.sub(1.0, s)), ops.add(ops.mul(x, ops.sub(1.0, ops.mul(s, 2.0))), 2.0))
+    return {"dy": ops.silu_backward(g, x), "x": ops.mul(ops.mul(g, dy), d2)}
+
+
+# silu's gradient as one op, as torch's aten.silu_backward: dy s (1 + x (1 - s)), s = sigmoid(x). One kernel
+# primitive where the sigmoid form is six ops; silu_backward(0, x) = 0, so it keeps expert rows (rewrites/experts.py)
+@op("silu_backward", "pointwise", lambda dy, x: torch.ops.aten.silu_backward(*_as_tensors(dy, x)), arity=2,
+    template="{dy} * tl.sigmoid({x}) * (1 + {x} * (1 - tl.sigmoid({x})))", vjp=_vjp_silu_backward)
+def silu_backward(dy, x):
+    """silu's gradient dy * silu'(x), as torch.ops.aten.silu_backward(dy, x): dy, the gradient of silu(x), has
+    x's shape.
+
+    >>> import egraph_did as ed
+    >>> with ed.FusionDefinition() as fd:
+    ...     x, dy = fd.define_tensor((5,), torch.float64, name="x"), fd.define_tensor((5,), torch.float64, name="dy")
+    ...     fd.add_output(fd.ops.silu_backward(dy, x), name="dx")
+    >>> xv, dyv = torch.linspace(-4, 4, 5, dtype=torch.float64).requires_grad_(), torch.rand(5, dtype=torch.float64)
+    >>> F.silu(xv).backward(dyv)
+    >>> torch.allclose(ed.evaluate(fd, {"x": xv.detach(), "dy": dyv})["dx"], xv.grad, rtol=1e-14, atol=1e-15)
+    True
+    """
+    dy, x = _need_tensor("silu_backward", "dy", dy), _need_tensor("silu_backward", "x", x)
+    _need_float("silu_backward", dy)
+    _need_float("silu_backward", x)
+    if dy.shape != x.shape:
+        raise ShapeError(f"silu_backward({dy.name}, {x.name}): {dy.name} is {list(dy.shape)} and {x.name} is "
+                         f"{list(x.shape)}; dy, the gradient of silu(x), has x's shape (expand it first)")
+    return [OutSpec(x.shape, _result_dtype("silu_backward", dy, x), x.axes)]
 
 
 # "{x}": every op's value is converted to its output's compute type; codegen also rounds through a

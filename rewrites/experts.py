@@ -41,9 +41,7 @@ of silu(gate) * up is zero where its operands are (a rank's rows of other expert
 operand, so they hold zeros in the result; no rule claims an op whose f(0) != 0): products, sums and
 differences of rows sorted by the same offsets (expert_rows_sum), the slices' zero fill (zeros_like is
 cast(gt(t, t)): expert_rows_compare, expert_rows_mask), the cat of the halves (expert_rows_cat), saved
-markers. silu's own derivative is not (sigmoid(0) = 1/2): on a grouped matmul's rows ed.grad writes its
-vjp as 0.5 g + g t + 0.25 g x - g x t^2 with t = 0.5 tanh(x / 2) (ops._silu_grad_zero_keeping), every
-term zero where x and g are.
+markers, and silu's gradient silu_backward(dy, x) = dy silu'(x) (one op, zero where dy is: expert_rows_sum).
 
 >>> import torch
 >>> from egraph_did.rewrites.rules import Operand, OpView, axis_strategies
@@ -59,7 +57,7 @@ from egglog import rule as erule
 
 from egraph_did.layout import PE
 from egraph_did.ops import (GROUPED_MM_COMBINE, GROUPED_MM_DISPATCH, GROUPED_MM_RANGED, GROUPED_WGRAD_DISPATCH,
-                            GROUPED_WGRAD_RANGED, SAVE_OP, _silu_grad_zero_keeping, zeros_like)
+                            GROUPED_WGRAD_RANGED, SAVE_OP, zeros_like)
 
 from .rules import P, S, Case, egglog_form, family_ruleset, indices, rule
 from .sorts import P as P_, Pe as Pe_, R as R_, S as S_
@@ -247,10 +245,10 @@ def makes_expert_rows(exprs) -> bool:
 
 def expert_rows_attrs(e) -> tuple:
     """The attribute the expert-row rules read of an expr: ("expert_rows", True) on a grouped_mm whose x
-    rows are sorted by its own offsets, on a product, sum, difference, comparison or cat (SAME_ROWS) of two
-    tensors whose rows are sorted by the same offsets, on a cast of a bool mask of such rows, and on a
-    grouped_mm_wgrad whose x rows are sorted by its own offsets (("expert_rows_g", True): its g rows); ()
-    elsewhere. Part of the expr's signature (problem.signature, problem.op_view, egglog's
+    rows are sorted by its own offsets, on a product, sum, difference, silu gradient, comparison or cat
+    (SAME_ROWS) of two tensors whose rows are sorted by the same offsets, on a cast of a bool mask of such
+    rows, and on a grouped_mm_wgrad whose x rows are sorted by its own offsets (("expert_rows_g", True): its
+    g rows); () elsewhere. Part of the expr's signature (problem.signature, problem.op_view, egglog's
     AttrI): the layers of a model share signatures, and a product of two layers' rows is not local."""
     if e.op.name == "grouped_mm":
         args = dict(e.args)
@@ -270,7 +268,7 @@ def expert_rows_attrs(e) -> tuple:
 
 
 # binary ops of two operands whose rows, sorted by the same offsets, the expert-row rules read whole on each rank
-SAME_ROWS = ("mul", "add", "sub", "gt", "lt", "ne", "cat")
+SAME_ROWS = ("mul", "add", "sub", "silu_backward", "gt", "lt", "ne", "cat")
 
 
 def _swiglu(experts: int):
@@ -340,9 +338,8 @@ def grouped_mm_of_expert_rows(e):
 
 
 def _silu_backward(experts: int):
-    """The backward of Mixtral's experts' silu(gate) * up as ed.grad writes it for rows of a grouped matmul:
-    g_gate = g silu'(gate) (ops._silu_grad_zero_keeping: sums and products of g, gate and tanh(gate / 2)),
-    g_up = g silu(gate), joined as cat(g_gate, 0) + cat(0, g_up) (the slices' gradients: zeros_like is
+    """The backward of Mixtral's experts' silu(gate) * up as ed.grad writes it: g_gate = silu_backward(g up,
+    gate), g_up = g silu(gate), joined as cat(g_gate, 0) + cat(0, g_up) (the slices' gradients: zeros_like is
     cast(gt(t, t)))."""
     def body(o, x, w1, w2, ids):
         off = offsets(o, ids, experts)
@@ -350,7 +347,7 @@ def _silu_backward(experts: int):
         f = w1.shape[2] // 2
         gate, up = o.slice(h, 1, 0, f), o.slice(h, 1, f, 2 * f)
         g = o.grouped_mm(x, w2, off)  # the hidden rows' gradient: rows sorted by the same offsets
-        g_gate, g_up = _silu_grad_zero_keeping(o, o.mul(g, up), gate), o.mul(g, o.silu(gate))
+        g_gate, g_up = o.silu_backward(o.mul(g, up), gate), o.mul(g, o.silu(gate))
         return o.add(o.cat(g_gate, zeros_like(o, up), 1), o.cat(zeros_like(o, gate), g_up, 1)), o.lt(gate, up), o.ne(gate, up)
     return body
 
@@ -361,10 +358,10 @@ SILU_BACKWARD = [Case("silu-backward", (2,), {"x": (8, 4), "w1": (4, 4, 6), "w2"
                       _silu_backward(5))]
 
 
-@rule("add", "sub", cases=SILU_BACKWARD)
+@rule("add", "sub", "silu_backward", cases=SILU_BACKWARD)
 def expert_rows_sum(e):
-    """a + b, a - b for a, b expert rows of the same offsets = expert rows: each rank's rows are whole in
-    both, its other rows 0 +- 0"""
+    """a + b, a - b, silu_backward(a, b) for a, b expert rows of the same offsets = expert rows: each rank's
+    rows are whole in both, its other rows f(0, 0) = 0 (0 +- 0, 0 silu'(0))"""
     if e.attr("expert_rows") and len(e.operands) == 2:
         yield e.strategy(out=PE, **{o.param: PE for o in e.operands})
 
@@ -558,7 +555,7 @@ def _expert_combine(spec):
 
 @egglog_form(expert_rows_sum)
 def _expert_rows_sum(spec):
-    """expert rows of the same offsets (the attribute) added or subtracted"""
+    """expert rows of the same offsets (the attribute) added, subtracted, or silu's gradient of them"""
     for name in spec.ops:
         yield erule(site(name, 2), AttrI(sig, "expert_rows", 1), MeshSize(d)).then(ax([Pe_(), Pe_()], [Pe_()]))
 

@@ -90,15 +90,18 @@ def sum_of_partials(e):
         yield e.strategy(out=P, a=P, b=P)
 
 
-@rule("mul", "div", cases=[
+@rule("mul", "div", "silu_backward", cases=[
     Case("mul-div", (3,), {"a": (4, 5), "b": (4, 5), "c": (5,)}, lambda o, a, b, c: (
         o.mul(a, b), o.mul(a, 3.0), o.mul(2.0, a), o.div(a, o.exp(c)), o.div(a, 4.0))),
     Case("mesh2x2", (2, 2), {"a": (2, 3), "b": (2, 3)}, lambda o, a, b: o.mul(a, b)),
+    Case("silu_backward", (3,), {"x": (5, 4), "w": (3, 4), "h": (5, 3)},
+         lambda o, x, w, h: o.silu_backward(o.linear(x, w), h)),
 ])
 def partial_scaled(e):
-    """(sum_r a_r) * b = sum_r (a_r * b) for replicated b (a number included); likewise a / b"""
+    """(sum_r a_r) * b = sum_r (a_r * b) for replicated b (a number included); likewise a / b and silu's
+    gradient silu_backward(sum_r dy_r, x) = sum_r dy_r silu'(x)"""
     params = [o.param for o in e.operands]
-    for p in params if e.op == "mul" else [p for p in params if p == "a"]:
+    for p in params if e.op == "mul" else [p for p in params if p in ("a", "dy")]:
         yield e.strategy(out=P, **{p: P})
 
 
@@ -216,11 +219,13 @@ def _sum_of_partials(spec):
 
 @egglog_form(partial_scaled)
 def _partial_scaled(spec):
-    """(sum_r a_r) * b = sum_r (a_r * b) for replicated b, either operand of mul, the numerator of div"""
+    """(sum_r a_r) * b = sum_r (a_r * b) for replicated b, either operand of mul, the numerator of div, the
+    gradient dy of silu_backward"""
     yield erule(site("mul", 2), MeshSize(d)).then(ax([P_(), R_()], [P_()]), ax([R_(), P_()], [P_()]))
     yield erule(site("mul"), MeshSize(d)).then(ax([P_()], [P_()]))  # the other factor a number
     yield erule(site("div", 2), MeshSize(d)).then(ax([P_(), R_()], [P_()]))
     yield erule(site("div"), Param(sig, 0, "a"), MeshSize(d)).then(ax([P_()], [P_()]))
+    yield erule(site("silu_backward", 2), MeshSize(d)).then(ax([P_(), R_()], [P_()]))
 
 
 @egglog_form(partial_through_linear_unary)

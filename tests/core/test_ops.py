@@ -276,6 +276,9 @@ CASES: list[Case] = [
     Case("gelu", "gelu-tanh", x_(4, 7), lambda o, t: o.gelu(t["x"], approximate="tanh"),
          lambda v: F.gelu(v["x"], approximate="tanh")),
     Case("silu", "silu", x_(4, 7), lambda o, t: o.silu(t["x"]), lambda v: F.silu(v["x"])),
+    Case("silu_backward", "silu_backward", lambda dt: {"dy": rand(4, 7, dtype=dt), "x": rand(4, 7, dtype=dt, seed=1) * 4},
+         lambda o, t: o.silu_backward(t["dy"], t["x"]),  # aten.silu_backward's formula (torch has no derivative of it)
+         lambda v: (lambda s: v["dy"] * s * (1 + v["x"] * (1 - s)))(torch.sigmoid(v["x"]))),
     Case("saved", "saved", x_(4, 7), lambda o, t: o.saved(o.exp(t["x"])), lambda v: torch.exp(v["x"])),
     Case("cast", "cast-to-bf16", x_(3, 4), lambda o, t: o.cast(t["x"], torch.bfloat16),
          lambda v: v["x"].to(torch.bfloat16)),

@@ -33,9 +33,10 @@ heads (Ulysses' all-to-alls, with 4 key/value heads) or the queries (GQA); at 32
 free, the plan splits the 4 heads (7.548 ms predicted; the causal ring wins where k and v stay split on the
 sequence: tests/optimizer/test_ring_attention.py's causal golden); expert parallelism with the
 experts' weights free (their f axis is split instead: tests/face/test_parallelize_mixtral_grouped.py): expert
-rows (Pe) keep the forward's hidden rows on their ranks, but silu's backward (sigmoid of the saved gate rows)
-does not, so a step reduce-scatters and gathers them (bench/results_expert_parallel_choice.txt: at Mixtral
-8x7B's sizes the free forward runs expert parallel on two nodes only, and the step nowhere)."""
+rows (Pe) keep the hidden rows and their gradients on their ranks (silu's gradient is one op, silu_backward,
+zero where its gradient operand is), but on NVLink the free step still shards the experts' features
+(bench/results_expert_parallel_choice.txt: at Mixtral 8x7B's sizes the free step runs expert parallel over
+InfiniBand only, tests/optimizer/test_expert_parallel.py)."""
 from __future__ import annotations
 
 import os
