@@ -412,7 +412,8 @@ def test_below_the_negligible_price_a_plain_pass_picks_what_it_picks_at_price_0(
     step in tests/face/test_torchtitan.py, same plans): at that price and below, a plain pass is price 0's, node for
     node, on fuzz fusions (seed 3, as tests/optimizer/test_extract_dp.py draws them)."""
     import sys
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: bench/
     from bench.exact_hard_cases import capture
     compared = 0
     for index in range(8):
