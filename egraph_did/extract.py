@@ -1059,11 +1059,21 @@ def _greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None, 
                 raise MemoryBoundError(f"no plan fits the memory bound of {size_text(memory_limit)} per device (the "
                                        f"smallest found needs {size_text(smallest)}); raise the cost model's memory_limit")
             best_fit = polished
+        negligible = None  # _negligible_price, computed where the bisection first nears 0
         while hi - lo > PRICE_TOLERANCE * hi:
             mid = (lo + hi) / 2
             trial = _best_of(graph, order, mid, False, skeleton)
             if _total(trial)[1] <= memory_limit:
                 best_fit, hi = trial, mid
+                if lo == 0.0:
+                    if negligible is None:
+                        negligible = _negligible_price(skeleton, len(order))
+                    if mid <= negligible and _total(trial)[0] > 0:
+                        # every price in [0, mid] gives this plan (_negligible_price), so the halving would
+                        # end at price 0 with it: ~1,000 passes down to the least float (a training step's
+                        # joint plan whose plain passes fit at any price: 26 s CPU of 54)
+                        hi = 0.0
+                        break
             else:
                 lo = mid
         unbounded = chosen
@@ -1103,6 +1113,26 @@ def _greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None, 
                 chosen = _improve(graph, relinked, wider, 0.0, memory_limit=memory_limit, skeleton=skeleton)
         cost, mem = _total(chosen)
     return Selection(chosen, cost, mem, "greedy-dag")
+
+
+def _negligible_price(skeleton: _Skeleton, classes: int) -> float:
+    """A price of a byte at or below which a plain pass (_best_of without the local search) picks what it picks at
+    price 0, where that pass's plan takes some time: every node's price of its memory, summed over all nodes, stays
+    below 2^-60 of the least positive node time over `classes` (the most readers _amortized splits a value among),
+    so a sum holding one timed node rounds to that sum at price 0, a sum of untimed nodes stays far below the
+    passes' 1e-15 tie margin, and the candidates' order (_dag_weight) is price 0's wherever every candidate takes
+    time (an untimed one would sort first). 0.0 where no node takes time.
+
+    >>> g = PhysGraph({"x": [Node("Load", (), "x", memory=8.0)],
+    ...                "y": [Node("Apply", ("x",), "y", 0, cost=2e-6, memory=8.0)]})
+    >>> 0 < _negligible_price(_Skeleton(g, ["x", "y"]), 2) * 16 <= 2.0 ** -60 * 2e-6 / 2
+    True
+    """
+    times = [n.cost for n in skeleton.nodes if n.cost > 0]
+    if not times:
+        return 0.0
+    memory = sum(max(n.memory, 0.0) for n in skeleton.nodes) or 1.0
+    return 2.0 ** -61 * min(times) / max(classes, 1) / memory
 
 
 def _dominant_price(graph: PhysGraph, order: list[str]) -> float | None:

@@ -404,3 +404,32 @@ def test_relinking_takes_a_region_of_another_plan_only_where_it_pays():
     assert {g.ident[c][1] for c in relinked if c in g.ident} == {"L2"}
     kept = _relink(g, l2, [l1], 0.0)  # L1's region is dearer: every switch undone, the plan unchanged
     assert kept == l2
+
+
+def test_below_the_negligible_price_a_plain_pass_picks_what_it_picks_at_price_0():
+    """greedy_dag's bisection on the price of a byte stops where it reaches _negligible_price with every pass fitting
+    (the halving went on down to the least float, ~1,000 passes: 26 of the 54 s CPU of torchtitan's Llama3 training
+    step in tests/face/test_torchtitan.py, same plans): at that price and below, a plain pass is price 0's, node for
+    node, on fuzz fusions (seed 3, as tests/optimizer/test_extract_dp.py draws them)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: bench/
+    from bench.exact_hard_cases import capture
+    compared = 0
+    for index in range(8):
+        got = capture(3, index)
+        if got is None:
+            continue
+        graph, roots, _ = got
+        order = extract._topo_order(graph, roots)
+        skeleton = extract._Skeleton(graph, order)
+        floor = extract._negligible_price(skeleton, len(order))
+        at_0 = extract._best_of(graph, order, 0.0, False, skeleton)
+        if at_0 is None or extract._total(at_0)[0] == 0:
+            continue
+        assert floor > 0
+        for price in (floor, floor / 3, floor * 2.0 ** -600):
+            got = extract._best_of(graph, order, price, False, skeleton)
+            assert list(got) == list(at_0) and all(got[c] is at_0[c] for c in at_0), (index, price)
+        compared += 1
+    assert compared >= 4
