@@ -1012,6 +1012,7 @@ def _by_memory(classes: dict[str, list[Node]]) -> dict[str, list[Node]]:
 # the Lagrangian dual's most solves (each a DP without the memory bound, on cost + price x memory); the dual's
 # breakpoints are plans, so few solves reach its optimum
 DUAL_SOLVES = 8
+GREEDY_LADDER = 3  # greedy's plans at these many prices (x8 each) for one within the bound, before the priced DPs
 
 
 @dataclass
@@ -1050,20 +1051,18 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
     >>> d.proven, d.choice["y"].sid, round(d.cost * 1e6, 6)
     (True, 1, 3.0)
     """
-    twin_of: dict[int, Node] = {}  # the priced graph's nodes -> the real ones
     known: list[tuple] = [] if upper is None else [(None, upper, memory_limit if upper_memory is None else upper_memory)]
 
-    def priced(price: float, crossing: bool = False) -> tuple | None:
-        """(the cheapest plan by cost + price x memory as (its nodes, cost, memory), a lower bound of that
-        least value), or None where there is no plan. `quick`'s plan on the priced graph (greedy's) and the
-        plans known already limit the DP; where it finds none cheaper, the cheapest of them is returned with its value
-        as the bound. `crossing`: the price where two known plans' lines cross, whose value limits the DP
-        already: no `quick` plan then (a limit only prunes, so the DP's answer is the same without it: the
-        cheapest plan under the limit, or the known plan that set it; case 45/9356: 1.5-2 s a greedy plan,
-        one above the crossing's value, one 4% under it)."""
+    def graph_at(price: float) -> tuple:
+        """(the priced graph, its classes, their order, its canonical collectives' ids, its nodes' ids -> the
+        real ones) at `price`; the last one is kept (greedy and the DP may both run at one price)."""
+        got = graphs.get(price)
+        if got is not None:
+            return got
         # at price 0 memory is free: a class with a derivation costing nothing keeps only it, as without a
         # bound (extract._fix_free), and the classes only other derivations read drop out (case 33/6050)
         fixed = free_classes(classes, order, memory=False) if price == 0.0 else {}
+        twin_of: dict[int, Node] = {}
         cls = _priced({c: [fixed[c]] if c in fixed else classes[c] for c in order}, price, twin_of)
         read, stack = set(), list(roots)
         while stack:
@@ -1073,13 +1072,30 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
                 stack.extend(ch for n in cls[c] for ch in n.children)
         sub = [c for c in order if c in read]
         cls = {c: cls[c] for c in sub}
-        priced_graph = PhysGraph(cls, graph.ident, graph.index)
         canon2 = {i for i, n in twin_of.items() if id(n) in canon}
-        if quick is not None and not crossing:
-            try:
-                known.append(back(quick(priced_graph, roots)))
-            except EgraphDidError:  # no plan by it: the DP says whether there is one
-                pass
+        graphs.clear()
+        got = graphs[price] = (PhysGraph(cls, graph.ident, graph.index), cls, sub, canon2, twin_of)
+        return got
+
+    def greedy_at(price: float) -> None:
+        """`quick`'s plan on the graph priced at `price` (greedy's) joins the known plans."""
+        priced_graph, _, _, _, twin_of = graph_at(price)
+        try:
+            known.append(back(quick(priced_graph, roots), twin_of))
+        except EgraphDidError:  # no plan by it: the DP says whether there is one
+            pass
+
+    def priced(price: float, greedy: bool) -> tuple | None:
+        """(the cheapest plan by cost + price x memory as (its nodes, cost, memory), a lower bound of that
+        least value), or None where there is no plan. The plans known already limit the DP (with `greedy`,
+        `quick`'s plan on the priced graph first); where it finds none cheaper, the cheapest of them is
+        returned with its value as the bound. No `quick` plan at a price the known plans chose (Kelley's,
+        below), whose value there limits the DP already (a limit only prunes, so the DP's answer is the same
+        without it: the cheapest plan under the limit, or the known plan that set it; case 45/9356: 1.5-2 s a
+        greedy plan, one above the crossing's value, one 4% under it)."""
+        priced_graph, cls, sub, canon2, twin_of = graph_at(price)
+        if quick is not None and greedy:
+            greedy_at(price)
         limit = min((k + price * m for _, k, m in known), default=None)
         res = solve(priced_graph, roots, cls, sub, canon2, limit, None, max(clock.left, 0),
                     max(clock.deadline - time.perf_counter(), 0.0), beam, max_tensors, like=like)
@@ -1088,37 +1104,72 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
         clock.spend(res.stats.get("dp_states", 0))
         if res.choice is None:
             return None if limit is None else (min(known, key=lambda e: e[1] + price * e[2]), limit)
-        plan = back(res.choice)
+        plan = back(res.choice, twin_of)
         known.append(plan)
         return plan, plan[1] + price * plan[2]
 
-    def back(choice: dict[str, Node]) -> tuple:
-        """A plan on the priced graph as (its nodes on the real one, cost, memory)."""
+    def back(choice: dict[str, Node], twin_of: dict[int, Node]) -> tuple:
+        """A plan on a priced graph as (its nodes on the real one, cost, memory)."""
         real = {c: twin_of[id(n)] for c, n in choice.items()}
         return real, sum(n.cost for n in real.values()), sum(n.memory for n in real.values())
 
+    def within() -> list:
+        return [e for e in known if e[2] <= memory_limit]
+
+    def cheapest() -> tuple | None:
+        """The cheapest known plan within the bound that is not the caller's."""
+        return min((e for e in within() if e[0] is not None), key=lambda e: e[1], default=None)
+
     def done() -> bool:
-        return (best is not None and best[1] <= tol(low)) or (upper is not None and upper <= tol(low))
+        return any(e[1] <= tol(low) for e in within())
+
+    def kelley() -> tuple | None:
+        """(the price that maximizes the least of the known plans' values less price x bound, that value):
+        an upper bound of the dual (Kelley's cutting planes), at p = 0 or where the line of a plan over the
+        bound crosses one within it; None where no known plan is within the bound (the least grows without
+        end)."""
+        fits = within()
+        if not fits:
+            return None
+        model = lambda p: min(k + p * (m - memory_limit) for _, k, m in known)  # noqa: E731
+        top = (0.0, model(0.0))
+        for _, k0, m0 in known:
+            for _, k1, m1 in fits:
+                if m0 > memory_limit and k1 > k0:
+                    p = (k1 - k0) / (m0 - m1)
+                    v = model(p)
+                    if v > top[1]:
+                        top = (p, v)
+        return top
 
     tol = lambda k: k * (1 + 1e-9) + 1e-18  # noqa: E731
-    stats: dict = {"dp_dual_solves": 1}
+    graphs: dict[float, tuple] = {}
+    stats: dict = {"dp_dual_solves": 1, "dp_dual_greedy": 0}
     try:
-        got = priced(0.0)
+        got = priced(0.0, True)
     except _Budget:  # the unbounded DP outgrew its budget: the bounded one may not (it has greedy's cost)
         return _Dual(False, None, None, {**stats, "dp_dual": "gave up"})
     if got is None:  # nothing at all, let alone within the bound
         return _Dual(True, None, None, stats)
-    got, low = got  # the unbounded optimum bounds the bounded one
+    low = got[1]  # the unbounded optimum bounds the bounded one
     best_price = 0.0
-    best = got if got[2] <= memory_limit and got[0] is not None else None  # the cheapest new plan within the bound
-    over, under = (got, None) if got[2] > memory_limit else (None, got)  # the dual's bracket: plans over and within
     price = max(low, 1e-12) / max(memory_limit, 1.0)  # where a byte weighs about what the plan costs
-    while over is not None and not done() and stats["dp_dual_solves"] < DUAL_SOLVES:
-        if under is not None:  # where the two plans' lines cross: the dual's best price if no plan is below
-            price = (under[1] - over[1]) / max(over[2] - under[2], 1e-30)
+    # a plan within the bound first: greedy's, on graphs weighing bytes more and more (1-2 s a plan, where a
+    # priced DP may return the plan over the bound again after 15 s: case 43/115 at the first price); the
+    # DPs then run where the known plans' lines say the dual may peak
+    ladder = [] if quick is None else [price * 8.0 ** i for i in range(GREEDY_LADDER)]
+    while ladder and not within():
+        stats["dp_dual_greedy"] += 1
+        greedy_at(ladder.pop(0))
+    while not done() and stats["dp_dual_solves"] < DUAL_SOLVES:
+        top = kelley()
+        if top is not None:
+            price, value = top
+            if value <= tol(low):
+                break  # the dual's optimum is reached: no plan below the known plans' lines at their peak
         stats["dp_dual_solves"] += 1
         try:
-            got = priced(price, crossing=under is not None)
+            got = priced(price, greedy=top is None and not stats["dp_dual_greedy"])
         except _Budget:
             stats["dp_dual"] = "gave up"
             break
@@ -1127,18 +1178,9 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
         got, value = got
         if value - price * memory_limit > low:
             low, best_price = value - price * memory_limit, price
-        if got[2] <= memory_limit:
-            if got[0] is not None and (best is None or got[1] < best[1]):
-                best = got
-            if under is not None and tol(value) >= over[1] + price * over[2]:
-                break  # no plan below the crossing: the dual's optimum is reached
-            under = got
-        elif under is None:
-            over, price = got, 8.0 * price  # no plan within the bound yet: weigh bytes more
-        elif tol(value) >= over[1] + price * over[2]:
-            break
-        else:
-            over = got
+        if top is None and got[2] > memory_limit:
+            price *= 8.0  # no plan within the bound yet: weigh bytes more
+    best = cheapest()
     stats["dp_dual_bound"] = low
     if best is not None and best[1] <= tol(low):
         return _Dual(True, best[0], best[1], stats)
