@@ -866,7 +866,8 @@ def _unwind(chosen) -> dict[str, Node]:
 def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], order: list[str],
           canon: set[int] = frozenset(), upper: float | None = None, memory_limit: float | None = None, max_states: int = 2_000_000,
           time_limit: float = 30.0, beam: int = 64, max_tensors: int = 120, upper_memory: float | None = None,
-          found: dict | None = None, quick=None, like: "_Lower | None" = None) -> DPResult | None:
+          found: dict | None = None, quick=None, like: "_Lower | None" = None, setups: list | None = None
+          ) -> DPResult | None:
     """The cheapest plan (within memory_limit) over `classes` (each class's usable nodes, `order` children
     first), proven; None when the DP outgrew `max_states` or `time_limit`, or the graph has more than
     `max_tensors` tensors (a GPT training step's ~370: measured 8 s without a plan; the fuzz cases it proves
@@ -878,6 +879,7 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
     the DP gives up, it gets found["choice"], the cheapest plan (within the bound) it saw, if any, for the
     0/1 program to start from. `quick(graph, roots)`: a fast extractor's choice (extract passes greedy's),
     whose plan on each priced graph of the memory bound's dual limits that DP. `like`: see _setup.
+    `setups`: gets (its lower bounds, its start state) (the dual keeps its priced solves').
 
     >>> from egraph_did.extract import with_roots, _topo_order
     >>> g = PhysGraph({"w": [Node("Load", (), "w")],
@@ -895,6 +897,8 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
     if setup is None:
         return None
     tensors, lower, start, free = setup
+    if setups is not None:
+        setups.append((lower, start))
     if memory_limit is not None:
         for t in tensors:
             t.mem_cap = memory_limit
@@ -918,9 +922,14 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
             # the bounded walk's states pruned by the dual too: what a state still costs is at least its
             # priced bound less the price of the memory it has left (case 33/6050: the dual 7% below the
             # optimum, the cone bound 34%)
-            priced = _setup(graph, roots, _priced(classes, dual.price), order, set(), False, max_tensors, lower)
-            if priced is not None and priced[2] == start:
-                lagrangian = (dual.price, priced[1], memory_limit)
+            # (the dual's own setup at that price where it walked every class: bounds need no canonical
+            # collectives, so one is the other)
+            priced = dual.setup
+            if priced is None:
+                got = _setup(graph, roots, _priced(classes, dual.price), order, set(), False, max_tensors, lower)
+                priced = None if got is None else got[1:3]
+            if priced is not None and priced[1] == start:
+                lagrangian = (dual.price, priced[0], memory_limit)
         # and by what memory a state still needs: the lower bounds on a graph whose nodes weigh their memory
         # (see _by_memory). An entry whose memory plus that exceeds the bound has no completion within it
         # (case 41/4050: a state sampled at the widest step of the walk under 88.6 us had none at all)
@@ -1020,12 +1029,14 @@ class _Dual:
     """What the Lagrangian dual of a memory-bound extraction proved: `proven` with `choice` the optimum
     (None: the plan costing `cost`, the caller's, is), or else the cheapest plan within the bound it saw
     (choice and cost, or both None) for the memory-bound DP to beat, and the price whose bound was the
-    highest (0.0: none above the unbounded optimum's)."""
+    highest (0.0: none above the unbounded optimum's), with its priced solve's (lower bounds, start state)
+    where that solve walked every class."""
     proven: bool
     choice: dict[str, Node] | None
     cost: float | None
     stats: dict
     price: float = 0.0
+    setup: tuple | None = None
 
 
 def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], order: list[str], canon: set[int],
@@ -1097,8 +1108,11 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
         if quick is not None and greedy:
             greedy_at(price)
         limit = min((k + price * m for _, k, m in known), default=None)
+        made: list = []
         res = solve(priced_graph, roots, cls, sub, canon2, limit, None, max(clock.left, 0),
-                    max(clock.deadline - time.perf_counter(), 0.0), beam, max_tensors, like=like)
+                    max(clock.deadline - time.perf_counter(), 0.0), beam, max_tensors, like=like, setups=made)
+        if made and len(sub) == len(order):
+            setups[price] = made[0]
         if res is None:
             raise _Budget()
         clock.spend(res.stats.get("dp_states", 0))
@@ -1144,6 +1158,7 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
 
     tol = lambda k: k * (1 + 1e-9) + 1e-18  # noqa: E731
     graphs: dict[float, tuple] = {}
+    setups: dict[float, tuple] = {}  # price -> its priced solve's (lower bounds, start) (see _Dual)
     stats: dict = {"dp_dual_solves": 1, "dp_dual_greedy": 0}
     try:
         got = priced(0.0, True)
@@ -1187,7 +1202,8 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
     if upper is not None and upper <= tol(low):
         stats["dp_upper_proven"] = True
         return _Dual(True, None, upper, stats)
-    return _Dual(False, None if best is None else best[0], None if best is None else best[1], stats, best_price)
+    return _Dual(False, None if best is None else best[0], None if best is None else best[1], stats, best_price,
+                 setups.get(best_price))
 
 
 def _setup(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], order: list[str], canon: set[int],
