@@ -1047,9 +1047,11 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
     tensors take the Steiner-tree DP) is a plan x_p, and cost(x_p) + p x (memory(x_p) - bound) is at most
     the bounded optimum. At p = 0 that is the unbounded optimum: where it fits, it is the answer (case
     31/6391: greedy's plan fits at the unbounded optimum's cost, and the bounded DP's fronts ran 600 s
-    without a proof). Else prices between one plan over the bound and one within it (Kelley's cutting
-    planes on the dual's breakpoints) raise the bound; a plan within the bound that meets it is optimal,
-    and `upper` (the caller's plan) is too if the bound reaches it.
+    without a proof). Else, once a plan within the bound is known (greedy's at prices x8 apart, or a
+    priced DP's), the price where the least of the known plans' lines peaks (Kelley's cutting planes on
+    the dual: where a plan over the bound and one within it cost the same) raises the bound, until the DP
+    there finds no plan below the peak; a plan within the bound that meets it is optimal, and `upper`
+    (the caller's plan) is too if the bound reaches it.
     `like`: the bounded walk's lower bounds, whose setup the priced solves reuse (see _setup).
 
     >>> from egraph_did.extract import with_roots, _topo_order
