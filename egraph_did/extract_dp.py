@@ -69,6 +69,7 @@ class _Clock:
 
     def __init__(self, max_states: int, time_limit: float, max_width: int = 40_000):
         self.left, self.deadline = max_states, time.perf_counter() + time_limit
+        self.max_states = max_states
         self.max_width = max_width  # states after one step (the hard fuzz cases peak at 17,000)
         self.used = 0
 
@@ -1111,13 +1112,17 @@ def _lagrange(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]]
             greedy_at(price)
         limit = min((k + price * m for _, k, m in known), default=None)
         made: list = []
-        res = solve(priced_graph, roots, cls, sub, canon2, limit, None, max(clock.left, 0),
+        # each priced DP has a state budget of its own (the bounded walk keeps the caller's): a DP at a Kelley
+        # price can walk 1.7 million states (case 40/127), which left the bounded walk none of the 2 million;
+        # the clock's deadline holds for all
+        res = solve(priced_graph, roots, cls, sub, canon2, limit, None, clock.max_states,
                     max(clock.deadline - time.perf_counter(), 0.0), beam, max_tensors, like=like, setups=made)
         if made and len(sub) == len(order):
             setups[price] = made[0]
         if res is None:
             raise _Budget()
-        clock.spend(res.stats.get("dp_states", 0))
+        clock.used += res.stats.get("dp_states", 0)
+        clock.spend(0)  # the deadline
         if res.choice is None:
             return None if limit is None else (min(known, key=lambda e: e[1] + price * e[2]), limit)
         plan = back(res.choice, twin_of)
