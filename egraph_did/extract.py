@@ -2008,15 +2008,14 @@ class _Usable(NamedTuple):
         return cls(order, classes, _canonical_colls(graph, classes))
 
 
-# the DP's share of exact's time (the hard fuzz cases it proves take 0.1-5 s alone on 2 cores, 4x that under
-# load: case 2446 gave up at 8 s beside a test run; tight memory bounds take longer: case 33/6050, whose 0/1
-# program stays 24% below its optimum, 42 s under load 4; on what it cannot prove, e.g. a GPT training step
-# whose many independent branches multiply its states, the 0/1 program gets the rest)
-DP_SHARE, DP_MAX_S = 0.5, 30.0
-# under a memory bound the DP's share is larger: there the 0/1 program's LP stays far below the optimum and its share
-# went unproven on every hard case measured (45/9356: 53% LP bound at 76 s, 41/4050: 56%, final bound 57%, both
-# returning the DP's plan; 33/6050 24% below), while the DP proves 45/9356 and 41/4050 in 31-33 s CPU alone
-DP_SHARE_MEMORY, DP_MAX_MEMORY_S = 0.75, 45.0
+# the DP's share of exact's time, (fraction of time_limit, at most seconds), by whether a memory bound holds.
+# Without one: the hard fuzz cases it proves take 0.1-5 s alone on 2 cores, 4x that under load (case 2446 gave
+# up at 8 s beside a test run); on what it cannot prove, e.g. a GPT training step whose many independent
+# branches multiply its states, the 0/1 program gets the rest. Under one the share is larger: there the 0/1
+# program's LP stays far below the optimum and its share went unproven on every hard case measured (45/9356: 53%
+# LP bound at 76 s, 41/4050: 56%, final bound 57%, both returning the DP's plan; 33/6050 24% below), while the
+# DP proves 45/9356 and 41/4050 in 24-28 s CPU alone (33/6050 42 s under load 4)
+DP_SHARE = {False: (0.5, 30.0), True: (0.75, 45.0)}
 
 
 def _exact_dp(graph: PhysGraph, roots: list[str], memory_limit: float | None, greedy: Selection | None,
@@ -2028,11 +2027,11 @@ def _exact_dp(graph: PhysGraph, roots: list[str], memory_limit: float | None, gr
     if any(r not in classes for r in roots):
         return {"exact_dp": "no derivation of a root"}
     found: dict = {}
+    share, most = DP_SHARE[memory_limit is not None]
     res = extract_dp.solve(graph, roots, classes, order, canon,
                            upper=None if greedy is None else greedy.cost, memory_limit=memory_limit,
                            upper_memory=None if greedy is None else greedy.memory,
-                           time_limit=min(DP_SHARE * time_limit, DP_MAX_S) if memory_limit is None
-                           else min(DP_SHARE_MEMORY * time_limit, DP_MAX_MEMORY_S), found=found,
+                           time_limit=min(share * time_limit, most), found=found,
                            quick=lambda g, r: greedy_dag(g, r, buy=False).choice)  # its limits as before _bought_computations
     stats = {"exact_dp_s": time.perf_counter() - t0, **({} if res is None else res.stats)}
     if res is None:

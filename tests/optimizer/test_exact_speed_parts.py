@@ -23,7 +23,7 @@ def test_highs_loads_without_scipy_optimize_and_scipy_optimize_shares_it_afterwa
         from egraph_did.physgraph import Node, PhysGraph
         g = PhysGraph({"x": [Node("Load", (), "x")],
                        "y": [Node("Apply", ("x",), "y", 0, cost=2e-6), Node("Apply", ("x",), "y", 1, cost=1e-6)]})
-        extract.DP_SHARE = 0.0  # the 0/1 program proves it
+        extract.DP_SHARE = {False: (0.0, 0.0), True: (0.0, 0.0)}  # the 0/1 program proves it
         sel = extract.exact(g, extract.with_roots(g, {"y": ["y"]}))
         assert sel.proven and sel.stats["exact_method"] == "ilp" and sel.choice["y"].sid == 1
         loaded = [m for m in sys.modules if m in ("scipy.optimize", "scipy.sparse")]
@@ -77,7 +77,7 @@ def test_exact_gives_the_same_plan_with_the_usable_classes_shared_between_the_dp
     time 0) must still prove the same optimum as the DP."""
     graph, roots = _chain_graph(6)
     by_dp = extract.exact(graph, roots)
-    monkeypatch.setattr(extract, "DP_SHARE", 0.0)
+    monkeypatch.setattr(extract, "DP_SHARE", {False: (0.0, 0.0), True: (0.0, 0.0)})
     monkeypatch.setattr(extract_dp, "BEAM_ROUNDS", 0)
     calls = []
     real = extract._Usable.of

@@ -409,9 +409,10 @@ def test_where_the_dp_gives_up_it_hands_over_the_cheapest_plan_within_the_bound_
     graph, roots, bound = _graph_under_a_tight_bound(monkeypatch)
     order, classes = extract._usable(graph, roots, bound)
     found = {}
-    # 400k states: out of them before the proof (it takes 558k in the classes' canonical order)
+    # 250k states: the bounded walk is out of them before the proof (400k prove it; each priced DP of the dual
+    # has a budget of its own)
     res = extract_dp.solve(graph, roots, classes, order, extract._canonical_colls(graph, classes),
-                           memory_limit=bound, time_limit=600, max_states=400_000, found=found,
+                           memory_limit=bound, time_limit=600, max_states=250_000, found=found,
                            quick=_greedy_choice)
     assert res is None and _total(found["choice"])[1] <= bound
     # exact starts the 0/1 program from it: a plan within the bound, where greedy has none
@@ -473,3 +474,21 @@ def test_a_priced_setup_built_like_the_bounded_one_is_the_one_built_alone(graphs
         assert like[1](like[2], 0) == alone[1](alone[2], 0) and like[1].reach == alone[1].reach, case
         checked += 1
     assert checked >= 4
+
+
+def test_greedy_finds_the_plan_within_the_bound_before_the_dual_prices_a_dp_that_returns_the_plan_over_it():
+    """One reader, fast and big (1 us, 4 KiB) or slow and small (4.5 us, 1 KiB), bound 1 KiB. At the dual's
+    first price (a byte weighs what the unbounded plan costs per byte of the bound) the big one is still the
+    cheaper by cost + price x memory, so a priced DP there returns it again (case 43/115: 15 s of DP for its
+    unbounded plan). Greedy's plan at 8x that price is the small one; the dual's next price is where the two
+    plans' lines cross, and one priced DP there proves 4.5 us (3 priced DPs before: 0, the first price, 8x)."""
+    g = PhysGraph({"w": [Node("Load", (), "w")],
+                   "y": [Node("Apply", ("w",), "y", 0, cost=1e-6, memory=4096.0),
+                         Node("Apply", ("w",), "y", 1, cost=4.5e-6, memory=1024.0)]})
+    roots = extract.with_roots(g, {"y": ["y"]})
+    order, classes = extract._usable(g, roots, 1024.0)
+    res = extract_dp.solve(g, roots, classes, order, memory_limit=1024.0, quick=_greedy_choice)
+    assert res.choice["y"].sid == 1 and res.cost == pytest.approx(4.5e-6, rel=1e-12)
+    assert res.stats["dp_dual_greedy"] == 2  # greedy at the first price (the big one), then at 8x (the small one)
+    assert res.stats["dp_dual_solves"] == 2  # price 0, then where the two plans' lines cross
+    assert res.stats["dp_dual_bound"] == pytest.approx(4.5e-6, rel=1e-9) and "dp_beam_cost" not in res.stats
