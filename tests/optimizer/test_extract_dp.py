@@ -152,25 +152,6 @@ def test_the_dp_proves_the_campaigns_hard_cases_in_seconds(seed, index, ilp_us, 
     assert sel.cost * 1e6 <= ilp_us + 1e-3 and sel.cost <= greedy_dag(graph, roots, bound).cost * (1 + 1e-12)
 
 
-def test_the_dp_proves_a_memory_bounded_attention_backward_by_the_memory_its_states_still_need():
-    """Fuzz seed 41 case 4050 as bench/fuzz.py draws it (2x2x2 mesh, attention backward, a 4,002 B bound; greedy
-    134.0038 us): the bound's dual has two plans, 64.0 us over it and 94.0027 us within, and bounds the optimum
-    at 75.97 us; the walks under probes between keep every state whose cost fits, and the one under 92.38 us
-    passed max_width (42,465 states after a bag at step 8) and gave up. A state's memory plus a lower bound of
-    what the rest holds (extract_dp._by_memory) drops those with no completion within the bound (34,364 states
-    there): the DP proves 94.0027 us. The DP alone as exact runs it, ~45 s CPU on this 2-core machine, 33-36 s
-    since the PROBE_GAP rules (its limit here lifted above exact's 45 s wall share under a memory bound, which a
-    loaded machine may not give it)."""
-    graph, roots, bound = capture(41, 4050, **DRAWN[41])
-    order, classes, canon = extract._Usable.of(graph, roots, bound)
-    res = extract_dp.solve(graph, roots, classes, order, canon, memory_limit=bound, time_limit=600,
-                           quick=lambda g, r: greedy_dag(g, r, buy=False).choice)
-    assert res is not None and res.choice is not None, "the DP gave up"
-    total, mem = _total(res.choice)
-    assert mem <= bound and total == pytest.approx(res.cost, rel=1e-9)
-    assert res.cost * 1e6 == pytest.approx(94.0027, abs=1e-3)
-
-
 @pytest.mark.serial  # exact must prove it inside its time limit
 def test_exact_proves_a_memory_bounded_attention_backward_by_the_dp_within_its_time_limit(drawn):
     """Fuzz seed 45 case 9356 as bench/fuzz.py draws it (2x2x2 mesh, attention backward, a 4,216 B bound), the one
