@@ -8,6 +8,12 @@ pass's e-graph size and the predicted step time; the 2x2 row ends with its CPU r
 model and bound, both measured in this run.
 
     .venv/bin/python bench/mesh_2d.py [--models qwen2 llama] [--layers 2] [--bounds none 450000]
+    .venv/bin/python bench/mesh_2d.py --parallelize [--models qwen2 llama] [--repeats 2]
+
+--parallelize: what a user waits for instead, ed.parallelize end to end (export, the joint plan, its split, the
+parameters' shards) on rank 0 of 4 gloo processes (ed.launch; rank 0 plans, the others wait for its broadcast),
+then the first training call (forward and backward: the plans' lowering), per mesh; the 2x2 row's ratios are to
+the flat row's parallelize seconds (wall, and rank 0's CPU) of the same repeat.
 
 Needs transformers (pip install -e '.[models]'). Nothing is downloaded: random weights, tiny configs.
 """
@@ -58,12 +64,40 @@ def run(name: str, layers: int, bound: float | None, mesh_name: str) -> dict:
                 predicted_ms=split.joint.predicted_time * 1e3, **stage)
 
 
+def _parallelize_rank(rank: int, name: str, layers: int, mesh_name: str) -> tuple[float, float, float]:
+    """(wall s, CPU s) of ed.parallelize on this rank, and the wall s of the first forward + backward."""
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    module = model(name, layers)
+    t0, c0 = time.perf_counter(), time.process_time()
+    module = ed.parallelize(module, MESHES[mesh_name](), (ids,), kwargs={"use_cache": False})
+    t1, c1 = time.perf_counter(), time.process_time()
+    module(ids, use_cache=False).logits.square().mean().backward()
+    return t1 - t0, c1 - c0, time.perf_counter() - t1
+
+
+def parallelize_rows(models: list[str], layers: int, repeats: int) -> None:
+    """ed.parallelize's seconds on rank 0 (see the module docstring), flat4 then 2x2, `repeats` times."""
+    print(f"{'model':7} {'mesh':>6} {'repeat':>6} {'wall_s':>7} {'cpu_s':>7} {'first_step_s':>12}  ratio")
+    for name in models:
+        for r in range(repeats):
+            flat = None
+            for mesh_name in MESHES:
+                wall, cpu, step = ed.launch(_parallelize_rank, nprocs=4, args=(name, layers, mesh_name), timeout=900)[0]
+                flat = flat or (wall, cpu)
+                ratio = "" if mesh_name == "flat4" else f"{wall / flat[0]:.2f}x flat (CPU {cpu / flat[1]:.2f}x)"
+                print(f"{name:7} {mesh_name:>6} {r:6d} {wall:7.2f} {cpu:7.2f} {step:12.2f}  {ratio}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["qwen2"], choices=["qwen2", "llama"])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--bounds", nargs="+", default=["none", "450000"], help="bytes per device, or none")
+    ap.add_argument("--parallelize", action="store_true", help="time ed.parallelize end to end on 4 gloo ranks")
+    ap.add_argument("--repeats", type=int, default=2, help="--parallelize: rounds of (flat4, 2x2)")
     a = ap.parse_args()
+    if a.parallelize:
+        return parallelize_rows(a.models, a.layers, a.repeats)
     print(f"{'model':7} {'bound':>8} {'mesh':>6} {'cpu_s':>7} {'wall_s':>7} {'passes':>6} {'problem':>7} {'egraph':>7} "
           f"{'price':>6} {'extract':>7} {'classes':>7} {'nodes':>7} {'pred_ms':>8}  ratio")
     for name in a.models:
