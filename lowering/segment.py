@@ -136,47 +136,61 @@ def spec_from_fusion(fusion: Fusion) -> KernelSpec:
                       tuple(t.name for t in prim.outputs.values()), tensors)
 
 
-def _handed_on_saves(plan: Plan, run: list[ComputeStep], later: list, needed=None) -> list[ComputeStep]:
-    """The saved markers of a run whose result leaves it (read later or a plan output). A marker is an
-    alias of its input (ops.saved: no kernel); in a kernel it would be an extra output, a copy written
+def _handed_on_saves(run: list[ComputeStep], needed) -> list[ComputeStep]:
+    """The saved markers of a run whose result leaves it (in `needed`: read later or a plan output). A marker
+    is an alias of its input (ops.saved: no kernel); in a kernel it would be an extra output, a copy written
     for the backward, so these run after the kernel as aliases (aten steps that return their input)."""
-    _, outs = _segment_io(plan, run, later, needed)
+    _, outs = _segment_io(run, needed)
     read_inside = {v for s in run if s.op != SAVE_OP for v in s.reads}  # a step of the kernel reads it: it stays
     return [s for s in run if s.op == SAVE_OP and s.outputs[0] in outs and s.outputs[0] not in read_inside]
 
 
 class _ReadFrom:
-    """The values read by steps[upto:] or a plan output, as `_segment_io`'s `needed`: the set
-    {v for s in steps[upto:] for v in s.reads} | set(plan.outputs.values()) without building it (lower asks at
-    every step of every run it grows: building it from the rest of the plan each time was quadratic, 4.6 s of a
-    6-layer GPT step's 17 s lowering on every rank). v is read at or after upto iff its last reader is."""
+    """What the rest of the plan needs from a run, as `_segment_io`'s `needed`: the values read by steps[upto:]
+    or by the `also` steps, or a plan output. Answers `in` without building that set (lower asks at every
+    step of every run it grows: building it from the rest of the plan each time was quadratic, 4.6 s of a
+    6-layer GPT step's 17 s lowering on every rank). v is read at or after upto iff its last reader is.
+
+    >>> from egraph_did.plan import ComputeStep
+    >>> a = ComputeStep("neg", (("a", "x"),), ("a",), ("y",), (), (), 0.0)
+    >>> b = ComputeStep("neg", (("a", "y"),), ("a",), ("z",), (), (), 0.0)
+    >>> class P: outputs = {"out": "z"}
+    >>> needed = _ReadFrom(P, [a, b])
+    >>> "y" in needed.at(1), "y" in needed.at(2), "x" in needed.at(2, also=[a]), "z" in needed.at(2)
+    (True, False, True, True)
+    """
 
     def __init__(self, plan: Plan, steps: list):
         self.last = {v: i for i, s in enumerate(steps) for v in s.reads}
         self.outputs = set(plan.outputs.values())
-        self.upto = 0
+        self.upto, self.also = 0, frozenset()
 
-    def at(self, upto: int) -> "_ReadFrom":
+    def at(self, upto: int, also: list = ()) -> "_ReadFrom":
+        """Itself, cut at upto, also counting what the `also` steps read (steps moved after the run)."""
         self.upto = upto
+        self.also = frozenset(v for s in also for v in s.reads)
         return self
 
     def __contains__(self, v) -> bool:
-        return v in self.outputs or self.last.get(v, -1) >= self.upto
+        return v in self.outputs or self.last.get(v, -1) >= self.upto or v in self.also
 
 
-def _segment_io(plan: Plan, steps: list[ComputeStep], later: list,
-                needed=None) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(inputs, outputs) of a run of steps: what it reads from before it; what it makes that `later` steps read
-    or the plan outputs (`needed`, where given, answers `in` for that set: lower's _ReadFrom)."""
+def _segment_io(steps: list[ComputeStep], needed) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(inputs, outputs) of a run of steps: what it reads from before it; what it makes that is in `needed`
+    (what the rest of the plan reads, or a plan output: lower's _ReadFrom).
+
+    >>> from egraph_did.plan import ComputeStep
+    >>> a = ComputeStep("neg", (("a", "x"),), ("a",), ("y",), (), (), 0.0)
+    >>> b = ComputeStep("neg", (("a", "y"),), ("a",), ("z",), (), (), 0.0)
+    >>> _segment_io([a, b], {"z"})
+    (('x',), ('z',))
+    """
     made = {v for s in steps for v in s.outputs}
     ins: list[str] = []
     for s in steps:
         for v in s.reads:
             if v not in made and v not in ins:
                 ins.append(v)
-    if needed is None:
-        needed = {v for s in later for v in s.reads}
-        needed |= set(plan.outputs.values())
     outs = tuple(v for s in steps for v in s.outputs if v in needed)
     return tuple(ins), outs
 
@@ -223,7 +237,7 @@ def lower(plan: Plan, classify=None) -> LoweredPlan:
     def scheduler_for(run: list[ComputeStep], upto: int) -> str | None:
         key = (len(run), id(run[0]), upto)
         if key not in memo:
-            ins, outs = _segment_io(plan, run, (), read_from.at(upto))
+            ins, outs = _segment_io(run, read_from.at(upto))
             try:
                 memo[key] = _classify_on_every_rank(plan, run, ins, outs, classify) if outs else None
             except (ValueError, KeyError, TypeError, AssertionError, NotImplementedError):
@@ -233,12 +247,12 @@ def lower(plan: Plan, classify=None) -> LoweredPlan:
     def close(upto: int) -> None:
         if not group:
             return
-        handed = _handed_on_saves(plan, group, (), read_from.at(upto))
+        handed = _handed_on_saves(group, read_from.at(upto))
         if handed:  # a kernel would write a copy of each: run them after it as aliases instead
             rest = [s for s in group if s not in handed]
             group.clear()
             if rest:
-                ins, outs = _segment_io(plan, rest, handed + list(steps[upto:]))
+                ins, outs = _segment_io(rest, read_from.at(upto, also=handed))
                 sched = _classify_on_every_rank(plan, rest, ins, outs, classify) if outs else None
                 if sched is None:
                     low.segments.extend(Segment("aten", (s,)) for s in rest)
@@ -251,7 +265,7 @@ def lower(plan: Plan, classify=None) -> LoweredPlan:
             for s in group:
                 low.segments.append(Segment("aten", (s,)))
         else:
-            ins, outs = _segment_io(plan, group, (), read_from.at(upto))
+            ins, outs = _segment_io(group, read_from.at(upto))
             low.segments.append(Segment("fused", tuple(group), ins, outs, sched))
         group.clear()
 
