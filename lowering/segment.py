@@ -79,9 +79,18 @@ def _fusible(step: ComputeStep) -> bool:
     return step.op in FUSIBLE and not step.flags
 
 
+# kernel_spec's specs and their schedulers by _run_key: lower grows every run a step at a time and classifies
+# each prefix on every rank's shapes, and the layers of a model, the AdamW updates of equal-shaped parameters and
+# the ranks of one process repeat the same runs (a 2-layer GPT step's plan: 372 specs asked for, 123 distinct)
+_SPECS: dict[tuple, KernelSpec] = {}
+_CLASSES: dict[tuple, str | None] = {}
+_CACHE_LIMIT = 20000  # entries; past it both start over (a fuzz session lowers thousands of plans)
+
+
 def kernel_spec(plan: Plan, steps: tuple[ComputeStep, ...], inputs: tuple[str, ...], outputs: tuple[str, ...],
                 rank: int) -> KernelSpec:
-    """The segment's ops over rank's local shapes, composites decomposed into kernel primitives.
+    """The segment's ops over rank's local shapes, composites decomposed into kernel primitives; built once
+    per _run_key (runs equal but for value names share one spec object).
 
     >>> import egraph_did as ed
     >>> from egraph_did.models import mlp
@@ -91,6 +100,42 @@ def kernel_spec(plan: Plan, steps: tuple[ComputeStep, ...], inputs: tuple[str, .
     >>> spec.shape(spec.inputs[0]), [op.op for op in spec.ops]  # rank 1's rows; exact gelu through erf
     ((4, 64), ['mul', 'mul', 'erf', 'add', 'mul'])
     """
+    return _spec_of(_run_key(plan, steps, inputs, outputs, rank), plan, steps, inputs, outputs, rank)
+
+
+def _run_key(plan: Plan, steps, inputs: tuple[str, ...], outputs: tuple[str, ...], rank: int) -> tuple:
+    """All that kernel_spec's result depends on: each step's op, its literals and where each operand comes from
+    (a number per value, in order of first appearance: the inputs, then each step's outputs), the inputs'
+    local shapes and dtypes on rank, and the numbers of the values handed on. kernel_spec names its tensors
+    by position (in0.., its own fusion's counters, out0..), never by value name, so runs with equal keys
+    have equal specs."""
+    number: dict[str, int] = {}
+    for v in inputs:
+        number.setdefault(v, len(number))
+
+    def num(v: str) -> int:
+        return number.setdefault(v, len(number))
+    body = tuple((s.op, tuple((k, num(v)) if k in s.tensor_params else (k, type(v).__name__, repr(v))
+                              for k, v in s.args), tuple(num(v) for v in s.outputs)) for s in steps)
+    ctx = RankContext(plan.mesh, rank)
+    shapes = tuple((ctx.local_shape(Operand(plan.values[v].shape, plan.values[v].layout)), plan.values[v].dtype)
+                   for v in inputs)
+    return body, shapes, tuple(num(v) for v in outputs)
+
+
+def _spec_of(key: tuple, plan: Plan, steps, inputs, outputs, rank: int) -> KernelSpec:
+    """The spec of a run whose _run_key is key: cached, or built (_build_spec) and kept."""
+    spec = _SPECS.get(key)
+    if spec is None:
+        spec = _build_spec(plan, steps, inputs, outputs, rank)
+        if len(_SPECS) >= _CACHE_LIMIT:
+            _SPECS.clear()
+        _SPECS[key] = spec
+    return spec
+
+
+def _build_spec(plan: Plan, steps, inputs: tuple[str, ...], outputs: tuple[str, ...], rank: int) -> KernelSpec:
+    """kernel_spec without the cache: a fusion of the steps over the inputs' local shapes, decomposed."""
     ctx = RankContext(plan.mesh, rank)
     fusion = Fusion()
     tv: dict[str, TensorView] = {}
@@ -106,6 +151,17 @@ def kernel_spec(plan: Plan, steps: tuple[ComputeStep, ...], inputs: tuple[str, .
     for i, v in enumerate(outputs):
         fusion.add_output(tv[v], f"out{i}")
     return spec_from_fusion(fusion)
+
+
+def _classified(plan: Plan, run: tuple, ins: tuple[str, ...], outs: tuple[str, ...], rank: int, classify):
+    """classify(kernel_spec(...)) once per (classify, _run_key): a classifier is a function of the spec alone."""
+    key = _run_key(plan, run, ins, outs, rank)
+    if (classify, key) not in _CLASSES:
+        name = classify(_spec_of(key, plan, run, ins, outs, rank))
+        if len(_CLASSES) >= _CACHE_LIMIT:
+            _CLASSES.clear()
+        _CLASSES[(classify, key)] = name
+    return _CLASSES[(classify, key)]
 
 
 def spec_from_fusion(fusion: Fusion) -> KernelSpec:
@@ -209,7 +265,7 @@ def _classify_on_every_rank(plan: Plan, run: list[ComputeStep], ins: tuple[str, 
         if any(0 in shape for shape in key):  # a rank holds no data of one (an empty-rank layout): torch runs
             return None                        # the steps (fuzz seed 38 case 3267: a kernel beside it misread)
         if key not in found:
-            found[key] = classify(kernel_spec(plan, tuple(run), ins, outs, rank))
+            found[key] = _classified(plan, tuple(run), ins, outs, rank, classify)
             if found[key] is None:
                 return None
     names = set(found.values())
