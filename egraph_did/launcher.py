@@ -299,15 +299,18 @@ def _check_args(fn, nprocs, backend, args, timeout) -> None:
 
 
 def launch(fn: Callable, nprocs: int, backend: str = "gloo", args: tuple = (), timeout: float = 120.0) -> list[Any]:
-    """Run fn(rank, *args) in `nprocs` processes (spawned) with torch.distributed's default process
-    group initialized (MASTER_ADDR 127.0.0.1, a free port, world size nprocs); returns the per-rank
-    return values in rank order. fn and args must be picklable (a module-level function); return
-    values travel through torch.save, so tensors come back intact.
+    """Run fn(rank, *args) in `nprocs` processes with torch.distributed's default process group
+    initialized (MASTER_ADDR 127.0.0.1, a free port, world size nprocs); returns the per-rank return
+    values in rank order. The processes fork from a server that has imported torch (started by the first
+    launch; spawned where the platform has no forkserver), each with this process's environment and stdout
+    and stderr as at the call. fn and args must be picklable (a module-level function); return values
+    travel through torch.save, so tensors come back intact.
 
     backend: "gloo" (CPU; each rank gets cpu_count // nprocs torch threads) or "nccl" (one GPU per
-    rank: rank % device_count). timeout: seconds for the whole run, start-up included (a few seconds per
-    process: each imports torch); past it every rank is stopped and LaunchError says where each was.
-    A rank that raises stops the run at once: LaunchError names it and holds its traceback.
+    rank: rank % device_count). timeout: seconds for the whole run, start-up included (each process imports
+    fn's module; the first launch starts the server, which imports torch); past it every rank is stopped and
+    LaunchError says where each was. A rank that raises stops the run at once: LaunchError names it and
+    holds its traceback.
 
     >>> import operator
     >>> launch(operator.add, nprocs=2, args=(10,))
