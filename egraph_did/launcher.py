@@ -155,10 +155,11 @@ def _as_at_launch(env: dict, out, err) -> None:
                 os.close(fd)
 
 
-def _child(as_at_launch: None, rank: int, nprocs: int, port: int, backend: str, fn: Callable, args: tuple,
-           workdir: str, events, release, timeout: float) -> None:
-    """One rank: set up the process group, run fn, save its value, report, wait to be released. as_at_launch:
-    _AsAtLaunch, whose unpickling restored the parent's environment and stdout and stderr."""
+def _child(as_at_launch: None, rank: int, nprocs: int, port: int, backend: str, job: str, workdir: str,
+           events, release, timeout: float) -> None:
+    """One rank: load fn and its arguments (job: torch.save'd by launch), set up the process group, run fn,
+    save its value, report, wait to be released. as_at_launch: _AsAtLaunch, whose unpickling restored the
+    parent's environment and stdout and stderr."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nprocs),
@@ -177,6 +178,7 @@ def _child(as_at_launch: None, rank: int, nprocs: int, port: int, backend: str, 
         else:
             # the ranks share the host's cores; one thread pool each would oversubscribe them
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
+        fn, args = torch.load(job, weights_only=False)
         dist.init_process_group(backend, rank=rank, world_size=nprocs,
                                 timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
         note("running fn, before any plan step")
@@ -249,7 +251,7 @@ def _stop(procs) -> None:
 
 class _Probe(pickle.Pickler):
     """Pickles to nowhere, tensors as stubs: whether something can reach a spawned process, without
-    copying tensor data (spawn pickles the real thing once, at start)."""
+    copying tensor data (launch pickles the real thing once, into the job file the ranks load)."""
 
     def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor):
@@ -321,14 +323,17 @@ def launch(fn: Callable, nprocs: int, backend: str = "gloo", args: tuple = (), t
     workdir = tempfile.mkdtemp(prefix="egraph-did-launch-")
     events, release = ctx.Queue(), ctx.Event()
     port = _free_port()
+    # fn and args go through a file, not the processes' arguments: a forkserver passes each tensor's shared
+    # memory as a file descriptor, at most ~250 a process (a training step's state holds more tensors)
+    job = os.path.join(workdir, "job.pt")
     procs = [ctx.Process(target=_child, name=f"egraph-did-rank{r}",
-                         args=(_AsAtLaunch(), r, nprocs, port, backend, fn, tuple(args), workdir, events, release,
-                               timeout))
+                         args=(_AsAtLaunch(), r, nprocs, port, backend, job, workdir, events, release, timeout))
              for r in range(nprocs)]
     start = time.monotonic()
     deadline = start + timeout
     done: set[int] = set()
     try:
+        torch.save((fn, tuple(args)), job)
         for p in procs:
             p.start()
         while len(done) < nprocs:
