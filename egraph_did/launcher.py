@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 import traceback
+from multiprocessing import context as mp_context, reduction
 from typing import Any, Callable, Sequence
 
 import torch
@@ -100,9 +101,65 @@ class _ProgressFile:
             self.flush()
 
 
-def _child(rank: int, nprocs: int, port: int, backend: str, fn: Callable, args: tuple, workdir: str,
+# Ranks fork from a server process that has imported torch once (multiprocessing's forkserver): a spawned rank
+# imports it itself, ~1.2 s of CPU of its ~2.4 s start, four ranks a launch. Not egraph_did: egglog's runtime,
+# imported in the server, leaves a forked rank's first optimize() waiting forever on a lock (measured: a rank
+# that optimizes never returns). Where the platform has no forkserver, ranks are spawned.
+_PRELOAD = ["torch"]
+
+
+def _context():
+    """The multiprocessing context ranks start in: forkserver (torch preloaded) or spawn."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+class _AsAtLaunch:
+    """What a spawned rank inherits from the parent at launch: its environment, and where stdout and stderr
+    go (under pytest, the running test's capture). A forkserver's child inherits the server's instead, as
+    they were when the server started. Pickled as the first of a rank's arguments, it restores the parent's
+    in the rank before fn and its module are unpickled (a test module sets TRITON_INTERPRET on import).
+
+    >>> import pickle
+    >>> pickle.loads(pickle.dumps(_AsAtLaunch())) is None  # outside a launch: the environment only
+    True
+    """
+
+    def __reduce__(self):
+        return _as_at_launch, (dict(os.environ), _dup_for_child(1), _dup_for_child(2))
+
+
+def _dup_for_child(fd: int):
+    """fd, handed to the process being started (None outside a start, or where fd is closed)."""
+    if mp_context.get_spawning_popen() is None:  # set only while Process.start pickles the process
+        return None
+    try:
+        os.fstat(fd)
+    except OSError:
+        return None
+    return reduction.DupFd(fd)
+
+
+def _as_at_launch(env: dict, out, err) -> None:
+    """In the rank: the parent's environment, and its stdout and stderr on fds 1 and 2."""
+    os.environ.clear()
+    os.environ.update(env)
+    for target, dup in ((1, out), (2, err)):
+        if dup is not None:
+            fd = dup.detach()
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+
+
+def _child(as_at_launch: None, rank: int, nprocs: int, port: int, backend: str, job: str, workdir: str,
            events, release, timeout: float) -> None:
-    """One rank: set up the process group, run fn, save its value, report, wait to be released."""
+    """One rank: load fn and its arguments (job: torch.save'd by launch), set up the process group, run fn,
+    save its value, report, wait to be released. as_at_launch: _AsAtLaunch, whose unpickling restored the
+    parent's environment and stdout and stderr."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nprocs),
@@ -121,6 +178,7 @@ def _child(rank: int, nprocs: int, port: int, backend: str, fn: Callable, args: 
         else:
             # the ranks share the host's cores; one thread pool each would oversubscribe them
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
+        fn, args = torch.load(job, weights_only=False)
         dist.init_process_group(backend, rank=rank, world_size=nprocs,
                                 timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
         note("running fn, before any plan step")
@@ -193,7 +251,7 @@ def _stop(procs) -> None:
 
 class _Probe(pickle.Pickler):
     """Pickles to nowhere, tensors as stubs: whether something can reach a spawned process, without
-    copying tensor data (spawn pickles the real thing once, at start)."""
+    copying tensor data (launch pickles the real thing once, into the job file the ranks load)."""
 
     def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor):
@@ -243,32 +301,39 @@ def _check_args(fn, nprocs, backend, args, timeout) -> None:
 
 
 def launch(fn: Callable, nprocs: int, backend: str = "gloo", args: tuple = (), timeout: float = 120.0) -> list[Any]:
-    """Run fn(rank, *args) in `nprocs` processes (spawned) with torch.distributed's default process
-    group initialized (MASTER_ADDR 127.0.0.1, a free port, world size nprocs); returns the per-rank
-    return values in rank order. fn and args must be picklable (a module-level function); return
-    values travel through torch.save, so tensors come back intact.
+    """Run fn(rank, *args) in `nprocs` processes with torch.distributed's default process group
+    initialized (MASTER_ADDR 127.0.0.1, a free port, world size nprocs); returns the per-rank return
+    values in rank order. The processes fork from a server that has imported torch (started by the first
+    launch; spawned where the platform has no forkserver), each with this process's environment and stdout
+    and stderr as at the call. fn and args must be picklable (a module-level function); return values
+    travel through torch.save, so tensors come back intact.
 
     backend: "gloo" (CPU; each rank gets cpu_count // nprocs torch threads) or "nccl" (one GPU per
-    rank: rank % device_count). timeout: seconds for the whole run, start-up included (a few seconds per
-    process: each imports torch); past it every rank is stopped and LaunchError says where each was.
-    A rank that raises stops the run at once: LaunchError names it and holds its traceback.
+    rank: rank % device_count). timeout: seconds for the whole run, start-up included (each process imports
+    fn's module; the first launch starts the server, which imports torch); past it every rank is stopped and
+    LaunchError says where each was. A rank that raises stops the run at once: LaunchError names it and
+    holds its traceback.
 
     >>> import operator
     >>> launch(operator.add, nprocs=2, args=(10,))
     [10, 11]
     """
     _check_args(fn, nprocs, backend, args, timeout)
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     workdir = tempfile.mkdtemp(prefix="egraph-did-launch-")
     events, release = ctx.Queue(), ctx.Event()
     port = _free_port()
+    # fn and args go through a file, not the processes' arguments: a forkserver passes each tensor's shared
+    # memory as a file descriptor, at most ~250 a process (a training step's state holds more tensors)
+    job = os.path.join(workdir, "job.pt")
     procs = [ctx.Process(target=_child, name=f"egraph-did-rank{r}",
-                         args=(r, nprocs, port, backend, fn, tuple(args), workdir, events, release, timeout))
+                         args=(_AsAtLaunch(), r, nprocs, port, backend, job, workdir, events, release, timeout))
              for r in range(nprocs)]
     start = time.monotonic()
     deadline = start + timeout
     done: set[int] = set()
     try:
+        torch.save((fn, tuple(args)), job)
         for p in procs:
             p.start()
         while len(done) < nprocs:

@@ -79,9 +79,18 @@ def _fusible(step: ComputeStep) -> bool:
     return step.op in FUSIBLE and not step.flags
 
 
+# kernel_spec's specs and their schedulers by _run_key: lower grows every run a step at a time and classifies
+# each prefix on every rank's shapes, and the layers of a model, the AdamW updates of equal-shaped parameters and
+# the ranks of one process repeat the same runs (a 2-layer GPT step's plan: 372 specs asked for, 123 distinct)
+_SPECS: dict[tuple, KernelSpec] = {}
+_CLASSES: dict[tuple, str | None] = {}
+_CACHE_LIMIT = 20000  # entries; past it both start over (a fuzz session lowers thousands of plans)
+
+
 def kernel_spec(plan: Plan, steps: tuple[ComputeStep, ...], inputs: tuple[str, ...], outputs: tuple[str, ...],
                 rank: int) -> KernelSpec:
-    """The segment's ops over rank's local shapes, composites decomposed into kernel primitives.
+    """The segment's ops over rank's local shapes, composites decomposed into kernel primitives; built once
+    per _run_key (runs equal but for value names share one spec object).
 
     >>> import egraph_did as ed
     >>> from egraph_did.models import mlp
@@ -91,6 +100,42 @@ def kernel_spec(plan: Plan, steps: tuple[ComputeStep, ...], inputs: tuple[str, .
     >>> spec.shape(spec.inputs[0]), [op.op for op in spec.ops]  # rank 1's rows; exact gelu through erf
     ((4, 64), ['mul', 'mul', 'erf', 'add', 'mul'])
     """
+    return _spec_of(_run_key(plan, steps, inputs, outputs, rank), plan, steps, inputs, outputs, rank)
+
+
+def _run_key(plan: Plan, steps, inputs: tuple[str, ...], outputs: tuple[str, ...], rank: int) -> tuple:
+    """All that kernel_spec's result depends on: each step's op, its literals and where each operand comes from
+    (a number per value, in order of first appearance: the inputs, then each step's outputs), the inputs'
+    local shapes and dtypes on rank, and the numbers of the values handed on. kernel_spec names its tensors
+    by position (in0.., its own fusion's counters, out0..), never by value name, so runs with equal keys
+    have equal specs."""
+    number: dict[str, int] = {}
+    for v in inputs:
+        number.setdefault(v, len(number))
+
+    def num(v: str) -> int:
+        return number.setdefault(v, len(number))
+    body = tuple((s.op, tuple((k, num(v)) if k in s.tensor_params else (k, type(v).__name__, repr(v))
+                              for k, v in s.args), tuple(num(v) for v in s.outputs)) for s in steps)
+    ctx = RankContext(plan.mesh, rank)
+    shapes = tuple((ctx.local_shape(Operand(plan.values[v].shape, plan.values[v].layout)), plan.values[v].dtype)
+                   for v in inputs)
+    return body, shapes, tuple(num(v) for v in outputs)
+
+
+def _spec_of(key: tuple, plan: Plan, steps, inputs, outputs, rank: int) -> KernelSpec:
+    """The spec of a run whose _run_key is key: cached, or built (_build_spec) and kept."""
+    spec = _SPECS.get(key)
+    if spec is None:
+        spec = _build_spec(plan, steps, inputs, outputs, rank)
+        if len(_SPECS) >= _CACHE_LIMIT:
+            _SPECS.clear()
+        _SPECS[key] = spec
+    return spec
+
+
+def _build_spec(plan: Plan, steps, inputs: tuple[str, ...], outputs: tuple[str, ...], rank: int) -> KernelSpec:
+    """kernel_spec without the cache: a fusion of the steps over the inputs' local shapes, decomposed."""
     ctx = RankContext(plan.mesh, rank)
     fusion = Fusion()
     tv: dict[str, TensorView] = {}
@@ -106,6 +151,17 @@ def kernel_spec(plan: Plan, steps: tuple[ComputeStep, ...], inputs: tuple[str, .
     for i, v in enumerate(outputs):
         fusion.add_output(tv[v], f"out{i}")
     return spec_from_fusion(fusion)
+
+
+def _classified(plan: Plan, run: tuple, ins: tuple[str, ...], outs: tuple[str, ...], rank: int, classify):
+    """classify(kernel_spec(...)) once per (classify, _run_key): a classifier is a function of the spec alone."""
+    key = _run_key(plan, run, ins, outs, rank)
+    if (classify, key) not in _CLASSES:
+        name = classify(_spec_of(key, plan, run, ins, outs, rank))
+        if len(_CLASSES) >= _CACHE_LIMIT:
+            _CLASSES.clear()
+        _CLASSES[(classify, key)] = name
+    return _CLASSES[(classify, key)]
 
 
 def spec_from_fusion(fusion: Fusion) -> KernelSpec:
@@ -136,47 +192,61 @@ def spec_from_fusion(fusion: Fusion) -> KernelSpec:
                       tuple(t.name for t in prim.outputs.values()), tensors)
 
 
-def _handed_on_saves(plan: Plan, run: list[ComputeStep], later: list, needed=None) -> list[ComputeStep]:
-    """The saved markers of a run whose result leaves it (read later or a plan output). A marker is an
-    alias of its input (ops.saved: no kernel); in a kernel it would be an extra output, a copy written
+def _handed_on_saves(run: list[ComputeStep], needed) -> list[ComputeStep]:
+    """The saved markers of a run whose result leaves it (in `needed`: read later or a plan output). A marker
+    is an alias of its input (ops.saved: no kernel); in a kernel it would be an extra output, a copy written
     for the backward, so these run after the kernel as aliases (aten steps that return their input)."""
-    _, outs = _segment_io(plan, run, later, needed)
+    _, outs = _segment_io(run, needed)
     read_inside = {v for s in run if s.op != SAVE_OP for v in s.reads}  # a step of the kernel reads it: it stays
     return [s for s in run if s.op == SAVE_OP and s.outputs[0] in outs and s.outputs[0] not in read_inside]
 
 
 class _ReadFrom:
-    """The values read by steps[upto:] or a plan output, as `_segment_io`'s `needed`: the set
-    {v for s in steps[upto:] for v in s.reads} | set(plan.outputs.values()) without building it (lower asks at
-    every step of every run it grows: building it from the rest of the plan each time was quadratic, 4.6 s of a
-    6-layer GPT step's 17 s lowering on every rank). v is read at or after upto iff its last reader is."""
+    """What the rest of the plan needs from a run, as `_segment_io`'s `needed`: the values read by steps[upto:]
+    or by the `also` steps, or a plan output. Answers `in` without building that set (lower asks at every
+    step of every run it grows: building it from the rest of the plan each time was quadratic, 4.6 s of a
+    6-layer GPT step's 17 s lowering on every rank). v is read at or after upto iff its last reader is.
+
+    >>> from egraph_did.plan import ComputeStep
+    >>> a = ComputeStep("neg", (("a", "x"),), ("a",), ("y",), (), (), 0.0)
+    >>> b = ComputeStep("neg", (("a", "y"),), ("a",), ("z",), (), (), 0.0)
+    >>> class P: outputs = {"out": "z"}
+    >>> needed = _ReadFrom(P, [a, b])
+    >>> "y" in needed.at(1), "y" in needed.at(2), "x" in needed.at(2, also=[a]), "z" in needed.at(2)
+    (True, False, True, True)
+    """
 
     def __init__(self, plan: Plan, steps: list):
         self.last = {v: i for i, s in enumerate(steps) for v in s.reads}
         self.outputs = set(plan.outputs.values())
-        self.upto = 0
+        self.upto, self.also = 0, frozenset()
 
-    def at(self, upto: int) -> "_ReadFrom":
+    def at(self, upto: int, also: list = ()) -> "_ReadFrom":
+        """Itself, cut at upto, also counting what the `also` steps read (steps moved after the run)."""
         self.upto = upto
+        self.also = frozenset(v for s in also for v in s.reads)
         return self
 
     def __contains__(self, v) -> bool:
-        return v in self.outputs or self.last.get(v, -1) >= self.upto
+        return v in self.outputs or self.last.get(v, -1) >= self.upto or v in self.also
 
 
-def _segment_io(plan: Plan, steps: list[ComputeStep], later: list,
-                needed=None) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(inputs, outputs) of a run of steps: what it reads from before it; what it makes that `later` steps read
-    or the plan outputs (`needed`, where given, answers `in` for that set: lower's _ReadFrom)."""
+def _segment_io(steps: list[ComputeStep], needed) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(inputs, outputs) of a run of steps: what it reads from before it; what it makes that is in `needed`
+    (what the rest of the plan reads, or a plan output: lower's _ReadFrom).
+
+    >>> from egraph_did.plan import ComputeStep
+    >>> a = ComputeStep("neg", (("a", "x"),), ("a",), ("y",), (), (), 0.0)
+    >>> b = ComputeStep("neg", (("a", "y"),), ("a",), ("z",), (), (), 0.0)
+    >>> _segment_io([a, b], {"z"})
+    (('x',), ('z',))
+    """
     made = {v for s in steps for v in s.outputs}
     ins: list[str] = []
     for s in steps:
         for v in s.reads:
             if v not in made and v not in ins:
                 ins.append(v)
-    if needed is None:
-        needed = {v for s in later for v in s.reads}
-        needed |= set(plan.outputs.values())
     outs = tuple(v for s in steps for v in s.outputs if v in needed)
     return tuple(ins), outs
 
@@ -195,7 +265,7 @@ def _classify_on_every_rank(plan: Plan, run: list[ComputeStep], ins: tuple[str, 
         if any(0 in shape for shape in key):  # a rank holds no data of one (an empty-rank layout): torch runs
             return None                        # the steps (fuzz seed 38 case 3267: a kernel beside it misread)
         if key not in found:
-            found[key] = classify(kernel_spec(plan, tuple(run), ins, outs, rank))
+            found[key] = _classified(plan, tuple(run), ins, outs, rank, classify)
             if found[key] is None:
                 return None
     names = set(found.values())
@@ -223,7 +293,7 @@ def lower(plan: Plan, classify=None) -> LoweredPlan:
     def scheduler_for(run: list[ComputeStep], upto: int) -> str | None:
         key = (len(run), id(run[0]), upto)
         if key not in memo:
-            ins, outs = _segment_io(plan, run, (), read_from.at(upto))
+            ins, outs = _segment_io(run, read_from.at(upto))
             try:
                 memo[key] = _classify_on_every_rank(plan, run, ins, outs, classify) if outs else None
             except (ValueError, KeyError, TypeError, AssertionError, NotImplementedError):
@@ -233,12 +303,12 @@ def lower(plan: Plan, classify=None) -> LoweredPlan:
     def close(upto: int) -> None:
         if not group:
             return
-        handed = _handed_on_saves(plan, group, (), read_from.at(upto))
+        handed = _handed_on_saves(group, read_from.at(upto))
         if handed:  # a kernel would write a copy of each: run them after it as aliases instead
             rest = [s for s in group if s not in handed]
             group.clear()
             if rest:
-                ins, outs = _segment_io(plan, rest, handed + list(steps[upto:]))
+                ins, outs = _segment_io(rest, read_from.at(upto, also=handed))
                 sched = _classify_on_every_rank(plan, rest, ins, outs, classify) if outs else None
                 if sched is None:
                     low.segments.extend(Segment("aten", (s,)) for s in rest)
@@ -251,7 +321,7 @@ def lower(plan: Plan, classify=None) -> LoweredPlan:
             for s in group:
                 low.segments.append(Segment("aten", (s,)))
         else:
-            ins, outs = _segment_io(plan, group, (), read_from.at(upto))
+            ins, outs = _segment_io(group, read_from.at(upto))
             low.segments.append(Segment("fused", tuple(group), ins, outs, sched))
         group.clear()
 

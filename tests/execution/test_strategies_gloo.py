@@ -152,10 +152,9 @@ def uses_the_strategies(plan, vocab: int, seq: int) -> None:
     assert not square, square
 
 
-def test_two_layer_llama_and_mixtral_steps_with_the_strategies_pinned_and_chosen_equal_one_device_on_four_gloo_ranks(
-        monkeypatch):
-    from transformers.integrations import moe
-    monkeypatch.setattr(moe, "_can_use_grouped_mm", lambda *args: False)  # transformers' fallback: float64 runs
+def strategy_plans() -> tuple[dict, dict, dict]:
+    """The vocab-parallel (pinned, chosen) and expert-parallel replays, each checked for its strategy, with
+    their inputs and transformers' loss and gradients: (plans, inputs, want) by name."""
     (_, big), (llama_small, small) = (export(llama, **BIG, dtype=BF16, device="meta"),
                                       export(llama, **SMALL, dtype=F64, device="cpu"))
     (_, moe_big), (moe_small, small_moe) = (export(mixtral, **MOE_BIG, dtype=F64, device="cpu"),
@@ -169,17 +168,17 @@ def test_two_layer_llama_and_mixtral_steps_with_the_strategies_pinned_and_chosen
     plans["experts pinned"] = replay(step(moe_big, experts), step(small_moe, experts))
     expert_parallel(plans["experts pinned"])
     inputs["experts pinned"], want["experts pinned"] = reference(moe_small, small_moe, plans["experts pinned"])
-    assert_ranks_equal(run_on_gloo(plans, inputs), want, **TOL)
+    return plans, inputs, want
 
 
-def test_llama_with_fewer_heads_than_ranks_at_32k_tokens_chooses_ring_attention_equal_one_device_on_four_gloo_ranks():
+def ring_plan() -> tuple[dict, dict, dict]:
     """Context parallelism chosen, not pinned: Llama with 2 query heads and 1 key/value head on 4 ranks cannot
     split its heads, so at 32768 tokens of one sequence (bf16, meta) the cost model runs attention as rings
     over the sequence, forward (kv_ring) and backward (dkv_ring), every parameter free. Replayed on 16 tokens
-    (4 a rank, head_dim 24) it runs on four gloo ranks equal to transformers' float64 step. Not 12 tokens: the
-    rotary embedding's halves of head_dim 24 are [.., 12, 12] there, which the check for attention scores
-    [.., seq, seq] cannot tell apart. The bf16 plan replays in float64 since merge_siblings judges a replay at
-    the plan's dtypes too (tests/rewrites/test_program_rewrites.py)."""
+    (4 a rank, head_dim 24). Not 12 tokens: the rotary embedding's halves of head_dim 24 are [.., 12, 12]
+    there, which the check for attention scores [.., seq, seq] cannot tell apart. The bf16 plan replays in
+    float64 since merge_siblings judges a replay at the plan's dtypes too (tests/rewrites/
+    test_program_rewrites.py). Checked for its rings: (plans, inputs, want) of "context parallel chosen"."""
     heads, seq = dict(heads=2, kv_heads=1), 16
     _, big = export(llama, **dict(BIG, hidden=256, batch=1, seq=32768), dtype=BF16, device="meta", **heads)
     small_dims = dict(SMALL, batch=1, seq=seq)
@@ -190,5 +189,35 @@ def test_llama_with_fewer_heads_than_ranks_at_32k_tokens_chooses_ring_attention_
     square = [v for v in plan.values.values() if tuple(v.shape[-2:]) == (seq, seq)]
     assert not square, square
     inputs, want = reference(module, small, plan, batch=1, seq=seq)
-    assert_ranks_equal(run_on_gloo({"context parallel chosen": plan}, {"context parallel chosen": inputs}),
-                       {"context parallel chosen": want}, **TOL)
+    name = "context parallel chosen"
+    return {name: plan}, {name: inputs}, {name: want}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Every plan of both tests run on four gloo ranks in one launch (a launch's start-up, four processes
+    importing torch, is seconds of the module's time): (want by plan name, per-rank results). The plans are
+    checked for their strategies as they are made: a plan without its strategy fails both tests here."""
+    with pytest.MonkeyPatch.context() as mp:
+        from transformers.integrations import moe
+        mp.setattr(moe, "_can_use_grouped_mm", lambda *args: False)  # transformers' fallback: float64 runs
+        plans, inputs, want = strategy_plans()
+    for part, more in zip((plans, inputs, want), ring_plan()):
+        part.update(more)
+    return want, run_on_gloo(plans, inputs)
+
+
+def _ranks_equal(runs, names) -> None:
+    want, results = runs
+    assert_ranks_equal([{n: got[n] for n in names} for got in results], {n: want[n] for n in names}, **TOL)
+
+
+def test_two_layer_llama_and_mixtral_steps_with_the_strategies_pinned_and_chosen_equal_one_device_on_four_gloo_ranks(
+        runs):
+    _ranks_equal(runs, ("vocab parallel pinned", "vocab parallel chosen", "experts pinned"))
+
+
+def test_llama_with_fewer_heads_than_ranks_at_32k_tokens_chooses_ring_attention_equal_one_device_on_four_gloo_ranks(
+        runs):
+    """ring_plan's context parallel plan on four gloo ranks equals transformers' float64 step."""
+    _ranks_equal(runs, ("context parallel chosen",))
