@@ -1319,7 +1319,13 @@ def _walk(tensors: list["_Tensor"], lower: _Lower, start: int, upper: float | No
             nxt = pruned
         nxt = _undominated(nxt, tensors[step + 1].mask if step + 1 < len(tensors) else 0, small=moved)
         if beam and len(nxt) > beam:
-            score = {s: f[0][0] + lower(s, step + 1) for s, f in nxt.items()}
+            if lagrangian is not None:
+                # ranked by the priced value (cost + price x memory and its bound): by cost alone the beam keeps
+                # the cheap states that hold too much to finish within the memory bound
+                price, priced, _ = lagrangian
+                score = {s: min(e[0] + price * e[1] for e in f) + priced(s, step + 1) for s, f in nxt.items()}
+            else:
+                score = {s: f[0][0] + lower(s, step + 1) for s, f in nxt.items()}
             nxt = {s: nxt[s] for s in sorted(score, key=score.get)[:beam]}
         states = nxt
         if len(states) > clock.max_width:  # the frontier's states multiply: this graph is too wide for the DP
