@@ -63,8 +63,9 @@ def drawn():
 # a serial test, which would hold the other xdist worker idle through them (a module fixture's work counts as its
 # first test's)
 def test_the_lower_bounds_never_exceed_the_proven_optimum(graphs, drawn):
-    """The start state's bound (the larger of by tensor and by cone) is at most the cost the DP proves, on
-    the fuzz cases and the campaign's hard ones; the cone bound is the one that prunes 6658 (66 of 86 us)."""
+    """The start state's bound (the larger of by tensor and by cone), and the bound of each of its classes added to
+    the rest's (_Lower.adding, what the walk's options meet), is at most the cost the DP proves, on the fuzz cases
+    and the campaign's hard ones; the cone bound is the one that prunes 6658 (66 of 86 us)."""
     cases = [(case, got) for case, got in graphs if got[2] is None]
     cases += [((7, i), drawn(7, i)) for i in (5441, 6658)]
     checked = 0
@@ -84,6 +85,8 @@ def test_the_lower_bounds_never_exceed_the_proven_optimum(graphs, drawn):
             continue
         tensors, lower, start, _ = setup
         assert lower(start, 0) <= res.cost * (1 + 1e-12), case
+        for i in extract_dp._bits(start):  # the bound the walk's options meet: a part's added to the rest's
+            assert lower.adding(start ^ 1 << i)(1 << i) <= res.cost * (1 + 1e-12), case
         checked += 1
         if case == (7, 6658):
             assert lower.cone_bound(start) > 0.7 * res.cost > lower._by_tensor(start, 0)
