@@ -123,15 +123,23 @@ def _run_key(plan: Plan, steps, inputs: tuple[str, ...], outputs: tuple[str, ...
     return body, shapes, tuple(num(v) for v in outputs)
 
 
+def _kept(table: dict, key, make):
+    """table[key], made by make() and kept the first time it is asked for (the table starts over past _CACHE_LIMIT).
+
+    >>> table = {}
+    >>> _kept(table, "k", lambda: None), _kept(table, "k", lambda: 1)  # a kept None is an answer too
+    (None, None)
+    """
+    if key not in table:
+        if len(table) >= _CACHE_LIMIT:
+            table.clear()
+        table[key] = make()
+    return table[key]
+
+
 def _spec_of(key: tuple, plan: Plan, steps, inputs, outputs, rank: int) -> KernelSpec:
     """The spec of a run whose _run_key is key: cached, or built (_build_spec) and kept."""
-    spec = _SPECS.get(key)
-    if spec is None:
-        spec = _build_spec(plan, steps, inputs, outputs, rank)
-        if len(_SPECS) >= _CACHE_LIMIT:
-            _SPECS.clear()
-        _SPECS[key] = spec
-    return spec
+    return _kept(_SPECS, key, lambda: _build_spec(plan, steps, inputs, outputs, rank))
 
 
 def _build_spec(plan: Plan, steps, inputs: tuple[str, ...], outputs: tuple[str, ...], rank: int) -> KernelSpec:
@@ -156,12 +164,7 @@ def _build_spec(plan: Plan, steps, inputs: tuple[str, ...], outputs: tuple[str, 
 def _classified(plan: Plan, run: tuple, ins: tuple[str, ...], outs: tuple[str, ...], rank: int, classify):
     """classify(kernel_spec(...)) once per (classify, _run_key): a classifier is a function of the spec alone."""
     key = _run_key(plan, run, ins, outs, rank)
-    if (classify, key) not in _CLASSES:
-        name = classify(_spec_of(key, plan, run, ins, outs, rank))
-        if len(_CLASSES) >= _CACHE_LIMIT:
-            _CLASSES.clear()
-        _CLASSES[(classify, key)] = name
-    return _CLASSES[(classify, key)]
+    return _kept(_CLASSES, (classify, key), lambda: classify(_spec_of(key, plan, run, ins, outs, rank)))
 
 
 def spec_from_fusion(fusion: Fusion) -> KernelSpec:
