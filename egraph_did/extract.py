@@ -76,34 +76,49 @@ class _Skeleton:
 
     def __init__(self, graph: PhysGraph, order: list[str]):
         self.graph, self.order = graph, order
-        self.nodes = [n for c in order for n in graph.classes[c]]
-        self.index = {id(n): i for i, n in enumerate(self.nodes)}  # id(node) -> its number (its weight's index)
         self.position = {c: k for k, c in enumerate(order)}  # class -> its bit in a set
         # class -> (node, number, distinct children, the only one where it has one)
         self.entries: dict[str, list[tuple[Node, int, list[str], str | None]]] = {}
-        i = 0
+        # one walk over the nodes makes every per-node table (the graph's ~200k nodes on a 2x2 mesh: each walk
+        # of them costs ~0.05 s), the readers too (readers(): the amortized pass and the seeds read them)
+        nodes: list[Node] = []
+        costs: list[float] = []
+        memories: list[float] = []
+        ident, classes = graph.ident, graph.classes
+        tensors: dict[str, set] = {}
+        parents: dict[str, dict] = {}
         for c in order:
             es = self.entries[c] = []
-            for n in graph.classes[c]:
+            t = ident[c][0] if c in ident else c
+            for n in classes[c]:
                 ch = n.children
+                i = len(nodes)
                 if len(ch) == 1:  # a collective, a Keep, a Proj (87% of a 2-D mesh's nodes): set() of one changes nothing
                     es.append((n, i, list(ch), ch[0]))
                 else:
                     kids = list(set(ch))
                     es.append((n, i, kids, kids[0] if len(kids) == 1 else None))
-                i += 1
-        self._readers = None
+                nodes.append(n)
+                costs.append(n.cost)
+                memories.append(n.memory)
+                for k in ch:
+                    ts = tensors.get(k)
+                    if ts is None:
+                        ts = tensors[k] = set()
+                        parents[k] = {}
+                    ts.add(t)
+                    parents[k][c] = None
+        self.nodes = nodes
+        self.index = {id(n): i for i, n in enumerate(nodes)}  # id(node) -> its number (its weight's index)
+        self._readers = (tensors, parents)
         self._shares = None
-        self._cost_memory = None
+        self._cost_memory = (np.array(costs, dtype=np.float64), np.array(memories, dtype=np.float64))
         self.reads: dict[str, tuple] = {}  # _shared_seeds' view of each class's readers (_reads)
         self._last_weights: tuple[float | None, list[float]] = (None, [])
 
     def weights(self, penalty: float) -> list[float]:
         """Each node's cost + penalty * memory, by node number: numpy's float64 multiply and add, each rounded
         as Python's are (the same floats as the expression per node, without a Python loop over the nodes)."""
-        if self._cost_memory is None:
-            self._cost_memory = (np.array([float(n.cost) for n in self.nodes], dtype=np.float64),
-                                 np.array([float(n.memory) for n in self.nodes], dtype=np.float64))
         if self._last_weights[0] != penalty:  # the local search asks again at one price
             cost, memory = self._cost_memory
             self._last_weights = (penalty, (cost + penalty * memory).tolist())
@@ -119,21 +134,6 @@ class _Skeleton:
     def readers(self) -> tuple[dict[str, set], dict[str, dict]]:
         """For each class: the tensors whose nodes read it, and the classes that do (a dict for a stable
         order: the seeds' scores are float sums, and a set's order changes from run to run)."""
-        if self._readers is None:
-            ident = self.graph.ident
-            tensors: dict[str, set] = {}
-            parents: dict[str, dict] = {}
-            for c in self.order:
-                t = ident[c][0] if c in ident else c
-                for n in self.graph.classes[c]:
-                    for ch in n.children:
-                        ts = tensors.get(ch)
-                        if ts is None:
-                            ts = tensors[ch] = set()
-                            parents[ch] = {}
-                        ts.add(t)
-                        parents[ch][c] = None
-            self._readers = (tensors, parents)
         return self._readers
 
 
