@@ -175,17 +175,16 @@ def _greedy_sets(graph: PhysGraph, w: _Weighted, paid: dict[str, Node] | None = 
         weight = list(weight)
         for n in paid.values():
             weight[w.index[id(n)]] = 0.0
-    best: Best = dict(base) if base is not None else {}
+    # the classes kept from base: no affected class is below one of them (affected is closed upwards), so
+    # their sets hold kept classes only
+    best: Best = {} if base is None else dict(base) if affected is None else \
+        {c: b for c, b in base.items() if c not in affected}
     position, index = sk.position, w.index
     picked = [0.0] * len(w.order)  # by class bit: the weight of the class's pick
     for c, (_, _, n) in best.items():
         picked[position[c]] = weight[index[id(n)]]
     entries, get = sk.entries, best.get
-    for c in w.order:
-        if affected is not None:
-            if c not in affected:
-                continue
-            best.pop(c, None)
+    for c in w.order if affected is None else [c for c in w.order if c in affected]:
         pick = None  # (cost, node, its number, its set or None: a one-child node's, made only when kept)
         bound = 0.0  # pick's cost less the tie margin: a later node replaces it only below this
         bit = position[c]
