@@ -24,6 +24,7 @@ from .pins import PinView, pin_of, view_pins
 from .plan import SAVE_OP, Collective, ComputeStep, Plan, StepMemory, Value, check_optimize_args
 from .grad import NEXT
 from .problem import Problem, build_problem
+from .protocol_cache import protocol_attrs_cached
 
 # one INFO line per pass (problem, e-graph, pricing, extraction seconds, graph size, predicted time): a long
 # plan shows where it is; `logging.basicConfig(level=logging.INFO)` prints them
@@ -197,10 +198,11 @@ def optimize(fd, mesh: DeviceMesh, cost_model: CostModel | None = None, extracto
     if chain and like is None and not views:
         found = find_chain(as_fusion(fd))
     try:
-        if found is not None:
-            plan = _optimize_chain(found, fd, mesh, cost_model, extractor, time_limit, names)
-        else:
-            plan = _optimize(fd, mesh, cost_model, extractor, like, time_limit, names, views)
+        with protocol_attrs_cached():  # egglog's declarations checks, at 3.12's cost on 3.11
+            if found is not None:
+                plan = _optimize_chain(found, fd, mesh, cost_model, extractor, time_limit, names)
+            else:
+                plan = _optimize(fd, mesh, cost_model, extractor, like, time_limit, names, views)
     except PlanError as e:  # an error about a view names the tensor the user pinned
         if views:
             e.args = (_as_pinned(str(e), views),) + e.args[1:]
