@@ -398,6 +398,8 @@ def _shared_seeds(graph: PhysGraph, w: _Weighted, best: Best, tensors: dict[str,
         for c in plan:
             if c in ident:
                 held.setdefault(ident[c][0], set()).add(ident[c][1])
+        if all(len(lays) < 2 for lays in held.values()):
+            return []  # no tensor held in two layouts: no value scores (the loop below skips every one)
     pays: dict = {}  # what the plan pays for each tensor (its cheapest class held) and each (tensor, layout)
     for c in plan:
         for k in (tensor(c), ident[c][:2] if c in ident else None):
