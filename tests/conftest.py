@@ -5,9 +5,11 @@ TensorView any test builds is registered in egraph_did.fusion.ALL_TENSORS; after
 still alive must have a logical domain free of DID-parallel and partial axes, and its logical domain
 must be what its shape says.
 
-Tests marked `serial` run alone under pytest-xdist (`pytest -n 2`): tests/serial_lock.py.
+Tests marked `serial` run alone under pytest-xdist (`pytest -n 2`): tests/serial_lock.py. Under `--dist loadfile`
+the slowest files are handed out first: tests/file_order.py.
 """
 import pytest
+from file_order import pytest_xdist_make_scheduler  # noqa: F401 - the slow files handed out first
 from serial_lock import pytest_configure, pytest_runtest_protocol  # noqa: F401 - its hooks, for the whole suite
 
 from egraph_did import collectives
