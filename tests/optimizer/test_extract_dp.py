@@ -476,3 +476,72 @@ def test_greedy_finds_the_plan_within_the_bound_before_the_dual_prices_a_dp_that
     assert res.stats["dp_dual_greedy"] == 2  # greedy at the first price (the big one), then at 8x (the small one)
     assert res.stats["dp_dual_solves"] == 2  # price 0, then where the two plans' lines cross
     assert res.stats["dp_dual_bound"] == pytest.approx(4.5e-6, rel=1e-9) and "dp_beam_cost" not in res.stats
+
+
+def _random_options(rng, n: int, bits: int = 6, wide: int = 9000) -> list:
+    """n options (demand, cost, memory, chosen, cost plus the demand's bound) over `bits` classes at positions
+    near `wide` (as a bag's demands are), cheapest first."""
+    below = lambda e: 0.5 * e.bit_count()  # noqa: E731 - a bound in the test's own units
+    opts = []
+    for i in range(n):
+        e = sum(1 << (wide + b) for b in range(bits) if rng.random() < 0.3)
+        k = float(rng.randint(0, 8))
+        opts.append((e, k, float(rng.randint(0, 2)), ("c", i), k + below(e)))
+    return sorted(opts, key=lambda o: o[1])
+
+
+def test_a_bags_join_keeps_exactly_the_pairs_within_either_parts_bound():
+    """_join against the product of the two lists: a pair is kept where its cost is within cap and each part's
+    cost plus its demand's bound within reach (a joint demand costs no less than either part's), and the budget
+    pays for no more pairs than the product."""
+    import random
+    rng = random.Random(7)
+    below = lambda e: 0.5 * e.bit_count()  # noqa: E731
+    for _ in range(50):
+        joint = [(e, k, m, c) for e, k, m, c, _ in _random_options(rng, rng.randint(1, 12))]
+        opts = _random_options(rng, rng.randint(1, 12))
+        cap, reach = float(rng.randint(2, 14)), float(rng.randint(2, 16))
+        clock = extract_dp._Clock(10**9, 60.0)
+        got = extract_dp._join(joint, opts, cap, reach, below, clock)
+        want = [(e0 | e, k0 + k, m0 + m, (c0, c)) for e0, k0, m0, c0 in joint for e, k, m, c, kb in opts
+                if k0 + k <= cap and k0 + k + below(e0) <= reach and k0 + kb <= reach]
+        assert sorted(got, key=repr) == sorted(want, key=repr)
+        assert clock.used <= max(len(joint) * len(opts), 1)
+
+
+def test_a_bags_join_order_joins_the_same_options():
+    """Joined in _join_order's order or the parts' own, a bag's options reduce (_pareto_ext) to the same
+    (demand, cost, memory) front within reach (with a bound that grows with the demand, as the cone bound does)."""
+    import random
+    rng = random.Random(11)
+    below = lambda e: 0.5 * e.bit_count()  # noqa: E731
+    for _ in range(30):
+        parts = [_random_options(rng, rng.randint(1, 10)) for _ in range(rng.randint(2, 4))]
+        cap, reach = float(rng.randint(4, 20)), float(rng.randint(4, 22))
+        fronts = []
+        for order in (parts, extract_dp._join_order(parts, cap, reach)):
+            joint = [(0, 0.0, 0.0, ())]
+            for opts in order:
+                joint = extract_dp._pareto_ext(extract_dp._join(joint, opts, cap, reach, below,
+                                                                extract_dp._Clock(10**9, 60.0)))
+            # as _Bag._options returns them: within reach with the joint demand's bound (the order's own partial
+            # bounds differ, each valid)
+            fronts.append(sorted((e, round(k, 9), m) for e, k, m, _ in joint if k + below(e) <= reach))
+        assert fronts[0] == fronts[1]
+
+
+@pytest.mark.parametrize("memory", [False, True])
+def test_pareto_ext_over_renumbered_demands_keeps_what_the_wide_ones_keep(memory):
+    """_pareto_ext (subset walks over _Compact's renumbering) against the definition on the wide demands: an
+    option is dropped only where one no dearer (and, with memory, holding no more) has a subset of its demand."""
+    import random
+    rng = random.Random(3)
+    for _ in range(40):
+        opts = [o[:4] if memory else (o[0], o[1], 0.0, o[3]) for o in _random_options(rng, rng.randint(1, 25))]
+        got = extract_dp._pareto_ext(list(opts))
+        for o in opts:
+            beaten = any(p[0] & ~o[0] == 0 and p[1] <= o[1] and p[2] <= o[2] and p is not o for p in got)
+            assert o in got or beaten
+        for o in got:  # nothing kept is beaten by something strictly better kept before it
+            assert not any(p is not o and p[0] & ~o[0] == 0 and p[0] != o[0] and p[1] < o[1] and p[2] <= o[2]
+                           for p in got)
