@@ -755,24 +755,16 @@ def _applies(rows, run_rows, vid, string, num: dict, kerns: dict, lays: dict, na
         return got[1]
 
     strategies = {(k, code(s.inputs), code(s.outputs), s.flags): s.sid for k, ss in problem.strategies.items() for s in ss}
-    flags_of: dict = {}
+    flags_of: dict = {}  # kernel names -> the strategy's flags
     ident = graph.ident
     out = []
     for (n, o), name in zip(RUN, run_rows):
-        # RunOf{n}x1(dst, key, kern, out layout, operands..); Run{n}x{o}(key, kern, outs.., operands..) -> tuple
-        if o == 1:
-            ordered = sorted(((num[vid(ins[0])], string(ins[1]), kerns[vid(ins[2])], tuple(num[vid(v)] for v in ins[4:])), ins)
-                             for ins, _ in rows.get(name, []))
-            ordered = [(dst, ins[1:]) for (dst, *_), ins in ordered]
-        else:
-            ordered = sorted((num[vid(r)], ins) for ins, r in rows.get(name, []))
-        for dst, ins in ordered:
-            key = name_of[string(ins[0])]
-            flags = flags_of.get(vid(ins[1]))
+        for dst, skey, kern, children, outs in _runs(rows.get(name, []), o, vid, string, num, kerns, lays, edges):
+            key = name_of[skey]
+            flags = flags_of.get(kern)
             if flags is None:
-                flags = flags_of[vid(ins[1])] = tuple(frozenset({k}) if k else frozenset() for k in kerns[vid(ins[1])])
-            children = tuple(num[i] if (i := vid(v)) in num else num.setdefault(i, edges.new()) for v in ins[2 + o:])
-            sig = (key, tuple(ident[c][1] for c in children), tuple(lays[vid(v)] for v in ins[2:2 + o]), flags)
+                flags = flags_of[kern] = tuple(frozenset({k}) if k else frozenset() for k in kern)
+            sig = (key, tuple([ident[c][1] for c in children]), outs, flags)
             sid = strategies.get(sig)
             assert sid is not None, f"the rulesets derived a strategy the Python rules do not: {sig}"
             if o == 1 and ident[dst][0] in {ident[c][0] for c in children}:
@@ -783,6 +775,20 @@ def _applies(rows, run_rows, vid, string, num: dict, kerns: dict, lays: dict, na
             edges.many(children, dst)
             out.append((dst, children, key, sid))
     return out
+
+
+def _runs(run_rows, o: int, vid, string, num: dict, kerns: dict, lays: dict, edges: _Edges):
+    """The rows of one Run arity as (class it makes, expr key, kernel names, operand classes, output layout
+    codes), sorted: RunOf{n}x1(dst, key, kern, out layout, operands..) by (class, key, kernels, operands),
+    unique per row; Run{n}x{o}(key, kern, outs.., operands..) -> tuple by its tuple's class (an operand that
+    is no class yet gets a new number, in that order)."""
+    if o == 1:
+        yield from sorted([(num[vid(ins[0])], string(ins[1]), kerns[vid(ins[2])], tuple([num[vid(v)] for v in ins[4:]]),
+                            (lays[vid(ins[3])],)) for ins, _ in run_rows])
+        return
+    for dst, ins in sorted((num[vid(r)], ins) for ins, r in run_rows):
+        children = tuple(num[i] if (i := vid(v)) in num else num.setdefault(i, edges.new()) for v in ins[2 + o:])
+        yield dst, string(ins[0]), kerns[vid(ins[1])], children, tuple(lays[vid(v)] for v in ins[2:2 + o])
 
 
 def _physgraph(graph: PhysGraph, made: set, count: int, loads, keeps, colls, projs, applies) -> PhysGraph:
