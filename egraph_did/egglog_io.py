@@ -8,6 +8,8 @@ the public API.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from egglog import EGraph
 
 
@@ -46,6 +48,26 @@ def frozen_rows(eg: EGraph, names) -> tuple[dict[str, list], object]:
     return {name: [(row.inputs, row.output) for row in frozen[name].rows] for name in names if name in frozen}, eg._egraph
 
 
+def value_id(raw) -> Callable[[object], int]:
+    """The id of a value of the bindings' EGraph `raw` (frozen_rows' second result), as an int: an e-class's
+    id for a term's value (two rows with equal ids hold equal terms), an interned string's index, an i64's
+    value. Values hash and compare through the bindings (a Rust call each, twice a dict lookup); their ids
+    are plain ints. Read by value_to_i64, which returns any value's id (what `str` prints).
+
+    >>> from egglog import String, i64, relation
+    >>> Name = relation("Name", String, i64, egg_fn="Name")
+    >>> eg = EGraph()
+    >>> eg.register(Name("x", 7), Name("y", 7))
+    >>> rows, raw = frozen_rows(eg, ["Name"])
+    >>> vid = value_id(raw)
+    >>> [(vid(ins[1]), f"Value({vid(ins[0])})" == str(ins[0])) for ins, _ in rows["Name"]]
+    [(7, True), (7, True)]
+    >>> len({vid(ins[0]) for ins, _ in rows["Name"]})  # two strings, two ids
+    2
+    """
+    return raw.value_to_i64
+
+
 def held_string(text: str) -> str:
     """The string egglog holds for `text`: double quotes become single ones (egglog strings have no escaped
     double quote), so a JSON literal stays one string.
@@ -66,4 +88,4 @@ def string_term(text: str) -> str:
     return '"' + held_string(text).replace("\\", "\\\\") + '"'
 
 
-__all__ = ["run_text", "frozen_rows", "held_string", "string_term"]
+__all__ = ["run_text", "frozen_rows", "value_id", "held_string", "string_term"]

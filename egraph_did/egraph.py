@@ -23,6 +23,8 @@ import json
 import time
 from collections import defaultdict
 
+import numpy as np
+
 from egglog import EGraph, String, eq, i64, relation, ruleset, union, var
 from egglog import rule as erule
 
@@ -39,10 +41,10 @@ from egraph_did.rewrites.sorts import Kern as KernSort, Layout as LayoutSort
 from egraph_did.rewrites.sorts import P as P_, Pe as Pe_, Pmax as Pmax_, R as R_, S as S_
 
 from .collectives import RING_FLAGS, connecting
-from .egglog_io import frozen_rows, run_text, string_term
+from .egglog_io import frozen_rows, run_text, string_term, value_id
 from .layout import PE, PMAX, Layout, P, R, S, is_valid
 from .ops import OPS
-from .physgraph import Node, PhysGraph, gc_paused, post_order
+from .physgraph import Node, PhysGraph, gc_paused
 from .problem import Problem, op_view
 
 Lay = relation("Lay", LayoutSort, egg_fn="Lay")  # a layout some tensor may be held in
@@ -387,7 +389,7 @@ def mesh_rules(shape: tuple[int, ...]):
         keep = [KeepOf(Held(y, lo, k + 1), Held(y, lo, k)) for y, lo in zip(ys, lout) for k in range(m)]
         # every strategy's outputs held at level 0 up front, so the operands' levels (Keep, Coll) grow in m
         # iterations for the whole program at once rather than one step of its longest chain per iteration;
-        # outputs no plan can reach are pruned in read_back (_reachable)
+        # outputs no plan can reach are pruned in read_back (_Edges.closure)
         yield erule(PLAN[(n, o)](key, kern, *ys, *xs, *lout, *lin)).then(*[Held(y, lo, 0) for y, lo in zip(ys, lout)])
         if o == 1:
             yield erule(*query).then(RUN_OF[(n, o)](Held(ys[0], lout[0], 0), key, kern, lout[0], *operands), *keep)
@@ -555,72 +557,195 @@ def _arity(op: str) -> int:
 def read_back(eg: EGraph, problem: Problem, name_of: dict[str, str]) -> PhysGraph:
     """The physical classes of the saturated e-graph as a PhysGraph: each class named by its Held term
     (tensor, layout code, level), its nodes Load, Keep, Coll, Proj and Apply (a Run, mapped onto the
-    problem's priced strategy of the same placements and kernels), read from the edges into it."""
+    problem's priced strategy of the same placements and kernels), read from the edges into it; without
+    what no plan makes (the least set of classes some node makes from the loads: _Edges.closure).
+
+    The rows are read as class numbers (ints, from the values' ids) and the classes no plan makes are
+    found on them before any Node is made: a 2-D mesh's graph holds ~170k edges, and a Node a row, a
+    Value-keyed lookup a column and a sweep over the named graph cost more than all else here."""
     run_rows = [f"RunOf{n}x{o}" if o == 1 else f"Run{n}x{o}" for n, o in RUN]
     rows, raw = frozen_rows(eg, ["R", "P", "Pmax", "Pe", "S", "T", "Held", "Load", "KeepOf", "CollOf", "ProjOf"]
                             + [f"L{m}" for m in LAYOUTS] + [f"K{m}" for m in KERNS] + run_rows)
+    vid = value_id(raw)
     strs: dict = {}
 
-    def string(v):
-        if v not in strs:
-            strs[v] = raw.value_to_string(v)
-        return strs[v]
+    def string(v):  # a String value's text, by its id
+        i = vid(v)
+        got = strs.get(i)
+        if got is None:
+            got = strs[i] = raw.value_to_string(v)
+        return got
 
-    place = {out: pl for name, pl in PLACEMENTS for _, out in rows.get(name, [])}
-    place.update({out: S(raw.value_to_i64(ins[0])) for ins, out in rows.get("S", [])})
-    lays = {out: Layout(tuple(place[v] for v in ins)).code() for m in LAYOUTS for ins, out in rows.get(f"L{m}", [])}
-    kerns = {out: tuple(string(v) for v in ins) for m in KERNS for ins, out in rows.get(f"K{m}", [])}
-    names: dict = defaultdict(list)
-    for ins, out in rows["T"]:
-        names[out].append(name_of[string(ins[0])])
-    prefer = lambda name: (name in problem.origin, name)  # noqa: E731
-    tensor = {v: min(ns, key=prefer) for v, ns in names.items()}
+    place = {vid(out): pl for name, pl in PLACEMENTS for _, out in rows.get(name, [])}
+    place.update({vid(out): S(raw.value_to_i64(ins[0])) for ins, out in rows.get("S", [])})
+    lays = {vid(out): Layout(tuple(place[vid(v)] for v in ins)).code() for m in LAYOUTS for ins, out in rows.get(f"L{m}", [])}
+    kerns = {vid(out): tuple(string(v) for v in ins) for m in KERNS for ins, out in rows.get(f"K{m}", [])}
     graph = PhysGraph()
-    graph.canonical = {n: tensor[v] for v, ns in names.items() for n in ns}
-    classes = graph.classes
-    cid: dict = {}
-
-    def cls(v) -> str:
-        c = cid.get(v)
-        if c is None:
-            c = cid[v] = f"c{len(cid)}"
-            classes[c] = []
-        return c
-
-    # classes are named, and each class's nodes ordered, by what they hold (the program's order of tensors,
-    # level, layout; then their children's names), never by egglog's row order: that follows the e-graph's
-    # history (which problems the mesh's template held before), and the extractors break cost ties by order
-    rank = {name: i for i, name in enumerate(problem.fusion.tensors)}
-    levels = {v: raw.value_to_i64(v) for v in {ins[2] for ins, _ in rows["Held"]}}
-    held = [((tensor[ins[0]], lays[ins[1]], levels[ins[2]]), out) for ins, out in rows["Held"]]
-    for ident, out in sorted(held, key=lambda h: (rank.get(h[0][0], len(rank)), h[0][0], h[0][2], h[0][1])):
-        c = cls(out)
-        assert graph.ident.setdefault(c, ident) == ident, f"layouts {ident} and {graph.ident[c]} merged"
-        graph.index[ident] = c
-    for ins, out in rows.get("Load", []):
-        classes[cls(out)].append(Node("Load", (), name_of[string(ins[0])]))
-    num = {v: int(c[1:]) for v, c in cid.items()}  # every Held term's class exists by now
-    # Keep and Coll rows (a 2-D mesh's graph: 87% of its nodes) by class number: each class's node list and
-    # its one-child tuple looked up once per class, not a name formatted per row
-    held_lists = list(classes.values())
-    one = [(c,) for c in classes]
-    for dst, src in sorted([(num[ins[0]], num[ins[1]]) for ins, _ in rows.get("KeepOf", [])]):
-        held_lists[dst].append(Node("Keep", one[src]))
-    coll = rows.get("CollOf", [])
-    kind_of = {v: string(v) for v in {ins[1] for ins, _ in coll}}
-    axis = {v: raw.value_to_i64(v) for v in {ins[2] for ins, _ in coll}}
-    for dst, src, kind, ax in sorted([(num[ins[0]], num[ins[4]], kind_of[ins[1]], axis[ins[2]]) for ins, _ in coll]):
-        held_lists[dst].append(Node("Coll", one[src], kind, ax))
+    tensor = _tensor_names(rows["T"], vid, string, name_of, problem, graph)
+    num = _held_classes(rows["Held"], vid, tensor, lays, problem, graph)
+    edges = _Edges(len(num))
+    loads = [(num[vid(out)], name_of[string(ins[0])]) for ins, out in rows.get("Load", [])]
+    edges.made.update(dst for dst, _ in loads)
+    keeps = _keeps(rows.get("KeepOf", []), vid, num, edges)
+    colls = _colls(rows.get("CollOf", []), vid, string, num, edges)
     for (n, o), name in zip(RUN, run_rows):  # a multi-output run's class (a tuple) named by what it runs
         if o > 1:
-            apps = [(string(ins[0]), kerns[ins[1]], tuple(lays[v] for v in ins[2:2 + o]),
-                     tuple(num[v] for v in ins[2 + o:]), out) for ins, out in rows.get(name, [])]
+            apps = [(string(ins[0]), kerns[vid(ins[1])], tuple(lays[vid(v)] for v in ins[2:2 + o]),
+                     tuple(num[vid(v)] for v in ins[2 + o:]), vid(out)) for ins, out in rows.get(name, [])]
             for *_, out in sorted(apps):
-                cls(out)
-    num.update((v, int(c[1:])) for v, c in cid.items())
-    index = {v: raw.value_to_i64(v) for v in {ins[1] for ins, _ in rows.get("ProjOf", [])}}
-    for dst, i, app in sorted((num[ins[0]], index[ins[1]], num[ins[2]]) for ins, _ in rows.get("ProjOf", [])):
-        classes[f"c{dst}"].append(Node("Proj", (f"c{app}",), sid=i))
+                if out not in num:
+                    num[out] = edges.new()
+    projs = sorted((num[vid(ins[0])], raw.value_to_i64(ins[1]), num[vid(ins[2])]) for ins, _ in rows.get("ProjOf", []))
+    edges.ones([app for *_, app in projs], [dst for dst, *_ in projs])
+    applies = _applies(rows, run_rows, vid, string, num, kerns, lays, name_of, problem, graph, edges)
+    made = edges.closure()
+    return _physgraph(graph, made, edges.count, loads, keeps, colls, projs, applies)
+
+
+def _ids(rows, col: int, vid) -> np.ndarray:
+    """Column `col` of the rows as value ids."""
+    return np.fromiter((vid(ins[col]) for ins, _ in rows), np.int64, count=len(rows))
+
+
+def _classes_of(ids: np.ndarray, num: dict) -> np.ndarray:
+    """The class number of each value id (each must be a class's)."""
+    keys = np.fromiter(num, np.int64, count=len(num))
+    order = np.argsort(keys)
+    at = np.minimum(np.searchsorted(keys[order], ids), len(keys) - 1)
+    assert (keys[order][at] == ids).all(), "an edge reads a value that is no Held class"
+    return np.fromiter(num.values(), np.int64, count=len(num))[order][at]
+
+
+def _keeps(keep_rows, vid, num: dict, edges: "_Edges") -> tuple:
+    """The KeepOf rows as arrays (class, source class), sorted by both; their edges added. A 2-D mesh's
+    graph holds ~30k Keeps and ~170k collectives: read as arrays of ids and sorted as one int each, not as
+    tuples of values."""
+    if not keep_rows:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    dst, src = _classes_of(_ids(keep_rows, 0, vid), num), _classes_of(_ids(keep_rows, 1, vid), num)
+    edges.ones(src, dst)
+    n = edges.count
+    packed = np.sort(dst * n + src)
+    return packed // n, packed % n
+
+
+def _colls(coll_rows, vid, string, num: dict, edges: "_Edges") -> tuple:
+    """The CollOf rows as arrays (class, source class, move), sorted by class, source, collective, mesh
+    axis; their edges added; and the moves, (collective, axis) by number."""
+    if not coll_rows:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), []
+    dst, src = _classes_of(_ids(coll_rows, 0, vid), num), _classes_of(_ids(coll_rows, 4, vid), num)
+    kind, axis = _ids(coll_rows, 1, vid), _ids(coll_rows, 2, vid)
+    edges.ones(src, dst)
+    wide = int(axis.max()) + 1
+    codes, first, move = np.unique(kind * wide + axis, return_index=True, return_inverse=True)
+    named = sorted((string(coll_rows[i][0][1]), int(axis[i]), j) for j, i in enumerate(first.tolist()))
+    rank = np.empty(len(named), np.int64)
+    rank[[j for *_, j in named]] = np.arange(len(named))
+    n, m = edges.count, len(named)
+    packed = np.sort((dst * n + src) * m + rank[move.reshape(-1)])
+    return packed // (n * m), packed // m % n, packed % m, [(k, ax) for k, ax, _ in named]
+
+
+def _tensor_names(t_rows, vid, string, name_of, problem: Problem, graph: PhysGraph) -> dict:
+    """The tensor each T class names (by its value's id): of the names unioned into it, a name of the program
+    before its decompositions (problem.origin) first, then the least; graph.canonical of every name."""
+    names: dict = defaultdict(list)
+    for ins, out in t_rows:
+        names[vid(out)].append(name_of[string(ins[0])])
+    prefer = lambda name: (name in problem.origin, name)  # noqa: E731
+    tensor = {v: min(ns, key=prefer) for v, ns in names.items()}
+    graph.canonical = {n: tensor[v] for v, ns in names.items() for n in ns}
+    return tensor
+
+
+def _held_classes(held_rows, vid, tensor: dict, lays: dict, problem: Problem, graph: PhysGraph) -> dict:
+    """Number the Held terms c0, c1, .. by what they hold (the program's order of tensors, level, layout),
+    never by egglog's row order: that follows the e-graph's history (which problems the mesh's template
+    held before), and the extractors break cost ties by order. Fills graph.ident and graph.index (every
+    Held class; read_back drops those no plan makes); returns value id -> class number."""
+    rank = {name: i for i, name in enumerate(problem.fusion.tensors)}
+    # (an i64's id is its value: value_id)
+    held = [((tensor[vid(ins[0])], lays[vid(ins[1])], vid(ins[2])), vid(out)) for ins, out in held_rows]
+    num: dict = {}
+    ident, index = graph.ident, graph.index
+    for key, out in sorted(held, key=lambda h: (rank.get(h[0][0], len(rank)), h[0][0], h[0][2], h[0][1])):
+        c = num.setdefault(out, len(num))
+        assert ident.setdefault(c, key) == key, f"layouts {key} and {ident[c]} merged"
+        index[key] = c
+    return num
+
+
+class _Edges:
+    """The classes (numbers) and what makes them, for the least set of classes some node makes from the
+    loads: `one` for a node of one child (Keep, Coll, Proj, an Apply of one distinct operand), `many` for
+    an Apply reading several.
+
+    >>> e = _Edges(4)
+    >>> e.made.add(0); e.one(0, 1); e.many((1, 2), 3); e.one(3, 2)  # 2 and 3 read each other only
+    >>> sorted(e.closure())
+    [0, 1]
+    """
+
+    def __init__(self, count: int):
+        self.count, self.made = count, set()
+        self.srcs: list = []  # arrays of the one-child nodes' children ..
+        self.dsts: list = []  # .. and of the classes they make
+        self.waiting: list = []  # per several-child node: [class it makes, how many children not yet made]
+        self.slots: dict = defaultdict(list)  # class -> the several-child nodes reading it
+
+    def new(self) -> int:
+        self.count += 1
+        return self.count - 1
+
+    def ones(self, children: np.ndarray, dsts: np.ndarray) -> None:
+        self.srcs.append(np.asarray(children, np.int64))
+        self.dsts.append(np.asarray(dsts, np.int64))
+
+    def one(self, child: int, dst: int) -> None:
+        self.ones([child], [dst])
+
+    def many(self, children, dst: int) -> None:
+        kids = set(children)
+        if not kids:
+            self.made.add(dst)
+        elif len(kids) == 1:
+            self.one(next(iter(kids)), dst)
+        else:
+            slot = [dst, len(kids)]
+            self.waiting.append(slot)
+            for k in kids:
+                self.slots[k].append(slot)
+
+    def closure(self) -> set:
+        """The least set holding the loads (and runs of no operand) where a node whose children are in it
+        puts its class in it: a worklist from what is made, each class walked once."""
+        made, slots = self.made, self.slots
+        src = np.concatenate(self.srcs or [np.zeros(0, np.int64)])
+        order = np.argsort(src, kind="stable")
+        readers = np.concatenate(self.dsts or [np.zeros(0, np.int64)])[order].tolist()  # grouped by child
+        start = np.searchsorted(src[order], np.arange(self.count + 1)).tolist()
+        todo = list(made)
+        while todo:
+            c = todo.pop()
+            for d in readers[start[c]:start[c + 1]]:
+                if d not in made:
+                    made.add(d)
+                    todo.append(d)
+            for slot in slots.get(c, ()):
+                slot[1] -= 1
+                if slot[1] == 0 and slot[0] not in made:
+                    made.add(slot[0])
+                    todo.append(slot[0])
+        return made
+
+
+def _applies(rows, run_rows, vid, string, num: dict, kerns: dict, lays: dict, name_of, problem: Problem,
+             graph: PhysGraph, edges: _Edges) -> list:
+    """Each Run row as (class it makes, children, expr key, strategy id), arity by arity, each sorted by
+    what it holds (a class's Apply nodes come in this order), its edges added; a Run is mapped onto
+    problem.py's priced Strategy of the same placements and kernels (asserting that the rulesets derive
+    nothing the Python rules do not)."""
     codes: dict = {}  # id(layouts tuple) -> its codes (the exprs of one signature share their strategies' tuples)
 
     def code(lays: tuple) -> tuple:
@@ -630,122 +755,67 @@ def read_back(eg: EGraph, problem: Problem, name_of: dict[str, str]) -> PhysGrap
         return got[1]
 
     strategies = {(k, code(s.inputs), code(s.outputs), s.flags): s.sid for k, ss in problem.strategies.items() for s in ss}
-    flags_of: dict = {}
+    flags_of: dict = {}  # kernel names -> the strategy's flags
     ident = graph.ident
-    get = cid.get
+    out = []
     for (n, o), name in zip(RUN, run_rows):
-        # RunOf{n}x1(dst, key, kern, out layout, operands..); Run{n}x{o}(key, kern, outs.., operands..) -> tuple
-        ordered = sorted(rows.get(name, []), key=lambda r: (num[r[0][0]], string(r[0][1]), kerns[r[0][2]],
-                                                           tuple(num[v] for v in r[0][4:]))) if o == 1 else \
-            sorted(rows.get(name, []), key=lambda r: num[r[1]])
-        for ins, out in ordered:
-            if o == 1:
-                dst, ins = ins[0], ins[1:]
-            else:
-                dst = out
-            key = name_of[string(ins[0])]
-            flags = flags_of.get(ins[1])
+        for dst, skey, kern, children, outs in _runs(rows.get(name, []), o, vid, string, num, kerns, lays, edges):
+            key = name_of[skey]
+            flags = flags_of.get(kern)
             if flags is None:
-                flags = flags_of[ins[1]] = tuple(frozenset({k}) if k else frozenset() for k in kerns[ins[1]])
-            children = tuple(get(v) or cls(v) for v in ins[2 + o:])
-            sig = (key, tuple(ident[c][1] for c in children), tuple(lays[v] for v in ins[2:2 + o]), flags)
-            assert sig in strategies, f"the rulesets derived a strategy the Python rules do not: {sig}"
-            made = get(dst) or cls(dst)
-            if o == 1 and any(ident[c][0] == ident[made][0] for c in children):
+                flags = flags_of[kern] = tuple(frozenset({k}) if k else frozenset() for k in kern)
+            sig = (key, tuple([ident[c][1] for c in children]), outs, flags)
+            sid = strategies.get(sig)
+            assert sid is not None, f"the rulesets derived a strategy the Python rules do not: {sig}"
+            if o == 1 and ident[dst][0] in {ident[c][0] for c in children}:
                 # a tensor computed from itself (x = saved(x) where x has no operands to recompute from:
                 # saved(full()) is full()): no plan needs it, and it would close a cycle through the
                 # tensor's levels, which the extractors take for acyclic (fuzz seed 32 case 1061)
                 continue
-            classes[made].append(Node("Apply", children, key, strategies[sig]))
-    return _reachable(graph)
+            edges.many(children, dst)
+            out.append((dst, children, key, sid))
+    return out
 
 
-def _reachable(graph: PhysGraph) -> PhysGraph:
-    """The graph without what no plan makes (in place): a class is reachable where one of its nodes reads
-    reachable classes only (a Load reads none); nodes reading an unreachable class go too.
+def _runs(run_rows, o: int, vid, string, num: dict, kerns: dict, lays: dict, edges: _Edges):
+    """The rows of one Run arity as (class it makes, expr key, kernel names, operand classes, output layout
+    codes), sorted: RunOf{n}x1(dst, key, kern, out layout, operands..) by (class, key, kernels, operands),
+    unique per row; Run{n}x{o}(key, kern, outs.., operands..) -> tuple by its tuple's class (an operand that
+    is no class yet gets a new number, in that order)."""
+    if o == 1:
+        yield from sorted([(num[vid(ins[0])], string(ins[1]), kerns[vid(ins[2])], tuple([num[vid(v)] for v in ins[4:]]),
+                            (lays[vid(ins[3])],)) for ins, _ in run_rows])
+        return
+    for dst, ins in sorted((num[vid(r)], ins) for ins, r in run_rows):
+        children = tuple(num[i] if (i := vid(v)) in num else num.setdefault(i, edges.new()) for v in ins[2 + o:])
+        yield dst, string(ins[0]), kerns[vid(ins[1])], children, tuple(lays[vid(v)] for v in ins[2:2 + o])
 
-    >>> g = PhysGraph({"c0": [Node("Load", (), "x")], "c1": [Node("Keep", ("c0",)), Node("Keep", ("c2",))],
-    ...                "c2": [Node("Keep", ("c3",))], "c3": []}, ident={"c2": ("y", "R", 1)})
-    >>> sorted(_reachable(g).classes), len(g.classes["c1"]), g.ident
-    (['c0', 'c1'], 1, {})
-    """
-    # a sweep over the tensors in an order of their reads (operands first; a tensor's classes level by level,
-    # as read_back orders them), so nearly every class finds a node whose children are made when its turn
-    # comes (a multi-output run's tuple class is tried where a Proj reads it), then a worklist over what the
-    # sweep left: a class is marked only where one of its nodes reads marked classes, so the result is the
-    # same least set of made classes as a worklist from the loads alone (the terms no plan reaches may close
-    # cycles, which no order settles). The sweep visits a class's nodes until one is made, not all of them
-    classes, ident = graph.classes, graph.ident
-    of_tensor: dict = defaultdict(list)  # tensor -> its classes, in the graph's order
-    for c in classes:
-        if c in ident:
-            of_tensor[ident[c][0]].append(c)
-    reads: dict = {t: set() for t in of_tensor}  # tensor -> the tensors its level-0 nodes read
-    for t, cs in of_tensor.items():
-        for c in cs:
-            if ident[c][2]:
-                continue
-            for node in classes[c]:
-                for k in node.children:
-                    if k in ident:
-                        reads[t].add(ident[k][0])
-                    else:  # a tuple class (Proj): its runs' operands
-                        reads[t].update(ident[k2][0] for n2 in classes.get(k, ()) for k2 in n2.children if k2 in ident)
-    order = post_order(of_tensor, reads.__getitem__)  # operands before readers
-    made: set = set()
-    tried: set = set()
 
-    def sweep(c) -> None:
-        tried.add(c)
-        for node in classes[c]:
-            for k in node.children:
-                if k not in made:
-                    if k in ident or k in tried or k not in classes:
-                        break
-                    sweep(k)  # a tuple class: its runs read Held classes only, so one level deep
-                    if k not in made:
-                        break
-            else:
-                made.add(c)
-                return
-    for t in order:
-        for c in of_tensor[t]:
-            sweep(c)
-    for c in classes:
-        if c not in tried:
-            sweep(c)
-    readers: dict = defaultdict(list)  # a class not yet made -> the nodes of classes not yet made reading it
-    waiting = []  # per node (its slot): how many distinct classes it reads are not known made yet
-    ready = []
-    for c, nodes in classes.items():
-        if c in made:
-            continue
-        for node in nodes:
-            kids = {k for k in node.children if k not in made}
-            if not kids:
-                ready.append(c)
-            slot = len(waiting)
-            waiting.append(len(kids))
-            for k in kids:
-                readers[k].append((c, slot))
-    while ready:
-        c = ready.pop()
-        if c in made:
-            continue
-        made.add(c)
-        for reader, slot in readers.get(c, ()):
-            waiting[slot] -= 1
-            if waiting[slot] == 0 and reader not in made:
-                ready.append(reader)
-    if len(made) == len(classes):
-        return graph
-    for c in [c for c in classes if c not in made]:
-        del classes[c]
-    for c, nodes in classes.items():
-        for node in nodes:
-            if not made.issuperset(node.children):
-                classes[c] = [n for n in nodes if made.issuperset(n.children)]
-                break
-    graph.ident = {c: i for c, i in graph.ident.items() if c in made}
-    graph.index = {i: c for i, c in graph.index.items() if c in made}
+def _physgraph(graph: PhysGraph, made: set, count: int, loads, keeps, colls, projs, applies) -> PhysGraph:
+    """The classes some node makes and their nodes whose children are all made, a class's nodes in the
+    order Load, Keep, Coll, Proj, Apply (each list sorted as read_back sorts it)."""
+    names = [f"c{i}" for i in range(count)]
+    lists = [[] if i in made else None for i in range(count)]
+    one = [(c,) for c in names]
+    ok = np.zeros(count, bool)
+    ok[list(made)] = True
+    for dst, name in loads:
+        lists[dst].append(Node("Load", (), name))
+    dst, src = keeps
+    keep = ok[dst] & ok[src]
+    for d, c in zip(dst[keep].tolist(), src[keep].tolist()):
+        lists[d].append(Node("Keep", one[c]))
+    dst, src, move, moves = colls
+    keep = ok[dst] & ok[src]
+    for d, c, mv in zip(dst[keep].tolist(), src[keep].tolist(), move[keep].tolist()):
+        lists[d].append(Node("Coll", one[c], *moves[mv]))
+    for d, i, app in projs:
+        if app in made and d in made:
+            lists[d].append(Node("Proj", one[app], sid=i))
+    for d, children, key, sid in applies:
+        if d in made and made.issuperset(children):
+            lists[d].append(Node("Apply", tuple(names[c] for c in children), key, sid))
+    graph.classes = {names[i]: ns for i, ns in enumerate(lists) if ns is not None}
+    graph.ident = {names[c]: key for c, key in graph.ident.items() if c in made}
+    graph.index = {key: names[c] for key, c in graph.index.items() if c in made}
     return graph

@@ -47,59 +47,89 @@ def price(graph: PhysGraph, problem: Problem) -> None:
 
 
 def _price(graph: PhysGraph, problem: Problem) -> None:
-    """price's work (the collector paused around it, as around the other stages)."""
+    """price's work (the collector paused around it, as around the other stages), one class at a time: a
+    class's tensor, bytes and place in the step's memory model are looked up once for all its nodes, and a
+    collective's seconds once per distinct key of what they depend on (_Moves: a 2-D mesh's graph prices
+    ~160k collectives over ~11k such keys)."""
     strategies = {(k, s.sid): s for k, ss in problem.strategies.items() for s in ss}
-    # a 2-D mesh's graph holds ~30x the collectives of a 1-D one over few distinct layouts, and one
-    # (tensor, source, target) pair recurs at every level: each layout parsed and each price computed once
-    # (2x2 mesh, 2-layer Qwen2 training step, 122k collectives: 2.15 -> 0.6 s)
-    layouts: dict[str, Layout] = {}
-    held: dict[tuple[str, str], float] = {}
-    moved: dict[tuple, float] = {}
-
-    def layout(code: str) -> Layout:
-        lay = layouts.get(code)
-        if lay is None:
-            lay = layouts[code] = Layout.from_code(code)
-        return lay
-
-    def nbytes(t: str, code: str) -> float:
-        b = held.get((t, code))
-        if b is None:
-            b = held[(t, code)] = problem.nbytes(t, layout(code))
-        return b
+    model = step_memory(problem)
+    moves = _Moves(problem)
+    cost_of, nbytes, miss = moves.cost, moves.nbytes, moves.price
     ident = graph.ident
     for cls, nodes in graph.classes.items():
         where = ident.get(cls)  # (tensor, layout, level); None for a multi-output run's tuple or a root
+        if where is None:
+            whole, t, dst, held = True, None, None, 0.0
+        else:
+            t, dst, _ = where
+            # under a step's memory model a node that computes nothing (Load, Keep, Coll, Proj) holds its
+            # class's bytes only where its tensor counts
+            whole = model is None or model.counts(t)
+            held = nbytes(t, dst) if whole else 0.0
+            of = moves.of(t)
         for n in nodes:
-            if n.op == "Apply":
+            op = n.op
+            if op == "Coll":
+                key = (n.key, n.sid, ident[n.children[0]][1], dst, of)
+                cost = cost_of.get(key)
+                n.cost = miss(key, t) if cost is None else cost
+                n.memory = held
+            elif op == "Apply":
                 s = strategies[(n.key, n.sid)]
                 n.cost, n.memory = s.time, s.memory
-            elif n.op == "Load":
-                t, lay, _ = where
-                n.memory = nbytes(t, lay)
-            elif n.op == "Coll":
-                t, dst, _ = where
-                src = ident[n.children[0]][1]
-                key = (n.key, n.sid, t, src, dst)
-                cost = moved.get(key)
-                if cost is None:
-                    # the bytes held before and after from this pass's table (problem.nbytes of the same layouts)
-                    cost = moved[key] = collective_cost(problem, n.key, n.sid, t, layout(src), layout(dst),
-                                                        nbytes(t, src), nbytes(t, dst))[0]
-                n.cost = cost
-                n.memory = nbytes(t, dst)
-    model = step_memory(problem)
-    if model is not None:
-        for cls, nodes in graph.classes.items():
-            where = ident.get(cls)
-            # _held of a node that computes nothing (Load, Keep, Coll, Proj): its bytes where its class's tensor
-            # counts, asked once per class
-            whole = where is None or model.counts(where[0])
-            for n in nodes:
-                if n.op == "Apply":
+                if model is not None:
                     n.memory = _held(graph, problem, model, cls, n)
-                elif not whole:
-                    n.memory = 0.0
+            elif op == "Load":
+                n.memory = held
+            elif not whole:
+                n.memory = 0.0
+
+
+class _Moves:
+    """collective_cost's seconds, computed once per distinct key of what they depend on: the collective, the
+    mesh axis, the source and target layouts and `of(tensor)`, the tensor's shape and dtype (its bytes
+    before and after), whether it is a fused kernel's output and whether a reader takes it in registers.
+    Bytes (problem.nbytes) likewise, once per shape, dtype and layout: a model's layers share their shapes.
+
+    >>> from egraph_did.models import row_sum
+    >>> moves = _Moves(build_problem(row_sum(8, 64), DeviceMesh.arange(4)))
+    >>> key = ("allreduce", 0, "P", "R", moves.of("y"))
+    >>> round(moves.price(key, "y") * 1e6, 2), moves.nbytes("y", "R")  # two latencies of 10 us; 8 floats
+    (20.0, 32)
+    """
+
+    def __init__(self, problem: Problem):
+        self.problem, self.cost, self.held, self.tensors, self.layouts = problem, {}, {}, {}, {}
+
+    def of(self, t: str) -> tuple:
+        """What a collective's seconds read of tensor t: ((shape, dtype), fused output, read in registers)."""
+        got = self.tensors.get(t)
+        if got is None:
+            tv, fused = self.problem.fusion.tensors[t], self.problem.fused.get(t)
+            got = self.tensors[t] = ((tuple(tv.shape), tv.dtype), fused is not None and fused.output,
+                                     t in self.problem.register_reads)
+        return got
+
+    def layout(self, code: str) -> Layout:
+        lay = self.layouts.get(code)
+        if lay is None:
+            lay = self.layouts[code] = Layout.from_code(code)
+        return lay
+
+    def nbytes(self, t: str, code: str) -> float:
+        """problem.nbytes(t, the layout of `code`), by shape, dtype and code."""
+        key = (self.of(t)[0], code)
+        b = self.held.get(key)
+        if b is None:
+            b = self.held[key] = self.problem.nbytes(t, self.layout(code))
+        return b
+
+    def price(self, key: tuple, t: str) -> float:
+        """The seconds of key = (kind, axis, source code, target code, of(t)) for tensor t, kept."""
+        kind, axis, src, dst, _ = key
+        cost = self.cost[key] = collective_cost(self.problem, kind, axis, t, self.layout(src), self.layout(dst),
+                                                self.nbytes(t, src), self.nbytes(t, dst))[0]
+        return cost
 
 
 def step_memory(problem: Problem) -> StepMemory | None:

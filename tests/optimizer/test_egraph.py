@@ -114,3 +114,42 @@ MESHES = {(4,): [0, 1, 2, 3], (2, 4): [[0, 1, 2, 3], [4, 5, 6, 7]], (2, 2, 2): [
 def test_egraph_builds_the_reachable_graph(model, mesh):
     problem = build_problem(MODELS[model](), ed.DeviceMesh(MESHES[mesh]))
     assert signature(saturate(problem)) == reference(problem)
+
+
+@pytest.mark.parametrize("model", ["gpt_layer", "mlp_with_backward"])
+def test_read_back_orders_classes_and_nodes_by_what_they_hold(model):
+    """The extractors break cost ties by order, so read_back orders by content, never by egglog's rows:
+    classes by (the program's order of tensors, level, layout), tuple classes after them; a class's
+    nodes Load, Keep, Coll, Proj, Apply, each op's nodes by their children's class numbers (a Coll's
+    then by collective and mesh axis)."""
+    problem = build_problem(MODELS[model](), ed.DeviceMesh(MESHES[(2, 4)]))
+    g = saturate(problem)
+    rank = {name: i for i, name in enumerate(problem.fusion.tensors)}
+    held = [c for c in g.classes if c in g.ident]
+    number = lambda c: int(c[1:])  # noqa: E731
+    assert [number(c) for c in g.classes] == sorted(number(c) for c in g.classes)
+    assert held == list(g.classes)[:len(held)]  # tuple classes after every Held one
+    keys = [(rank[t], t, level, lay) for t, lay, level in (g.ident[c] for c in held)]
+    assert keys == sorted(keys)
+    ops = ["Load", "Keep", "Coll", "Proj", "Apply"]
+    for nodes in g.classes.values():
+        assert [ops.index(n.op) for n in nodes] == sorted(ops.index(n.op) for n in nodes)
+        for op in ("Keep", "Coll", "Proj"):
+            got = [(tuple(map(number, n.children)), n.key, n.sid) for n in nodes if n.op == op]
+            assert got == sorted(got)
+
+
+def test_price_equals_collective_cost_per_node():
+    """optimize._price computes a collective's seconds once per key of what they depend on (_Moves): every
+    Coll node of a 2-D graph costs what collective_cost gives it alone, and holds its class's bytes."""
+    from egraph_did.optimize import collective_cost, price
+    problem = build_problem(MODELS["mlp_with_backward"](), ed.DeviceMesh(MESHES[(2, 4)]))
+    g = saturate(problem)
+    price(g, problem)
+    colls = [(c, n) for c, ns in g.classes.items() for n in ns if n.op == "Coll"]
+    assert len(colls) > 100
+    for c, n in colls:
+        t, dst, _ = g.ident[c]
+        src = g.ident[n.children[0]][1]
+        want = collective_cost(problem, n.key, n.sid, t, Layout.from_code(src), Layout.from_code(dst))[0]
+        assert (n.cost, n.memory) == (want, problem.nbytes(t, Layout.from_code(dst))), (c, n)
