@@ -31,7 +31,7 @@ LAYERS = {
     "program": ["ir", "fusion", "evaluate", "sharding", "pins", "grad", "frontend"],
     "plan": ["plan", "explain", "plan_split"],
     "rewrites": ["rewrites"],
-    "optimizer": ["egglog_io", "expand", "problem", "egraph", "extract", "extract_dp", "chain", "optimize"],
+    "optimizer": ["egglog_io", "protocol_cache", "expand", "problem", "egraph", "extract", "extract_dp", "chain", "optimize"],
     "lowering": ["lowering"],
     "execution": ["simulate", "runtime", "launcher", "calibrate"],
     "face": ["__init__", "__main__", "cli", "demo", "models", "sweep", "plan_graph", "fuzzing", "parallelize"],
