@@ -821,10 +821,6 @@ def _bits(mask: int):
         mask ^= low
 
 
-def _dominates(a, b) -> bool:
-    return a[0] <= b[0] + _EPS and a[1] <= b[1]
-
-
 def _merge_min(table: dict, key, front: list) -> None:
     """table[key] keeps the cheapest entry (no memory bound: memory is not tracked)."""
     old = table.get(key)
