@@ -325,8 +325,13 @@ def _optimize(fd, mesh: DeviceMesh, cost_model, extractor: str, like, time_limit
     passes: list[dict] = []  # each pass's extraction, in order (plan.stats["passes"])
     cuts: set = set()  # the exact extractor's cuts, which the first pass hands the later ones (exact's `cuts`)
 
+    # the exact extractor's passes, by id(plan): the pairs greedy's plan of their graph would offer the bucket pass
+    # (asked of the kept pass only: a greedy extraction each)
+    greedy_pairs = {} if extractor == "exact" and "bucket_pair" in names and like is None else None
+
     def once(cm, pins, rewrites, limit=time_limit, upper=None, screen=False, prove=True):
-        plan, problem = _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, limit, cuts, upper, screen, prove)
+        plan, problem = _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, limit, cuts, upper, screen, prove,
+                                       None if rewrites.buckets else greedy_pairs)
         passes.append(_pass_summary(plan.stats))
         st = plan.stats
         log.info("optimize pass %d: problem %.2f s, e-graph %.2f s (%d classes, %d nodes), pricing %.2f s, "
@@ -375,6 +380,9 @@ def _optimize(fd, mesh: DeviceMesh, cost_model, extractor: str, like, time_limit
             pins = {**(pins or {}), **extra}
     plan.buckets = [list(p) for p in offered.buckets]  # a replay (like=) keeps the plan's pairs
     pairs = bucket_candidates(plan, problem) if "bucket_pair" in names and like is None else []
+    if greedy_pairs:  # and greedy's: exact's plan of the pass may offer no pair where greedy's bucketed one is cheaper
+        pairs = _joined_pairs(pairs, greedy_pairs.pop(id(plan), list)())
+        greedy_pairs.clear()  # the other passes' graphs
     if pairs:  # a second e-graph, offered to send these pairs in one buffer: kept where it is cheaper
         try:
             bucketed, _ = once(cm, pins, offered.with_buckets(pairs), time_limit * BUCKET_PASS_SHARE)
@@ -571,11 +579,14 @@ GREEDY_FALLBACK_S = 10.0  # the exact extractor's limit where greedy finds no pl
 
 
 def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit, cuts: set | None = None,
-                   upper: float | None = None, screen: bool = False, prove: bool = True) -> tuple[Plan, Problem]:
+                   upper: float | None = None, screen: bool = False, prove: bool = True,
+                   greedy_pairs: dict | None = None) -> tuple[Plan, Problem]:
     """Problem, e-graph, extraction and plan, under the given rewrites (optimize's one pass); `cuts`: the
     exact extractor's cut hints, shared by the passes of one optimize call; `upper`: the cost of a plan the
     caller holds already (exact's `upper`); `screen`: where the plan is not a loop, also plan.stats["loop_screens"]
-    (loop_screen of each of loop_pins(..., replicated=True), on this pass's graph while it is at hand)."""
+    (loop_screen of each of loop_pins(..., replicated=True), on this pass's graph while it is at hand);
+    `greedy_pairs` (exact extractor): where given, greedy_pairs[id(plan)] is a function of no arguments that returns
+    bucket_candidates of greedy's plan of this pass's graph (_greedy_bucket_pairs)."""
     t0 = time.perf_counter()
     problem = build_problem(fd, mesh, cm, pins=pins, like=like, rewrites=rewrites)
     t1 = time.perf_counter()
@@ -635,6 +646,8 @@ def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit, cu
     plan = unproven if unproven is not None else build_plan(problem, graph, sel)
     plan.stats.update(graph.stats)
     plan.stats.update(sel.stats, extract_method=sel.method, extract_cost=sel.cost)  # exact: proven or not
+    if greedy_pairs is not None and extractor == "exact":
+        greedy_pairs[id(plan)] = functools.partial(_greedy_bucket_pairs, graph, roots, problem)
     loops = loop_pins(plan, problem, replicated=True) if screen else []
     if loops:
         t4 = time.perf_counter()
@@ -867,6 +880,27 @@ def bucket_candidates(plan: Plan, problem: Problem) -> list[tuple[str, str]]:
             pairs.append((saving, prev.tensor, t))
     best = set(sorted(pairs, key=lambda p: -p[0])[:MAX_BUCKET_PAIRS])
     return list(dict.fromkeys((a, b) for saving, a, b in pairs if (saving, a, b) in best))  # in plan order
+
+
+def _greedy_bucket_pairs(graph: PhysGraph, roots: list[str], problem: Problem) -> list[tuple[str, str]]:
+    """bucket_candidates of greedy's plan of `graph` ([] where greedy finds no plan within the memory bound): the
+    pairs greedy's bucket pass would offer, which optimize offers the exact extractor's too, so that its bucketed
+    graph holds greedy's. Fuzz seed 48 case 7199 (1x2x2, a memory bound): exact's proven first plan reduced t0 and
+    t2 on two mesh axes (no pair), greedy's on one, whose bucket made greedy's plan 68 us to exact's 76."""
+    try:
+        sel = greedy_dag(graph, roots, problem.cost_model.memory_limit)
+    except PlanError:
+        return []
+    return bucket_candidates(build_plan(problem, graph, sel), problem)
+
+
+def _joined_pairs(ours: list[tuple[str, str]], theirs) -> list[tuple[str, str]]:
+    """`ours` then the pairs of `theirs` it lacks, at most MAX_BUCKET_PAIRS (drop_cycles grows with them).
+
+    >>> _joined_pairs([("a", "b")], [("a", "b"), ("c", "d")])
+    [('a', 'b'), ('c', 'd')]
+    """
+    return list(dict.fromkeys([*ours, *theirs]))[:MAX_BUCKET_PAIRS]
 
 
 def _check_time_limit(time_limit, extractor: str) -> float:

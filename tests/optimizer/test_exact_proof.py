@@ -352,3 +352,31 @@ def test_a_bound_above_upper_skips_the_mip_and_says_so(monkeypatch):
     assert "above upper" in above.stats["exact_note"]
     below = solved(4e-6)
     assert (below.method, below.proven) == ("exact", True) and below.cost == pytest.approx(3e-6)
+
+
+def test_the_exact_extractors_bucket_pass_is_offered_greedys_pairs_too():
+    """Fuzz seed 48 case 7199, reduced: exact's proven first plan reduces t0 and t2 over two mesh axes (no pair to
+    bucket, 62 us), greedy's over one, whose bucket makes greedy's plan 54 us; optimize offers exact's bucket pass
+    greedy's pairs of the same graph, so exact finds that plan (was 62 us, above greedy's)."""
+    DIDx, DIDy = ed.ParallelType.DIDx, ed.ParallelType.DIDy
+    mesh = ed.DeviceMesh(torch.arange(4).reshape(1, 2, 2), axis_names=("pp", "dp", "tp"))
+    with ed.FusionDefinition() as fd:
+        x0 = fd.define_tensor((2, 4), torch.float64, name="x0")
+        x1 = fd.define_tensor((1, 3), torch.float64, name="x1")
+        x2 = fd.define_tensor((1, 4), torch.int64, name="x2")
+        x3 = fd.define_tensor((1, 4), torch.float64, name="x3")
+        t0 = fd.ops.mean(x=x0, dims=None)
+        t2 = fd.ops.scatter_add(x=fd.ops.amin(x=x1, dims=(0, 1), keepdim=True), dim=1, index=x2, src=x3)
+        fd.add_output(t0, name="t0")
+        fd.add_output(t2, name="t2")
+    x0.set_device_mesh(mesh).outer_split(1, 2).parallelize(1, DIDx).outer_split(0, 2).parallelize(0, DIDy)
+    for x in (x2, x3):
+        x.set_device_mesh(mesh).outer_split(1, 2).parallelize(1, DIDy)
+    for t in fd.fusion.tensors.values():
+        if t.mesh is None:
+            t.set_device_mesh(mesh)
+    cm = ed.CostModel.h200(memory_limit=180.0)  # 0.9 of the unbounded plan's 200 B
+    greedy, exact = (ed.optimize(fd, mesh, cost_model=cm, extractor=ex) for ex in ("greedy", "exact"))
+    assert greedy.buckets == [["t0", "t2"]] and exact.buckets == [["t0", "t2"]]
+    assert exact.predicted_time <= greedy.predicted_time * (1 + 1e-12)
+    assert exact.predicted_time == pytest.approx(54e-6, rel=1e-3) and exact.memory <= 180.0
