@@ -147,6 +147,50 @@ def test_greedy_falls_back_to_the_exact_extractor_where_its_bisection_misses_a_m
     _close(ed.simulate(plan, x), ed.evaluate(fd, x))
 
 
+def _exp_cast_sigmoid():
+    mesh = ed.DeviceMesh(torch.arange(4).reshape(2, 1, 2))
+    with ed.FusionDefinition() as fd:
+        x0 = fd.define_tensor((1, 3), torch.float32, name="x0")
+        t0 = fd.ops.exp(x=x0)
+        fd.add_output(fd.ops.cast(x=t0, dtype=torch.float64), name="t1")
+        fd.add_output(fd.ops.sigmoid(x=t0), name="t2")
+    for t in (t0, fd["t2"]):
+        t.set_device_mesh(mesh)
+    fd["t1"].set_device_mesh(mesh).outer_split(1, 2).parallelize(1, ed.ParallelType.DIDx)
+    return fd, mesh
+
+
+def test_where_greedy_finds_no_plan_within_a_bound_it_takes_the_least_memory_plan_and_proves_what_fits(monkeypatch):
+    """`greedy-refuses-where-exact-plans` (seed 48, case 7127: a 2x2x2 attention backward whose greedy passes'
+    smallest plan needed 13,032 B over a bound of 12,912 B, where the least memory is 11,880 B): greedy's fallback
+    first extracts the plan of least memory exactly (extract.smallest). Greedy's own passes are made to miss here:
+    within a bound of that least memory the plan comes from the fallback and fits (the exact extractor plans there
+    too, and proves nothing fits below it); below it, the refusal names that least memory, not greedy's."""
+    import importlib
+    optimize_module = importlib.import_module("egraph_did.optimize")
+    fd, mesh = _exp_cast_sigmoid()
+    free = ed.optimize(fd, mesh)
+    least = []
+    real_smallest = optimize_module.smallest
+    monkeypatch.setattr(optimize_module, "smallest", lambda *a, **k: least.append(real_smallest(*a, **k)) or least[-1])
+
+    def misses(*_, **__):
+        raise MemoryBoundError("greedy's passes miss (this test's refusal)")
+    monkeypatch.setattr(optimize_module, "greedy_dag", misses)
+    plan = ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=0.9 * free.memory))
+    bound = least[-1].memory
+    assert least[-1].proven and plan.memory <= 0.9 * free.memory and bound < free.memory
+    x = {"x0": torch.randn(1, 3)}
+    _close(ed.simulate(plan, x), ed.evaluate(fd, x))
+    assert ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=bound)).memory <= bound
+    assert ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=bound), extractor="exact").memory <= bound
+    with pytest.raises(MemoryBoundError):  # the exact extractor's proof that nothing fits below it
+        ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=bound * (1 - 1e-6)), extractor="exact")
+    with pytest.raises(MemoryBoundError, match="the smallest plan needs") as err:
+        ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=bound * (1 - 1e-6)))
+    assert "miss" not in str(err.value)
+
+
 @pytest.mark.parametrize("dtype", [torch.bool, torch.int32, torch.float64])
 def test_a_pending_max_of_bools_or_ints_reassembles_to_the_value(dtype):
     """`simulate-eager-mismatch` (seed 12, case 134): an output pinned as a pending max (now honoured by
@@ -436,6 +480,7 @@ def test_greedy_under_a_bound_tries_the_layout_plans_before_refusing(monkeypatch
     def no_fallback(*_, **__):
         raise ed.PlanError("the exact fallback is off in this test")
     monkeypatch.setattr(optimize_module, "exact", no_fallback)
+    monkeypatch.setattr(optimize_module, "smallest", no_fallback)
     mesh = ed.DeviceMesh(torch.arange(8).reshape(2, 2, 2), axis_names=("pp", "dp", "tp"))
     DIDx, DIDy, DIDz = ed.ParallelType.DIDx, ed.ParallelType.DIDy, ed.ParallelType.DIDz
     with ed.FusionDefinition() as fd:
