@@ -2126,6 +2126,25 @@ def smallest(graph: PhysGraph, roots: list[str], time_limit: float = 10.0) -> Se
     return Selection(choice, *_total(choice), sel.method, sel.proven, {"smallest_" + k: v for k, v in sel.stats.items()})
 
 
+def polished(graph: PhysGraph, roots: list[str], start: Selection, memory_limit: float | None = None) -> Selection:
+    """Greedy's local search (switch one class's node, complete what it needs) from `start`'s plan while the time
+    drops and the memory stays within memory_limit. From smallest's plan of fuzz seed 48 case 7127 (144.0 us,
+    11,880 B) within 12,912 B: 124.0 us, the exact extractor's optimum, in 0.07 s.
+
+    >>> g = PhysGraph({"x": [Node("Load", (), "x")],
+    ...                "y": [Node("Apply", ("x",), "y", 0, cost=1e-6, memory=4096.0),
+    ...                      Node("Apply", ("x",), "y", 1, cost=5e-6, memory=1024.0),
+    ...                      Node("Apply", ("x",), "y", 2, cost=3e-6, memory=2048.0)]})
+    >>> roots = with_roots(g, {"y": ["y"]})
+    >>> sel = polished(g, roots, smallest(g, roots), memory_limit=3000.0)
+    >>> sel.choice["y"].sid, sel.cost, sel.memory, sel.method
+    (2, 3e-06, 2048.0, 'greedy-dag')
+    """
+    skeleton = _Skeleton(graph, _topo_order(graph, roots))
+    choice = _improve(graph, start.choice, start.choice, 0.0, memory_limit=memory_limit, skeleton=skeleton)
+    return Selection(choice, *_total(choice), "greedy-dag")
+
+
 def _exact(graph: PhysGraph, roots: list[str], memory_limit: float | None, time_limit: float,
            start: Selection | None, cuts: set | None, upper: float | None = None, prove: bool = True) -> Selection:
     """exact's work (the collector paused around it)."""
