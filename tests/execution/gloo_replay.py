@@ -5,8 +5,6 @@ strategies) and every plan runs on four gloo processes in one launch (process st
 rank's outputs compared with the single-device ones."""
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 import egraph_did as ed
@@ -48,18 +46,3 @@ def random_inputs(fd, g: torch.Generator, dtype=torch.float32, index_high: int =
     """Random global inputs of a fusion: floats normal in `dtype`, integers in [0, index_high)."""
     return {t.name: (torch.randint(0, index_high, t.shape, generator=g) if t.dtype == torch.int64
                      else torch.randn(t.shape, generator=g, dtype=dtype)) for t in fd.fusion.inputs}
-
-
-def replay_and_run(specs: dict[str, tuple], check: Callable[[str, Plan], None], inputs_of: Callable,
-                   rtol: float = 1e-5, atol: float = 1e-5) -> dict[str, Plan]:
-    """specs: name -> (big fusion, cost model or None, small fusion). Each big plan replayed on its small
-    fusion, check(name, plan) run on the replay (that it took the strategy), then all run on gloo in one
-    launch and compared with ed.evaluate of the small fusion on inputs_of(name, small)."""
-    plans, inputs, want = {}, {}, {}
-    for name, (big, cm, small) in specs.items():
-        plans[name] = replay(big, small, cm)
-        check(name, plans[name])
-        inputs[name] = inputs_of(name, small)
-        want[name] = ed.evaluate(small, inputs[name])
-    assert_ranks_equal(run_on_gloo(plans, inputs), want, rtol, atol)
-    return plans

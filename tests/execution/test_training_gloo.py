@@ -1,7 +1,8 @@
 """Training on four gloo processes (issue 10): a 2-layer GPT's training step (models.gpt_training_step,
 AdamW) run three times, each step's next weights and moments fed back as the next step's inputs, under a
 tensor-parallel plan, a tensor+sequence-parallel plan, a 2 x 2 dp x tp plan and an FSDP plan; the losses and
-the parameters equal the single-device run (float32, relative 1e-5).
+the parameters equal the single-device run (float32, relative 1e-5). In the same launch, a stamped plan
+(egraph_did/chain.py) of a 6-layer step: the same three steps, equal to the single-device run.
 
 Each plan's layouts are chosen at bf16 shapes where they are the golden ones (tests/optimizer/
 test_training_golden.py), with the weights and moments (in and next: a loop) pinned to the family's layout,
@@ -89,10 +90,13 @@ def cases():
     """name -> (small plan, small fusion, initial state)."""
     out = {}
     for name, (mesh, cm, *_rest, big) in SPECS.items():
-        # rewrites=() on the 2 x 2 mesh: its bucket pass takes 90 s here (layouts are what this file tests)
-        plan = ed.optimize(step_fd(name, big, BF16), mesh, cm, rewrites=() if name == "dp_tp" else None)
+        # rewrites=() on the 2 x 2 mesh: its bucket pass takes 90 s here (layouts are what this file tests); its
+        # replay too, the program as the big plan ran it (with every rewrite offered the replay is step for step
+        # the same plan, 599 steps, after seconds more building the e-graph)
+        rewrites = () if name == "dp_tp" else None
+        plan = ed.optimize(step_fd(name, big, BF16), mesh, cm, rewrites=rewrites)
         small = step_fd(name, SMALL[name], torch.float32)
-        out[name] = (ed.optimize(small, mesh, like=plan), small, initial_state(small))
+        out[name] = (ed.optimize(small, mesh, like=plan, rewrites=rewrites), small, initial_state(small))
     return out
 
 
@@ -111,8 +115,21 @@ def train(rank: int, jobs: dict):
 
 
 @pytest.fixture(scope="module")
-def results(cases):
-    jobs = {name: (plan.to_json(), state) for name, (plan, _, state) in cases.items()}
+def chain_case():
+    """A stamped plan (egraph_did/chain.py): a 6-layer GPT's training step planned as a window of four layers with
+    the middle layer's plan stamped on the others, sequence-sharded data, every weight free: (plan, fusion,
+    initial state). Run in the same launch as `cases` (once tests/execution/test_chain_gloo.py's own)."""
+    mesh = ed.DeviceMesh.arange(4)
+    fd = models.gpt_training_step(2, 8, 16, 4, torch.float32, layers=6, optimizer=ed.AdamW(lr=1e-2))
+    for n in ("x", "target"):
+        apply_layout(fd[n], Layout((S(1),)), mesh)
+    return ed.optimize(fd, mesh), fd, initial_state(fd)
+
+
+@pytest.fixture(scope="module")
+def results(cases, chain_case):
+    """Every plan of `cases` and the stamped one ("chain"), STEPS steps each, on four gloo ranks in one launch."""
+    jobs = {name: (plan.to_json(), state) for name, (plan, _, state) in (cases | {"chain": chain_case}).items()}
     return launch(train, nprocs=4, backend="gloo", args=(jobs,), timeout=240)
 
 
@@ -158,3 +175,18 @@ def test_the_plans_are_their_families(cases):
     scattered |= {fsdp_plan.values[o].tensor for s in fsdp_plan.rings for o in s.outputs  # a GEMM's own
                   if any(f == "rs_ring" for f, _ in s.flags)}  # reduce-scatter ring (collective_matmul)
     assert {"grad_l0.wq", "grad_l1.w2"} <= scattered
+
+
+def test_a_stamped_six_layer_step_trains_on_four_gloo_ranks_as_on_one_device(chain_case, results):
+    """The stamped plan's three AdamW steps with the next weights and moments fed back equal the single-device
+    run (float32, relative 1e-5)."""
+    plan, fd, state = chain_case
+    assert plan.stats["chain"]["layers"] == 6
+    assert plan.collectives  # the plan communicates: the ranks hold different shards
+    want_losses, want = reference(fd, state)
+    for rank, res in enumerate(results):
+        losses, got = res["chain"]
+        assert rel(losses, want_losses) <= 1e-5, f"rank {rank}: losses {losses} vs {want_losses}"
+        for k in want:
+            if k not in ("x", "target"):
+                assert rel(got[k], want[k]) <= 1e-5, f"rank {rank}: {k}"
