@@ -20,7 +20,7 @@ import pytest
 SLOW = {
     "tests/optimizer/test_chain.py": 412,  # 465 less the stitched test's own 6-layer plan (53)
     "tests/face/test_torchtitan.py": 237,
-    "tests/execution/test_training_gloo.py": 230,  # 167 + test_chain_gloo.py's test, less a launch
+    "tests/execution/test_training_gloo.py": 230,
     "tests/execution/test_strategies_gloo.py": 213,
     "tests/execution/test_bench_runtime.py": 166,
     "tests/face/test_readme.py": 145,

@@ -8,7 +8,7 @@ positions, causal sdpa_lse on 12 positions, causal sdpa on a 2 x 2 (dp, cp) mesh
 groups, and training steps whose backward runs as a ring too (k and v travelling with their dk, dv
 accumulators; bidirectional, and causal replayed on its rings) (float64).
 
-Context parallelism (issue 28 item 2; once tests/execution/test_context_parallel_gloo.py): attention with k and
+Context parallelism (issue 28 item 2): attention with k and
 v pinned split on the sequence, run as a reduction over the key blocks, equals the single-device run on every
 rank. The plans are those of tests/optimizer/test_context_parallel.py (chosen at long-context bf16 shapes),
 replayed at small float32 ones with uneven blocks (10 keys: 3, 3, 3, 1): the queries gathered and the block
@@ -16,7 +16,7 @@ outputs sent to the queries' split by all-to-all; the merge as an allreduce(max)
 allreduce(sum), causal; and a training step whose dq is reduce-scattered while dk and dv stay where their keys
 are.
 
-Collective matmul (once tests/execution/test_collective_matmul_gloo.py): the rings of
+Collective matmul: the rings of
 tests/optimizer/test_collective_matmul.py (an MLP with sequence-parallel x and y, column- then row-parallel
 weights, both GEMMs as rings under a slow-link cost model) run through plan.run, point-to-point sends round the
 ring, and give the single-device reference on every rank, bit for bit what simulate gives (it adds in the ring's

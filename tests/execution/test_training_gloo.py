@@ -118,7 +118,7 @@ def train(rank: int, jobs: dict):
 def chain_case():
     """A stamped plan (egraph_did/chain.py): a 6-layer GPT's training step planned as a window of four layers with
     the middle layer's plan stamped on the others, sequence-sharded data, every weight free: (plan, fusion,
-    initial state). Run in the same launch as `cases` (once tests/execution/test_chain_gloo.py's own)."""
+    initial state). Run in the same launch as `cases`."""
     mesh = ed.DeviceMesh.arange(4)
     fd = models.gpt_training_step(2, 8, 16, 4, torch.float32, layers=6, optimizer=ed.AdamW(lr=1e-2))
     for n in ("x", "target"):
