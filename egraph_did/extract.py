@@ -508,6 +508,8 @@ def _seeded(graph: PhysGraph, w: _Weighted, best: Best, budget: int) -> dict[str
                 seeds = [d for d in seeds if d not in tried]
             current, win = best[ROOT][0] + _paid_cost(w, paid, _mask(best, ROOT)), None
             for d in seeds:
+                if left < 0 and not first:  # spent: a try only lowers it (the check below), so no walk to find that
+                    break  # (a 2x2 mesh's Llama step walked 30k ancestors of its second seed to break there)
                 cone = _chosen(best, w, d)
                 priced = [c for c, n in cone.items() if c not in paid and w.weight[w.index[id(n)]] > 0]
                 affected = _ancestors(priced, parents)
