@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -77,42 +78,50 @@ class _Skeleton:
     def __init__(self, graph: PhysGraph, order: list[str]):
         self.graph, self.order = graph, order
         self.position = {c: k for k, c in enumerate(order)}  # class -> its bit in a set
-        # class -> (node, number, distinct children, the only one where it has one)
-        self.entries: dict[str, list[tuple[Node, int, list[str], str | None]]] = {}
+        # class -> (node, number, distinct children (a one-child node's children tuple), the only one where it has one)
+        self.entries: dict[str, list[tuple[Node, int, list[str] | tuple[str], str | None]]] = {}
         # one walk over the nodes makes every per-node table (the graph's ~200k nodes on a 2x2 mesh: each walk
         # of them costs ~0.05 s), the readers too (readers(): the amortized pass and the seeds read them)
         nodes: list[Node] = []
-        costs: list[float] = []
-        memories: list[float] = []
-        ident, classes = graph.ident, graph.classes
+        ident, classes, entries = graph.ident, graph.classes, self.entries
         tensors: dict[str, set] = {}
         parents: dict[str, dict] = {}
         for c in order:
-            es = self.entries[c] = []
+            es = entries[c] = []
             t = ident[c][0] if c in ident else c
-            for n in classes[c]:
+            ns = classes[c]
+            i = len(nodes)
+            nodes.extend(ns)
+            for n in ns:
                 ch = n.children
-                i = len(nodes)
                 if len(ch) == 1:  # a collective, a Keep, a Proj (87% of a 2-D mesh's nodes): set() of one changes nothing
-                    es.append((n, i, list(ch), ch[0]))
+                    k = ch[0]
+                    es.append((n, i, ch, k))  # the children tuple itself: no pass changes a node's kids
+                    ts = tensors.get(k)
+                    if ts is None:
+                        tensors[k], parents[k] = {t}, {c: None}
+                    else:
+                        ts.add(t)
+                        parents[k][c] = None
                 else:
                     kids = list(set(ch))
                     es.append((n, i, kids, kids[0] if len(kids) == 1 else None))
-                nodes.append(n)
-                costs.append(n.cost)
-                memories.append(n.memory)
-                for k in ch:
-                    ts = tensors.get(k)
-                    if ts is None:
-                        ts = tensors[k] = set()
-                        parents[k] = {}
-                    ts.add(t)
-                    parents[k][c] = None
+                    for k in ch:
+                        ts = tensors.get(k)
+                        if ts is None:
+                            tensors[k], parents[k] = {t}, {c: None}
+                        else:
+                            ts.add(t)
+                            parents[k][c] = None
+                i += 1
         self.nodes = nodes
-        self.index = {id(n): i for i, n in enumerate(nodes)}  # id(node) -> its number (its weight's index)
+        # id(node) -> its number (its weight's index); zip and map: no Python loop over ~200k nodes
+        self.index = dict(zip(map(id, nodes), range(len(nodes))))
         self._readers = (tensors, parents)
         self._shares = None
-        self._cost_memory = (np.array(costs, dtype=np.float64), np.array(memories, dtype=np.float64))
+        n_nodes = len(nodes)
+        self._cost_memory = (np.fromiter(map(attrgetter("cost"), nodes), np.float64, n_nodes),
+                             np.fromiter(map(attrgetter("memory"), nodes), np.float64, n_nodes))
         self.reads: dict[str, tuple] = {}  # _shared_seeds' view of each class's readers (_reads)
         self._last_weights: tuple[float | None, list[float]] = (None, [])
 
