@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -77,42 +78,50 @@ class _Skeleton:
     def __init__(self, graph: PhysGraph, order: list[str]):
         self.graph, self.order = graph, order
         self.position = {c: k for k, c in enumerate(order)}  # class -> its bit in a set
-        # class -> (node, number, distinct children, the only one where it has one)
-        self.entries: dict[str, list[tuple[Node, int, list[str], str | None]]] = {}
+        # class -> (node, number, distinct children (a one-child node's children tuple), the only one where it has one)
+        self.entries: dict[str, list[tuple[Node, int, list[str] | tuple[str], str | None]]] = {}
         # one walk over the nodes makes every per-node table (the graph's ~200k nodes on a 2x2 mesh: each walk
         # of them costs ~0.05 s), the readers too (readers(): the amortized pass and the seeds read them)
         nodes: list[Node] = []
-        costs: list[float] = []
-        memories: list[float] = []
-        ident, classes = graph.ident, graph.classes
+        ident, classes, entries = graph.ident, graph.classes, self.entries
         tensors: dict[str, set] = {}
         parents: dict[str, dict] = {}
         for c in order:
-            es = self.entries[c] = []
+            es = entries[c] = []
             t = ident[c][0] if c in ident else c
-            for n in classes[c]:
+            ns = classes[c]
+            i = len(nodes)
+            nodes.extend(ns)
+            for n in ns:
                 ch = n.children
-                i = len(nodes)
                 if len(ch) == 1:  # a collective, a Keep, a Proj (87% of a 2-D mesh's nodes): set() of one changes nothing
-                    es.append((n, i, list(ch), ch[0]))
+                    k = ch[0]
+                    es.append((n, i, ch, k))  # the children tuple itself: no pass changes a node's kids
+                    ts = tensors.get(k)
+                    if ts is None:
+                        tensors[k], parents[k] = {t}, {c: None}
+                    else:
+                        ts.add(t)
+                        parents[k][c] = None
                 else:
                     kids = list(set(ch))
                     es.append((n, i, kids, kids[0] if len(kids) == 1 else None))
-                nodes.append(n)
-                costs.append(n.cost)
-                memories.append(n.memory)
-                for k in ch:
-                    ts = tensors.get(k)
-                    if ts is None:
-                        ts = tensors[k] = set()
-                        parents[k] = {}
-                    ts.add(t)
-                    parents[k][c] = None
+                    for k in ch:
+                        ts = tensors.get(k)
+                        if ts is None:
+                            tensors[k], parents[k] = {t}, {c: None}
+                        else:
+                            ts.add(t)
+                            parents[k][c] = None
+                i += 1
         self.nodes = nodes
-        self.index = {id(n): i for i, n in enumerate(nodes)}  # id(node) -> its number (its weight's index)
+        # id(node) -> its number (its weight's index); zip and map: no Python loop over ~200k nodes
+        self.index = dict(zip(map(id, nodes), range(len(nodes))))
         self._readers = (tensors, parents)
         self._shares = None
-        self._cost_memory = (np.array(costs, dtype=np.float64), np.array(memories, dtype=np.float64))
+        n_nodes = len(nodes)
+        self._cost_memory = (np.fromiter(map(attrgetter("cost"), nodes), np.float64, n_nodes),
+                             np.fromiter(map(attrgetter("memory"), nodes), np.float64, n_nodes))
         self.reads: dict[str, tuple] = {}  # _shared_seeds' view of each class's readers (_reads)
         self._last_weights: tuple[float | None, list[float]] = (None, [])
 
@@ -207,7 +216,7 @@ def _greedy_sets(graph: PhysGraph, w: _Weighted, paid: dict[str, Node] | None = 
                     break
             else:
                 if not kids:
-                    mask, cost = (1 << bit) if real[i] else 0, weight[i]
+                    mask, cost = 0, weight[i]  # its own bit added where it is picked
                 else:
                     # start from the costliest child's set as a whole; walk only what the others add to it,
                     # so a residual chain (each set holding the previous one) stays linear
@@ -220,39 +229,55 @@ def _greedy_sets(graph: PhysGraph, w: _Weighted, paid: dict[str, Node] | None = 
                     if not isinstance(mask, int):
                         mask = _mask(best, kids[0])
                     cost = weight[i] + best[kids[0]][0]
-                    if real[i]:
-                        mask |= 1 << bit
-                    for ch in kids[1:]:
+                    for ch in kids[1:]:  # (the node's own bit is added to the pick's set only: no child's set has it)
                         new = best[ch][1]
                         if not isinstance(new, int):
                             new = _mask(best, ch)
-                        new &= ~mask
-                        mask |= new
-                        if new.bit_count() > BITS_BY_BYTES:
-                            for b in _wide_bits(new):
-                                cost += picked[b]
-                            continue
-                        while new:
-                            low = new & -new
-                            cost += picked[low.bit_length() - 1]
-                            new ^= low
+                        grown = mask | new  # | and ^ of two sets: a few times cheaper than new & ~mask on big ints
+                        new = grown ^ mask  # what ch's set adds
+                        mask = grown
+                        if new:
+                            cost = _sum_bits(cost, new, picked)
                 if pick is None or cost < bound:
                     pick, bound = (cost, n, i, mask), cost - 1e-15
         if pick is not None:
             cost, n, i, mask = pick
             if mask is None:  # the set made where it is read (bit -1: none of its own)
                 mask = (bit if real[i] else -1, n.children[0])
+            elif real[i]:
+                mask |= 1 << bit
             best[c] = (cost, mask, n)
             picked[bit] = weight[i]
     return best
 
 
-# _greedy_sets walks what a child adds to a set by clearing its lowest bit at a time while it adds at most this many
-# bits; past it, through the int's bytes (_wide_bits): each step of the first costs the whole int, C/64 words (a 2x2
-# mesh's Qwen2 training step: 36,762 classes, up to ~1,000 new bits a node; 200k bits a pass), the second one pass
-# over its bytes, then only the bits
+# _greedy_sets adds the weights of what a child adds to a set (_sum_bits) by clearing its highest bit at a time (each
+# step costs the int's length, which shrinks as it goes) while it has at most this many bits; the rest through the
+# int's bytes (_wide_bits), one pass over them, then only the bits (a 2x2 mesh's Qwen2 training step: 36,762
+# classes, up to ~1,000 new bits a node; most add one or two)
 BITS_BY_BYTES = 8
 _BYTE_BITS = [tuple(i for i in range(8) if b >> i & 1) for b in range(256)]
+
+
+def _sum_bits(cost: float, m: int, picked: list[float]) -> float:
+    """cost plus picked[b] for each set bit b of m > 0, lowest first (greedy's order of the sums: the same floats).
+    Without int.bit_count or m & -m: on sets of ~36k bits each costs several times a | or ^ (bit_count ~7 us).
+
+    >>> _sum_bits(1.0, 0b10110, [0.0, 2.0, 4.0, 8.0, 16.0]), _sum_bits(0.0, (1 << 12) - 1, [float(b) for b in range(12)])
+    (23.0, 66.0)
+    """
+    top = []  # the highest bits, highest first
+    while m:
+        if len(top) == BITS_BY_BYTES:  # many: the rest (all below top's) through the bytes
+            for b in _wide_bits(m):
+                cost += picked[b]
+            break
+        b = m.bit_length() - 1
+        top.append(b)
+        m ^= 1 << b
+    for b in reversed(top):
+        cost += picked[b]
+    return cost
 
 
 def _wide_bits(m: int) -> list[int]:
@@ -508,6 +533,8 @@ def _seeded(graph: PhysGraph, w: _Weighted, best: Best, budget: int) -> dict[str
                 seeds = [d for d in seeds if d not in tried]
             current, win = best[ROOT][0] + _paid_cost(w, paid, _mask(best, ROOT)), None
             for d in seeds:
+                if left < 0 and not first:  # spent: a try only lowers it (the check below), so no walk to find that
+                    break  # (a 2x2 mesh's Llama step walked 30k ancestors of its second seed to break there)
                 cone = _chosen(best, w, d)
                 priced = [c for c, n in cone.items() if c not in paid and w.weight[w.index[id(n)]] > 0]
                 affected = _ancestors(priced, parents)
