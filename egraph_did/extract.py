@@ -1032,12 +1032,14 @@ LADDER_START = 1e-6
 LADDER_STEP = 4.0
 
 
-def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = None, buy: bool = True) -> Selection:
+def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = None, buy: bool = True,
+               least: bool = True) -> Selection:
     """Bottom-up greedy: each class keeps the cheapest node counting shared descendants once; an
     amortized variant and greedy reruns with one value several tensors read bought up front catch values
     worth sharing that no single consumer buys alone; a local search (switch one class, complete what it
     needs) polishes the cheapest. `buy=False`: without _bought_computations (the exact DP's quick plans on its
-    priced graphs, which only limit its search).
+    priced graphs, which only limit its search). Under memory_limit, where no pass fits, the plan of least memory
+    polished within it (smallest, up to LEAST_MEMORY_S); `least=False`: MemoryBoundError there instead.
 
     >>> g = PhysGraph({"w": [Node("Load", (), "w")],
     ...                "w:R": [Node("Coll", ("w",), "allgather", 0, cost=20e-6)],
@@ -1048,10 +1050,11 @@ def greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None = 
     (22, 0)
     """
     with gc_paused():
-        return _greedy_dag(graph, roots, memory_limit, buy)
+        return _greedy_dag(graph, roots, memory_limit, buy, least)
 
 
-def _greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None, buy: bool = True) -> Selection:
+def _greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None, buy: bool = True,
+                least: bool = True) -> Selection:
     """greedy_dag's work (the collector paused around it)."""
     order = _topo_order(graph, roots)
     skeleton = _Skeleton(graph, order)
@@ -1082,10 +1085,8 @@ def _greedy_dag(graph: PhysGraph, roots: list[str], memory_limit: float | None, 
                 # attention twice, in two layouts, one for each output; the replicated layout's plan, polished,
                 # computes it once and fits, 4788 B within 4871 B, where every pass's smallest needed 5796 B)
                 polished = _fitting_layout_plan(graph, order, hi, skeleton, polished, memory_limit) or polished
-            if _total(polished)[1] > memory_limit:
-                smallest = min(_total(trial)[1], _total(polished)[1])
-                raise MemoryBoundError(f"no plan fits the memory bound of {size_text(memory_limit)} per device (the "
-                                       f"smallest found needs {size_text(smallest)}); raise the cost model's memory_limit")
+            if _total(polished)[1] > memory_limit:  # none fits at any price: the plan of least memory decides
+                return _least_fitting(graph, roots, memory_limit, min(_total(trial)[1], _total(polished)[1]), least)
             best_fit = polished
         negligible = None  # _negligible_price, computed where the bisection first nears 0
         while hi - lo > PRICE_TOLERANCE * hi:
@@ -1793,7 +1794,8 @@ def _lp_guided(graph: PhysGraph, roots: list[str], memory_limit: float | None, p
         if used:
             classes[c] = used
     try:
-        return greedy_dag(PhysGraph(classes, graph.ident, graph.index), roots, memory_limit).choice
+        # least=False: the least-memory search's seconds would come out of the 0/1 program's time limit
+        return greedy_dag(PhysGraph(classes, graph.ident, graph.index), roots, memory_limit, least=False).choice
     except PlanError:
         return None
 
@@ -2151,6 +2153,27 @@ def smallest(graph: PhysGraph, roots: list[str], time_limit: float = 10.0) -> Se
     sel = exact(replace(graph, classes=classes), roots, None, time_limit)
     choice = {c: original[id(n)] for c, n in sel.choice.items()}
     return Selection(choice, *_total(choice), sel.method, sel.proven, {"smallest_" + k: v for k, v in sel.stats.items()})
+
+
+# the exact extractor's limit for the plan of least memory (smallest), where greedy's passes find none within a bound
+LEAST_MEMORY_S = 10.0
+
+
+def _least_fitting(graph: PhysGraph, roots: list[str], memory_limit: float, found: float,
+                   search: bool = True) -> Selection:
+    """Greedy's plan where none of its passes fits memory_limit (the smallest of them needs `found` bytes): the plan
+    of least memory (smallest, within LEAST_MEMORY_S; not searched unless `search`) polished within the bound.
+    MemoryBoundError where that plan does not fit, naming the least memory where it is proven (else `found`)."""
+    try:
+        least = smallest(graph, roots, LEAST_MEMORY_S) if search else None
+    except PlanError:  # no plan in time: greedy's passes say what they found
+        least = None
+    if least is None or least.memory > memory_limit:
+        need = (f"the smallest plan needs {size_text(least.memory)}" if least is not None and least.proven else
+                f"the smallest found needs {size_text(found if least is None else min(found, least.memory))}")
+        raise MemoryBoundError(f"no plan fits the memory bound of {size_text(memory_limit)} per device ({need}); "
+                               f"raise the cost model's memory_limit")
+    return polished(graph, roots, least, memory_limit)
 
 
 def polished(graph: PhysGraph, roots: list[str], start: Selection, memory_limit: float | None = None) -> Selection:

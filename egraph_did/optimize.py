@@ -17,7 +17,7 @@ from .expand import RewriteSet, check_rewrites
 from .explain import whys
 from .physgraph import Node, PhysGraph, gc_paused, post_order
 from .fusion import as_fusion
-from .extract import ROOT, Selection, _topo_order, exact, greedy_dag, polished, smallest, with_roots
+from .extract import ROOT, Selection, _topo_order, exact, greedy_dag, with_roots
 from .layout import Layout, R
 from .mesh import DeviceMesh
 from .pins import PinView, pin_of, view_pins
@@ -575,7 +575,6 @@ def screened(loops: list[dict], screens: list[float | None]) -> list[dict]:
 # proven in 1.9 s, the bucketed one unproven at 60 s (LP bound 43%) with the same plan; plan.stats["passes"]
 # says which pass proved what.
 BUCKET_PASS_SHARE = 0.25
-GREEDY_FALLBACK_S = 10.0  # the limit of _fitting's least-memory extraction, where greedy finds no plan within a bound
 
 
 def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit, cuts: set | None = None,
@@ -621,8 +620,10 @@ def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit, cu
     if extractor == "greedy":
         try:
             sel = greedy_dag(graph, roots, cm.memory_limit)
-        except MemoryBoundError as refused:  # one price per byte can miss a plan that fits: the exact extractor decides
-            sel = kept or _fitting(graph, roots, cm.memory_limit, refused)
+        except MemoryBoundError:  # not even the plan of least memory greedy_dag ends with: kept stands if it fits
+            if kept is None:
+                raise
+            sel = kept
         if kept is not None and kept.cost < sel.cost:
             sel = kept
     elif extractor == "exact":
@@ -656,22 +657,6 @@ def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit, cu
                       classes=len(graph.classes), nodes=graph.n_nodes,
                       rewrite_terms=len(problem.rewritten))  # ops the program rewrites added (used or not)
     return plan, problem
-
-
-def _fitting(graph: PhysGraph, roots: list[str], memory_limit: float, refused: MemoryBoundError) -> Selection:
-    """Greedy's plan where its own passes found none within memory_limit (`refused`, their error): the plan of least
-    memory (extract.smallest, within GREEDY_FALLBACK_S), polished within the bound by greedy's local search. Raises
-    a MemoryBoundError with the least memory where it is proven over the bound, `refused` where nothing is proven."""
-    try:
-        least = smallest(graph, roots, GREEDY_FALLBACK_S)
-    except PlanError:
-        raise refused from None
-    if least.memory > memory_limit:
-        if not least.proven:
-            raise refused from None
-        raise MemoryBoundError(f"no plan fits the memory bound of {size_text(memory_limit)} per device (the smallest "
-                               f"plan needs {size_text(least.memory)}); raise the cost model's memory_limit") from None
-    return polished(graph, roots, least, memory_limit)
 
 
 def keeping_everything(graph: PhysGraph, problem: Problem, roots: list[str], memory_limit: float | None

@@ -160,35 +160,40 @@ def _exp_cast_sigmoid():
     return fd, mesh
 
 
-def test_where_greedy_finds_no_plan_within_a_bound_it_takes_the_least_memory_plan_and_proves_what_fits(monkeypatch):
+def test_where_no_greedy_pass_fits_a_bound_the_least_memory_plan_is_polished_within_it():
     """`greedy-refuses-where-exact-plans` (seed 48, case 7127: a 2x2x2 attention backward whose greedy passes'
-    smallest plan needed 13,032 B over a bound of 12,912 B, where the least memory is 11,880 B): greedy's fallback
-    first extracts the plan of least memory exactly (extract.smallest). Greedy's own passes are made to miss here:
-    within a bound of that least memory the plan comes from the fallback and fits (the exact extractor plans there
-    too, and proves nothing fits below it); below it, the refusal names that least memory, not greedy's."""
-    import importlib
-    optimize_module = importlib.import_module("egraph_did.optimize")
-    fd, mesh = _exp_cast_sigmoid()
-    free = ed.optimize(fd, mesh)
-    least = []
-    real_smallest = optimize_module.smallest
-    monkeypatch.setattr(optimize_module, "smallest", lambda *a, **k: least.append(real_smallest(*a, **k)) or least[-1])
+    smallest plan needed 13,032 B over a bound of 12,912 B, where the least memory is 11,880 B): where no pass fits,
+    greedy_dag takes the plan of least memory (extract.smallest, exact on bytes) and polishes it within the bound
+    (there 124.0 us, the exact extractor's optimum). Here on a class of three nodes: the passes' smallest 4 KiB, the
+    least 1 KiB; within 3,000 B the polish takes the 2 KiB node, faster; under 1 KiB the refusal names it, proven."""
+    from egraph_did import extract
+    from egraph_did.physgraph import Node, PhysGraph
+    g = PhysGraph({"x": [Node("Load", (), "x")],
+                   "y": [Node("Apply", ("x",), "y", 0, cost=1e-6, memory=4096.0),
+                         Node("Apply", ("x",), "y", 1, cost=5e-6, memory=1024.0),
+                         Node("Apply", ("x",), "y", 2, cost=3e-6, memory=2048.0)]})
+    roots = extract.with_roots(g, {"y": ["y"]})
+    sel = extract._least_fitting(g, roots, 3000.0, found=4096.0)
+    assert sel.choice["y"].sid == 2 and sel.memory == 2048.0 and sel.cost == pytest.approx(3e-6)
+    with pytest.raises(MemoryBoundError, match=r"the smallest plan needs 1 KiB"):
+        extract._least_fitting(g, roots, 1000.0, found=4096.0)
+    with pytest.raises(MemoryBoundError, match=r"the smallest found needs 4 KiB"):  # not searched: the passes'
+        extract._least_fitting(g, roots, 1000.0, found=4096.0, search=False)
 
-    def misses(*_, **__):
-        raise MemoryBoundError("greedy's passes miss (this test's refusal)")
-    monkeypatch.setattr(optimize_module, "greedy_dag", misses)
-    plan = ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=0.9 * free.memory))
-    bound = least[-1].memory
-    assert least[-1].proven and plan.memory <= 0.9 * free.memory and bound < free.memory
-    x = {"x0": torch.randn(1, 3)}
-    _close(ed.simulate(plan, x), ed.evaluate(fd, x))
-    assert ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=bound)).memory <= bound
-    assert ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=bound), extractor="exact").memory <= bound
-    with pytest.raises(MemoryBoundError):  # the exact extractor's proof that nothing fits below it
-        ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=bound * (1 - 1e-6)), extractor="exact")
+
+def test_greedy_under_a_bound_below_the_least_memory_says_what_the_least_is(monkeypatch):
+    """greedy_dag under a bound no plan fits asks for the plan of least memory (not only its passes' smallest),
+    and the refusal names that least memory, proven: a user knows which bound would do."""
+    from egraph_did import extract
+    fd, mesh = _exp_cast_sigmoid()
+    asked = []
+    real = extract.smallest
+    monkeypatch.setattr(extract, "smallest", lambda *a, **k: asked.append(real(*a, **k)) or asked[-1])
     with pytest.raises(MemoryBoundError, match="the smallest plan needs") as err:
-        ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=bound * (1 - 1e-6)))
-    assert "miss" not in str(err.value)
+        ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=1.0))
+    assert asked and asked[-1].proven and asked[-1].memory > 1.0 and "found" not in str(err.value)
+    plan = ed.optimize(fd, mesh, ed.CostModel.h200(memory_limit=asked[-1].memory))
+    assert plan.memory <= asked[-1].memory
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.int32, torch.float64])
@@ -472,15 +477,13 @@ def test_greedy_under_a_bound_tries_the_layout_plans_before_refusing(monkeypatch
     under 0.9 x the unbounded plan's memory. Every greedy pass at every price computed the attention twice, in
     two layouts (one for the pinned output, one for the lse), the smallest plan 5796 B over a bound of 4871 B;
     the replicated layout's plan, polished, computes it once and fits. Greedy now tries the layout plans (and
-    their regions) before refusing, and reaches the exact extractor's optimum (42.002 us, 4836 B). optimize's
-    fallback to the exact extractor is turned off here: the claim is greedy's own."""
-    import importlib
-    optimize_module = importlib.import_module("egraph_did.optimize")  # the module (ed.optimize is the function)
+    their regions) before refusing, and reaches the exact extractor's optimum (42.002 us, 4836 B). greedy_dag's
+    last resort, the plan of least memory (extract.smallest), is turned off here: the claim is of its passes."""
+    from egraph_did import extract
 
     def no_fallback(*_, **__):
-        raise ed.PlanError("the exact fallback is off in this test")
-    monkeypatch.setattr(optimize_module, "exact", no_fallback)
-    monkeypatch.setattr(optimize_module, "smallest", no_fallback)
+        raise ed.PlanError("the least-memory fallback is off in this test")
+    monkeypatch.setattr(extract, "smallest", no_fallback)
     mesh = ed.DeviceMesh(torch.arange(8).reshape(2, 2, 2), axis_names=("pp", "dp", "tp"))
     DIDx, DIDy, DIDz = ed.ParallelType.DIDx, ed.ParallelType.DIDy, ed.ParallelType.DIDz
     with ed.FusionDefinition() as fd:
