@@ -531,6 +531,30 @@ def test_a_bags_join_order_joins_the_same_options():
 
 
 @pytest.mark.parametrize("memory", [False, True])
+def test_a_bags_join_reduced_in_chunks_is_the_front_of_the_whole_product(memory):
+    """_join_front (the pairs reduced a chunk of rows at a time, with the front so far) against the definition
+    on the whole product within _join's bounds: the (demand, cost, memory) values no other value beats (a subset
+    of its demand, no dearer, holding no more), each once. Fails where a chunk dropped an undominated pair or
+    kept a dominated one; the budget pays for no more pairs than the product (at least one per chunk)."""
+    import random
+    rng = random.Random(29)
+    below = lambda e: 0.5 * e.bit_count()  # noqa: E731
+    for _ in range(60):
+        joint = [(e, k, m if memory else 0.0, c) for e, k, m, c, _ in _random_options(rng, rng.randint(1, 14))]
+        opts = [(e, k, m if memory else 0.0, c, kb) for e, k, m, c, kb in _random_options(rng, rng.randint(1, 14))]
+        cap, reach = float(rng.randint(2, 16)), float(rng.randint(2, 18))
+        product = {(e0 | e, k0 + k, m0 + m) for e0, k0, m0, _ in joint for e, k, m, _, kb in opts
+                   if k0 + k <= cap and k0 + k + below(e0) <= reach and k0 + kb <= reach}
+        want = sorted(v for v in product if not any(w != v and w[0] & ~v[0] == 0 and w[1] <= v[1] and w[2] <= v[2]
+                                                    for w in product))
+        for chunk in (1, 5, 17, 10**6):
+            clock = extract_dp._Clock(10**9, 60.0)
+            got = extract_dp._join_front(list(joint), opts, cap, reach, below, clock, chunk=chunk)
+            assert sorted((e, k, m) for e, k, m, _ in got) == want
+            assert clock.used <= max(len(joint) * len(opts), len(joint))
+
+
+@pytest.mark.parametrize("memory", [False, True])
 def test_pareto_ext_over_renumbered_demands_keeps_what_the_wide_ones_keep(memory):
     """_pareto_ext (subset walks over _Compact's renumbering) against the definition on the wide demands: an
     option is dropped only where one no dearer (and, with memory, holding no more) has a subset of its demand."""
