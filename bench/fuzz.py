@@ -1314,7 +1314,10 @@ def reference64(spec: dict, inputs: dict, ed):
 
 def compare_outputs(out: dict, ref: dict, tol: float, ref64=None) -> dict[str, str]:
     """{output: what differs} over ref's outputs (compare); an integer or bool output that differs only where
-    ref64() (reference64, computed once on demand) disagrees with ref is decided by rounding and passes.
+    ref64() (reference64, computed once on demand) disagrees with ref is decided by rounding and passes, and a
+    float output within tolerance of ref64() passes where ref's own rounding is what differs (seed 49 case 8629:
+    rms_norm over one element of gelu(-3.48) = -8.7e-4, where float32 gelu's cancellation, amplified by the
+    norm, puts torch's float32 reference 8.0e-4 from float64's and the plan's kernel 1.9e-5).
 
     >>> import torch
     >>> ref = {"b": torch.tensor([True, False])}
@@ -1322,13 +1325,24 @@ def compare_outputs(out: dict, ref: dict, tol: float, ref64=None) -> dict[str, s
     {}
     >>> compare_outputs({"b": torch.tensor([False, False])}, ref, 1e-6, lambda: {"b": torch.tensor([True, True])})
     {'b': 'integer/bool values differ at (0,): got False, want True'}
+    >>> wide = lambda: {"y": torch.tensor([1.0, -1.29259], dtype=torch.float64)}
+    >>> ref = {"y": torch.tensor([1.0, -1.29339])}
+    >>> compare_outputs({"y": torch.tensor([1.0, -1.29261])}, ref, 2e-4, wide)  # ref is off, the output is not
+    {}
+    >>> list(compare_outputs({"y": torch.tensor([1.0, -1.29400])}, ref, 2e-4, wide))  # both off: a mismatch
+    ['y']
     """
+    import torch
+
     bad = {}
     for k, want in ref.items():
         why = compare(out.get(k), want, tol)
         if why and ref64 is not None and not want.is_floating_point() and why.startswith("integer/bool"):
             steady = ref64()[k].to(want.dtype) == want  # entries the precision does not decide
             if bool((out[k][steady] == want[steady]).all()):
+                why = None
+        elif why and ref64 is not None and want.is_floating_point() and isinstance(out.get(k), torch.Tensor):
+            if compare(out[k], ref64()[k].to(want.dtype), tol) is None:
                 why = None
         if why:
             bad[k] = why
