@@ -6,6 +6,7 @@ penalty searched by bisection in `greedy_dag`.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -2129,9 +2130,11 @@ def exact(graph: PhysGraph, roots: list[str], memory_limit: float | None = None,
         return _exact(graph, roots, memory_limit, time_limit, start, cuts, upper, prove)
 
 
-def smallest(graph: PhysGraph, roots: list[str], time_limit: float = 10.0) -> Selection:
+def smallest(graph: PhysGraph, roots: list[str], time_limit: float = 10.0, upper: float | None = None) -> Selection:
     """The plan of least memory per device (of those, the least time), by the exact extractor on the graph whose
-    nodes cost their bytes; `proven` where that least memory is proven. Greedy's passes trade bytes against time
+    nodes cost their bytes; `proven` where that least memory is proven, and stats["smallest_lower"] a proven lower
+    bound of it (the 0/1 program's bound, where it ran). `upper`: bytes past which no plan is wanted (exact's upper:
+    no MIP runs where its LP bound is above). Greedy's passes trade bytes against time
     at one price and can miss it: fuzz seed 48 case 7127 (2x2x2, attention's backward), their smallest plan
     13,032 B over a bound of 12,912 B; this one 11,880 B, proven in 4.4 s CPU.
 
@@ -2150,9 +2153,12 @@ def smallest(graph: PhysGraph, roots: list[str], time_limit: float = 10.0) -> Se
     for c, nodes in graph.classes.items():
         classes[c] = [replace(n, cost=n.memory + per_second * n.cost) for n in nodes]
         original.update((id(m), n) for m, n in zip(classes[c], nodes))
-    sel = exact(replace(graph, classes=classes), roots, None, time_limit)
+    sel = exact(replace(graph, classes=classes), roots, None, time_limit, upper=upper)
     choice = {c: original[id(n)] for c, n in sel.choice.items()}
-    return Selection(choice, *_total(choice), sel.method, sel.proven, {"smallest_" + k: v for k, v in sel.stats.items()})
+    bounds = [sel.stats.get(k) for k in ("exact_lp_bound", "exact_dual_bound")] + [sel.cost if sel.proven else None]
+    lower = max((b for b in bounds if b is not None and math.isfinite(b)), default=0.0) - 0.5  # less time's share
+    return Selection(choice, *_total(choice), sel.method, sel.proven,
+                     {"smallest_lower": lower, **{"smallest_" + k: v for k, v in sel.stats.items()}})
 
 
 # the exact extractor's limit for the plan of least memory (smallest), where greedy's passes find none within a bound
@@ -2165,11 +2171,13 @@ def _least_fitting(graph: PhysGraph, roots: list[str], memory_limit: float, foun
     of least memory (smallest, within LEAST_MEMORY_S; not searched unless `search`) polished within the bound.
     MemoryBoundError where that plan does not fit, naming the least memory where it is proven (else `found`)."""
     try:
-        least = smallest(graph, roots, LEAST_MEMORY_S) if search else None
+        least = smallest(graph, roots, LEAST_MEMORY_S, upper=memory_limit) if search else None
     except PlanError:  # no plan in time: greedy's passes say what they found
         least = None
     if least is None or least.memory > memory_limit:
+        lower = 0.0 if least is None else least.stats["smallest_lower"]
         need = (f"the smallest plan needs {size_text(least.memory)}" if least is not None and least.proven else
+                f"every plan needs at least {size_text(lower)}" if lower > memory_limit else
                 f"the smallest found needs {size_text(found if least is None else min(found, least.memory))}")
         raise MemoryBoundError(f"no plan fits the memory bound of {size_text(memory_limit)} per device ({need}); "
                                f"raise the cost model's memory_limit")
@@ -2202,8 +2210,8 @@ def _exact(graph: PhysGraph, roots: list[str], memory_limit: float | None, time_
     if len(parts) > 1:
         return _exact_by_parts(graph, roots, parts, time_limit)
     def greedy_or_none() -> Selection | None:
-        try:
-            return greedy_dag(graph, roots, memory_limit)
+        try:  # least=False: the least-memory search's seconds (fuzz 49/7837: 24 s CPU, unproven) are the program's
+            return greedy_dag(graph, roots, memory_limit, least=False)
         except PlanError:
             return None
     t0 = time.perf_counter()
