@@ -96,24 +96,17 @@ class _Skeleton:
             for n in ns:
                 ch = n.children
                 if len(ch) == 1:  # a collective, a Keep, a Proj (87% of a 2-D mesh's nodes): set() of one changes nothing
-                    k = ch[0]
-                    es.append((n, i, ch, k))  # the children tuple itself: no pass changes a node's kids
+                    es.append((n, i, ch, ch[0]))  # the children tuple itself: no pass changes a node's kids
+                else:
+                    kids = list(set(ch))
+                    es.append((n, i, kids, kids[0] if len(kids) == 1 else None))
+                for k in ch:
                     ts = tensors.get(k)
                     if ts is None:
                         tensors[k], parents[k] = {t}, {c: None}
                     else:
                         ts.add(t)
                         parents[k][c] = None
-                else:
-                    kids = list(set(ch))
-                    es.append((n, i, kids, kids[0] if len(kids) == 1 else None))
-                    for k in ch:
-                        ts = tensors.get(k)
-                        if ts is None:
-                            tensors[k], parents[k] = {t}, {c: None}
-                        else:
-                            ts.add(t)
-                            parents[k][c] = None
                 i += 1
         self.nodes = nodes
         # id(node) -> its number (its weight's index); zip and map: no Python loop over ~200k nodes
