@@ -422,9 +422,9 @@ def test_under_a_memory_bound_greedy_runs_only_where_the_dp_gives_up(monkeypatch
     calls = []
     real = extract.greedy_dag
 
-    def counted(graph, roots, memory_limit=None, buy=True):
+    def counted(graph, roots, memory_limit=None, buy=True, least=True):
         calls.append(memory_limit)
-        return real(graph, roots, memory_limit, buy)
+        return real(graph, roots, memory_limit, buy, least)
     monkeypatch.setattr(extract, "greedy_dag", counted)
     bounded = exact(g, roots, memory_limit=200.0)
     assert (bounded.method, bounded.stats["exact_method"], bounded.stats["exact_incumbent"]) == ("exact", "dp", "none")
