@@ -885,8 +885,8 @@ def _greedy_bucket_pairs(graph: PhysGraph, roots: list[str], problem: Problem) -
     pairs greedy's bucket pass would offer, which optimize offers the exact extractor's too, so that its bucketed
     graph holds greedy's. Fuzz seed 48 case 7199 (1x2x2, a memory bound): exact's proven first plan reduced t0 and
     t2 on two mesh axes (no pair), greedy's on one, whose bucket made greedy's plan 68 us to exact's 76."""
-    try:
-        sel = greedy_dag(graph, roots, problem.cost_model.memory_limit)
+    try:  # least=False: an offer, not worth greedy's least-memory search inside exact's optimize (fuzz 49/7837)
+        sel = greedy_dag(graph, roots, problem.cost_model.memory_limit, least=False)
     except PlanError:
         return []
     return bucket_candidates(build_plan(problem, graph, sel), problem)
