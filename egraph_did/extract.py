@@ -1413,18 +1413,26 @@ class _Solver:
         h.passModel(lp)
         return h
 
-    def lp(self) -> tuple[np.ndarray | None, float | None]:
-        """The relaxation's solution and value (None, None if it has none)."""
+    def lp(self, time_limit: float | None = None) -> tuple[np.ndarray | None, float | None]:
+        """The relaxation's solution and value (None, None if it has none, or none within `time_limit` s)."""
         if self.core is None:
             from scipy.optimize import Bounds, LinearConstraint, milp
-            res = milp(self.cost, constraints=LinearConstraint(self.a.to_scipy(), self.lo, self.hi), bounds=Bounds(0, 1))
+            res = milp(self.cost, constraints=LinearConstraint(self.a.to_scipy(), self.lo, self.hi), bounds=Bounds(0, 1),
+                       options={} if time_limit is None else {"time_limit": time_limit})
             return res.x, res.fun
         if self.highs is None:
             self.highs = self._model(self.a, self.lo, self.hi, False)
+        # the caller's budget holds HiGHS too: one LP of a memory-priced 2x2x2 attention graph ran 24 s of a 3 s
+        # budget (fuzz seed 49 case 7837, greedy's least-memory search)
+        self.highs.setOptionValue("time_limit", float("inf") if time_limit is None else max(float(time_limit), 0.01))
         self.highs.run()
-        if self.highs.getModelStatus() != self.core.HighsModelStatus.kOptimal:
+        if not self.solved():
             return None, None
         return np.array(self.highs.getSolution().col_value), self.highs.getInfo().objective_function_value
+
+    def solved(self) -> bool:
+        """Whether the last relaxation solved here reached its optimum (not infeasible, not stopped by time)."""
+        return self.highs is not None and self.highs.getModelStatus() == self.core.HighsModelStatus.kOptimal
 
     def infeasible(self) -> bool:
         """Whether the last relaxation solved here has no solution: then neither has the 0/1 program (its rows
@@ -1444,7 +1452,7 @@ class _Solver:
         reduced cost), or None where no LP was solved here. Recomputed from the duals by weak duality (a dual of
         the sign its row's infinite side forbids is dropped), so HiGHS's tolerances can weaken the bound but
         never make it claim more than the program allows."""
-        if self.highs is None or self.core is None:
+        if self.core is None or not self.solved():  # a relaxation stopped by its time limit has no duals to trust
             return None
         y = np.array(self.highs.getSolution().row_dual)
         y = np.where(y > 0, np.where(np.isfinite(self.lo), y, 0.0), np.where(np.isfinite(self.hi), y, 0.0))
@@ -1735,9 +1743,10 @@ def _separate(graph: PhysGraph, p: _Program, budget_s: float, hints: set | None 
             add_cuts(np.array([c for c, _ in pairs]), np.array([g for _, g in pairs]))
             n_cuts += len(pairs)
     while rounds < 60 and time.perf_counter() - t0 < budget_s:
-        x, fun = p.solver.lp()
-        if x is None:
+        lp_x, fun = p.solver.lp(budget_s - (time.perf_counter() - t0))
+        if lp_x is None:  # infeasible (p.solver.infeasible() says), or out of time: the last solved LP stands
             break
+        x = lp_x
         rounds += 1
         lp_bound = fun
         ysum = np.bincount(cls_group[grouped], x[nn:][grouped], minlength=ng)  # group -> sum of its y
@@ -1862,7 +1871,7 @@ def _ilp(graph: PhysGraph, roots: list[str], memory_limit: float | None, time_li
                 "cuts": 0, "rounds": 0, "classes": 0, "cut_s": 0.0, "solve_s": 0.0}
     n_base = p.solver.a.shape[0]
     n_cuts, rounds, lp_bound, x = _separate(graph, p, 0.3 * time_limit, hints, roots)
-    if x is None and p.solver.infeasible():
+    if p.solver.infeasible():
         # no plan fits, proven by the relaxation: the MIP would prove it again, but HiGHS's presolve of such a
         # program ran past its time limit, growing to 18 GB (fuzz seed 44 case 8976: 77k rows, a bound of 162 B)
         return {"choice": None, "proven": True, "status": "infeasible", "proof": "lp", "bound": None,
@@ -1873,7 +1882,7 @@ def _ilp(graph: PhysGraph, roots: list[str], memory_limit: float | None, time_li
         act = p.solver.a @ x
         # cuts tight at the last LP with a nonzero dual: the LP's optimum needs no others, and HiGHS's root
         # runs on fewer rows (one GPT-3 layer's training step: 69 of 4,280 tight cuts, the MIP 1.0 -> 0.5 s)
-        row_dual = np.array(p.solver.highs.getSolution().row_dual) if p.solver.highs is not None else None
+        row_dual = np.array(p.solver.highs.getSolution().row_dual) if p.solver.solved() else None
         keep[n_base:] = ((p.solver.hi - act) < 1e-7)[n_base:] & (
             True if row_dual is None else np.abs(row_dual[n_base:]) > 1e-9)
     # every cover row: with only the tight ones of nonzero dual HiGHS's root bound fell to 81% of the LP's

@@ -35,12 +35,37 @@ def test_the_dual_bound_is_a_lower_bound_even_from_a_dual_of_the_wrong_sign():
     assert reduced[2] == pytest.approx(3.0)  # x2 = 1 costs 3 more than the LP: fixed under any start below 4.5
 
     class WrongSigns:  # row 0 (>= 1) given a negative dual, row 1 (<= 0.5) a positive one: both forbidden
+        def getModelStatus(self):  # a solved LP's: dual_bound trusts no other
+            return solver.core.HighsModelStatus.kOptimal
+
         def getSolution(self):
             return type("Solution", (), {"row_dual": [-1.0, 7.0]})()
     solver.highs = WrongSigns()
     bound, _ = solver.dual_bound()
     assert bound <= 1.5 + 1e-9  # both dropped: the bound of no dual, min over [0, 1] of the costs, 0
     assert bound == pytest.approx(0.0)
+
+
+def test_the_relaxation_keeps_its_callers_time_limit_and_trusts_no_unsolved_lp():
+    """The cut loop hands HiGHS what is left of its budget (one LP of fuzz seed 49 case 7837's memory-priced graph ran
+    24 s of a 3 s budget); an LP stopped by that limit gives no solution and no dual bound."""
+    solver = extract._Solver(np.array([1.0, 2.0]), csr_matrix([[1.0, 1.0]]), np.array([1.0]), np.array([np.inf]))
+    assert solver.lp(0.5)[1] == pytest.approx(1.0) and solver.highs.getOptionValue("time_limit")[1] == 0.5
+    assert solver.lp()[1] == pytest.approx(1.0) and solver.highs.getOptionValue("time_limit")[1] == np.inf
+    status = solver.core.HighsModelStatus
+
+    class StoppedByTime:  # what HiGHS reports for an LP its time limit ended
+        def setOptionValue(self, name, value):
+            pass
+
+        def run(self):
+            pass
+
+        def getModelStatus(self):
+            return status.kTimeLimit
+    solver.highs = StoppedByTime()
+    assert solver.lp(0.01) == (None, None)
+    assert not solver.solved() and not solver.infeasible() and solver.dual_bound() is None
 
 
 def test_reduced_cost_fixing_keeps_the_starts_columns_and_drops_only_dearer_ones():
