@@ -1026,6 +1026,10 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
     held = None  # lower bounds of the memory a state still needs
     incumbent = None  # the dual's cheapest plan within the bound
     if memory_limit is not None:
+        floor = memory_floor(graph, roots, classes, order, max_tensors, lower)
+        if floor is not None and floor[0] > memory_limit * (1 + 1e-9):
+            stats.update(dp_memory_floor=floor[0], dp_states=0, dp_s=time.perf_counter() - t0)
+            return DPResult(None, None, stats)  # proven: no plan within the bound
         dual = _lagrange(graph, roots, classes, order, canon, upper, upper_memory, memory_limit, clock, beam,
                          max_tensors, quick, lower)
         stats.update(dual.stats)
@@ -1047,12 +1051,11 @@ def solve(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], or
                 priced = None if got is None else got[1:3]
             if priced is not None and priced[1] == start:
                 lagrangian = (dual.price, priced[0], memory_limit)
-        # and by what memory a state still needs: the lower bounds on a graph whose nodes weigh their memory
-        # (see _by_memory). An entry whose memory plus that exceeds the bound has no completion within it
-        # (case 41/4050: a state sampled at the widest step of the walk under 88.6 us had none at all)
-        by_memory = _setup(graph, roots, _by_memory(classes), order, set(), False, max_tensors, lower)
-        if by_memory is not None and by_memory[2] == start:
-            held = by_memory[1]
+        # and by what memory a state still needs (memory_floor's bounds). An entry whose memory plus that exceeds
+        # the bound has no completion within it (case 41/4050: a state sampled at the widest step of the walk under
+        # 88.6 us had none at all)
+        if floor is not None and floor[2] == start:
+            held = floor[1]
     # first a beam (the best states of each step only) for a plan near the optimum: its cost is the exact
     # walk's limit, which prunes every state that cannot beat it. Again while it gets cheaper: a lower limit
     # drops states before the beam ranks them (case 5441: 98 us from no limit, then the optimum, 84)
@@ -1133,6 +1136,30 @@ def _by_memory(classes: dict[str, list[Node]]) -> dict[str, list[Node]]:
     """
     return {c: [dataclasses.replace(n, cost=n.memory if n.memory > 0.0 else 0.0 if n.cost == 0.0 else 1e-300)
                 for n in ns] for c, ns in classes.items()}
+
+
+def memory_floor(graph: PhysGraph, roots: list[str], classes: dict[str, list[Node]], order: list[str],
+                 max_tensors: int = 120, like: "_Lower | None" = None) -> tuple | None:
+    """(a lower bound of every plan's memory over `classes`: the cone bound of the graph whose nodes weigh their
+    memory, _by_memory, at the walk's start; those lower bounds; the start state), or None where the DP cannot set
+    up (see _setup). The bounded walk prunes by the same bounds, so a floor over the memory bound proves that no
+    plan fits: fuzz seed 49 case 7837 (2x2x2 attention, a bound of 1,781.5 B), a floor of 2,634 B in 2.3 s CPU,
+    where the Lagrangian dual and the bounded walk spent the DP's share (32 s CPU) and proved nothing.
+
+    >>> from egraph_did.extract import with_roots, _topo_order
+    >>> g = PhysGraph({"w": [Node("Load", (), "w")],
+    ...                "y": [Node("Apply", ("w",), "y", 0, cost=1e-6, memory=4096.0),
+    ...                      Node("Apply", ("w",), "y", 1, cost=3e-6, memory=1024.0)]})
+    >>> roots = with_roots(g, {"y": ["y"]})
+    >>> order = _topo_order(g, roots)
+    >>> memory_floor(g, roots, {c: g.classes[c] for c in order}, order)[0]
+    1024.0
+    """
+    got = _setup(graph, roots, _by_memory(classes), order, set(), False, max_tensors, like)
+    if got is None:
+        return None
+    _, held, start, _ = got
+    return held(start, 0), held, start
 
 
 # the Lagrangian dual's most solves (each a DP without the memory bound, on cost + price x memory); the dual's

@@ -536,13 +536,12 @@ def test_greedy_buys_the_attention_backward_in_the_layout_its_gradients_are_pinn
     _close(ed.simulate(plan, x), ed.evaluate(fd, x))
 
 
-@pytest.mark.serial  # refused inside exact's 60 s limit (~20 s alone)
-def test_exact_refuses_a_bound_no_plan_fits_from_the_relaxation_without_the_0_1_program():
+def test_exact_refuses_a_bound_no_plan_fits_without_the_0_1_program():
     """`timeout in optimize` at stage optimize-exact (seed 44, case 8976, on the device; `worker-died` here): an
     sdpa_lse on a 2x2x2 mesh with lse pinned [R, S(0), S(1)] under a bound of half the unbounded plan's
     324 B. Greedy refuses (its smallest plan needs 252 B); the exact program's relaxation is infeasible, but
-    the MIP ran anyway and HiGHS's presolve went past its time limit, growing to 18 GB. The relaxation's
-    infeasibility is the proof: refused in ~20 s."""
+    the MIP ran anyway and HiGHS's presolve went past its time limit, growing to 18 GB. The exact DP's memory floor
+    (extract_dp.memory_floor: 252 B) is the proof now, before its Lagrangian dual or any 0/1 program runs."""
     mesh = ed.DeviceMesh(torch.arange(8).reshape(2, 2, 2))
     DIDx, DIDy = ed.ParallelType.DIDx, ed.ParallelType.DIDy
     with ed.FusionDefinition() as fd:
@@ -553,5 +552,5 @@ def test_exact_refuses_a_bound_no_plan_fits_from_the_relaxation_without_the_0_1_
         fd.add_output(t0, name="t0")
         fd.add_output(t1, name="t1")
     t1.set_device_mesh(mesh).outer_split(1, 2).parallelize(1, DIDx).outer_split(0, 2).parallelize(0, DIDy)
-    with pytest.raises(MemoryBoundError, match="infeasible"):
+    with pytest.raises(MemoryBoundError, match=r"every plan needs at least 252 B"):  # the DP's memory floor
         ed.optimize(fd, mesh, cost_model=ed.CostModel.h200(memory_limit=162.0), extractor="exact", time_limit=60)
