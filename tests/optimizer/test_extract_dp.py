@@ -502,7 +502,11 @@ def test_a_bags_join_keeps_exactly_the_pairs_within_either_parts_bound():
         opts = _random_options(rng, rng.randint(1, 12))
         cap, reach = float(rng.randint(2, 14)), float(rng.randint(2, 16))
         clock = extract_dp._Clock(10**9, 60.0)
-        got = extract_dp._join(joint, opts, cap, reach, below, clock)
+        small = extract_dp._Compact()
+        got = extract_dp._join(joint, opts, cap, reach, below, clock, small)
+        # each pair's renumbered demand is its parts' union, renumbered as its wide demand is
+        assert all(s == small(e) for e, _, _, _, s in got)
+        got = [o[:4] for o in got]
         want = [(e0 | e, k0 + k, m0 + m, (c0, c)) for e0, k0, m0, c0 in joint for e, k, m, c, kb in opts
                 if k0 + k <= cap and k0 + k + below(e0) <= reach and k0 + kb <= reach]
         assert sorted(got, key=repr) == sorted(want, key=repr)
@@ -522,8 +526,8 @@ def test_a_bags_join_order_joins_the_same_options():
         for order in (parts, extract_dp._join_order(parts, cap, reach)):
             joint = [(0, 0.0, 0.0, ())]
             for opts in order:
-                joint = extract_dp._pareto_ext(extract_dp._join(joint, opts, cap, reach, below,
-                                                                extract_dp._Clock(10**9, 60.0)))
+                joint = [o[:4] for o in extract_dp._pareto_ext(extract_dp._join(
+                    joint, opts, cap, reach, below, extract_dp._Clock(10**9, 60.0)), keyed=True)]
             # as _Bag._options returns them: within reach with the joint demand's bound (the order's own partial
             # bounds differ, each valid)
             fronts.append(sorted((e, round(k, 9), m) for e, k, m, _ in joint if k + below(e) <= reach))
