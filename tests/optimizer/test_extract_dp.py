@@ -573,3 +573,32 @@ def test_pareto_ext_over_renumbered_demands_keeps_what_the_wide_ones_keep(memory
         for o in got:  # nothing kept is beaten by something strictly better kept before it
             assert not any(p is not o and p[0] & ~o[0] == 0 and p[0] != o[0] and p[1] < o[1] and p[2] <= o[2]
                            for p in got)
+
+
+@pytest.mark.parametrize("small", [False, True])
+def test_undominated_over_renumbered_states_drops_what_the_definition_drops(small):
+    """_undominated (subset walks over the states renumbered by _Compact) against its definition on wide states (a
+    bit per class of a large graph): an entry goes where a state demanding a proper subset of its classes, among
+    those the walk looks at (all of a state's up to SUBSET_BITS classes, else those of the next tensor's), has an
+    entry no dearer holding no more; with small=False a state of at most SUBSET_BITS classes is kept unchecked."""
+    import random
+    rng = random.Random(5)
+    wide, cap = 9000, extract_dp.SUBSET_BITS
+    for _ in range(40):
+        near = sum(1 << (wide + b) for b in range(16) if rng.random() < 0.5)
+        states = {}
+        for _ in range(rng.randint(1, 40)):
+            s = sum(1 << (wide + b) for b in range(16) if rng.random() < rng.choice((0.2, 0.5, 0.8)))
+            states[s] = [(float(rng.randint(0, 4)), float(rng.randint(0, 2)), ())]
+        want = {}
+        for s, front in states.items():
+            if not small and s.bit_count() <= cap:
+                want[s] = front
+                continue
+            free = s if s.bit_count() <= cap else s & near
+            free = 0 if free.bit_count() > cap else free
+            subs = [t for t in states if t != s and t & ~s == 0 and (s & ~free) & ~t == 0]
+            kept = [e for e in front if not any(o[0] <= e[0] and o[1] <= e[1] for t in subs for o in states[t])]
+            if kept:
+                want[s] = kept
+        assert extract_dp._undominated(states, near, small=small) == want
