@@ -702,8 +702,9 @@ class _Bag(_Cached):
         parts = [sorted(t.options(demand & t.mask, cap, reach, merge, clock), key=lambda o: o[1])
                  for t in self.parts if demand & t.mask]
         parts = _join_order(parts, cap, reach)
+        small = _Compact()  # one renumbering of the demands for every join of this bag (see _join)
         for opts in parts:
-            joint = _join_front(joint, opts, cap, reach, below, clock)
+            joint = _join_front(joint, opts, cap, reach, below, clock, small=small)
         return [o + (kb,) for o in joint for kb in (o[1] + below(o[0]),) if kb <= reach]
 
 
@@ -731,7 +732,8 @@ def _join_order(parts: list, cap: float, reach: float) -> list:
     return [parts[i], parts[j]] + rest
 
 
-def _join(joint: list, opts: list, cap: float, reach: float, below, clock: _Clock) -> list:
+def _join(joint: list, opts: list, cap: float, reach: float, below, clock: _Clock, small: "_Compact | None" = None
+          ) -> list:
     """The pairs of a bag's options so far (external demand, cost, memory, chosen) and a part's `opts` (cheapest
     first, each with its cost plus its demand's cone bound last) that cost at most `cap` and, with what either
     demand costs at least below, at most `reach` (a joint demand costs no less than either part's: every plan
@@ -740,29 +742,35 @@ def _join(joint: list, opts: list, cap: float, reach: float, below, clock: _Cloc
     8,552 were kept, and 1.8 million pairs spent the DP's 2 million states before its beam's walk ended). The
     joint demand's own cone bound dropped almost none of the pairs these keep (there: 9,743 of 9,743), for a
     bound of each new union (a fifth of the DP's time), and the bag's caller drops by it once the pairs are reduced.
+    Each pair carries its demand renumbered by `small` last (a _Compact; a new one where None), the union of its
+    parts' (each renumbered once): what _pareto_ext(keyed=True) walks subsets of. Renumbering each pair's union
+    anew (a wide integer's bits, then the memo's hash of it) was a third of the DP's time on fuzz case 49/2683.
 
     >>> lower = lambda e: 2.0 * e.bit_count()
     >>> opts = [(0b01, 1.0, 0.0, "a", 3.0), (0b10, 2.0, 0.0, "b", 4.0), (0, 5.0, 0.0, "c", 5.0)]
-    >>> [(e, k) for e, k, _, _ in _join([(0b01, 1.0, 0.0, ())], opts, 10.0, 6.0, lower, _Clock(100, 10.0))]
+    >>> [(e, k) for e, k, _, _, _ in _join([(0b01, 1.0, 0.0, ())], opts, 10.0, 6.0, lower, _Clock(100, 10.0))]
     [(1, 2.0), (3, 3.0)]
     """
+    small = small or _Compact()
+    opts = [o + (small(o[0]),) for o in opts]
     by_reach = sorted(opts, key=lambda o: o[4])
     costs, reaches = [o[1] for o in opts], [o[4] for o in by_reach]
     out, looked = [], 0
     for e0, k0, m0, c0 in joint:
         room, left = min(cap - k0, reach - k0 - below(e0)), reach - k0
         n, m = bisect_right(costs, room), bisect_right(reaches, left)
+        s0 = small(e0)
         # the shorter of the two prefixes, each option in it checked against the other's limit
-        for e, k, m1, c, kb in (opts[:n] if n <= m else by_reach[:m]):
+        for e, k, m1, c, kb, s in (opts[:n] if n <= m else by_reach[:m]):
             if k <= room and kb <= left:
-                out.append((e0 | e, k0 + k, m0 + m1, (c0, c)))
+                out.append((e0 | e, k0 + k, m0 + m1, (c0, c), s0 | s))
         looked += min(n, m)
     clock.spend(max(looked, 1))
     return out
 
 
 def _join_front(joint: list, opts: list, cap: float, reach: float, below, clock: _Clock,
-                chunk: int = JOIN_CHUNK) -> list:
+                chunk: int = JOIN_CHUNK, small: "_Compact | None" = None) -> list:
     """_pareto_ext of _join's pairs, reduced as they are made: the rows of `joint` a chunk at a time (about
     `chunk` pairs each), each chunk's pairs reduced with the front so far, so a join holds its front and one
     chunk, not the product (case 47/5520: the dual's priced DP at Kelley's price joined 1,926 x 2,876 options
@@ -786,6 +794,7 @@ def _join_front(joint: list, opts: list, cap: float, reach: float, below, clock:
     clock.spend(max(sum(min(bisect_right(costs, min(cap - k0, reach - k0 - below(e0))),
                             bisect_right(reaches, reach - k0)) for e0, k0, _, _ in joint), 1))
     paid = _Clock(1 << 62, float("inf"))
+    small = small or _Compact()
     front: list = []
     i = 0
     while i < len(joint):
@@ -793,11 +802,11 @@ def _join_front(joint: list, opts: list, cap: float, reach: float, below, clock:
         # sort it ~48 times on 5520's widest join, a front of up to 190,458; with the budget paid per chunk the
         # DP gave up at 99.8 s CPU with fixed chunks, 86.5 s with these; paid first, 34.1 s)
         rows = max(1, max(chunk, 2 * len(front)) // max(len(opts), 1))
-        pairs = _join(joint[i:i + rows], opts, cap, reach, below, paid)
+        pairs = _join(joint[i:i + rows], opts, cap, reach, below, paid, small)
         i += rows
         if pairs:
-            front = _pareto_ext(front + pairs) if front else _pareto_ext(pairs)
-    return front
+            front = _pareto_ext(front + pairs, keyed=True) if front else _pareto_ext(pairs, keyed=True)
+    return [o[:4] for o in front]
 
 
 def _bagged(tensors: list["_Tensor"], lower: "_Lower") -> list:
@@ -887,9 +896,11 @@ def _pareto(front: list) -> list:
     return out
 
 
-def _pareto_ext(opts: list) -> list:
+def _pareto_ext(opts: list, keyed: bool = False) -> list:
     """Drop an option whose external demand contains another's that costs and holds no more (more demand
-    never makes the rest cheaper)."""
+    never makes the rest cheaper). `keyed`: each option carries its demand renumbered last (by one _Compact for
+    all: the same subsets), which the subset walks use (_join's pairs); else they renumber here."""
+    small = (lambda o: o[4]) if keyed else (lambda o, c=_Compact(): c(o[0]))
     opts.sort(key=lambda o: (o[1], o[2], o[0].bit_count()))
     kept: list = []
     if any(o[2] for o in opts):
@@ -897,9 +908,8 @@ def _pareto_ext(opts: list) -> list:
         # o's at no more memory. By the least memory kept per demand, over o's demand's subsets where they are
         # fewer than the options kept (a bag's joined options on case 41/4050: 3 million pairs compared)
         least: dict[int, float] = {}
-        small = _Compact()
         for o in opts:
-            ext, m = small(o[0]), o[2]
+            ext, m = small(o), o[2]
             if 1 << ext.bit_count() < len(least):
                 sub, dominated = ext, False
                 while True:
@@ -922,16 +932,15 @@ def _pareto_ext(opts: list) -> list:
     # of the same nodes in another order), the smaller demand first
     opts.sort(key=lambda o: (round(o[1] / _EPS), o[0].bit_count()))
     seen: set[int] = set()
-    small = _Compact()
     for o in opts:
-        ext = small(o[0])
+        ext = small(o)
         if ext.bit_count() <= 10:
             sub = ext
             while sub not in seen and sub:
                 sub = (sub - 1) & ext
             dominated = sub in seen
         else:
-            dominated = any(small(k[0]) & ~ext == 0 for k in kept)
+            dominated = any(small(k) & ~ext == 0 for k in kept)
         if not dominated:
             kept.append(o)
             seen.add(ext)
@@ -1544,18 +1553,30 @@ def _undominated(states: dict[int, list], near: int, small: bool = True) -> dict
     >>> sorted(_undominated({0b011: [(2.0, 0.0, ())], 0b001: [(1.0, 0.0, ())], 0b110: [(1.0, 0.0, ())]}, 0))
     [1, 6]
     """
+    if not any(small or s.bit_count() > SUBSET_BITS for s in states):
+        return states  # every state kept unchecked
+    # the subset walks look up the states renumbered by the bits they hold (_Compact: the same subsets), not the
+    # states themselves: hashing a wide state (a bit per class of the graph) for each of up to 1,023 subsets was
+    # 6.8 s of 48/50's DP (62,397 states of 3-14 classes, 7.1 million look-ups)
+    narrow = _Compact()
+    fronts = {narrow(s): front for s, front in states.items()}
+    near_here = 0  # `near`'s bits among the states', renumbered
+    for b, i in narrow.index.items():
+        if near >> b & 1:
+            near_here |= 1 << i
     out = {}
     for s, front in states.items():
         if not small and s.bit_count() <= SUBSET_BITS:
             out[s] = front
             continue
-        free = s if s.bit_count() <= SUBSET_BITS else s & near
+        ns = narrow(s)
+        free = ns if ns.bit_count() <= SUBSET_BITS else ns & near_here
         if free.bit_count() > SUBSET_BITS:
             free = 0
-        keep = s & ~free
+        keep = ns & ~free
         sub = (free - 1) & free
         while front and free:
-            other = states.get(keep | sub)
+            other = fronts.get(keep | sub)
             if other is not None:
                 front = [e for e in front if not any(o[0] <= e[0] and o[1] <= e[1] for o in other)]
             if not sub:

@@ -502,7 +502,11 @@ def test_a_bags_join_keeps_exactly_the_pairs_within_either_parts_bound():
         opts = _random_options(rng, rng.randint(1, 12))
         cap, reach = float(rng.randint(2, 14)), float(rng.randint(2, 16))
         clock = extract_dp._Clock(10**9, 60.0)
-        got = extract_dp._join(joint, opts, cap, reach, below, clock)
+        small = extract_dp._Compact()
+        got = extract_dp._join(joint, opts, cap, reach, below, clock, small)
+        # each pair's renumbered demand is its parts' union, renumbered as its wide demand is
+        assert all(s == small(e) for e, _, _, _, s in got)
+        got = [o[:4] for o in got]
         want = [(e0 | e, k0 + k, m0 + m, (c0, c)) for e0, k0, m0, c0 in joint for e, k, m, c, kb in opts
                 if k0 + k <= cap and k0 + k + below(e0) <= reach and k0 + kb <= reach]
         assert sorted(got, key=repr) == sorted(want, key=repr)
@@ -522,8 +526,8 @@ def test_a_bags_join_order_joins_the_same_options():
         for order in (parts, extract_dp._join_order(parts, cap, reach)):
             joint = [(0, 0.0, 0.0, ())]
             for opts in order:
-                joint = extract_dp._pareto_ext(extract_dp._join(joint, opts, cap, reach, below,
-                                                                extract_dp._Clock(10**9, 60.0)))
+                joint = [o[:4] for o in extract_dp._pareto_ext(extract_dp._join(
+                    joint, opts, cap, reach, below, extract_dp._Clock(10**9, 60.0)), keyed=True)]
             # as _Bag._options returns them: within reach with the joint demand's bound (the order's own partial
             # bounds differ, each valid)
             fronts.append(sorted((e, round(k, 9), m) for e, k, m, _ in joint if k + below(e) <= reach))
@@ -569,3 +573,32 @@ def test_pareto_ext_over_renumbered_demands_keeps_what_the_wide_ones_keep(memory
         for o in got:  # nothing kept is beaten by something strictly better kept before it
             assert not any(p is not o and p[0] & ~o[0] == 0 and p[0] != o[0] and p[1] < o[1] and p[2] <= o[2]
                            for p in got)
+
+
+@pytest.mark.parametrize("small", [False, True])
+def test_undominated_over_renumbered_states_drops_what_the_definition_drops(small):
+    """_undominated (subset walks over the states renumbered by _Compact) against its definition on wide states (a
+    bit per class of a large graph): an entry goes where a state demanding a proper subset of its classes, among
+    those the walk looks at (all of a state's up to SUBSET_BITS classes, else those of the next tensor's), has an
+    entry no dearer holding no more; with small=False a state of at most SUBSET_BITS classes is kept unchecked."""
+    import random
+    rng = random.Random(5)
+    wide, cap = 9000, extract_dp.SUBSET_BITS
+    for _ in range(40):
+        near = sum(1 << (wide + b) for b in range(16) if rng.random() < 0.5)
+        states = {}
+        for _ in range(rng.randint(1, 40)):
+            s = sum(1 << (wide + b) for b in range(16) if rng.random() < rng.choice((0.2, 0.5, 0.8)))
+            states[s] = [(float(rng.randint(0, 4)), float(rng.randint(0, 2)), ())]
+        want = {}
+        for s, front in states.items():
+            if not small and s.bit_count() <= cap:
+                want[s] = front
+                continue
+            free = s if s.bit_count() <= cap else s & near
+            free = 0 if free.bit_count() > cap else free
+            subs = [t for t in states if t != s and t & ~s == 0 and (s & ~free) & ~t == 0]
+            kept = [e for e in front if not any(o[0] <= e[0] and o[1] <= e[1] for t in subs for o in states[t])]
+            if kept:
+                want[s] = kept
+        assert extract_dp._undominated(states, near, small=small) == want
