@@ -330,8 +330,13 @@ def _optimize(fd, mesh: DeviceMesh, cost_model, extractor: str, like, time_limit
     greedy_pairs = {} if extractor == "exact" and "bucket_pair" in names and like is None else None
 
     def once(cm, pins, rewrites, limit=time_limit, upper=None, screen=False, prove=True):
-        plan, problem = _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, limit, cuts, upper, screen, prove,
-                                       None if rewrites.buckets else greedy_pairs)
+        # the collector paused for the whole pass, as its stages pause it: between them (the template, the plan)
+        # the first allocations met full collections over the pass's graph (a 2x2 Llama step's ~200k nodes:
+        # 0.5 s of its 4 s); on return the graph is freed by reference counts, and the deferred collection
+        # scans what the pass keeps
+        with gc_paused():
+            plan, problem = _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, limit, cuts, upper, screen,
+                                           prove, None if rewrites.buckets else greedy_pairs)
         passes.append(_pass_summary(plan.stats))
         st = plan.stats
         log.info("optimize pass %d: problem %.2f s, e-graph %.2f s (%d classes, %d nodes), pricing %.2f s, "

@@ -498,7 +498,7 @@ def _build(user: Fusion, mesh: DeviceMesh, cost_model: CostModel | None, pins, l
         problem.exprs[key] = e
         problem.strategies[key] = expr_strategies(e, mesh, cm, problem, priced, fused[key])
     if collective_matmul.NAME in problem.rewrites:  # rings of GEMMs and their collectives, priced (a replay keeps its own)
-        add_ring_strategies(problem)
+        add_ring_strategies(problem, signature)
         ring_attention.add_attention_rings(problem)  # rings of attention and its key/value all-gather
     if like is not None:
         _restrict_to(problem, like)

@@ -129,12 +129,13 @@ def ring_strategy(problem, e, s, m: int, ring: str, lx: Layout, ly: Layout):
                    memory=float(math.prod(lyl) * y.dtype.itemsize))
 
 
-def add_ring_strategies(problem) -> int:
+def add_ring_strategies(problem, alike: Callable | None = None) -> int:
     """Append to every GEMM's strategies the rings the rules derive from them (on each mesh axis of two or
     more ranks, from strategies that name no local kernel, into layouts that fit), priced by
     ring_strategy; the e-graph derives the same rows by `egglog_rules` and read back maps its nodes onto
     these. Returns how many it added (build_problem calls it where the ruleset is on, before a replay
-    restricts the strategies to a plan's).
+    restricts the strategies to a plan's). `alike`: a key of exprs with the same strategies but for their
+    key (problem.signature): their rings are derived once, for the first.
 
     >>> import egraph_did as ed, torch
     >>> from egraph_did.problem import build_problem
@@ -153,25 +154,36 @@ def add_ring_strategies(problem) -> int:
     """
     if not hasattr(problem.cost_model, "ring_time"):
         return 0  # a cost model without rings prices none
-    mesh, added = problem.mesh, 0
+    added = 0
+    done: dict = {}  # alike(e) -> its rings (a 2x2 mesh's GEMMs have ~50 each, and a model's layers repeat them)
     for key, e in problem.exprs.items():
         if not _eligible(e):
             continue
-        x, y = next(v for _, v in e.args if hasattr(v, "logical_domain")), e.outputs[0]
         strategies = problem.strategies[key]
-        for s in list(strategies):
-            if any(s.flags):
-                continue
-            for m, n in enumerate(mesh.shape):
-                if n < 2:
-                    continue
-                for ring, rule in RULES.items():
-                    for lay in rule(x, y, s.inputs[0], s.outputs[0], m, n):
-                        lx, ly = (lay, s.outputs[0]) if ring == "allgather_matmul" else (s.inputs[0], lay)
-                        if is_valid(lay, (x if ring == "allgather_matmul" else y).shape, mesh):
-                            strategies.append(replace(ring_strategy(problem, e, s, m, ring, lx, ly), sid=len(strategies)))
-                            added += 1
+        sig = key if alike is None else alike(e)
+        if sig not in done:
+            done[sig] = _rings(problem, e, strategies)
+        strategies.extend([replace(r, key=key, sid=sid) for sid, r in enumerate(done[sig], len(strategies))])
+        added += len(done[sig])
     return added
+
+
+def _rings(problem, e, strategies: list) -> list:
+    """The ring strategies add_ring_strategies appends to e's (their sids to be set), in its order."""
+    mesh, out = problem.mesh, []
+    x, y = next(v for _, v in e.args if hasattr(v, "logical_domain")), e.outputs[0]
+    for s in strategies:
+        if any(s.flags):
+            continue
+        for m, n in enumerate(mesh.shape):
+            if n < 2:
+                continue
+            for ring, rule in RULES.items():
+                for lay in rule(x, y, s.inputs[0], s.outputs[0], m, n):
+                    lx, ly = (lay, s.outputs[0]) if ring == "allgather_matmul" else (s.inputs[0], lay)
+                    if is_valid(lay, (x if ring == "allgather_matmul" else y).shape, mesh):
+                        out.append(ring_strategy(problem, e, s, m, ring, lx, ly))
+    return out
 
 
 # ---------------------------------------------------------------------- the egglog form (what the e-graph runs)
