@@ -233,7 +233,8 @@ class _Converter:
         self._consts: list[tuple[torch.Tensor, TensorView]] = []
         self._seed: TensorView | None = None  # the program's one seed input, made by the first dropout
         self._rng_offset = 0  # counters the dropouts mapped so far have used
-        self._causal: dict[int, tuple[torch.Tensor, bool]] = {}  # id(mask) -> (mask, whether causal)
+        self._causal: dict[int, tuple["_Folded", bool]] = {}  # id(mask) -> (mask, whether causal)
+        self._lazy: list[_Lazy] = []  # the folded values kept as how they are computed, not computed yet
         # id(log_softmax output) -> (its operand, dim): an nll_loss of one maps onto cross_entropy
         self.log_softmax_of: dict[int, tuple[TensorView, int]] = {}
 
@@ -445,12 +446,23 @@ class _Converter:
                 return mapped(self, **kwargs)
             raise self.error("is random", "export the module in eval mode (module.eval()); a random op has no "
                              "value to fold and no fusion op")
+        if node.target is aten._assert_tensor_metadata.default and isinstance(kwargs.get("a"), _Lazy):
+            return _assert_metadata(self, **kwargs)  # on its dtype: computing a mask [s, s] to check it costs s * s
+        name = f"{_module_path(node)}.{node.name}".lstrip(".")
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and _broadcasts(node.target, kwargs, val):
+            self._lazy.append(_Lazy(node.target, kwargs, name, tuple(val.shape), val.dtype))
+            return self._lazy[-1]
+        if any(a.alias_info is not None and a.alias_info.is_write for a in node.target._schema.arguments):
+            for lazy in self._lazy:  # computed before the op writes into a folded tensor one of them may read
+                lazy.value
+            self._lazy.clear()
         with torch.no_grad():  # on the CPU, where the module lives on the meta device: a constant needs values
             out = node.target(**{k: _on_cpu(v) for k, v in _unfold(kwargs).items()})
-        return _wrap(out, f"{_module_path(node)}.{node.name}".lstrip("."))
+        return _wrap(out, name)
 
     # ------------------------------------------------------------ helpers the mappings use
-    def is_causal_mask(self, mask: torch.Tensor, sq: int, sk: int) -> bool:
+    def is_causal_mask(self, mask: "_Folded", sq: int, sk: int) -> bool:
         """_is_causal_mask, once per mask: every layer of a model reads the one folded mask (Llama-3-8B's
         [8, 1, 8192, 8192] took 1.2 s to check, 32 times)."""
         if id(mask) not in self._causal:
@@ -548,6 +560,43 @@ class _Folded:
 
     value: torch.Tensor
     name: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.value.shape)
+
+
+class _Lazy(_Folded):
+    """A folded value kept as the op that computes it and its arguments (see _broadcasts), computed when read:
+    a causal mask [s, s] is recognized from how it is built (_on_diagonals), 1 G values at 32k tokens.
+
+    >>> m = _Lazy(aten.le.Tensor, {"self": _Folded(torch.arange(3)[None, :], "j"),
+    ...                            "other": _Folded(torch.arange(3)[:, None], "i")}, "mask", (3, 3), torch.bool)
+    >>> m.done, m.value.int().tolist(), m.done
+    (False, [[1, 0, 0], [1, 1, 0], [1, 1, 1]], True)
+    """
+
+    def __init__(self, target, kwargs: dict, name: str, shape: tuple[int, ...], dtype: torch.dtype):
+        self.target, self.kwargs, self.name, self._shape, self._value = target, kwargs, name, shape, None
+        self.dtype = dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def done(self) -> bool:
+        return self._value is not None
+
+    @property
+    def value(self) -> torch.Tensor:
+        if self._value is None:
+            with torch.no_grad():
+                self._value = self.target(**{k: _on_cpu(v) for k, v in _unfold(self.kwargs).items()})
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"_Lazy({self.target}, {self.name!r}, {self.shape})"
 
 
 @dataclass
@@ -816,7 +865,7 @@ def _type_as(c, self, other):
 
 @maps(aten._assert_tensor_metadata)
 def _assert_metadata(c, a, size=None, stride=None, dtype=None, **_):
-    if dtype is not None and isinstance(a, TensorView) and a.dtype != dtype:
+    if dtype is not None and isinstance(a, (TensorView, _Lazy)) and a.dtype != dtype:
         raise c.error(f"asserts dtype {dtype} of {a.name}, which is {a.dtype}", "report this model to egraph-did")
     return None
 
@@ -1148,15 +1197,107 @@ def _embedding(c, weight, indices, padding_idx=-1, scale_grad_by_freq=False, spa
     return c.ops.embedding(c._tensor(indices), c._tensor(weight))
 
 
-def _is_causal_mask(mask: torch.Tensor, sq: int, sk: int) -> bool:
+def _is_causal_mask(mask: "_Folded", sq: int, sk: int) -> bool:
     """Whether an attention mask, bool (True keeps) or additive (0 keeps, -inf drops), is the causal one
-    on every batch and head."""
-    if sq != sk:
+    on every batch and head. A mask that how it is built proves constant along its diagonals (_on_diagonals:
+    transformers' comparison of positions) is checked on one element of each, 2 s - 1 for s tokens;
+    any other on all its values.
+
+    >>> causal = _Lazy(aten.le.Tensor, {"self": _Folded(torch.arange(4)[None, :], "j"),
+    ...                                 "other": _Folded(torch.arange(4)[:, None], "i")}, "causal", (4, 4), torch.bool)
+    >>> _is_causal_mask(causal, 4, 4), causal.done  # checked on 7 elements, never computed whole
+    (True, False)
+    >>> window = _Lazy(aten.gt.Tensor, {"self": _Folded(torch.arange(4)[None, :] + 2, "j"),
+    ...                                 "other": _Folded(torch.arange(4)[:, None], "i")}, "window", (4, 4), torch.bool)
+    >>> band = _Lazy(aten.__and__.Tensor, {"self": causal, "other": window}, "band", (4, 4), torch.bool)
+    >>> _is_causal_mask(band, 4, 4)
+    False
+    """
+    if sq != sk or tuple(mask.shape[-2:]) != (sq, sk):
         return False
-    keep = torch.ones(sq, sk, dtype=torch.bool).tril().expand(mask.shape)
-    kept = mask if mask.dtype == torch.bool else (mask == 0)
-    drops_all = mask.dtype == torch.bool or bool(torch.isneginf(mask[~kept.expand(mask.shape)]).all())
-    return drops_all and torch.equal(kept.expand(mask.shape), keep)
+    i = torch.arange(-(sq - 1), sq).neg().clamp(min=0)  # one (i, j) of each diagonal d = j - i, -(s-1) .. s-1
+    j = i + torch.arange(-(sq - 1), sq)
+    values = _on_diagonals(mask, len(mask.shape), sq, i, j) if isinstance(mask, _Lazy) else None
+    if values is None:
+        values, i, j = mask.value, torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    keep = (j <= i).expand(values.shape)
+    kept = values if values.dtype == torch.bool else (values == 0)
+    drops_all = values.dtype == torch.bool or bool(torch.isneginf(values[~kept.expand(values.shape)]).all())
+    return drops_all and torch.equal(kept.expand(values.shape), keep)
+
+
+# the ops that compare or subtract two integers: their value depends on the difference of their operands only
+_DIFFERENCES = {aten.sub, aten.rsub, aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge}
+# bitwise and/or/xor have no pointwise tag; casts and expand give each element from the same one of the operand
+_ELEMENTWISE = {aten.__and__, aten.__or__, aten.__xor__, aten.to, aten._to_copy, aten.expand}
+
+
+def _broadcasts(target, kwargs: dict, val: torch.Tensor) -> bool:
+    """Whether a folded node is kept as how it is computed (a _Lazy): an elementwise op whose value is larger
+    than each of its operands (a comparison of rows [s, 1] and columns [1, s] of positions into a mask
+    [s, s]) or that reads such a value. A causal mask of s tokens is then recognized without its s * s values."""
+    if getattr(target, "overloadpacket", None) not in _ELEMENTWISE and torch.Tag.pointwise not in target.tags:
+        return False
+    tensors = [v for v in kwargs.values() if isinstance(v, _Folded)]
+    if not tensors:
+        return False
+    return any(isinstance(v, _Lazy) for v in tensors) or all(math.prod(v.shape) < val.numel() for v in tensors)
+
+
+def _on_diagonals(v: _Lazy, n: int, s: int, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor | None:
+    """v's values at (i[d], j[d]) of its last two axes [s, s], one pair of each diagonal, as [.., 1, len(i)]
+    (n axes); or None unless how v is built proves it constant along every diagonal (v[.., i, j] a function
+    of j - i). Proved where v's op is elementwise and reads values proved so or constant over the last two
+    axes; or compares or subtracts a row [.., s, 1] and a column [.., 1, s] of integers that each rise by the
+    same step: a + step * i against b + step * j depends on j - i only. Operands smaller than [s, s] are
+    computed (s values a row or column); one [s, s] computed whole proves nothing."""
+    args, rows_or_columns = {}, []
+    for k, x in v.kwargs.items():
+        if not isinstance(x, _Folded):
+            args[k] = _on_cpu(x)
+        elif isinstance(x, _Lazy) and tuple(x.shape[-2:]) == (s, s):
+            args[k] = _on_diagonals(x, n, s, i, j)
+            if args[k] is None:
+                return None
+        else:
+            t = x.value.reshape((1,) * (n - x.value.ndim) + tuple(x.value.shape))
+            if t.shape[-2:] == (s, 1) and s > 1:
+                args[k] = t.index_select(-2, i).transpose(-1, -2)
+            elif t.shape[-2:] == (1, s) and s > 1:
+                args[k] = t.index_select(-1, j)
+            elif t.shape[-2:] == (1, 1):
+                args[k] = t
+            else:
+                return None
+            if t.shape[-2:] != (1, 1):
+                rows_or_columns.append(t)
+    difference = v.target.overloadpacket in _DIFFERENCES and v.kwargs.get("alpha", 1) == 1  # not x - 2 y
+    if rows_or_columns and not (difference and len(rows_or_columns) == 2 and _same_step(*rows_or_columns, s)):
+        return None
+    if v.target.overloadpacket is aten.expand:  # it broadcasts the axes before the last two only
+        return args["self"]
+    with torch.no_grad():
+        return v.target(**args)
+
+
+def _same_step(a: torch.Tensor, b: torch.Tensor, s: int) -> bool:
+    """Whether one of a and b (as many axes) is a row [.., s, 1] and the other a column [.., 1, s] of integers,
+    each rising by a constant step along it, the same step in both (on each of the axes before)."""
+    def step(x, axis):
+        if x.dtype == torch.bool or x.is_floating_point() or x.is_complex():
+            return None
+        if not bool(((x >= -2**62) & (x < 2**62)).all()):  # near int64's ends, first + rise * i may wrap around
+            return None
+        x = x.movedim(axis, -1)
+        first, rise = x[..., :1], x[..., 1:2] - x[..., :1]
+        return rise if torch.equal(x, first + rise * torch.arange(s)) else None
+
+    if (a.shape[-2:], b.shape[-2:]) == ((1, s), (s, 1)):
+        a, b = b, a
+    if (a.shape[-2:], b.shape[-2:]) != ((s, 1), (1, s)):
+        return False
+    ra, rb = step(a, -2), step(b, -1)
+    return ra is not None and rb is not None and torch.equal(*torch.broadcast_tensors(ra, rb))
 
 
 @maps(aten.scaled_dot_product_attention)
@@ -1167,7 +1308,7 @@ def _sdpa(c, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
     if enable_gqa and k.shape[1] != q.shape[1]:
         k, v = (_repeat_heads(c, t, q.shape[1] // t.shape[1]) for t in (k, v))
     if attn_mask is None or (isinstance(attn_mask, _Folded) and not is_causal
-                             and c.is_causal_mask(attn_mask.value, q.shape[2], k.shape[2])):
+                             and c.is_causal_mask(attn_mask, q.shape[2], k.shape[2])):
         return c.ops.sdpa(q, k, v, is_causal=bool(is_causal or attn_mask is not None), scale=scale)
     if is_causal:
         raise c.error("has both a mask and is_causal", "torch refuses this too; pass one of them")

@@ -102,10 +102,13 @@ class _ProgressFile:
 
 
 # Ranks fork from a server process that has imported torch once (multiprocessing's forkserver): a spawned rank
-# imports it itself, ~1.2 s of CPU of its ~2.4 s start, four ranks a launch. Not egraph_did: egglog's runtime,
-# imported in the server, leaves a forked rank's first optimize() waiting forever on a lock (measured: a rank
-# that optimizes never returns). Where the platform has no forkserver, ranks are spawned.
-_PRELOAD = ["torch"]
+# imports it itself, ~1.2 s of CPU of its ~2.4 s start, four ranks a launch. And torch.distributed.tensor, which
+# every rank's first run imports (Plan.check_inputs asks whether an input is a DTensor): 0.44 s of CPU a rank,
+# measured; it starts no thread (the server imports no module that would leave a forked rank a held lock; a
+# module the server cannot import, it skips). Not egraph_did: egglog's runtime, imported in the server, leaves a
+# forked rank's first optimize() waiting forever on a lock (measured: a rank that optimizes never returns).
+# Where the platform has no forkserver, ranks are spawned.
+_PRELOAD = ["torch", "torch.distributed.tensor"]
 
 
 def _context():
