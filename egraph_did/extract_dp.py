@@ -1156,13 +1156,13 @@ def memory_floor(graph: PhysGraph, roots: list[str], classes: dict[str, list[Nod
     where the Lagrangian dual and the bounded walk spent the DP's share (32 s CPU) and proved nothing.
 
     >>> from egraph_did.extract import with_roots, _topo_order
-    >>> g = PhysGraph({"w": [Node("Load", (), "w")],
-    ...                "y": [Node("Apply", ("w",), "y", 0, cost=1e-6, memory=4096.0),
-    ...                      Node("Apply", ("w",), "y", 1, cost=3e-6, memory=1024.0)]})
-    >>> roots = with_roots(g, {"y": ["y"]})
-    >>> order = _topo_order(g, roots)
-    >>> memory_floor(g, roots, {c: g.classes[c] for c in order}, order)[0]
-    1024.0
+    >>> g = PhysGraph({"x": [Node("Load", (), "x")],  # y in 4 KiB or 1 KiB, then z reading y in 512 B
+    ...                "y": [Node("Apply", ("x",), "y", i, cost=c, memory=m) for i, (c, m) in enumerate([(1e-6, 4096.0), (3e-6, 1024.0)])],
+    ...                "z": [Node("Apply", ("y",), "z", 0, cost=1e-6, memory=512.0)]})
+    >>> roots = with_roots(g, {"z": ["z"]})
+    >>> floor = memory_floor(g, roots, {c: g.classes[c] for c in _topo_order(g, roots)}, _topo_order(g, roots))
+    >>> floor[0]  # no plan within 1,500 B
+    1536.0
     """
     got = _setup(graph, roots, _by_memory(classes), order, set(), False, max_tensors, like)
     if got is None:
