@@ -2194,7 +2194,7 @@ def _least_fitting(graph: PhysGraph, roots: list[str], memory_limit: float, foun
 def _memory_floor(graph: PhysGraph, roots: list[str], memory_limit: float) -> float:
     """A proven lower bound of the memory of every plan within memory_limit (extract_dp.memory_floor over the nodes
     such a plan can use); 0.0 where the DP cannot set up."""
-    order, classes, _ = _Usable.of(graph, roots, memory_limit)
+    order, classes = _usable(graph, roots, memory_limit)  # not _Usable.of: the floor needs no canonical collectives
     if any(r not in classes for r in roots):
         return 0.0  # no derivation of a root (within the bound): smallest says what it finds
     got = extract_dp.memory_floor(graph, roots, classes, order)
