@@ -55,6 +55,23 @@ def _done(d: str, lo: int, hi: int) -> int:
     return nxt
 
 
+def _missing(states: list[dict], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The ranges of [lo, hi) that no run finished, whatever shards the runs had (campaigns resumed with
+    another --procs or --start cut the cases differently).
+
+    >>> _missing([{"_first": 0, "n_cases": 5}, {"_first": 8, "n_cases": 2}], 0, 12)
+    [(5, 8), (10, 12)]
+    """
+    out, nxt = [], lo
+    for first, n in sorted((s["_first"], s["n_cases"]) for s in states):
+        if first > nxt:
+            out.append((nxt, min(first, hi)))
+        nxt = max(nxt, first + n)
+    if nxt < hi:
+        out.append((nxt, hi))
+    return [(a, b) for a, b in out if a < b and a < hi]
+
+
 def run(args, extra: list[str]) -> None:
     os.makedirs(args.dir, exist_ok=True)
     procs = []
@@ -75,10 +92,10 @@ def run(args, extra: list[str]) -> None:
             os.killpg(p.pid, signal.SIGKILL)  # its session: the campaign, its worker and any gloo ranks
     for p in procs:
         p.wait()
-    print(merge(args.dir, args.start, args.cases, args.procs))
+    print(merge(args.dir, args.start, args.cases))
 
 
-def merge(d: str, start: int | None = None, cases: int | None = None, procs: int | None = None) -> str:
+def merge(d: str, start: int | None = None, cases: int | None = None) -> str:
     states = _states(d)
     n = sum(s["n_cases"] for s in states)
     fails: dict[str, list] = defaultdict(list)
@@ -98,12 +115,8 @@ def merge(d: str, start: int | None = None, cases: int | None = None, procs: int
     lines = [f"egraph-did fuzz, merged: seed(s) {sorted(seeds)}, {n} cases from {len(states)} shard runs, "
              f"{sum(len(v) for v in fails.values())} failing cases in {len(fails)} classes"]
     if start is not None:
-        missing = []
-        for lo, hi in _shards(start, cases, procs):
-            nxt = _done(d, lo, hi)
-            if nxt < hi:
-                missing.append(f"{nxt}..{hi - 1}")
-        lines.append("cases not yet run: " + (", ".join(missing) if missing else "none"))
+        missing = _missing(states, start, start + cases)
+        lines.append("cases not yet run: " + (", ".join(f"{lo}..{hi - 1}" for lo, hi in missing) or "none"))
     if ct:
         cs = sorted(ct)
         lines.append(f"seconds per case (one process): median {statistics.median(cs):.2f}, p99 "
@@ -150,7 +163,7 @@ def main(argv=None) -> int:
     if args.what == "run":
         run(args, extra)
     else:
-        text = merge(args.dir, args.start, args.cases, args.procs)
+        text = merge(args.dir, args.start, args.cases)
         print(text)
         if args.out:
             with open(args.out, "w") as f:
