@@ -1218,6 +1218,8 @@ def _is_causal_mask(mask: "_Folded", sq: int, sk: int) -> bool:
     i = torch.arange(-(sq - 1), sq).neg().clamp(min=0)  # one (i, j) of each diagonal d = j - i, -(s-1) .. s-1
     j = i + torch.arange(-(sq - 1), sq)
     values = _on_diagonals(mask, len(mask.shape), sq, i, j) if isinstance(mask, _Lazy) else None
+    if values is not None:  # [.., 1, 1] where the mask is one value broadcast (a [1, 1] keep-all expanded)
+        values = values.expand(*values.shape[:-1], len(i))
     if values is None:
         values, i, j = mask.value, torch.arange(sq)[:, None], torch.arange(sk)[None, :]
     keep = (j <= i).expand(values.shape)

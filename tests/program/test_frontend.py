@@ -188,6 +188,29 @@ def test_a_mask_near_causal_is_spelled_out(kind, t):
         assert_close(ed.evaluate(fd, fd.bind(q))["out"], module(q), F64)
 
 
+class KeepAll(nn.Module):
+    """sdpa under a mask of one value [1, 1, 1, 1] expanded to [b, 1, t, t]: bool True, or additive 0."""
+
+    def __init__(self, boolean: bool):
+        super().__init__()
+        self.boolean = boolean
+
+    def forward(self, q):
+        t = q.shape[-2]
+        one = torch.ones(1, 1, 1, 1, dtype=torch.bool) if self.boolean else torch.zeros(1, 1, 1, 1, dtype=q.dtype)
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=one.expand(q.shape[0], 1, t, t))
+
+
+@pytest.mark.parametrize("boolean", [True, False])
+def test_a_keep_all_mask_of_one_value_is_not_causal(boolean):
+    """A mask that is one value broadcast over [t, t] is checked on its diagonals as [.., 1, 1] (it raised
+    RuntimeError in the causal check: its one value against 2 t - 1 diagonals): not causal, equal to the module."""
+    q = torch.randn(1, 2, 5, 4, dtype=F64)
+    fd = ed.from_torch(KeepAll(boolean), (q,))
+    assert [e.op.name for e in fd.fusion.exprs].count("sdpa") == 0
+    assert_close(ed.evaluate(fd, fd.bind(q))["out"], KeepAll(boolean)(q), F64)
+
+
 class RewrittenPositions(nn.Module):
     """A mask compared from positions that are then overwritten in place, and compared again."""
 
