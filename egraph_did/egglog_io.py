@@ -31,10 +31,12 @@ def run_text(eg: EGraph, rows: list[str], chunk: int = 20) -> None:
         eg._egraph.run_program(*eg._egraph.parse_program("\n".join(rows[k:k + chunk])))
 
 
-def frozen_rows(eg: EGraph, names) -> tuple[dict[str, list], object]:
+def frozen_rows(eg: EGraph, names, inputs_only=()) -> tuple[dict[str, list], object]:
     """The rows of the functions `names` as (input values, output value), from the bindings' freeze(), and
     the bindings' EGraph to read primitive values with (`value_to_string`, `value_to_i64`). Values of an
-    e-class sort are canonical class ids: two rows with equal ids hold equal terms.
+    e-class sort are canonical class ids: two rows with equal ids hold equal terms. The functions in
+    `inputs_only` are read as (input values, None): reading a row's output makes a value object, and a 2-D
+    mesh's graph holds ~200k rows (its CollOf, KeepOf) whose output no reader needs.
 
     >>> from egglog import String, i64, relation
     >>> Name = relation("Name", String, i64, egg_fn="Name")
@@ -43,9 +45,12 @@ def frozen_rows(eg: EGraph, names) -> tuple[dict[str, list], object]:
     >>> rows, raw = frozen_rows(eg, ["Name"])
     >>> [(raw.value_to_string(ins[0]), raw.value_to_i64(ins[1])) for ins, _ in rows["Name"]]
     [('x', 7)]
+    >>> frozen_rows(eg, ["Name"], inputs_only={"Name"})[0]["Name"][0][1] is None
+    True
     """
     frozen = eg._egraph.freeze().functions
-    return {name: [(row.inputs, row.output) for row in frozen[name].rows] for name in names if name in frozen}, eg._egraph
+    return {name: [(row.inputs, None) for row in frozen[name].rows] if name in inputs_only else
+            [(row.inputs, row.output) for row in frozen[name].rows] for name in names if name in frozen}, eg._egraph
 
 
 def value_id(raw) -> Callable[[object], int]:

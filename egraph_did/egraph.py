@@ -565,7 +565,8 @@ def read_back(eg: EGraph, problem: Problem, name_of: dict[str, str]) -> PhysGrap
     Value-keyed lookup a column and a sweep over the named graph cost more than all else here."""
     run_rows = [f"RunOf{n}x{o}" if o == 1 else f"Run{n}x{o}" for n, o in RUN]
     rows, raw = frozen_rows(eg, ["R", "P", "Pmax", "Pe", "S", "T", "Held", "Load", "KeepOf", "CollOf", "ProjOf"]
-                            + [f"L{m}" for m in LAYOUTS] + [f"K{m}" for m in KERNS] + run_rows)
+                            + [f"L{m}" for m in LAYOUTS] + [f"K{m}" for m in KERNS] + run_rows,
+                            inputs_only={"KeepOf", "CollOf", "ProjOf"} | {r for (_, o), r in zip(RUN, run_rows) if o == 1})
     vid = value_id(raw)
     strs: dict = {}
 

@@ -50,16 +50,19 @@ def _price(graph: PhysGraph, problem: Problem) -> None:
     """price's work (the collector paused around it, as around the other stages), one class at a time: a
     class's tensor, bytes and place in the step's memory model are looked up once for all its nodes, and a
     collective's seconds once per distinct key of what they depend on (_Moves: a 2-D mesh's graph prices
-    ~160k collectives over ~11k such keys)."""
+    ~160k collectives over ~11k such keys). The keys are looked up in two steps, the target's (its layout and
+    tensor's `of`, once a class) then the node's (collective, axis, source layout): a nested key's hash is
+    computed again at each lookup, and a class's collectives share their target."""
     strategies = {(k, s.sid): s for k, ss in problem.strategies.items() for s in ss}
     model = step_memory(problem)
     moves = _Moves(problem)
-    cost_of, nbytes, miss = moves.cost, moves.nbytes, moves.price
+    nbytes, miss = moves.nbytes, moves.price
+    into: dict[tuple, dict] = {}  # (target layout, of(tensor)) -> {(collective, axis, source layout): seconds}
     ident = graph.ident
     for cls, nodes in graph.classes.items():
         where = ident.get(cls)  # (tensor, layout, level); None for a multi-output run's tuple or a root
         if where is None:
-            whole, t, dst, held = True, None, None, 0.0
+            whole, t, dst, held, costs = True, None, None, 0.0, None
         else:
             t, dst, _ = where
             # under a step's memory model a node that computes nothing (Load, Keep, Coll, Proj) holds its
@@ -67,12 +70,17 @@ def _price(graph: PhysGraph, problem: Problem) -> None:
             whole = model is None or model.counts(t)
             held = nbytes(t, dst) if whole else 0.0
             of = moves.of(t)
+            costs = into.get((dst, of))
+            if costs is None:
+                costs = into[(dst, of)] = {}
         for n in nodes:
             op = n.op
             if op == "Coll":
-                key = (n.key, n.sid, ident[n.children[0]][1], dst, of)
-                cost = cost_of.get(key)
-                n.cost = miss(key, t) if cost is None else cost
+                src = ident[n.children[0]][1]
+                cost = costs.get((n.key, n.sid, src))
+                if cost is None:
+                    cost = costs[(n.key, n.sid, src)] = miss((n.key, n.sid, src, dst, of), t)
+                n.cost = cost
                 n.memory = held
             elif op == "Apply":
                 s = strategies[(n.key, n.sid)]
