@@ -241,28 +241,27 @@ def egglog_rules(shape: tuple[int, ...]):
         ring = {x: var(f"r_{x}", LayoutSort) if before[x] != "S" else plain[x] for x in shapes}
         order = list(shapes)  # outputs, then operands: the Sig and Strat rows' order
         ps = [var(f"p{i}", Placement) for i in range(md)]
+        # the atoms every rule of the form shares, made once: a rule costs egglog's Python front end ~2 ms of
+        # checks per atom it builds, and a 2-D mesh's template holds twice the 1-D one's rules
+        strat = STRAT[(len(params), n_out)]
+        head = [RingsOn(1), SIG[(len(params), n_out)](sig, op, *[shapes[y] for y in order]), eq(op).to(String(name))]
         for j, n in enumerate(shape):
             if n < 2:
                 continue
+            kerns = [K(*[kin if i == j else "" for i in range(md)]) for kin in ("", *sorted(form.kernels))]
+            off_j = [ne(ps[i]).to(S_(SEQ)) for i in range(md) if i != j]
             for x in order:  # RingLay of each tensor's layout in this op's plain Strat rows
                 lay = L(*[place[before[x]] if i == j else ps[i] for i in range(md)])
-                for kin in ("", *sorted(form.kernels)):
-                    yield erule(RingsOn(1), SIG[(len(params), n_out)](sig, op, *[shapes[y] for y in order]),
-                                eq(op).to(String(name)),
-                                STRAT[(len(params), n_out)](sig, K(*[kin if i == j else "" for i in range(md)]),
-                                                            *[lay if y == x else plain[y] for y in order]),
-                                *[ne(ps[i]).to(S_(SEQ)) for i in range(md) if i != j]).then(
-                        RingLay(j, before[x], lay, L(*[S_(SEQ) if i == j else ps[i] for i in range(md)])))
+                found = RingLay(j, before[x], lay, L(*[S_(SEQ) if i == j else ps[i] for i in range(md)]))
+                operands = [lay if y == x else plain[y] for y in order]
+                for kern in kerns:
+                    yield erule(*head, strat(sig, kern, *operands), *off_j).then(found)
             guards = [*[RingLay(j, before[x], plain[x], ring[x]) for x in order],
                       Extent(shapes["q"], SEQ, e1), eq(e1 % n).to(i64(0)), Extent(shapes["k"], SEQ, e2),
                       eq(e2 % n).to(i64(0)), *[Fits(shapes[x], ring[x]) for x in order if before[x] != "S"]]
-            for kin in ("", *sorted(form.kernels)):
-                src = K(*[kin if i == j else "" for i in range(md)])
-                yield erule(RingsOn(1), SIG[(len(params), n_out)](sig, op, *[shapes[x] for x in order]),
-                            eq(op).to(String(name)), STRAT[(len(params), n_out)](sig, src, *[plain[x] for x in order]),
-                            *guards).then(
-                    STRAT[(len(params), n_out)](sig, K(*[form.flag if i == j else "" for i in range(md)]),
-                                                *[ring[x] for x in order]))
+            ringed = strat(sig, K(*[form.flag if i == j else "" for i in range(md)]), *[ring[x] for x in order])
+            for kern in kerns:
+                yield erule(*head, strat(sig, kern, *[plain[x] for x in order]), *guards).then(ringed)
 
 
 __all__ = ["FLAG", "FORMS", "Form", "OPS", "RULES", "add_attention_rings", "egglog_rules", "ring_attention",
