@@ -94,10 +94,10 @@ def _price(graph: PhysGraph, problem: Problem) -> None:
 
 
 class _Moves:
-    """collective_cost's seconds, computed once per distinct key of what they depend on: the collective, the
-    mesh axis, the source and target layouts and `of(tensor)`, the tensor's shape and dtype (its bytes
-    before and after), whether it is a fused kernel's output and whether a reader takes it in registers.
-    Bytes (problem.nbytes) likewise, once per shape, dtype and layout: a model's layers share their shapes.
+    """What collective_cost's seconds depend on: the collective, the mesh axis, the source and target layouts and
+    `of(tensor)`, the tensor's shape and dtype (its bytes before and after), whether it is a fused kernel's output
+    and whether a reader takes it in registers (price computes them; _price keeps each once per such key). Bytes
+    (problem.nbytes) once per shape, dtype and layout: a model's layers share their shapes.
 
     >>> from egraph_did.models import row_sum
     >>> moves = _Moves(build_problem(row_sum(8, 64), DeviceMesh.arange(4)))
@@ -107,7 +107,7 @@ class _Moves:
     """
 
     def __init__(self, problem: Problem):
-        self.problem, self.cost, self.held, self.tensors, self.layouts = problem, {}, {}, {}, {}
+        self.problem, self.held, self.tensors, self.layouts = problem, {}, {}, {}
 
     def of(self, t: str) -> tuple:
         """What a collective's seconds read of tensor t: ((shape, dtype), fused output, read in registers)."""
@@ -133,11 +133,10 @@ class _Moves:
         return b
 
     def price(self, key: tuple, t: str) -> float:
-        """The seconds of key = (kind, axis, source code, target code, of(t)) for tensor t, kept."""
+        """The seconds of key = (kind, axis, source code, target code, of(t)) for tensor t."""
         kind, axis, src, dst, _ = key
-        cost = self.cost[key] = collective_cost(self.problem, kind, axis, t, self.layout(src), self.layout(dst),
-                                                self.nbytes(t, src), self.nbytes(t, dst))[0]
-        return cost
+        return collective_cost(self.problem, kind, axis, t, self.layout(src), self.layout(dst),
+                               self.nbytes(t, src), self.nbytes(t, dst))[0]
 
 
 def step_memory(problem: Problem) -> StepMemory | None:
