@@ -751,7 +751,7 @@ def _join(joint: list, opts: list, cap: float, reach: float, below, clock: _Cloc
     >>> [(e, k) for e, k, _, _, _ in _join([(0b01, 1.0, 0.0, ())], opts, 10.0, 6.0, lower, _Clock(100, 10.0))]
     [(1, 2.0), (3, 3.0)]
     """
-    small = small or _Compact()
+    small = _Compact() if small is None else small
     opts = [o + (small(o[0]),) for o in opts]
     by_reach = sorted(opts, key=lambda o: o[4])
     costs, reaches = [o[1] for o in opts], [o[4] for o in by_reach]
@@ -794,7 +794,7 @@ def _join_front(joint: list, opts: list, cap: float, reach: float, below, clock:
     clock.spend(max(sum(min(bisect_right(costs, min(cap - k0, reach - k0 - below(e0))),
                             bisect_right(reaches, reach - k0)) for e0, k0, _, _ in joint), 1))
     paid = _Clock(1 << 62, float("inf"))
-    small = small or _Compact()
+    small = _Compact() if small is None else small
     front: list = []
     i = 0
     while i < len(joint):
