@@ -46,13 +46,9 @@ def _states(d: str) -> list[dict]:
 
 
 def _done(d: str, lo: int, hi: int) -> int:
-    """The first case of [lo, hi) that no earlier run of this shard finished."""
-    runs = sorted((s["_first"], s["n_cases"]) for s in _states(d) if lo <= s["_first"] < hi)
-    nxt = lo
-    for first, n in runs:
-        if first == nxt:
-            nxt = first + n
-    return nxt
+    """The first case of [lo, hi) that no earlier run finished."""
+    missing = _missing(_states(d), lo, hi)
+    return missing[0][0] if missing else hi
 
 
 def _missing(states: list[dict], lo: int, hi: int) -> list[tuple[int, int]]:
