@@ -36,7 +36,7 @@ def frozen_rows(eg: EGraph, names, inputs_only=()) -> tuple[dict[str, list], obj
     the bindings' EGraph to read primitive values with (`value_to_string`, `value_to_i64`). Values of an
     e-class sort are canonical class ids: two rows with equal ids hold equal terms. The functions in
     `inputs_only` are read as (input values, None): reading a row's output makes a value object, and a 2-D
-    mesh's graph holds ~200k rows (its CollOf, KeepOf) whose output no reader needs.
+    mesh's graph holds ~20k run rows (RunOf) whose output no reader needs.
 
     >>> from egglog import String, i64, relation
     >>> Name = relation("Name", String, i64, egg_fn="Name")

@@ -57,9 +57,9 @@ Open = relation("Open", i64, egg_fn="Open")
 # The physical nodes as edges into the class they make (its Held term), not as terms unioned with it: the
 # physical rules never union, so no iteration pays egglog's rebuild (canonicalizing every table that holds
 # a D) for them (96 GPT-3 layers: saturation 2.8 s -> 1.4 s, the same classes and nodes). A multi-output
-# op's run stays a term (the class of its tuple), which ProjOf edges read.
-KeepOf = relation("KeepOf", D, D, egg_fn="KeepOf")  # dst, src: src unchanged, one level up
-CollOf = relation("CollOf", D, String, i64, LayoutSort, D, egg_fn="CollOf")  # dst, collective, mesh axis, dst layout, src
+# op's run stays a term (the class of its tuple), which ProjOf edges read. Keeps and collectives have no
+# relation of their own: the Held term one level up is what their rules make, and read_back joins their
+# edges from Held, Move and Valid (a 2x2 mesh's ~170k collective rows were the most of what it read).
 ProjOf = relation("ProjOf", D, i64, D, egg_fn="ProjOf")  # dst, output index, the run's tuple
 # dst, key, kernels, output layout, operands..: a single-output op run rank-locally into dst
 RUN_OF = {(n, o): relation(f"RunOf{n}x{o}", D, String, KernSort, LayoutSort, *([D] * n), egg_fn=f"RunOf{n}x{o}")
@@ -368,16 +368,17 @@ def program_rules(shape: tuple[int, ...]):
 
 def mesh_rules(shape: tuple[int, ...]):
     """The physical rules for one mesh: Keep and collectives move one mesh axis a level up; a strategy
-    (Plan) runs its expr from operands held at level m = mesh ndim into level 0. Each node is an edge
-    (KeepOf, CollOf, RunOf, ProjOf) into its class's Held term."""
+    (Plan) runs its expr from operands held at level m = mesh ndim into level 0. A run's node is an edge
+    (RunOf, ProjOf) into its class's Held term; a Keep or a collective is a match of its rule, held as the
+    Held term it makes one level up (read_back joins those edges again: _level_edges)."""
     m = len(shape)
     t, lay, kind = var("t", Tensor), var("lay", LayoutSort), var("kind", String)
     lf, lt, ax = var("lf", LayoutSort), var("lt", LayoutSort), var("ax", i64)
     for k in range(m):
-        yield erule(Held(t, lay, k)).then(KeepOf(Held(t, lay, k + 1), Held(t, lay, k)))
-        yield erule(Held(t, lf, k), Move(lf, lt, kind, ax), Valid(t, lt)).then(
-            CollOf(Held(t, lt, k + 1), kind, ax, lt, Held(t, lf, k)),
-            *[KeepOf(Held(t, lt, j + 1), Held(t, lt, j)) for j in range(k + 1, m)])
+        # the Keep and collective edges are these matches themselves; read_back joins them again from Held,
+        # Move and Valid as arrays (_level_edges) rather than reading ~170k edge rows on a 2x2 mesh
+        yield erule(Held(t, lay, k)).then(Held(t, lay, k + 1))
+        yield erule(Held(t, lf, k), Move(lf, lt, kind, ax), Valid(t, lt)).then(*[Held(t, lt, j) for j in range(k + 1, m + 1)])
     key, kern = var("key", String), var("kern", KernSort)
     for (n, o) in SITE:
         ys, xs = [var(f"y{j}", Tensor) for j in range(o)], [var(f"x{i}", Tensor) for i in range(n)]
@@ -386,7 +387,7 @@ def mesh_rules(shape: tuple[int, ...]):
         operands = [Held(x, li, m) for x, li in zip(xs, lin)]
         # the outputs kept as they are up to level m in the same step: a consumer that needs no collective
         # fires in the next iteration
-        keep = [KeepOf(Held(y, lo, k + 1), Held(y, lo, k)) for y, lo in zip(ys, lout) for k in range(m)]
+        keep = [Held(y, lo, k + 1) for y, lo in zip(ys, lout) for k in range(m)]
         # every strategy's outputs held at level 0 up front, so the operands' levels (Keep, Coll) grow in m
         # iterations for the whole program at once rather than one step of its longest chain per iteration;
         # outputs no plan can reach are pruned in read_back (_Edges.closure)
@@ -564,9 +565,9 @@ def read_back(eg: EGraph, problem: Problem, name_of: dict[str, str]) -> PhysGrap
     found on them before any Node is made: a 2-D mesh's graph holds ~170k edges, and a Node a row, a
     Value-keyed lookup a column and a sweep over the named graph cost more than all else here."""
     run_rows = [f"RunOf{n}x{o}" if o == 1 else f"Run{n}x{o}" for n, o in RUN]
-    rows, raw = frozen_rows(eg, ["R", "P", "Pmax", "Pe", "S", "T", "Held", "Load", "KeepOf", "CollOf", "ProjOf"]
+    rows, raw = frozen_rows(eg, ["R", "P", "Pmax", "Pe", "S", "T", "Held", "Load", "Move", "Valid", "ProjOf"]
                             + [f"L{m}" for m in LAYOUTS] + [f"K{m}" for m in KERNS] + run_rows,
-                            inputs_only={"KeepOf", "CollOf", "ProjOf"} | {r for (_, o), r in zip(RUN, run_rows) if o == 1})
+                            inputs_only={"Move", "Valid", "ProjOf"} | {r for (_, o), r in zip(RUN, run_rows) if o == 1})
     vid = value_id(raw)
     strs: dict = {}
 
@@ -587,8 +588,8 @@ def read_back(eg: EGraph, problem: Problem, name_of: dict[str, str]) -> PhysGrap
     edges = _Edges(len(num))
     loads = [(num[vid(out)], name_of[string(ins[0])]) for ins, out in rows.get("Load", [])]
     edges.made.update(dst for dst, _ in loads)
-    keeps = _keeps(rows.get("KeepOf", []), vid, num, edges)
-    colls = _colls(rows.get("CollOf", []), vid, string, num, edges)
+    keeps, colls = _level_edges(rows["Held"], rows.get("Move", []), rows.get("Valid", []), vid, string, num,
+                                len(problem.mesh.shape), edges)
     for (n, o), name in zip(RUN, run_rows):  # a multi-output run's class (a tuple) named by what it runs
         if o > 1:
             apps = [(string(ins[0]), kerns[vid(ins[1])], tuple(lays[vid(v)] for v in ins[2:2 + o]),
@@ -603,49 +604,60 @@ def read_back(eg: EGraph, problem: Problem, name_of: dict[str, str]) -> PhysGrap
     return _physgraph(graph, made, edges.count, loads, keeps, colls, projs, applies)
 
 
-def _ids(rows, col: int, vid) -> np.ndarray:
-    """Column `col` of the rows as value ids."""
-    return np.fromiter((vid(ins[col]) for ins, _ in rows), np.int64, count=len(rows))
+def _level_edges(held_rows, move_rows, valid_rows, vid, string, num: dict, m: int, edges: "_Edges") -> tuple:
+    """The Keep and collective edges, joined from the rows the physical rules matched (a 2-D mesh's graph
+    holds ~30k Keeps and ~170k collectives: as arrays of ids, sorted as one int each, never a row each):
+    Held(t, lay, k) is kept as Held(t, lay, k + 1) for k < m, and moved to Held(t, lt, k + 1) by each
+    Move(lay, lt, kind, axis) with Valid(t, lt). Returns (class, source class) of the Keeps sorted by both,
+    (class, source class, move) of the collectives sorted by class, source, collective, mesh axis, and the
+    moves, (collective, axis) by number; their edges added."""
+    held = np.array([[vid(v) for v in ins] + [num[vid(out)]] for ins, out in held_rows], np.int64).reshape(-1, 4)
+    moves = np.array([[vid(v) for v in ins] for ins, _ in move_rows], np.int64).reshape(-1, 4)
+    valid = np.array([[vid(v) for v in ins] for ins, _ in valid_rows], np.int64).reshape(-1, 2)
+    tensors = np.unique(np.concatenate([held[:, 0], valid[:, 0]]))
+    layouts = np.unique(np.concatenate([held[:, 1], moves[:, 0], moves[:, 1], valid[:, 1]]))
+    t, lay, level, cls = np.searchsorted(tensors, held[:, 0]), np.searchsorted(layouts, held[:, 1]), held[:, 2], held[:, 3]
+    nl = len(layouts)
+    key = (t * nl + lay) * (m + 1) + level  # a Held term by (tensor, layout, level): one int
+    order = np.argsort(key)
+    sorted_key = key[order]
 
+    def class_of(k: np.ndarray) -> np.ndarray:  # the class of each Held key (each must be held: the rules made it)
+        at = np.minimum(np.searchsorted(sorted_key, k), max(len(key) - 1, 0))
+        assert len(k) == 0 or (sorted_key[at] == k).all(), "a Keep or a collective leads to no Held term"
+        return cls[order][at]
 
-def _classes_of(ids: np.ndarray, num: dict) -> np.ndarray:
-    """The class number of each value id (each must be a class's)."""
-    keys = np.fromiter(num, np.int64, count=len(num))
-    order = np.argsort(keys)
-    at = np.minimum(np.searchsorted(keys[order], ids), len(keys) - 1)
-    assert (keys[order][at] == ids).all(), "an edge reads a value that is no Held class"
-    return np.fromiter(num.values(), np.int64, count=len(num))[order][at]
-
-
-def _keeps(keep_rows, vid, num: dict, edges: "_Edges") -> tuple:
-    """The KeepOf rows as arrays (class, source class), sorted by both; their edges added. A 2-D mesh's
-    graph holds ~30k Keeps and ~170k collectives: read as arrays of ids and sorted as one int each, not as
-    tuples of values."""
-    if not keep_rows:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    dst, src = _classes_of(_ids(keep_rows, 0, vid), num), _classes_of(_ids(keep_rows, 1, vid), num)
+    below = level < m
+    src = cls[below]
+    dst = class_of(key[below] + 1)
     edges.ones(src, dst)
     n = edges.count
     packed = np.sort(dst * n + src)
-    return packed // n, packed % n
-
-
-def _colls(coll_rows, vid, string, num: dict, edges: "_Edges") -> tuple:
-    """The CollOf rows as arrays (class, source class, move), sorted by class, source, collective, mesh
-    axis; their edges added; and the moves, (collective, axis) by number."""
-    if not coll_rows:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), []
-    dst, src = _classes_of(_ids(coll_rows, 0, vid), num), _classes_of(_ids(coll_rows, 4, vid), num)
-    kind, axis = _ids(coll_rows, 1, vid), _ids(coll_rows, 2, vid)
+    keeps = (packed // n, packed % n)
+    if not len(moves):
+        return keeps, (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), [])
+    mf, mt = np.searchsorted(layouts, moves[:, 0]), np.searchsorted(layouts, moves[:, 1])
+    by_src = np.argsort(mf, kind="stable")
+    first = np.searchsorted(mf[by_src], np.arange(nl + 1))
+    h = np.flatnonzero(below)  # each held row below m, repeated once per move from its layout
+    count = first[lay[h] + 1] - first[lay[h]]
+    rows = np.repeat(h, count)
+    step = np.arange(len(rows)) - np.repeat(np.cumsum(count) - count, count)
+    mv = by_src[np.repeat(first[lay[h]], count) + step]
+    ok = np.isin(t[rows] * nl + mt[mv], np.searchsorted(tensors, valid[:, 0]) * nl + np.searchsorted(layouts, valid[:, 1]))
+    rows, mv = rows[ok], mv[ok]
+    src = cls[rows]
+    dst = class_of((t[rows] * nl + mt[mv]) * (m + 1) + level[rows] + 1)
     edges.ones(src, dst)
-    wide = int(axis.max()) + 1
-    codes, first, move = np.unique(kind * wide + axis, return_index=True, return_inverse=True)
-    named = sorted((string(coll_rows[i][0][1]), int(axis[i]), j) for j, i in enumerate(first.tolist()))
+    kind, axis = moves[mv, 2], moves[mv, 3]
+    wide = int(axis.max()) + 1 if len(axis) else 1
+    codes, first_of, move = np.unique(kind * wide + axis, return_index=True, return_inverse=True)
+    named = sorted((string(move_rows[mv[i]][0][2]), int(axis[i]), j) for j, i in enumerate(first_of.tolist()))
     rank = np.empty(len(named), np.int64)
     rank[[j for *_, j in named]] = np.arange(len(named))
-    n, m = edges.count, len(named)
-    packed = np.sort((dst * n + src) * m + rank[move.reshape(-1)])
-    return packed // (n * m), packed // m % n, packed % m, [(k, ax) for k, ax, _ in named]
+    n, k = edges.count, len(named)
+    packed = np.sort((dst * n + src) * k + rank[move.reshape(-1)])
+    return keeps, (packed // (n * k), packed // k % n, packed % k, [(c, ax) for c, ax, _ in named])
 
 
 def _tensor_names(t_rows, vid, string, name_of, problem: Problem, graph: PhysGraph) -> dict:
