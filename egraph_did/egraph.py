@@ -584,12 +584,12 @@ def read_back(eg: EGraph, problem: Problem, name_of: dict[str, str]) -> PhysGrap
     kerns = {vid(out): tuple(string(v) for v in ins) for m in KERNS for ins, out in rows.get(f"K{m}", [])}
     graph = PhysGraph()
     tensor = _tensor_names(rows["T"], vid, string, name_of, problem, graph)
-    num = _held_classes(rows["Held"], vid, tensor, lays, problem, graph)
+    num, held = _held_classes(rows["Held"], vid, tensor, lays, problem, graph)
     edges = _Edges(len(num))
     loads = [(num[vid(out)], name_of[string(ins[0])]) for ins, out in rows.get("Load", [])]
     edges.made.update(dst for dst, _ in loads)
-    keeps, colls = _level_edges(rows["Held"], rows.get("Move", []), rows.get("Valid", []), vid, string, num,
-                                len(problem.mesh.shape), edges)
+    keeps, colls = _level_edges(held, rows.get("Move", []), rows.get("Valid", []), vid, string, len(problem.mesh.shape),
+                                edges)
     for (n, o), name in zip(RUN, run_rows):  # a multi-output run's class (a tuple) named by what it runs
         if o > 1:
             apps = [(string(ins[0]), kerns[vid(ins[1])], tuple(lays[vid(v)] for v in ins[2:2 + o]),
@@ -604,14 +604,14 @@ def read_back(eg: EGraph, problem: Problem, name_of: dict[str, str]) -> PhysGrap
     return _physgraph(graph, made, edges.count, loads, keeps, colls, projs, applies)
 
 
-def _level_edges(held_rows, move_rows, valid_rows, vid, string, num: dict, m: int, edges: "_Edges") -> tuple:
+def _level_edges(held: np.ndarray, move_rows, valid_rows, vid, string, m: int, edges: "_Edges") -> tuple:
     """The Keep and collective edges, joined from the rows the physical rules matched (a 2-D mesh's graph
     holds ~30k Keeps and ~170k collectives: as arrays of ids, sorted as one int each, never a row each):
     Held(t, lay, k) is kept as Held(t, lay, k + 1) for k < m, and moved to Held(t, lt, k + 1) by each
-    Move(lay, lt, kind, axis) with Valid(t, lt). Returns (class, source class) of the Keeps sorted by both,
-    (class, source class, move) of the collectives sorted by class, source, collective, mesh axis, and the
-    moves, (collective, axis) by number; their edges added."""
-    held = np.array([[vid(v) for v in ins] + [num[vid(out)]] for ins, out in held_rows], np.int64).reshape(-1, 4)
+    Move(lay, lt, kind, axis) with Valid(t, lt). `held`: the Held rows as (tensor id, layout id, level, class)
+    (_held_classes). Returns (class, source class) of the Keeps sorted by both, (class, source class, move) of
+    the collectives sorted by class, source, collective, mesh axis, and the moves, (collective, axis) by
+    number; their edges added."""
     moves = np.array([[vid(v) for v in ins] for ins, _ in move_rows], np.int64).reshape(-1, 4)
     valid = np.array([[vid(v) for v in ins] for ins, _ in valid_rows], np.int64).reshape(-1, 2)
     tensors = np.unique(np.concatenate([held[:, 0], valid[:, 0]]))
@@ -644,20 +644,27 @@ def _level_edges(held_rows, move_rows, valid_rows, vid, string, num: dict, m: in
     rows = np.repeat(h, count)
     step = np.arange(len(rows)) - np.repeat(np.cumsum(count) - count, count)
     mv = by_src[np.repeat(first[lay[h]], count) + step]
-    ok = np.isin(t[rows] * nl + mt[mv], np.searchsorted(tensors, valid[:, 0]) * nl + np.searchsorted(layouts, valid[:, 1]))
+    allowed = np.unique(np.searchsorted(tensors, valid[:, 0]) * nl + np.searchsorted(layouts, valid[:, 1]))
+    wanted = t[rows] * nl + mt[mv]
+    ok = allowed[np.minimum(np.searchsorted(allowed, wanted), len(allowed) - 1)] == wanted if len(allowed) else \
+        np.zeros(len(wanted), bool)
     rows, mv = rows[ok], mv[ok]
     src = cls[rows]
-    dst = class_of((t[rows] * nl + mt[mv]) * (m + 1) + level[rows] + 1)
+    dst = class_of(wanted[ok] * (m + 1) + level[rows] + 1)
     edges.ones(src, dst)
-    kind, axis = moves[mv, 2], moves[mv, 3]
-    wide = int(axis.max()) + 1 if len(axis) else 1
-    codes, first_of, move = np.unique(kind * wide + axis, return_index=True, return_inverse=True)
-    named = sorted((string(move_rows[mv[i]][0][2]), int(axis[i]), j) for j, i in enumerate(first_of.tolist()))
+    # each move row's (collective, axis) numbered in their sorted order: the moves are a few hundred rows
+    _, first_of, move_of = np.unique(moves[:, 2] * (int(moves[:, 3].max()) + 1) + moves[:, 3], return_index=True,
+                                     return_inverse=True)
+    named = sorted((string(move_rows[i][0][2]), int(moves[i, 3]), j) for j, i in enumerate(first_of.tolist()))
     rank = np.empty(len(named), np.int64)
     rank[[j for *_, j in named]] = np.arange(len(named))
     n, k = edges.count, len(named)
-    packed = np.sort((dst * n + src) * k + rank[move.reshape(-1)])
-    return keeps, (packed // (n * k), packed // k % n, packed % k, [(c, ax) for c, ax, _ in named])
+    packed = np.sort((dst * n + src) * k + rank[move_of.reshape(-1)[mv]])
+    used = np.unique(packed % k)  # the moves some edge takes, renumbered in the same order
+    renumber = np.full(k, -1, np.int64)
+    renumber[used] = np.arange(len(used))
+    names = [(c, ax) for c, ax, _ in named]
+    return keeps, (packed // (n * k), packed // k % n, renumber[packed % k], [names[u] for u in used.tolist()])
 
 
 def _tensor_names(t_rows, vid, string, name_of, problem: Problem, graph: PhysGraph) -> dict:
@@ -676,17 +683,21 @@ def _held_classes(held_rows, vid, tensor: dict, lays: dict, problem: Problem, gr
     """Number the Held terms c0, c1, .. by what they hold (the program's order of tensors, level, layout),
     never by egglog's row order: that follows the e-graph's history (which problems the mesh's template
     held before), and the extractors break cost ties by order. Fills graph.ident and graph.index (every
-    Held class; read_back drops those no plan makes); returns value id -> class number."""
+    Held class; read_back drops those no plan makes); returns value id -> class number, and the rows as
+    (tensor id, layout id, level, class) (an array: _level_edges joins them)."""
     rank = {name: i for i, name in enumerate(problem.fusion.tensors)}
     # (an i64's id is its value: value_id)
-    held = [((tensor[vid(ins[0])], lays[vid(ins[1])], vid(ins[2])), vid(out)) for ins, out in held_rows]
+    ids = [(vid(ins[0]), vid(ins[1]), vid(ins[2]), vid(out)) for ins, out in held_rows]
+    held = [((tensor[t], lays[lay], k), out) for t, lay, k, out in ids]
     num: dict = {}
     ident, index = graph.ident, graph.index
     for key, out in sorted(held, key=lambda h: (rank.get(h[0][0], len(rank)), h[0][0], h[0][2], h[0][1])):
         c = num.setdefault(out, len(num))
         assert ident.setdefault(c, key) == key, f"layouts {key} and {ident[c]} merged"
         index[key] = c
-    return num
+    rows = np.array(ids, np.int64).reshape(-1, 4)
+    rows[:, 3] = [num[out] for out in rows[:, 3].tolist()]
+    return num, rows
 
 
 class _Edges:
@@ -804,6 +815,15 @@ def _runs(run_rows, o: int, vid, string, num: dict, kerns: dict, lays: dict, edg
         yield dst, string(ins[0]), kerns[vid(ins[1])], children, tuple(lays[vid(v)] for v in ins[2:2 + o])
 
 
+def _extend_by_class(lists: list, dst: np.ndarray, nodes: list) -> None:
+    """Append nodes[i] to lists[dst[i]], dst sorted: one extend per class, not an append per node."""
+    if not len(dst):
+        return
+    start = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]])
+    for d, a, b in zip(dst[start].tolist(), start.tolist(), np.r_[start[1:], len(dst)].tolist()):
+        lists[d].extend(nodes[a:b])
+
+
 def _physgraph(graph: PhysGraph, made: set, count: int, loads, keeps, colls, projs, applies) -> PhysGraph:
     """The classes some node makes and their nodes whose children are all made, a class's nodes in the
     order Load, Keep, Coll, Proj, Apply (each list sorted as read_back sorts it)."""
@@ -816,12 +836,12 @@ def _physgraph(graph: PhysGraph, made: set, count: int, loads, keeps, colls, pro
         lists[dst].append(Node("Load", (), name))
     dst, src = keeps
     keep = ok[dst] & ok[src]
-    for d, c in zip(dst[keep].tolist(), src[keep].tolist()):
-        lists[d].append(Node("Keep", one[c]))
+    _extend_by_class(lists, dst[keep], [Node("Keep", one[c]) for c in src[keep].tolist()])
     dst, src, move, moves = colls
     keep = ok[dst] & ok[src]
-    for d, c, mv in zip(dst[keep].tolist(), src[keep].tolist(), move[keep].tolist()):
-        lists[d].append(Node("Coll", one[c], *moves[mv]))
+    kinds, axes = [k for k, _ in moves], [ax for _, ax in moves]
+    _extend_by_class(lists, dst[keep], [Node("Coll", one[c], kinds[mv], axes[mv])
+                                        for c, mv in zip(src[keep].tolist(), move[keep].tolist())])
     for d, i, app in projs:
         if app in made and d in made:
             lists[d].append(Node("Proj", one[app], sid=i))
