@@ -453,10 +453,14 @@ class _Converter:
         if isinstance(val, torch.Tensor) and _broadcasts(node.target, kwargs, val):
             self._lazy.append(_Lazy(node.target, kwargs, name, tuple(val.shape), val.dtype))
             return self._lazy[-1]
-        if any(a.alias_info is not None and a.alias_info.is_write for a in node.target._schema.arguments):
-            for lazy in self._lazy:  # computed before the op writes into a folded tensor one of them may read
+        written = [kwargs.get(a.name) for a in node.target._schema.arguments
+                   if a.alias_info is not None and a.alias_info.is_write]
+        if written:  # a value kept as how it is computed that reads what the op writes is computed first
+            lazies, storages = _written(written)
+            reading = [lazy for lazy in self._lazy if _reads_written(lazy, lazies, storages)]
+            for lazy in reading:
                 lazy.value
-            self._lazy.clear()
+            self._lazy = [lazy for lazy in self._lazy if not lazy.done]
         with torch.no_grad():  # on the CPU, where the module lives on the meta device: a constant needs values
             out = node.target(**{k: _on_cpu(v) for k, v in _unfold(kwargs).items()})
         return _wrap(out, name)
@@ -628,6 +632,47 @@ def _has_tensor(v) -> bool:
         return any(_has_tensor(x) for x in v.values())
     if isinstance(v, (list, tuple)):
         return any(_has_tensor(x) for x in v)
+    return False
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _written(written: list) -> tuple[set[int], set[int]]:
+    """What an in-place op writes: the ids of the _Lazy values among its written arguments, and the storages
+    of those that hold values (a view writes into its base's storage)."""
+    lazies, storages = set(), set()
+    for w in written:
+        if isinstance(w, _Lazy):
+            lazies.add(id(w))
+        if isinstance(w, _Folded) and (not isinstance(w, _Lazy) or w.done):
+            storages.add(_storage(w.value))
+    return lazies, storages
+
+
+def _reads_written(v, lazies: set[int], storages: set[int]) -> bool:
+    """Whether computing v reads what an in-place op writes (_written): a written _Lazy, or a value in a written
+    storage, directly or through the arguments of a _Lazy not computed yet.
+
+    >>> pos = _Folded(torch.arange(3), "pos")
+    >>> mask = _Lazy(aten.le.Tensor, {"self": pos, "other": _Folded(torch.arange(3)[:, None], "i")}, "m", (3, 3),
+    ...              torch.bool)
+    >>> _reads_written(mask, *_written([pos])), _reads_written(mask, *_written([_Folded(torch.ones(2), "x")]))
+    (True, False)
+    """
+    if isinstance(v, _Lazy):
+        if id(v) in lazies or (v.done and _storage(v.value) in storages):
+            return True
+        return not v.done and _reads_written(v.kwargs, lazies, storages)
+    if isinstance(v, _Folded):
+        return _storage(v.value) in storages
+    if isinstance(v, torch.Tensor):
+        return _storage(v) in storages
+    if isinstance(v, dict):
+        return any(_reads_written(x, lazies, storages) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_reads_written(x, lazies, storages) for x in v)
     return False
 
 

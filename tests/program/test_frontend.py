@@ -857,3 +857,36 @@ def test_an_op_on_a_complex_value_other_than_a_product_is_refused_naming_the_lin
 
     with pytest.raises(ed.ExportError, match=r"aten.abs.default at .*test_frontend.py:\d+ .*reads a complex tensor"):
         ed.from_torch(magnitude, (torch.randn(3, 2),))
+
+
+class UnrelatedWrite(nn.Module):
+    """A causal mask built from positions, then an in-place write into another folded tensor, then the mask read."""
+
+    def forward(self, q):
+        t = q.shape[-2]
+        pos = torch.arange(t)
+        keep = pos[None, :] <= pos[:, None]
+        scale = torch.ones(1, dtype=q.dtype)
+        scale.mul_(0.5)
+        return F.scaled_dot_product_attention(q * scale, q, q, attn_mask=keep)
+
+
+def test_a_write_into_another_tensor_leaves_a_mask_uncomputed(monkeypatch):
+    """An in-place write computes only the pending masks that read what it writes: the causal mask here reads
+    the positions, not the written scale, and stays recognized from how it is built (never computed [t, t]),
+    and the output equals the module's."""
+    from egraph_did import frontend
+    computed = []
+    value = frontend._Lazy.value
+
+    def counted(self):
+        if not self.done:
+            computed.append(self.name)
+        return value.fget(self)
+
+    monkeypatch.setattr(frontend._Lazy, "value", property(counted))
+    q = torch.randn(1, 2, 5, 4, dtype=F64)
+    fd = ed.from_torch(UnrelatedWrite(), (q,))
+    assert computed == []
+    assert [e.op.name for e in fd.fusion.exprs].count("sdpa") == 1
+    assert_close(ed.evaluate(fd, fd.bind(q))["out"], UnrelatedWrite()(q), F64)
