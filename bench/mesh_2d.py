@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -79,13 +80,18 @@ def parallelize_rows(models: list[str], layers: int, repeats: int) -> None:
     """ed.parallelize's seconds on rank 0 (see the module docstring), flat4 then 2x2, `repeats` times."""
     print(f"{'model':7} {'mesh':>6} {'repeat':>6} {'wall_s':>7} {'cpu_s':>7} {'first_step_s':>12}  ratio")
     for name in models:
+        seen: dict[str, list] = {m: [] for m in MESHES}
         for r in range(repeats):
             flat = None
             for mesh_name in MESHES:
                 wall, cpu, step = ed.launch(_parallelize_rank, nprocs=4, args=(name, layers, mesh_name), timeout=900)[0]
+                seen[mesh_name].append((wall, cpu))
                 flat = flat or (wall, cpu)
                 ratio = "" if mesh_name == "flat4" else f"{wall / flat[0]:.2f}x flat (CPU {cpu / flat[1]:.2f}x)"
                 print(f"{name:7} {mesh_name:>6} {r:6d} {wall:7.2f} {cpu:7.2f} {step:12.2f}  {ratio}", flush=True)
+        (fw, fc), (tw, tc) = [[statistics.median(x) for x in zip(*seen[m])] for m in MESHES]
+        print(f"{name:7} medians of {repeats}: flat4 {fw:.2f} s wall, {fc:.2f} s CPU; 2x2 {tw:.2f} s, {tc:.2f} s: "
+              f"{tw / fw:.2f}x flat (CPU {tc / fc:.2f}x)", flush=True)
 
 
 def main() -> None:

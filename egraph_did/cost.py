@@ -75,6 +75,11 @@ def _number(v, inf_ok: bool = False) -> bool:
             and (inf_ok or math.isfinite(v)))
 
 
+# how far over memory_limit a plan may be and still fit (relative): far below a byte of any real bound, far above
+# the error of summing a plan's per-tensor bytes as floats
+MEMORY_BOUND_TOLERANCE = 1e-9
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Predicts seconds for collectives and local kernels.
@@ -110,6 +115,17 @@ class CostModel:
                 or not all(isinstance(link, Link) for link in self.links)):
             raise CostModelError(f"CostModel {self.name}: links must be a non-empty tuple of Link, one per "
                                  f"mesh axis (outermost first) or one for every axis; got {self.links!r}")
+
+    @property
+    def memory_bound(self) -> float | None:
+        """memory_limit as the planner tests a plan against it: within a relative MEMORY_BOUND_TOLERANCE, so that a
+        plan meeting the bound exactly is not refused for the last bit of a float sum (a bound of 0.7 * 180 B is
+        125.99999999999999 B; the exact extractor's solver took the 126 B plan, greedy refused it).
+
+        >>> CostModel.h200(memory_limit=0.7 * 180).memory_bound >= 126, CostModel.h200().memory_bound
+        (True, None)
+        """
+        return None if self.memory_limit is None else self.memory_limit * (1 + MEMORY_BOUND_TOLERANCE)
 
     # -------------------------------------------------------------- presets
     @classmethod

@@ -264,7 +264,7 @@ def _optimize_chain(found: Chain, fd, mesh: DeviceMesh, cost_model, extractor: s
     t1 = time.perf_counter()
     try:
         plan = stitch(planned, found, small)
-        if cm.memory_limit is not None and plan.memory > cm.memory_limit:
+        if cm.memory_limit is not None and plan.memory > cm.memory_bound:
             raise Refused(f"the stamped plan needs {size_text(plan.memory)} per device, over the bound of "
                           f"{size_text(cm.memory_limit)}")
         plan.cost_model = cm
@@ -627,11 +627,11 @@ def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit, cu
     roots = with_roots(graph, outputs)
     # exact starts from it too: on one GPT-3 layer's training step it is the loop passes' optimum where
     # greedy's plan of the whole graph is 2% over
-    kept = keeping_everything(graph, problem, roots, cm.memory_limit)
+    kept = keeping_everything(graph, problem, roots, cm.memory_bound)
     unproven = None  # the exact extractor's plan of a pass left unproven (prove=False), built once
     if extractor == "greedy":
         try:
-            sel = greedy_dag(graph, roots, cm.memory_limit)
+            sel = greedy_dag(graph, roots, cm.memory_bound)
         except MemoryBoundError:  # not even the plan of least memory greedy_dag ends with: kept stands if it fits
             if kept is None:
                 raise
@@ -643,12 +643,12 @@ def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit, cu
         # for a hook without them. The cut hints: on one GPT-3 layer's training step the loop passes' cut loops
         # took 4 LP rounds from the first pass's cuts, not 9 (CPU per loop pass 1.2-1.6 -> 0.7-1.0 s)
         kw = {} if kept is None else {"start": kept, "cuts": cuts}
-        sel = exact(graph, roots, cm.memory_limit, time_limit=time_limit, upper=upper, prove=prove, **kw)
+        sel = exact(graph, roots, cm.memory_bound, time_limit=time_limit, upper=upper, prove=prove, **kw)
         if sel.stats.get("exact_proof") == "none":
             unproven = build_plan(problem, graph, sel)  # the plan, unless it is a loop
             if not loop_pins(unproven, problem):
                 # the unproven plan is a loop, so it may be optimize's plan: proven after all (from the first try's cuts)
-                sel, unproven = exact(graph, roots, cm.memory_limit, time_limit=time_limit, upper=upper, **kw), None
+                sel, unproven = exact(graph, roots, cm.memory_bound, time_limit=time_limit, upper=upper, **kw), None
                 sel.stats["exact_proved_loop"] = True
     else:
         raise PlanError(f"unknown extractor {extractor!r}; use 'greedy' or 'exact'")
@@ -661,7 +661,7 @@ def _optimize_once(fd, mesh, cm, pins, like, rewrites, extractor, time_limit, cu
     loops = loop_pins(plan, problem, replicated=True) if screen else []
     if loops:
         t4 = time.perf_counter()
-        plan.stats.update(loop_screens=[loop_screen(graph, roots, problem, extra, cm.memory_limit) for extra in loops],
+        plan.stats.update(loop_screens=[loop_screen(graph, roots, problem, extra, cm.memory_bound) for extra in loops],
                           loop_screens_s=time.perf_counter() - t4)
     # extract_cpu_s: this process's CPU seconds, which a busy machine does not inflate as it does extract_s
     plan.stats.update(build_s=t1 - t0, egraph_s=t2 - t1, price_s=price_s, extract_s=t3 - t2, extract_cpu_s=c3 - c2,
@@ -898,7 +898,7 @@ def _greedy_bucket_pairs(graph: PhysGraph, roots: list[str], problem: Problem) -
     graph holds greedy's. Fuzz seed 48 case 7199 (1x2x2, a memory bound): exact's proven first plan reduced t0 and
     t2 on two mesh axes (no pair), greedy's on one, whose bucket made greedy's plan 68 us to exact's 76."""
     try:  # least=False: an offer, not worth greedy's least-memory search inside exact's optimize (fuzz 49/7837)
-        sel = greedy_dag(graph, roots, problem.cost_model.memory_limit, least=False)
+        sel = greedy_dag(graph, roots, problem.cost_model.memory_bound, least=False)
     except PlanError:
         return []
     return bucket_candidates(build_plan(problem, graph, sel), problem)

@@ -433,3 +433,26 @@ def test_below_the_negligible_price_a_plain_pass_picks_what_it_picks_at_price_0(
             assert list(got) == list(at_0) and all(got[c] is at_0[c] for c in at_0), (index, price)
         compared += 1
     assert compared >= 4
+
+
+def test_a_bound_met_to_the_last_bit_of_a_float_fits_for_both_extractors():
+    """A plan whose bytes equal the bound fits, whichever extractor plans: a bound of 0.7 * 180 B is
+    125.99999999999999 B against the 126 B plan; the exact extractor's solver took that plan and greedy refused it
+    (MemoryBoundError) before CostModel.memory_bound (fuzz seed 52 case 3081)."""
+    DIDz = ed.ParallelType.DIDz
+    mesh = ed.DeviceMesh(torch.arange(4).reshape(2, 2, 1), axis_names=("pp", "dp", "tp"))
+    with ed.FusionDefinition() as fd:
+        x0 = fd.define_tensor((3, 1), torch.float64, name="x0")
+        stats = fd.ops.welford_blocks(x=x0, dim=-1, blocks=1)
+        t1, t2 = fd.ops.welford_merge(stats=stats, dim=-1, correction=0, keepdim=True)
+        t4 = fd.ops.any(x=fd.ops.gt(a=t1, b=0.0), dims=(-2, -1), keepdim=True)
+        fd.add_output(t2, name="t2")
+        fd.add_output(t4, name="t4")
+    x0.set_device_mesh(mesh).outer_split(0, 2).parallelize(0, DIDz)
+    t1.set_device_mesh(mesh).outer_split(0, 2).parallelize(0, DIDz)
+    t2.set_device_mesh(mesh)
+    t4.set_device_mesh(mesh)
+    assert ed.optimize(fd, mesh).memory == 180
+    cm = ed.CostModel.h200(memory_limit=0.7 * 180)
+    assert cm.memory_limit < 126
+    assert [ed.optimize(fd, mesh, cost_model=cm, extractor=ex).memory for ex in ("greedy", "exact")] == [126, 126]
