@@ -660,6 +660,11 @@ def _reads_written(v, lazies: set[int], storages: set[int]) -> bool:
     ...              torch.bool)
     >>> _reads_written(mask, *_written([pos])), _reads_written(mask, *_written([_Folded(torch.ones(2), "x")]))
     (True, False)
+    >>> both = _Lazy(aten.__and__.Tensor, {"self": mask, "other": mask}, "both", (3, 3), torch.bool)
+    >>> other = _Lazy(aten.logical_not.default, {"self": _Folded(torch.ones(3, 3, dtype=torch.bool), "o")}, "other",
+    ...               (3, 3), torch.bool)
+    >>> _reads_written(both, *_written([mask])), _reads_written(both, *_written([other]))  # through mask, pending
+    (True, False)
     """
     if isinstance(v, _Lazy):
         if id(v) in lazies or (v.done and _storage(v.value) in storages):
