@@ -620,12 +620,12 @@ def _level_edges(held: np.ndarray, move_rows, valid_rows, vid, string, m: int, e
     nl = len(layouts)
     key = (t * nl + lay) * (m + 1) + level  # a Held term by (tensor, layout, level): one int
     order = np.argsort(key)
-    sorted_key = key[order]
+    sorted_key, sorted_cls = key[order], cls[order]
 
     def class_of(k: np.ndarray) -> np.ndarray:  # the class of each Held key (each must be held: the rules made it)
         at = np.minimum(np.searchsorted(sorted_key, k), max(len(key) - 1, 0))
         assert len(k) == 0 or (sorted_key[at] == k).all(), "a Keep or a collective leads to no Held term"
-        return cls[order][at]
+        return sorted_cls[at]
 
     below = level < m
     src = cls[below]

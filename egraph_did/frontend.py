@@ -636,6 +636,7 @@ def _has_tensor(v) -> bool:
 
 
 def _storage(t: torch.Tensor) -> int:
+    """The address of t's storage: two views of one storage share it."""
     return t.untyped_storage().data_ptr()
 
 
@@ -697,7 +698,7 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     else torch.equal (after the first row's first 64). A meta tensor has no values to compare: never the same."""
     if a.shape != b.shape or a.dtype != b.dtype or a.is_meta or b.is_meta:
         return False
-    if (a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    if (a.device == b.device and _storage(a) == _storage(b)
             and a.storage_offset() == b.storage_offset() and a.stride() == b.stride()):
         return True
     corner = (0,) * max(a.ndim - 1, 0)  # the first row first: the rotary cos and sin tables differ there
